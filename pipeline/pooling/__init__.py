@@ -1,0 +1,24 @@
+"""Token downsampling operators: Token Pooling, the paper's baselines and ToMe, behind one registry."""
+
+from pipeline.pooling.clustering import token_pool
+from pipeline.pooling.common import PoolResult
+from pipeline.pooling.conv import GridConvDownsample, pooled_count
+from pipeline.pooling.registry import METHODS, Downsampler, build_downsampler, is_module
+from pipeline.pooling.selection import select_importance, select_random, select_topk, significance
+from pipeline.pooling.tome import tome_merge
+
+__all__ = [
+    "METHODS",
+    "Downsampler",
+    "GridConvDownsample",
+    "PoolResult",
+    "build_downsampler",
+    "is_module",
+    "pooled_count",
+    "select_importance",
+    "select_random",
+    "select_topk",
+    "significance",
+    "token_pool",
+    "tome_merge",
+]

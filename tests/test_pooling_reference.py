@@ -1,0 +1,174 @@
+"""The operators against the brute-force references in tests/reference.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.pooling import GridConvDownsample, select_importance, select_topk, significance, token_pool, tome_merge
+from tests import reference as ref
+
+SHAPES = [(2, 12, 4, 3), (3, 30, 8, 7), (2, 49, 16, 12), (1, 64, 5, 20)]  # (B, N, M, K)
+
+
+def _inputs(b: int, n: int, m: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(b, n, m, generator=gen)
+    weights = torch.rand(b, n, generator=gen) + 0.1
+    return tokens, weights
+
+
+def _start(scores: np.ndarray, k: int) -> list[int]:
+    """Top-K initialisation: cluster j starts from the token with the j-th highest score."""
+    return [int(i) for i in np.argsort(-scores, kind="stable")[:k]]
+
+
+@pytest.mark.parametrize("b,n,m,k", SHAPES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("iters", [1, 2, 5])
+def test_kmeans_matches_reference(b, n, m, k, weighted, iters):
+    tokens, scores = _inputs(b, n, m, seed=n + k + iters)
+    out = token_pool(tokens, k, method="kmeans", weights=scores if weighted else None, init_scores=scores,
+                     iters=iters)
+    for s in range(b):
+        f = tokens[s].double().numpy()
+        w = scores[s].double().numpy() if weighted else np.ones(n)
+        assign = ref.kmeans(f, w, _start(scores[s].numpy(), k), iters)
+        assert out.assign[s].tolist() == assign
+        means = ref.cluster_means(f, w, assign, k)
+        for j, mean in enumerate(means):
+            if mean is not None:
+                np.testing.assert_allclose(out.tokens[s, j].numpy(), mean, rtol=1e-4, atol=1e-5)
+        obj_ours = ref.weighted_objective(f, w, [t for t in out.tokens[s].double().numpy()], out.assign[s].tolist())
+        obj_ref = ref.weighted_objective(f, w, [mu if mu is not None else f[0] for mu in means], assign)
+        assert obj_ours == pytest.approx(obj_ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("b,n,m,k", SHAPES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("iters", [1, 3, 5])
+def test_kmedoids_matches_reference(b, n, m, k, weighted, iters):
+    tokens, scores = _inputs(b, n, m, seed=2 * n + k + iters)
+    out = token_pool(tokens, k, method="kmedoids", weights=scores if weighted else None, init_scores=scores,
+                     iters=iters)
+    for s in range(b):
+        f = tokens[s].double().numpy()
+        w = scores[s].double().numpy() if weighted else np.ones(n)
+        medoids, assign = ref.kmedoids(f, w, _start(scores[s].numpy(), k), iters)
+        assert out.index[s].tolist() == medoids
+        assert out.assign[s].tolist() == assign
+        for j, mean in enumerate(ref.cluster_means(f, w, assign, k)):
+            expected = mean if mean is not None else f[medoids[j]]
+            np.testing.assert_allclose(out.tokens[s, j].numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kmedoids_medoid_constraint(weighted):
+    tokens, scores = _inputs(4, 40, 6, seed=3)
+    out = token_pool(tokens, 9, method="kmedoids", weights=scores if weighted else None, init_scores=scores)
+    for s in range(4):
+        f = tokens[s].double().numpy()
+        w = scores[s].double().numpy() if weighted else np.ones(40)
+        for j, m in enumerate(out.index[s].tolist()):
+            members = [i for i in range(40) if out.assign[s, i] == j]
+            if not members:
+                continue
+            assert m in members, "a medoid must be a member (an input token) of its own cluster"
+            # Its distance to its own cluster's centre is zero: the centre is an input token.
+            assert ref.sq(f[m], f[members[members.index(m)]]) == 0.0
+
+
+@pytest.mark.parametrize("method", ["kmeans", "kmedoids"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_objective_never_increases(method, weighted):
+    tokens, scores = _inputs(3, 60, 8, seed=11)
+    for s in range(3):
+        f = tokens[s].double().numpy()
+        w = scores[s].double().numpy() if weighted else np.ones(60)
+        previous = np.inf
+        for iters in range(1, 9):
+            out = token_pool(tokens[s : s + 1], 10, method=method, weights=scores[s : s + 1] if weighted else None,
+                             init_scores=scores[s : s + 1], iters=iters)
+            assign = out.assign[0].tolist()
+            if method == "kmeans":
+                # The output tokens are the weighted means of the last assignment: the centres after
+                # the last update, whose objective is what Lloyd's iterations decrease.
+                centres = [t for t in out.tokens[0].double().numpy()]
+            else:
+                centres = [f[m] for m in out.index[0].tolist()]
+            objective = ref.weighted_objective(f, w, centres, assign)
+            assert objective <= previous * (1 + 1e-6), f"objective rose at iteration {iters}"
+            previous = objective
+
+
+def test_significance_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    attn = torch.rand(2, 3, 7, 7, generator=gen).softmax(-1)
+    got = significance(attn)
+    for s in range(2):
+        np.testing.assert_allclose(got[s].numpy(), ref.significance(attn[s].double().numpy()), rtol=1e-5)
+    # Each query row sums to one, so the scores of a sample sum to H * N.
+    assert torch.allclose(got.sum(-1), torch.full((2,), 21.0))
+
+
+def test_powerbert_keeps_top_scores():
+    tokens, scores = _inputs(3, 20, 4, seed=5)
+    out = select_topk(tokens, 6, scores=scores)
+    for s in range(3):
+        expected = sorted(np.argsort(-scores[s].numpy())[:6].tolist())
+        assert out.index[s].tolist() == expected
+        assert torch.equal(out.tokens[s], tokens[s, expected])
+        dropped = [i for i in range(20) if i not in expected]
+        assert all(out.assign[s, i] == -1 for i in dropped)
+
+
+def test_importance_inclusion_matches_exact_probabilities():
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4, 1.0])
+    draws = 40000
+    tokens = torch.arange(5.0).view(1, 5, 1).expand(draws, 5, 1)
+    out = select_importance(tokens, 2, scores=p.expand(draws, 5), generator=torch.Generator().manual_seed(0))
+    freq = (out.assign >= 0).double().mean(0).numpy()
+    exact = ref.inclusion_probabilities(p.double().numpy(), 2)
+    np.testing.assert_allclose(freq, exact, atol=0.012)
+    assert np.isclose(exact.sum(), 2.0)
+
+
+@pytest.mark.parametrize("n,k", [(10, 6), (11, 5), (16, 8), (17, 3), (9, 1)])
+@pytest.mark.parametrize("carry", [False, True])
+def test_tome_matches_reference(n, k, carry):
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    tokens = torch.randn(2, n, 5, generator=gen)
+    metric = torch.randn(2, n, 3, generator=gen)
+    sizes = torch.randint(1, 4, (2, n), generator=gen).float() if carry else None
+    out = tome_merge(tokens, k, metric=metric, sizes=sizes)
+    for s in range(2):
+        f, m = tokens[s].double().numpy(), metric[s].double().numpy()
+        sz = sizes[s].double().numpy() if carry else np.ones(n)
+        mapping = list(range(n))
+        count = n
+        while count > k:
+            r = min(count - k, (count + 1) // 2)
+            f, sz, m, step = ref.tome_round(f, m, sz, r)
+            mapping = [step[i] for i in mapping]
+            count -= r
+        assert out.assign[s].tolist() == mapping
+        np.testing.assert_allclose(out.tokens[s].numpy(), f, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out.sizes[s].numpy(), sz, rtol=1e-6)
+
+
+@pytest.mark.parametrize("grid", [(4, 4), (5, 5), (6, 3), (7, 7)])
+def test_conv_matches_reference(grid):
+    h, w = grid
+    torch.manual_seed(0)
+    layer = GridConvDownsample(6, grid=grid)
+    tokens = torch.randn(2, h * w, 6)
+    k = -(-h // 2) * -(-w // 2)
+    out = layer(tokens, k)
+    weight, bias = layer.conv.weight.detach().double().numpy(), layer.conv.bias.detach().double().numpy()
+    for s in range(2):
+        expected = ref.conv_grid(tokens[s].double().numpy(), weight, bias, h, w)
+        np.testing.assert_allclose(out.tokens[s].detach().numpy(), expected, rtol=1e-4, atol=1e-5)
+        for i in range(h * w):
+            assert out.assign[s, i] == (i // w // 2) * -(-w // 2) + (i % w) // 2
+    assert torch.equal(out.sizes.sum(-1), torch.full((2,), float(h * w)))
