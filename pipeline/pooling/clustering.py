@@ -207,9 +207,9 @@ def token_pool(
     if init_scores is None:
         init_scores = weights
     _check_options(method, init, iters, init_scores)
-    check_per_token(weights, tokens, name="weights", nonnegative=True, finite=validate)
-    check_per_token(init_scores, tokens, name="init_scores", finite=validate)
-    check_per_token(sizes, tokens, name="sizes", nonnegative=True, finite=validate)
+    check_per_token(weights, tokens, name="weights", nonnegative=True, values=validate)
+    check_per_token(init_scores, tokens, name="init_scores", values=validate)
+    check_per_token(sizes, tokens, name="sizes", nonnegative=True, values=validate)
     check_metric(metric, tokens, finite=validate)
     b, n, _ = tokens.shape
     if k >= n:

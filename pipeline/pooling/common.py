@@ -55,9 +55,12 @@ def check_tokens(tokens: Tensor, *, name: str = "tokens", finite: bool = True) -
 
 
 def check_per_token(
-    value: Tensor | None, tokens: Tensor, *, name: str, nonnegative: bool = False, finite: bool = True
+    value: Tensor | None, tokens: Tensor, *, name: str, nonnegative: bool = False, values: bool = True
 ) -> None:
-    """Checks an optional per-token tensor of shape (B, N) against ``tokens`` (B, N, M)."""
+    """Checks an optional per-token tensor of shape (B, N) against ``tokens`` (B, N, M).
+
+    ``values`` also checks the entries (finite, and non-negative where asked), at one host sync.
+    """
     if value is None:
         return
     if not isinstance(value, Tensor):
@@ -65,7 +68,9 @@ def check_per_token(
     expected = tuple(tokens.shape[:2])
     if tuple(value.shape) != expected:
         raise ValueError(f"{name} must have shape (B, N) = {expected} to match tokens, got {tuple(value.shape)}")
-    if finite and not bool(torch.isfinite(value).all()):
+    if not values:
+        return
+    if not bool(torch.isfinite(value).all()):
         raise ValueError(f"{name} contains NaN or inf values")
     if nonnegative and bool((value < 0).any()):
         raise ValueError(f"{name} must be non-negative; got a minimum of {float(value.min()):.4g}")

@@ -51,7 +51,7 @@ class GridConvDownsample(nn.Module):
         """Downsamples when ``k`` equals the pooled grid's size; ``k >= N`` keeps every token."""
         check_tokens(tokens, finite=validate)
         k = check_k(k)
-        check_per_token(sizes, tokens, name="sizes", nonnegative=True, finite=validate)
+        check_per_token(sizes, tokens, name="sizes", nonnegative=True, values=validate)
         b, n, m = tokens.shape
         if m != self.dim:
             raise ValueError(f"tokens have M={m} features but this layer was built for dim={self.dim}")

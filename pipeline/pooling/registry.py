@@ -44,7 +44,7 @@ class Downsampler(Protocol):
 def _none(tokens: Tensor, k: int, *, sizes: Tensor | None = None, validate: bool = True, **_: Any) -> PoolResult:
     check_tokens(tokens, finite=validate)
     check_k(k)
-    check_per_token(sizes, tokens, name="sizes", nonnegative=True, finite=validate)
+    check_per_token(sizes, tokens, name="sizes", nonnegative=True, values=validate)
     return identity_result(tokens, sizes)
 
 

@@ -45,8 +45,8 @@ def _prepare(tokens: Tensor, k: int, scores: Tensor | None, sizes: Tensor | None
     k = check_k(k)
     if need_scores is not None and scores is None:
         raise ValueError(f"{need_scores} needs scores: pass the significance scores (B, N) of eq. 4")
-    check_per_token(scores, tokens, name="scores", nonnegative=need_scores == "importance", finite=validate)
-    check_per_token(sizes, tokens, name="sizes", nonnegative=True, finite=validate)
+    check_per_token(scores, tokens, name="scores", nonnegative=need_scores == "importance", values=validate)
+    check_per_token(sizes, tokens, name="sizes", nonnegative=True, values=validate)
     return k
 
 

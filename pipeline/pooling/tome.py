@@ -72,7 +72,7 @@ def tome_merge(
     check_tokens(tokens, finite=validate)
     k = check_k(k)
     check_metric(metric, tokens, finite=validate)
-    check_per_token(sizes, tokens, name="sizes", nonnegative=True, finite=validate)
+    check_per_token(sizes, tokens, name="sizes", nonnegative=True, values=validate)
     b, n, _ = tokens.shape
     if k >= n:
         return identity_result(tokens, sizes)

@@ -1,0 +1,116 @@
+"""Bad input to the operators raises a ValueError that names the offending argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.pooling import build_downsampler, select_importance, select_topk, significance, token_pool, tome_merge
+
+TOKENS = torch.randn(2, 10, 4)
+SCORES = torch.rand(2, 10)
+
+
+@pytest.mark.parametrize("k", [0, -3])
+def test_k_below_one(k):
+    with pytest.raises(ValueError, match=r"k must be a positive integer \(>= 1\)"):
+        token_pool(TOKENS, k, weights=SCORES)
+
+
+@pytest.mark.parametrize("k", [2.5, "3", True, None])
+def test_k_not_an_integer(k):
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        token_pool(TOKENS, k, weights=SCORES)
+
+
+@pytest.mark.parametrize("name", ["tome", "powerbert", "random", "importance", "kmedoids", "none"])
+def test_k_checked_by_every_method(name):
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        build_downsampler(name)(TOKENS, 0, scores=SCORES)
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        ({"tokens": torch.randn(10, 4)}, "tokens"),
+        ({"weights": torch.rand(2, 9)}, "weights"),
+        ({"init_scores": torch.rand(3, 10)}, "init_scores"),
+        ({"sizes": torch.ones(2, 11)}, "sizes"),
+        ({"metric": torch.randn(2, 9, 3)}, "metric"),
+        ({"tokens": torch.randint(0, 5, (2, 10, 4))}, "tokens"),
+    ],
+)
+def test_shape_and_type_mismatches(kwargs, argument):
+    call = {"tokens": TOKENS, "weights": SCORES} | kwargs
+    tokens = call.pop("tokens")
+    with pytest.raises(ValueError, match=argument):
+        token_pool(tokens, 3, **call)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_tokens(bad):
+    tokens = TOKENS.clone()
+    tokens[1, 3, 2] = bad
+    with pytest.raises(ValueError, match="tokens contains NaN or inf"):
+        token_pool(tokens, 3, weights=SCORES)
+    with pytest.raises(ValueError, match="tokens contains NaN or inf"):
+        tome_merge(tokens, 3)
+
+
+def test_non_finite_weights():
+    weights = SCORES.clone()
+    weights[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="weights contains NaN"):
+        token_pool(TOKENS, 3, weights=weights)
+
+
+def test_negative_weights():
+    with pytest.raises(ValueError, match="weights must be non-negative"):
+        token_pool(TOKENS, 3, weights=SCORES - 0.5)
+    with pytest.raises(ValueError, match="scores must be non-negative"):
+        select_importance(TOKENS, 3, scores=SCORES - 0.5)
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="method must be one of"):
+        token_pool(TOKENS, 3, method="kmodes", weights=SCORES)
+    with pytest.raises(ValueError, match=r"unknown downsampling method 'kmodes'; choose one of \["):
+        build_downsampler("kmodes")
+
+
+def test_topk_init_without_scores():
+    with pytest.raises(ValueError, match="init='topk' needs init_scores or weights"):
+        token_pool(TOKENS, 3)
+
+
+def test_score_methods_need_scores():
+    with pytest.raises(ValueError, match="powerbert needs scores"):
+        select_topk(TOKENS, 3)
+    with pytest.raises(ValueError, match="wkmedoids needs scores"):
+        build_downsampler("wkmedoids", init="random")(TOKENS, 3)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="init must be one of"):
+        build_downsampler("kmeans", init="kmeans++")
+    with pytest.raises(ValueError, match="iters must be a positive integer"):
+        token_pool(TOKENS, 3, weights=SCORES, iters=0)
+    with pytest.raises(ValueError, match="got options it does not take"):
+        build_downsampler("powerbert", iters=3)
+    with pytest.raises(ValueError, match="needs dim"):
+        build_downsampler("conv")
+
+
+def test_significance_shape():
+    with pytest.raises(ValueError, match=r"attn must have shape \(B, H, N, N\)"):
+        significance(torch.rand(2, 3, 4, 5))
+
+
+def test_validate_false_skips_value_checks_only():
+    # Value checks need a host sync, so a hot path may skip them; shape and type checks remain.
+    out = token_pool(TOKENS, 3, weights=SCORES - 2.0, validate=False)
+    assert out.tokens.shape == (2, 3, 4)
+    with pytest.raises(ValueError, match="k must be"):
+        token_pool(TOKENS, 0, weights=SCORES, validate=False)
+    with pytest.raises(ValueError, match="weights must have shape"):
+        token_pool(TOKENS, 3, weights=SCORES[:, :5], validate=False)
