@@ -118,7 +118,7 @@ def segment_sum(values: Tensor, assign: Tensor, k: int, *, dense: bool | None = 
     offset = torch.arange(b, device=assign.device).unsqueeze(1) * k  # (B, 1)
     flat = (assign + offset).reshape(-1)  # (B*N,)
     out = values.new_zeros(b * k, c)
-    return out.index_add(0, flat, values.reshape(b * n, c)).reshape(b, k, c)
+    return out.index_add_(0, flat, values.reshape(b * n, c)).reshape(b, k, c)
 
 
 def pool_segments(

@@ -1,0 +1,182 @@
+"""``pipeline bench ops``: the cost of each downsampling method as a fraction of one transformer block.
+
+Protocol (as ToMe's ``utils.benchmark``): warm up, synchronise the device, time ``repeats`` runs and
+report the median with the interquartile range. Every method runs on the same input as the block,
+side by side in one process, so the ratios hold even on a noisy machine where absolute times drift.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import timm
+import torch
+from torch import Tensor
+
+from pipeline.config import BenchOpsConfig, PoolingConfig
+from pipeline.pooling import build_downsampler, pooled_count, significance
+
+
+@dataclass(frozen=True)
+class Timing:
+    label: str
+    keep: int | None
+    median_s: float
+    iqr_s: float
+    note: str = ""
+
+
+def time_call(fn: Callable[[], object], *, warmup: int, repeats: int, device: torch.device) -> tuple[float, float]:
+    """Median and interquartile range, in seconds, of ``repeats`` calls after ``warmup`` calls."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    if len(samples) < 4:
+        return statistics.median(samples), max(samples) - min(samples)
+    q = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), q[2] - q[0]
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What one block hands its downsampling step: the tokens and the block's attention statistics."""
+
+    x: Tensor  # (B, P+N, M) block input, prefix tokens first
+    tokens: Tensor  # (B, N, M) non-prefix tokens
+    scores: Tensor  # (B, N) significance (eq. 4) from the block's attention
+    keys: Tensor  # (B, N, head_dim) keys averaged over heads, the cheap metric
+
+
+def block_inputs(block: torch.nn.Module, x: Tensor, num_prefix: int) -> BlockInputs:
+    """Runs a timm ViT block's attention by hand to get its probabilities and keys."""
+    attn = block.attn
+    b, n, _ = x.shape
+    qkv = attn.qkv(block.norm1(x)).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, _ = qkv.unbind(0)  # (B, H, P+N, hd)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    probs = (q * attn.scale @ k.transpose(-2, -1)).softmax(-1)  # (B, H, P+N, P+N)
+    return BlockInputs(
+        x=x,
+        tokens=x[:, num_prefix:].contiguous(),
+        scores=significance(probs)[:, num_prefix:].contiguous(),
+        keys=k.mean(1)[:, num_prefix:].contiguous(),
+    )
+
+
+def load_tome_reference(path: str) -> Callable[[Tensor, Tensor, int], object]:
+    """Loads ``tome/merge.py`` from a ToMe checkout; returns a call (tokens, metric, r) -> merged tokens."""
+    source = Path(path) / "tome" / "merge.py"
+    if not source.is_file():
+        raise FileNotFoundError(f"bench.tome_reference: no tome/merge.py under {path}; point it at a ToMe checkout")
+    spec = importlib.util.spec_from_file_location("tome_reference_merge", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(tokens: Tensor, metric: Tensor, r: int) -> object:
+        merge, _ = module.bipartite_soft_matching(metric, r, class_token=False, distill_token=False)
+        return module.merge_wavg(merge, tokens)
+
+    return run
+
+
+def method_rows(cfg: BenchOpsConfig, pooling: PoolingConfig, inputs: BlockInputs) -> list[tuple[str, int, Callable]]:
+    """(label, K, call) for every method and K in the config; conv only at the K one conv layer gives."""
+    dim = inputs.tokens.shape[-1]
+    n = inputs.tokens.shape[1]
+    rows = []
+    for name in cfg.methods:
+        options = {"iters": pooling.iters, "init": pooling.init} if name.endswith(("kmeans", "kmedoids")) else {}
+        variants = [(name, options)]
+        if name in ("kmedoids", "wkmedoids"):
+            variants.append((f"{name} on keys", options | {"cluster_on": "metric"}))
+        for label, opts in variants:
+            step = build_downsampler(name, dim=dim, **opts)
+            if name == "conv":
+                step = step.to(inputs.tokens.device)
+            for k in cfg.keep:
+                if name == "conv" and k != pooled_count(n):
+                    continue
+                rows.append((label, k, _bind(step, inputs, k)))
+    return rows
+
+
+def _bind(step: Callable, inputs: BlockInputs, k: int) -> Callable[[], object]:
+    gen = torch.Generator(device=inputs.tokens.device).manual_seed(0)
+    return lambda: step(inputs.tokens, k, scores=inputs.scores, metric=inputs.keys, generator=gen, validate=False)
+
+
+def distance_row(inputs: BlockInputs) -> Callable[[], object]:
+    """The N x N token distance matrix alone, the floor under K-Medoids."""
+    x = inputs.tokens.float()
+    return lambda: torch.cdist(x, x, compute_mode="use_mm_for_euclid_dist")
+
+
+def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0,
+                      log: Callable[[str], None] = print) -> tuple[Timing, list[Timing]]:
+    """Times the block and every method row; returns (block timing, method timings)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("bench.device is 'cuda' but no CUDA device is visible; use --set bench.device=cpu")
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    torch.manual_seed(seed)
+    model = timm.create_model(cfg.model, pretrained=False).eval().to(device)
+    n = model.patch_embed.num_patches
+    bad = [k for k in cfg.keep if k >= n]
+    if bad:
+        raise ValueError(f"bench.keep: every K must be below the {n} tokens of {cfg.model}, got {bad}")
+    block = model.blocks[0]
+    x = torch.randn(cfg.batch, model.num_prefix_tokens + n, model.embed_dim, device=device)
+    timed = dict(warmup=cfg.warmup, repeats=cfg.repeats, device=device)
+    with torch.inference_mode():
+        inputs = block_inputs(block, x, model.num_prefix_tokens)
+        log(f"timing {cfg.model} blocks[0] on ({cfg.batch}, {x.shape[1]}, {model.embed_dim}) ...")
+        block_time = Timing("block", None, *time_call(lambda: block(x), **timed))
+        rows = [("distance matrix", None, distance_row(inputs))] + method_rows(cfg, pooling, inputs)
+        if cfg.tome_reference:
+            reference = load_tome_reference(cfg.tome_reference)
+            for k in cfg.keep:
+                if n - k <= (n + 1) // 2:  # one ToMe call merges at most half the tokens
+                    rows.append(("tome (reference)", k, lambda r=n - k: reference(inputs.tokens, inputs.keys, r)))
+        timings = []
+        for i, (label, k, call) in enumerate(rows, 1):
+            timings.append(Timing(label, k, *time_call(call, **timed)))
+            log(f"[{i}/{len(rows)}] {label} K={k if k is not None else '-'}: {timings[-1].median_s * 1e3:.2f} ms")
+    return block_time, timings
+
+
+def machine_line(cfg: BenchOpsConfig) -> str:
+    if cfg.device == "cuda":
+        where = torch.cuda.get_device_name()
+    else:
+        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{where}; torch {torch.__version__}; timm {timm.__version__}; python {sys.version.split()[0]}"
+
+
+def format_table(block: Timing, timings: list[Timing]) -> str:
+    """A markdown table: median ms, IQR and the share of one block's median time."""
+    lines = [
+        f"block forward: {block.median_s * 1e3:.1f} ms median (IQR {block.iqr_s * 1e3:.1f} ms)",
+        "",
+        "| method | K | median ms | IQR ms | % of block |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for t in timings:
+        share = 100.0 * t.median_s / block.median_s
+        keep = "-" if t.keep is None else str(t.keep)
+        lines.append(f"| {t.label} | {keep} | {t.median_s * 1e3:.2f} | {t.iqr_s * 1e3:.2f} | {share:.1f} |")
+    return "\n".join(lines)

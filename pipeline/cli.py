@@ -1,0 +1,82 @@
+"""``python -m pipeline``: the command line. Each command parses, loads its config and calls into pipeline/."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.config import ConfigError, dump_config, load_config, write_resolved
+
+
+def _add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument("config", type=Path, nargs=None if required else "?", default=None,
+                        help="experiment YAML under configs/" + ("" if required else " (default: built-in defaults)"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override, for example --set pooling.iters=3 (repeatable)")
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    print(dump_config(config), end="")
+    if args.out is not None:
+        print(f"wrote {write_resolved(config, args.out)}", file=sys.stderr)
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from pipeline.pooling import METHODS
+
+    for name, spec in METHODS.items():
+        needs = "significance scores" if spec.needs_scores else "-"
+        kind = "learnable" if spec.learnable else "parameter-free"
+        print(f"{name:11s} {spec.summary:32s} {kind:15s} needs: {needs}")
+    return 0
+
+
+def cmd_bench_ops(args: argparse.Namespace) -> int:
+    from pipeline.benchmark import format_table, machine_line, run_ops_benchmark
+
+    config = load_config(args.config, args.overrides)
+    block, timings = run_ops_benchmark(config.bench, config.pooling, seed=config.seed,
+                                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    table = format_table(block, timings)
+    print(f"machine: {machine_line(config.bench)}")
+    print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(f"machine: {machine_line(config.bench)}\n\n{table}\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    config = commands.add_parser("config", help="validate and print a resolved config")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = config_commands.add_parser("show", help="print the resolved config (defaults, file, --set)")
+    _add_config_args(show, required=False)
+    show.add_argument("--out", type=Path, default=None, help="also write config.yaml into this directory")
+    show.set_defaults(func=cmd_config_show)
+
+    methods = commands.add_parser("methods", help="list the downsampling methods")
+    methods.set_defaults(func=cmd_methods)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
+    ops = bench_commands.add_parser("ops", help="time each method against one transformer block")
+    _add_config_args(ops, required=False)
+    ops.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    ops.set_defaults(func=cmd_bench_ops)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

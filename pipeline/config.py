@@ -1,0 +1,211 @@
+"""Typed, strictly validated configs: model defaults, then a YAML file, then dotted CLI overrides.
+
+pydantic v2 does the validation (see docs/design.md for why): every section forbids unknown keys
+and checks types strictly, and a failure is re-raised as a ConfigError that names the key, where
+it came from (the file, or ``--set``) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.pooling import METHODS
+
+MethodName = Literal["none", "kmeans", "kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance",
+                     "tome", "conv"]
+assert set(get_args(MethodName)) == set(METHODS), "MethodName must list the registry's methods"
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key, its source and what is allowed."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class PoolingConfig(Section):
+    """Options of the downsampling step (see ``pipeline.pooling.build_downsampler``)."""
+
+    method: MethodName = "wkmedoids"
+    iters: int = Field(5, ge=1, description="rounds of assignment and centre update")
+    init: Literal["topk", "random"] = "topk"
+    cluster_on: Literal["tokens", "metric"] = Field(
+        "tokens", description="cluster on the tokens, or on the cheaper metric (keys averaged over heads)"
+    )
+
+
+class BenchOpsConfig(Section):
+    """``pipeline bench ops``: each method timed against one transformer block on the same input."""
+
+    model: str = "deit_small_patch16_224"
+    batch: int = Field(64, ge=1)
+    keep: list[int] = Field(default_factory=lambda: [147, 98, 49], min_length=1)
+    methods: list[MethodName] = Field(
+        default_factory=lambda: ["kmeans", "kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance",
+                                 "tome", "conv"],
+        min_length=1,
+    )
+    warmup: int = Field(3, ge=0)
+    repeats: int = Field(10, ge=1, description="timed runs per row; the median is reported")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
+    device: Literal["cpu", "cuda"] = "cpu"
+    tome_reference: str | None = Field(
+        None, description="path to a checkout of facebookresearch/ToMe, to time its merge side by side"
+    )
+
+    @field_validator("keep")
+    @classmethod
+    def _keep_positive(cls, keep: list[int]) -> list[int]:
+        if any(k < 1 for k in keep):
+            raise ValueError(f"every K must be >= 1, got {keep}")
+        return keep
+
+
+class Config(Section):
+    """The whole experiment config. Later stages add their sections here."""
+
+    seed: int = 0
+    pooling: PoolingConfig = Field(default_factory=PoolingConfig)
+    bench: BenchOpsConfig = Field(default_factory=BenchOpsConfig)
+
+    @model_validator(mode="after")
+    def _pooling_options_exist(self) -> Config:
+        if self.pooling.cluster_on == "metric" and self.pooling.method not in ("kmeans", "kmedoids", "wkmeans",
+                                                                                "wkmedoids", "tome"):
+            raise ValueError(f"pooling.cluster_on='metric' applies to clustering and tome, not {self.pooling.method!r}")
+        return self
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"a.b=3"`` -> (["a", "b"], 3); the value is read as YAML, so types come out right."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, for example pooling.iters=3")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: the key {key!r} has an empty part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({err})") from None
+    return parts, value
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        shipped = sorted(str(p.relative_to(CONFIG_DIR.parent)) for p in CONFIG_DIR.rglob("*.yaml"))
+        raise ConfigError(f"config file not found: {path}; the shipped configs are: {', '.join(shipped)}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _flatten_sources(data: Any, source: str, prefix: tuple[str, ...], out: dict[tuple[str, ...], str]) -> None:
+    out[prefix] = source
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _flatten_sources(value, source, prefix + (str(key),), out)
+
+
+def _set_path(data: dict[str, Any], parts: list[str], value: Any, item: str) -> None:
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _allowed_keys(loc: tuple[str | int, ...]) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return sorted(model.model_fields)
+
+
+def _describe(err: ValidationError, sources: dict[tuple[str, ...], str]) -> str:
+    lines = []
+    for item in err.errors():
+        loc = tuple(str(p) for p in item["loc"])
+        key = ".".join(loc) or "(top level)"
+        source = next((sources[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in sources), "defaults")
+        if item["type"] == "extra_forbidden":
+            message = f"unknown key; allowed keys here: {', '.join(_allowed_keys(loc))}"
+        else:
+            shown = "input" in item and item["type"] != "value_error"
+            message = f"{item['msg']} (got {item['input']!r})" if shown else item["msg"]
+        lines.append(f"  {source}: {key}: {message}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merges the model defaults, the YAML file at ``path`` (if any) and ``overrides`` (``"a.b=v"``)."""
+    data: dict[str, Any] = {}
+    sources: dict[tuple[str, ...], str] = {}
+    if path is not None:
+        data = _read_yaml(Path(path))
+        _flatten_sources(data, str(path), (), sources)
+    for item in overrides:
+        parts, value = parse_override(item)
+        _set_path(data, parts, value, item)
+        _flatten_sources(value, f"--set {item}", tuple(parts), sources)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, sources)) from None
+
+
+def config_hash(config: Config) -> str:
+    """A short, stable hash of the resolved config (canonical JSON), for run identities and tags."""
+    canonical = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def git_sha(cwd: str | Path | None = None) -> str:
+    """The checkout's commit, with ``-dirty`` for uncommitted changes; ``unknown`` outside git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as YAML, loadable again by ``load_config``."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved(config: Config, directory: str | Path) -> Path:
+    """Writes ``config.yaml`` (the resolved config, headed by the git SHA and hash) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "config.yaml"
+    header = f"# resolved config; git {git_sha(Path(__file__).parent)}; hash {config_hash(config)}\n"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(header + dump_config(config))
+    tmp.replace(target)
+    return target
