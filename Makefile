@@ -1,0 +1,36 @@
+# One-command setup: `make test` on a fresh machine installs everything, then runs the tests.
+# A second `make setup` is a no-op (dpkg checks plus an up-to-date stamp).
+
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+# FFCV builds against libturbojpeg and OpenCV; the demo data is Debian's Fashion-MNIST.
+APT_PACKAGES := libturbojpeg0-dev libopencv-dev pkg-config dataset-fashion-mnist
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: setup system test bench clean-venv
+
+setup: system $(STAMP)
+
+system:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:" $$missing; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(STAMP): pyproject.toml constraints.txt
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m pipeline bench ops configs/bench_ops.yaml --out docs/bench_ops_latest.md
+
+clean-venv:
+	rm -rf $(VENV)
