@@ -170,6 +170,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         parts, value = parse_override(item)
         _set_path(data, parts, value, item)
+        for depth in range(1, len(parts)):  # sections the override created come from it too
+            sources.setdefault(tuple(parts[:depth]), f"--set {item}")
         _flatten_sources(value, f"--set {item}", tuple(parts), sources)
     try:
         return Config.model_validate(data)

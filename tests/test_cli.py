@@ -1,0 +1,104 @@
+"""The real command line, run as users run it: ``python -m pipeline ...`` in a subprocess."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def test_help_lists_only_working_commands():
+    out = run("--help").stdout
+    listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
+    assert listed == {"config", "methods", "bench"}
+    for command in listed:  # each listed command answers its own --help
+        assert run(command, "--help").returncode == 0
+
+
+def test_methods_lists_the_registry():
+    from pipeline.pooling import METHODS
+
+    names = [line.split()[0] for line in run("methods").stdout.splitlines()]
+    assert names == list(METHODS)
+
+
+def test_config_show_prints_resolved_yaml(tmp_path):
+    out = run("config", "show", "configs/bench_ops.yaml", "--set", "pooling.iters=2", "--out", str(tmp_path))
+    assert "iters: 2" in out.stdout
+    assert (tmp_path / "config.yaml").is_file()
+
+
+def test_bad_config_exits_2_with_a_clear_message():
+    proc = run("config", "show", "--set", "pooling.itres=3", check=False)
+    assert proc.returncode == 2
+    assert "pooling.itres: unknown key; allowed keys here:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_ops_prints_the_table(tmp_path):
+    out_file = tmp_path / "bench.md"
+    proc = run("bench", "ops", "configs/bench_ops.yaml", "--set", "bench.model=deit_tiny_patch16_224",
+               "--set", "bench.batch=2", "--set", "bench.warmup=0", "--set", "bench.repeats=2",
+               "--set", "bench.keep=[98, 49]", "--set", "bench.methods=[wkmedoids, tome, conv]",
+               "--out", str(out_file))
+    table = proc.stdout
+    assert re.search(r"block forward: [\d.]+ ms median", table)
+    rows = re.findall(r"^\| ([\w ()]+?) \| (\d+|-) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", table, flags=re.M)
+    labels = [(label, k) for label, k, *_ in rows]
+    assert labels == [("distance matrix", "-"), ("wkmedoids", "98"), ("wkmedoids", "49"),
+                      ("wkmedoids on keys", "98"), ("wkmedoids on keys", "49"), ("tome", "98"), ("tome", "49"),
+                      ("conv", "49")]
+    assert all(float(ms) > 0 for _, _, ms, _, _ in rows)
+    assert out_file.read_text().startswith("machine: ")
+    assert "[8/8] conv K=49" in proc.stderr, "progress goes to stderr"
+
+
+def test_bench_ops_times_a_tome_reference_checkout(tmp_path):
+    # A stand-in with ToMe's merge API (bipartite_soft_matching, merge_wavg): the loader and the
+    # side-by-side row are exercised here; a real checkout is timed the same way.
+    module = tmp_path / "ToMe" / "tome" / "merge.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(textwrap.dedent("""
+        import torch
+
+        def bipartite_soft_matching(metric, r, class_token=False, distill_token=False):
+            def merge(x, mode="mean"):
+                return x[:, : x.shape[1] - r]
+            return merge, None
+
+        def merge_wavg(merge, x, size=None):
+            return merge(x), None
+    """))
+    proc = run("bench", "ops", "--set", "bench.model=deit_tiny_patch16_224", "--set", "bench.batch=2",
+               "--set", "bench.warmup=0", "--set", "bench.repeats=1", "--set", "bench.keep=[147, 49]",
+               "--set", "bench.methods=[tome]", "--set", f"bench.tome_reference={module.parents[1]}")
+    assert "| tome (reference) | 147 |" in proc.stdout
+    assert "| tome (reference) | 49 |" not in proc.stdout, "one ToMe call cannot merge more than half the tokens"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("bench.keep=[196]", "every K must be below the 196 tokens"),
+        ("bench.tome_reference=/nonexistent", "no tome/merge.py under /nonexistent"),
+    ],
+)
+def test_bench_ops_bad_input(override, message):
+    proc = run("bench", "ops", "--set", "bench.model=deit_tiny_patch16_224", "--set", "bench.batch=1",
+               "--set", "bench.repeats=1", "--set", override, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr

@@ -1,0 +1,137 @@
+"""Config loading: defaults, file, --set overrides, strict errors that name the key and its source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import CONFIG_DIR, Config, ConfigError, config_hash, load_config, write_resolved
+
+SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml"))
+
+
+def test_configs_exist():
+    assert SHIPPED, "configs/ should hold at least one YAML file"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_every_shipped_config_loads(path: Path):
+    config = load_config(path)
+    raw = yaml.safe_load(path.read_text()) or {}
+    # Every value the file sets is what the resolved config holds.
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                assert getattr(getattr(config, section), key) == value
+        else:
+            assert getattr(config, section) == values
+
+
+def test_defaults_without_a_file():
+    config = load_config()
+    assert config == Config()
+    assert config.pooling.method == "wkmedoids" and config.pooling.iters == 5
+
+
+def test_file_then_overrides(tmp_path: Path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("seed: 3\npooling:\n  method: kmeans\n  iters: 2\n")
+    config = load_config(path, ["pooling.iters=7", "bench.keep=[10, 20]", "bench.threads=null"])
+    assert config.seed == 3
+    assert config.pooling.method == "kmeans"  # from the file
+    assert config.pooling.iters == 7  # the override wins
+    assert config.bench.keep == [10, 20]
+    assert config.bench.threads is None
+
+
+def test_unknown_key_names_key_file_and_allowed(tmp_path: Path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("pooling:\n  iter: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert str(path) in message and "pooling.iter" in message
+    assert "allowed keys here: cluster_on, init, iters, method" in message
+
+
+def test_unknown_section(tmp_path: Path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("poolin:\n  iters: 3\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: poolin: unknown key; allowed keys here: bench, pooling, seed"):
+        load_config(path)
+
+
+def test_wrong_type_from_override_names_the_override():
+    with pytest.raises(ConfigError, match=r"--set pooling.iters=three: pooling.iters: Input should be a valid integer"):
+        load_config(None, ["pooling.iters=three"])
+
+
+def test_strict_types_refuse_coercion(tmp_path: Path):
+    path = tmp_path / "types.yaml"
+    path.write_text("pooling:\n  iters: '5'\nbench:\n  batch: 2.5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "pooling.iters" in str(err.value) and "bench.batch" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("pooling.method=kmodes", "pooling.method: Input should be 'none', 'kmeans'"),
+        ("pooling.iters=0", "pooling.iters: Input should be greater than or equal to 1"),
+        ("bench.keep=[98, 0]", "every K must be >= 1"),
+        ("pooling.init=kmeans++", "pooling.init: Input should be 'topk' or 'random'"),
+    ],
+)
+def test_impossible_values(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+
+
+def test_cross_field_rule():
+    with pytest.raises(ConfigError, match="cluster_on='metric' applies to clustering and tome"):
+        load_config(None, ["pooling.method=powerbert", "pooling.cluster_on=metric"])
+
+
+@pytest.mark.parametrize("item", ["pooling.iters", "pooling..iters=3", "=3"])
+def test_malformed_override(item):
+    with pytest.raises(ConfigError, match="--set"):
+        load_config(None, [item])
+
+
+def test_override_into_a_value_is_refused():
+    with pytest.raises(ConfigError, match=r"--set seed.x=1: seed: Input should be a valid integer"):
+        load_config(None, ["seed.x=1"])
+    with pytest.raises(ConfigError, match="seed is a value, not a section"):
+        load_config(None, ["seed=1", "seed.x=1"])
+
+
+def test_missing_and_malformed_files(tmp_path: Path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml; the shipped configs are: configs/"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pooling: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(listing)
+
+
+def test_resolved_config_round_trips(tmp_path: Path):
+    config = load_config(None, ["pooling.method=tome", "seed=9"])
+    path = write_resolved(config, tmp_path / "run")
+    text = path.read_text()
+    assert text.startswith("# resolved config; git ")
+    assert config_hash(config) in text
+    assert load_config(path) == config
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+def test_hash_tracks_content():
+    assert config_hash(load_config()) == config_hash(load_config())
+    assert config_hash(load_config()) != config_hash(load_config(None, ["seed=1"]))
