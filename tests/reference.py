@@ -54,11 +54,18 @@ def medoid_cost(f: np.ndarray, w: np.ndarray, candidate: int, members: list[int]
 def kmedoids(f: np.ndarray, w: np.ndarray, start: list[int], iters: int) -> tuple[list[int], list[int]]:
     """Weighted K-Medoids (eq. 6 and 14): returns (medoids, last assignment).
 
-    The new medoid of a cluster is the member of least weighted cost (lowest index on ties),
-    taken only when cheaper than the current medoid (if that is still a member) by a relative 1e-4.
+    A medoid always joins its own cluster. The new medoid of a cluster is the member of least
+    weighted cost (lowest index on ties), taken only when cheaper than the current one by a relative 1e-4.
     """
     medoids = list(start)
-    assign = nearest(f, [f[m] for m in medoids])
+
+    def assign_to(meds: list[int]) -> list[int]:
+        assign = nearest(f, [f[m] for m in meds])
+        for j, m in enumerate(meds):  # a medoid always joins its own cluster
+            assign[m] = j
+        return assign
+
+    assign = assign_to(medoids)
     for _ in range(iters - 1):
         for j in range(len(medoids)):
             members = [i for i in range(len(f)) if assign[i] == j]
@@ -66,10 +73,9 @@ def kmedoids(f: np.ndarray, w: np.ndarray, start: list[int], iters: int) -> tupl
                 continue
             costs = [medoid_cost(f, w, i, members) for i in members]
             best = members[int(np.argmin(costs))]
-            current = medoid_cost(f, w, medoids[j], members) if assign[medoids[j]] == j else math.inf
-            if medoid_cost(f, w, best, members) < current * (1 - 1e-4):
+            if medoid_cost(f, w, best, members) < medoid_cost(f, w, medoids[j], members) * (1 - 1e-4):
                 medoids[j] = best
-        assign = nearest(f, [f[m] for m in medoids])
+        assign = assign_to(medoids)
     return medoids, assign
 
 

@@ -160,7 +160,7 @@ def test_gradients_reach_only_members():
 
 
 def test_empty_clusters_are_deterministic_and_finite():
-    # Duplicate tokens with equal top scores start two clusters on the same point: one stays empty.
+    # Duplicate tokens with equal top scores start two clusters on the same point.
     tokens = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.1, 5.0], [9.0, 9.0]]])
     scores = torch.tensor([[1.0, 1.0, 0.5, 0.4, 0.3]])
     for method in ("kmeans", "kmedoids"):
@@ -169,7 +169,11 @@ def test_empty_clusters_are_deterministic_and_finite():
         assert torch.isfinite(out.tokens).all()
         assert torch.equal(out.tokens, again.tokens)
         assert out.sizes.sum() == 5
-        assert (out.sizes == 0).sum() == 1, "the second copy of the duplicate centre is empty"
+    kmeans = token_pool(tokens, 3, method="kmeans", init_scores=scores)
+    assert kmeans.sizes.tolist() == [[2.0, 0.0, 3.0]], "the second copy of the duplicate centre stays empty"
+    assert torch.equal(kmeans.tokens[0, 1], tokens[0, 1]), "an empty cluster outputs the token it started from"
+    kmedoids = token_pool(tokens, 3, method="kmedoids", init_scores=scores)
+    assert kmedoids.sizes.tolist() == [[1.0, 1.0, 3.0]], "each duplicate medoid keeps itself"
 
 
 def test_segment_sum_paths_agree():

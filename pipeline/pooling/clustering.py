@@ -5,15 +5,16 @@ Exact semantics, which the brute-force references in ``tests/`` follow step by s
 1. Initial centres: the K tokens with the highest ``init_scores`` (``init="topk"``), or K distinct
    tokens drawn uniformly (``init="random"``).
 2. ``iters`` rounds of Algorithm 1's loop body: assign every token to its nearest centre (eq. 6,
-   ties to the lowest index), then update the centres. K-Means: the weighted mean of each cluster
+   ties to the lowest index; a K-Medoids medoid always joins its own cluster), then update the
+   centres. K-Means: the weighted mean of each cluster
    (eq. 7 and 13). K-Medoids: the member ``i`` minimising ``sum_{i' in cluster} w_i' ||f_i - f_i'||^2``
    (eq. 8 and 14, with the weights that make it minimise the weighted objective; lowest index on
    ties), taken only when its cost is lower than the current medoid's by more than a relative
    1e-4, so that the objective never increases and rounding never swaps tied medoids. An empty
    cluster keeps its centre.
 3. The output is the weighted mean of each cluster of the last assignment (Algorithm 1, last
-   line), so the last round's centre update never reaches the output and is skipped. An empty
-   cluster outputs a token of its own (its medoid, or for K-Means the token it started from) with
+   line), so the last round's centre update never reaches the output and is skipped. No K-Medoids
+   cluster is ever empty; an empty K-Means cluster outputs the token its centre started from, with
    size 0.
 
 A converged iteration changes nothing, so the loop runs a fixed number of times and never asks the
@@ -95,16 +96,19 @@ def _kmeans(x: Tensor, w: Tensor, centres: Tensor, iters: int) -> Tensor:
     return assign
 
 
-def _first_argmin_rows(rows: Tensor) -> Tensor:
+def _first_argmin_rows(rows: Tensor, hit: Tensor, code: Tensor) -> Tensor:
     """Index of the smallest entry along dim 1 of (B, K, N), ties to the lowest index, -> (B, N).
 
+    Overwrites ``rows``; ``hit`` (bool) and ``code`` (int16/int32) are (B, K, N) scratch buffers.
     amin, a subtraction and a max over reversed indices run about 2.5x faster on the CPU than
     argmin over a non-last dim (and than a broadcast comparison, whose bool output is not vectorised).
     """
     k = rows.shape[1]
-    reverse = torch.arange(k, 0, -1, device=rows.device, dtype=torch.int16 if k < 2**15 else torch.int32)
-    hit = (rows - rows.amin(1, keepdim=True)) <= 0  # (B, K, N)
-    return k - hit.mul(reverse.view(1, k, 1)).amax(1).long()
+    reverse = torch.arange(k, 0, -1, device=rows.device, dtype=code.dtype).view(1, k, 1)
+    rows.sub_(rows.amin(1, keepdim=True))
+    torch.le(rows, 0, out=hit)
+    torch.mul(hit, reverse, out=code)
+    return k - code.amax(1).long()
 
 
 def _segment_argmin(values: Tensor, assign: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -138,13 +142,18 @@ def _kmedoids(x: Tensor, w: Tensor, medoids: Tensor, iters: int) -> tuple[Tensor
     g.mul_(-2.0).add_(norms.unsqueeze(2))  # now g[m, i] = d(m, i) - ||x_i||^2
     g_rows = g.reshape(b * n, n)
     batch_offset = torch.arange(b, device=x.device).unsqueeze(1)  # (B, 1)
-    clusters = torch.arange(k, device=x.device)
+    clusters = torch.arange(k, device=x.device).expand(b, k)
     rows = g.new_empty(b * k, n)
     sums = g.new_empty(b * k, n)
+    hit = torch.empty(b, k, n, dtype=torch.bool, device=x.device)
+    code = torch.empty(b, k, n, dtype=torch.int16 if k < 2**15 else torch.int32, device=x.device)
 
     def nearest(med: Tensor) -> Tensor:
         torch.index_select(g_rows, 0, (med + batch_offset * n).reshape(-1), out=rows)
-        return _first_argmin_rows(rows.view(b, k, n))  # (B, N)
+        assign = _first_argmin_rows(rows.view(b, k, n), hit, code)  # (B, N)
+        # A medoid belongs to its own cluster even when rounding (or a duplicate token) ties it
+        # with another: no cluster is ever empty.
+        return assign.scatter_(1, med, clusters)
 
     assign = nearest(medoids)  # (B, N)
     for _ in range(iters - 1):
@@ -154,9 +163,7 @@ def _kmedoids(x: Tensor, w: Tensor, medoids: Tensor, iters: int) -> tuple[Tensor
         spread = w.new_zeros(b, k).scatter_add_(1, assign, w * norms)  # sum_{i' in C} w_i' ||x_i'||^2
         cost = spread.gather(1, assign) - 2.0 * cross + norms * mass.gather(1, assign)  # (B, N)
         best_cost, best = _segment_argmin(cost, assign, k)  # (B, K)
-        # The current medoid's cost, where it still belongs to its own cluster (else inf).
-        own = assign.gather(1, medoids) == clusters
-        current = torch.where(own, cost.gather(1, medoids), torch.inf)
+        current = cost.gather(1, medoids)  # the current medoid's cost (it is a member)
         medoids = torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, medoids)
         assign = nearest(medoids)
     return medoids, assign
@@ -232,14 +239,13 @@ def token_pool(
     with torch.no_grad():  # the assignments are constants; gradients flow through the means below
         if method == "kmeans":
             assign = _kmeans(space, w, _gather_rows(space, start), iters)
-            centre_index = start
         else:
-            centre_index, assign = _kmedoids(space, w, start, iters)
-    # An empty cluster outputs its medoid, or for K-Means the token its centre started from.
-    fallback = _gather_rows(x, centre_index)
+            medoids, assign = _kmedoids(space, w, start, iters)
+    # No K-Medoids cluster is empty; an empty K-Means cluster outputs the token its centre started from.
+    fallback = _gather_rows(x, start) if method == "kmeans" else None
     in_sizes = torch.ones(b, n, device=tokens.device) if sizes is None else sizes.float()
     pooled, out_sizes = pool_segments(x, w, in_sizes.to(dtype), assign, k, fallback=fallback)
-    index = centre_index if method == "kmedoids" else None
+    index = medoids if method == "kmedoids" else None
     return PoolResult(tokens=pooled.to(tokens.dtype), sizes=out_sizes.float(), assign=assign, index=index)
 
 

@@ -122,7 +122,7 @@ def segment_sum(values: Tensor, assign: Tensor, k: int, *, dense: bool | None = 
 
 
 def pool_segments(
-    tokens: Tensor, weights: Tensor, sizes: Tensor, assign: Tensor, k: int, fallback: Tensor
+    tokens: Tensor, weights: Tensor, sizes: Tensor, assign: Tensor, k: int, fallback: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """Weighted mean of the tokens in each segment, and the summed sizes of each segment.
 
@@ -132,7 +132,8 @@ def pool_segments(
         sizes: (B, N) float32, the number of original tokens each input stands for.
         assign: (B, N) int64 segment of each token, in [0, k).
         k: number of segments.
-        fallback: (B, K, M) float32, returned for a segment with no members (its size is 0).
+        fallback: (B, K, M), returned for a segment with no members (its size is 0); None when
+            the caller guarantees that no segment is empty.
 
     Returns:
         ((B, K, M) weighted means, (B, K) summed sizes).
@@ -141,6 +142,8 @@ def pool_segments(
     sums = segment_sum(tokens * weights.unsqueeze(-1), assign, k)  # (B, K, M)
     total = weights.new_zeros(b, k).scatter_add_(1, assign, weights)  # (B, K)
     out_sizes = sizes.new_zeros(b, k).scatter_add_(1, assign, sizes)  # (B, K)
+    if fallback is None:
+        return sums.div_(total.unsqueeze(-1)), out_sizes
     # An empty segment (total 0, sums 0) becomes fallback / 1; the others divide by their weight.
     empty = (total == 0).to(sums.dtype)
     sums.addcmul_(fallback, empty.unsqueeze(-1))

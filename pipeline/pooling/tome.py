@@ -89,12 +89,12 @@ def tome_merge(
             step = match_round(space, r)  # (B, count)
         # Size-weighted means; a size-0 token carries no weight unless its whole group has none.
         weights = cur_sizes.clamp_min(1e-12)
-        # Every output holds at least its B token, so no segment is empty and no fallback is used.
-        x, new_sizes = pool_segments(x, weights, cur_sizes, step, count - r, fallback=x.new_zeros(()))
+        # Every output holds at least its B token, so no segment is empty.
+        x, new_sizes = pool_segments(x, weights, cur_sizes, step, count - r, fallback=None)
         if metric is None:
             space = x
         else:
-            space, _ = pool_segments(space, weights, cur_sizes, step, count - r, fallback=x.new_zeros(()))
+            space, _ = pool_segments(space, weights, cur_sizes, step, count - r, fallback=None)
         assign = step.gather(1, assign)
         cur_sizes = new_sizes
         count -= r
