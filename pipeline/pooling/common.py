@@ -122,14 +122,14 @@ def segment_sum(values: Tensor, assign: Tensor, k: int, *, dense: bool | None = 
 
 
 def pool_segments(
-    tokens: Tensor, weights: Tensor, sizes: Tensor, assign: Tensor, k: int, fallback: Tensor | None
+    tokens: Tensor, weights: Tensor | None, sizes: Tensor | None, assign: Tensor, k: int, fallback: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """Weighted mean of the tokens in each segment, and the summed sizes of each segment.
 
     Args:
-        tokens: (B, N, M) float32.
-        weights: (B, N) float32, strictly positive.
-        sizes: (B, N) float32, the number of original tokens each input stands for.
+        tokens: (B, N, M).
+        weights: (B, N) strictly positive, or None for a plain mean (no (B, N, M) product).
+        sizes: (B, N) the number of original tokens each input stands for, or None for ones.
         assign: (B, N) int64 segment of each token, in [0, k).
         k: number of segments.
         fallback: (B, K, M), returned for a segment with no members (its size is 0); None when
@@ -138,10 +138,13 @@ def pool_segments(
     Returns:
         ((B, K, M) weighted means, (B, K) summed sizes).
     """
-    b, _, m = tokens.shape
-    sums = segment_sum(tokens * weights.unsqueeze(-1), assign, k)  # (B, K, M)
-    total = weights.new_zeros(b, k).scatter_add_(1, assign, weights)  # (B, K)
-    out_sizes = sizes.new_zeros(b, k).scatter_add_(1, assign, sizes)  # (B, K)
+    b = tokens.shape[0]
+    sums = segment_sum(tokens if weights is None else tokens * weights.unsqueeze(-1), assign, k)  # (B, K, M)
+    counts = None
+    if weights is None or sizes is None:
+        counts = tokens.new_zeros(b, k).scatter_add_(1, assign, torch.ones_like(assign, dtype=tokens.dtype))
+    total = counts if weights is None else weights.new_zeros(b, k).scatter_add_(1, assign, weights)  # (B, K)
+    out_sizes = counts if sizes is None else sizes.new_zeros(b, k).scatter_add_(1, assign, sizes)  # (B, K)
     if fallback is None:
         return sums.div_(total.unsqueeze(-1)), out_sizes
     # An empty segment (total 0, sums 0) becomes fallback / 1; the others divide by their weight.

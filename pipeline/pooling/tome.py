@@ -80,7 +80,7 @@ def tome_merge(
     dtype = work_dtype(tokens)
     x = tokens.to(dtype)
     space = x if metric is None else metric.to(dtype)
-    cur_sizes = torch.ones(b, n, device=tokens.device, dtype=dtype) if sizes is None else sizes.to(dtype)
+    cur_sizes = None if sizes is None else sizes.to(dtype)  # None: every token has size 1
     assign = torch.arange(n, device=tokens.device).expand(b, n)
     count = n
     while count > k:
@@ -88,7 +88,7 @@ def tome_merge(
         with torch.no_grad():
             step = match_round(space, r)  # (B, count)
         # Size-weighted means; a size-0 token carries no weight unless its whole group has none.
-        weights = cur_sizes.clamp_min(1e-12)
+        weights = None if cur_sizes is None else cur_sizes.clamp_min(1e-12)
         # Every output holds at least its B token, so no segment is empty.
         x, new_sizes = pool_segments(x, weights, cur_sizes, step, count - r, fallback=None)
         if metric is None:
