@@ -1,8 +1,10 @@
 """``pipeline bench ops``: the cost of each downsampling method as a fraction of one transformer block.
 
 Protocol (as ToMe's ``utils.benchmark``): warm up, synchronise the device, time ``repeats`` runs and
-report the median with the interquartile range. Every method runs on the same input as the block,
-side by side in one process, so the ratios hold even on a noisy machine where absolute times drift.
+report medians with the interquartile range. Every method runs on the same input as the block, and
+each timed call of a method is paired with a timed block call just before it: the reported share
+is the median of the per-pair ratios, so it holds even on a noisy machine where speed drifts
+between rows.
 """
 
 from __future__ import annotations
@@ -26,29 +28,47 @@ from pipeline.pooling import build_downsampler, pooled_count, significance
 
 @dataclass(frozen=True)
 class Timing:
+    """One row: the method's median time and its median share of the paired block calls."""
+
     label: str
     keep: int | None
     median_s: float
     iqr_s: float
-    note: str = ""
+    share: float  # median over pairs of (method time / block time)
+    block_median_s: float
 
 
-def time_call(fn: Callable[[], object], *, warmup: int, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Median and interquartile range, in seconds, of ``repeats`` calls after ``warmup`` calls."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _median_iqr(samples: list[float]) -> tuple[float, float]:
     if len(samples) < 4:
         return statistics.median(samples), max(samples) - min(samples)
     q = statistics.quantiles(samples, n=4)
     return statistics.median(samples), q[2] - q[0]
+
+
+def time_paired(fn: Callable[[], object], baseline: Callable[[], object], *, warmup: int, repeats: int,
+                device: torch.device) -> tuple[list[float], list[float]]:
+    """Times ``repeats`` (baseline, fn) pairs back to back after ``warmup`` calls of each; seconds."""
+    for _ in range(warmup):
+        baseline()
+        fn()
+    _sync(device)
+    base, own = [], []
+    for _ in range(repeats):
+        base.append(_timed(baseline, device))
+        own.append(_timed(fn, device))
+    return base, own
 
 
 @dataclass(frozen=True)
@@ -126,8 +146,8 @@ def distance_row(inputs: BlockInputs) -> Callable[[], object]:
 
 
 def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0,
-                      log: Callable[[str], None] = print) -> tuple[Timing, list[Timing]]:
-    """Times the block and every method row; returns (block timing, method timings)."""
+                      log: Callable[[str], None] = print) -> list[Timing]:
+    """Times every method row against the block, pair by pair."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench.device is 'cuda' but no CUDA device is visible; use --set bench.device=cpu")
     if cfg.threads is not None:
@@ -141,11 +161,9 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
         raise ValueError(f"bench.keep: every K must be below the {n} tokens of {cfg.model}, got {bad}")
     block = model.blocks[0]
     x = torch.randn(cfg.batch, model.num_prefix_tokens + n, model.embed_dim, device=device)
-    timed = dict(warmup=cfg.warmup, repeats=cfg.repeats, device=device)
     with torch.inference_mode():
         inputs = block_inputs(block, x, model.num_prefix_tokens)
-        log(f"timing {cfg.model} blocks[0] on ({cfg.batch}, {x.shape[1]}, {model.embed_dim}) ...")
-        block_time = Timing("block", None, *time_call(lambda: block(x), **timed))
+        log(f"timing against {cfg.model} blocks[0] on ({cfg.batch}, {x.shape[1]}, {model.embed_dim})")
         rows = [("distance matrix", None, distance_row(inputs))] + method_rows(cfg, pooling, inputs)
         if cfg.tome_reference:
             reference = load_tome_reference(cfg.tome_reference)
@@ -154,9 +172,12 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
                     rows.append(("tome (reference)", k, lambda r=n - k: reference(inputs.tokens, inputs.keys, r)))
         timings = []
         for i, (label, k, call) in enumerate(rows, 1):
-            timings.append(Timing(label, k, *time_call(call, **timed)))
-            log(f"[{i}/{len(rows)}] {label} K={k if k is not None else '-'}: {timings[-1].median_s * 1e3:.2f} ms")
-    return block_time, timings
+            base, own = time_paired(call, lambda: block(x), warmup=cfg.warmup, repeats=cfg.repeats, device=device)
+            share = statistics.median(o / b for o, b in zip(own, base))
+            timings.append(Timing(label, k, *_median_iqr(own), share, statistics.median(base)))
+            log(f"[{i}/{len(rows)}] {label} K={k if k is not None else '-'}: {timings[-1].median_s * 1e3:.2f} ms, "
+                f"{100 * share:.1f}% of the block")
+    return timings
 
 
 def machine_line(cfg: BenchOpsConfig) -> str:
@@ -167,16 +188,17 @@ def machine_line(cfg: BenchOpsConfig) -> str:
     return f"{where}; torch {torch.__version__}; timm {timm.__version__}; python {sys.version.split()[0]}"
 
 
-def format_table(block: Timing, timings: list[Timing]) -> str:
-    """A markdown table: median ms, IQR and the share of one block's median time."""
+def format_table(timings: list[Timing]) -> str:
+    """A markdown table: the method's median and IQR, the paired block median, and the median share."""
+    block_ms = statistics.median(t.block_median_s for t in timings) * 1e3
     lines = [
-        f"block forward: {block.median_s * 1e3:.1f} ms median (IQR {block.iqr_s * 1e3:.1f} ms)",
+        f"block forward: {block_ms:.1f} ms (median over rows of each row's paired block median)",
         "",
-        "| method | K | median ms | IQR ms | % of block |",
-        "|---|---:|---:|---:|---:|",
+        "| method | K | median ms | IQR ms | block ms | % of block |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for t in timings:
-        share = 100.0 * t.median_s / block.median_s
         keep = "-" if t.keep is None else str(t.keep)
-        lines.append(f"| {t.label} | {keep} | {t.median_s * 1e3:.2f} | {t.iqr_s * 1e3:.2f} | {share:.1f} |")
+        lines.append(f"| {t.label} | {keep} | {t.median_s * 1e3:.2f} | {t.iqr_s * 1e3:.2f} | "
+                     f"{t.block_median_s * 1e3:.1f} | {100 * t.share:.1f} |")
     return "\n".join(lines)

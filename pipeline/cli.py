@@ -38,9 +38,9 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     from pipeline.benchmark import format_table, machine_line, run_ops_benchmark
 
     config = load_config(args.config, args.overrides)
-    block, timings = run_ops_benchmark(config.bench, config.pooling, seed=config.seed,
-                                       log=lambda line: print(line, file=sys.stderr, flush=True))
-    table = format_table(block, timings)
+    timings = run_ops_benchmark(config.bench, config.pooling, seed=config.seed,
+                                log=lambda line: print(line, file=sys.stderr, flush=True))
+    table = format_table(timings)
     print(f"machine: {machine_line(config.bench)}")
     print(table)
     if args.out is not None:
