@@ -30,7 +30,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m pipeline bench ops configs/bench_ops.yaml --out docs/bench_ops_latest.md
+	$(PY) -m pipeline bench ops configs/bench_ops.yaml --out runs/bench_ops.md
 
 clean-venv:
 	rm -rf $(VENV)

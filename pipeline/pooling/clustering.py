@@ -142,24 +142,28 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
     k = medoids.shape[1]
     norms = sq_norms(x)  # (B, N)
     g = torch.bmm(x, x.transpose(1, 2)).mul_(-2.0).add_(norms.unsqueeze(2))  # (B, N, N)
+    if w is not None:
+        # Store the weighted rows w_m g[m, :] in place (no second N x N matrix); the few medoid
+        # rows are divided back by their weight before each assignment.
+        g.mul_(w.unsqueeze(2))
     g_rows = g.reshape(b * n, n)
-    weighted_rows = g_rows if w is None else (g * w.unsqueeze(2)).reshape(b * n, n)  # row i' times w_i'
     member_weights = torch.ones(b, n, dtype=x.dtype, device=x.device) if w is None else w
     batch_offset = torch.arange(b, device=x.device).unsqueeze(1)  # (B, 1)
     clusters = torch.arange(k, device=x.device).expand(b, k)
-    rows = g.new_empty(b * k, n)
-    sums = g.new_empty(b * k, n)
+    scratch = g.new_empty(b * k, n)  # medoid rows in the assignment, segment sums in the update
 
     def nearest(med: Tensor) -> Tensor:
-        torch.index_select(g_rows, 0, (med + batch_offset * n).reshape(-1), out=rows)
-        assign = _first_argmin_rows(rows.view(b, k, n))  # (B, N)
+        rows = torch.index_select(g_rows, 0, (med + batch_offset * n).reshape(-1), out=scratch).view(b, k, n)
+        if w is not None:
+            rows.div_(w.gather(1, med).unsqueeze(-1))
+        assign = _first_argmin_rows(rows)  # (B, N)
         # A medoid belongs to its own cluster even when rounding (or a duplicate token) ties it
         # with another: no cluster is ever empty.
         return assign.scatter_(1, med, clusters)
 
     assign = nearest(medoids)  # (B, N)
     for _ in range(iters - 1):
-        sums.zero_().index_add_(0, (assign + batch_offset * k).reshape(-1), weighted_rows)
+        sums = scratch.zero_().index_add_(0, (assign + batch_offset * k).reshape(-1), g_rows)
         mass = norms.new_zeros(b, k).scatter_add_(1, assign, member_weights)  # (B, K) sum_{i' in C} w_i'
         cost = sums.view(b, k, n).gather(1, assign.unsqueeze(1)).squeeze(1) + norms * mass.gather(1, assign)
         best_cost, best = _segment_argmin(cost, assign, k)  # (B, K)
