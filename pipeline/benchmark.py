@@ -139,10 +139,13 @@ def _bind(step: Callable, inputs: BlockInputs, k: int) -> Callable[[], object]:
     return lambda: step(inputs.tokens, k, scores=inputs.scores, metric=inputs.keys, generator=gen, validate=False)
 
 
-def distance_row(inputs: BlockInputs) -> Callable[[], object]:
-    """The N x N token distance matrix alone, the floor under K-Medoids."""
+def distance_rows(inputs: BlockInputs) -> list[tuple[str, None, Callable[[], object]]]:
+    """The N x N token distances alone: torch.cdist, and the Gram matmul that K-Medoids builds on."""
     x = inputs.tokens.float()
-    return lambda: torch.cdist(x, x, compute_mode="use_mm_for_euclid_dist")
+    return [
+        ("distance matrix (torch.cdist)", None, lambda: torch.cdist(x, x, compute_mode="use_mm_for_euclid_dist")),
+        ("Gram matrix (bmm)", None, lambda: torch.bmm(x, x.transpose(1, 2))),
+    ]
 
 
 def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0,
@@ -164,7 +167,7 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
     with torch.inference_mode():
         inputs = block_inputs(block, x, model.num_prefix_tokens)
         log(f"timing against {cfg.model} blocks[0] on ({cfg.batch}, {x.shape[1]}, {model.embed_dim})")
-        rows = [("distance matrix", None, distance_row(inputs))] + method_rows(cfg, pooling, inputs)
+        rows = distance_rows(inputs) + method_rows(cfg, pooling, inputs)
         if cfg.tome_reference:
             reference = load_tome_reference(cfg.tome_reference)
             for k in cfg.keep:

@@ -57,15 +57,15 @@ def test_bench_ops_prints_the_table(tmp_path):
                "--out", str(out_file))
     table = proc.stdout
     assert re.search(r"block forward: [\d.]+ ms", table)
-    rows = re.findall(r"^\| ([\w ()]+?) \| (\d+|-) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", table,
+    rows = re.findall(r"^\| ([\w ().]+?) \| (\d+|-) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", table,
                       flags=re.M)
     labels = [(label, k) for label, k, *_ in rows]
-    assert labels == [("distance matrix", "-"), ("wkmedoids", "98"), ("wkmedoids", "49"),
+    assert labels == [("distance matrix (torch.cdist)", "-"), ("Gram matrix (bmm)", "-"), ("wkmedoids", "98"), ("wkmedoids", "49"),
                       ("wkmedoids on keys", "98"), ("wkmedoids on keys", "49"), ("tome", "98"), ("tome", "49"),
                       ("conv", "49")]
     assert all(float(ms) > 0 and float(block) > 0 and float(share) > 0 for _, _, ms, _, block, share in rows)
     assert out_file.read_text().startswith("machine: ")
-    assert "[8/8] conv K=49" in proc.stderr, "progress goes to stderr"
+    assert "[9/9] conv K=49" in proc.stderr, "progress goes to stderr"
 
 
 def test_bench_ops_times_a_tome_reference_checkout(tmp_path):

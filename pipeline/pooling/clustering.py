@@ -6,12 +6,11 @@ Exact semantics, which the brute-force references in ``tests/`` follow step by s
    tokens drawn uniformly (``init="random"``).
 2. ``iters`` rounds of Algorithm 1's loop body: assign every token to its nearest centre (eq. 6,
    ties to the lowest index; a K-Medoids medoid always joins its own cluster), then update the
-   centres. K-Means: the weighted mean of each cluster
-   (eq. 7 and 13). K-Medoids: the member ``i`` minimising ``sum_{i' in cluster} w_i' ||f_i - f_i'||^2``
+   centres. K-Means: the weighted mean of each cluster (eq. 7 and 13); an empty cluster keeps its
+   centre. K-Medoids: the member ``i`` minimising ``sum_{i' in cluster} w_i' ||f_i - f_i'||^2``
    (eq. 8 and 14, with the weights that make it minimise the weighted objective; lowest index on
    ties), taken only when its cost is lower than the current medoid's by more than a relative
-   1e-4, so that the objective never increases and rounding never swaps tied medoids. An empty
-   cluster keeps its centre.
+   1e-4, so that the objective never increases and rounding never swaps tied medoids.
 3. The output is the weighted mean of each cluster of the last assignment (Algorithm 1, last
    line), so the last round's centre update never reaches the output and is skipped. No K-Medoids
    cluster is ever empty; an empty K-Means cluster outputs the token its centre started from, with
