@@ -205,3 +205,29 @@ def test_conv_pooled_count_and_skip():
     assert layer(tokens, 196).tokens is tokens
     with pytest.raises(ValueError, match="k must be 49"):
         layer(tokens, 98)
+
+
+@pytest.mark.parametrize("name", sorted(set(METHODS) - {"conv"}))
+def test_non_contiguous_input_matches_contiguous(name):
+    # Models hand over x[:, prefix:], a strided view; the result must not depend on the layout.
+    full, scores, metric = _batch(6, 2, 33, 8)
+    view = full[:, 1:]
+    assert not view.is_contiguous()
+    strided = _run(name, view, 10, scores[:, 1:], metric[:, 1:], seed=3)
+    packed = _run(name, view.contiguous(), 10, scores[:, 1:].contiguous(), metric[:, 1:].contiguous(), seed=3)
+    assert torch.equal(strided.assign, packed.assign)
+    torch.testing.assert_close(strided.tokens, packed.tokens)
+
+
+@pytest.mark.parametrize("method", ["kmeans", "kmedoids"])
+def test_cluster_on_metric_matches_clustering_the_metric_itself(method):
+    tokens, scores, _ = _batch(7, 2, 30, 6)
+    metric = tokens[..., :2].clone()
+    on_metric = token_pool(tokens, 8, method=method, init_scores=scores, metric=metric)
+    direct = token_pool(metric, 8, method=method, init_scores=scores)
+    assert torch.equal(on_metric.assign, direct.assign)
+    # The outputs average the full tokens over the clusters found on the metric.
+    for j in range(8):
+        members = tokens[0][on_metric.assign[0] == j]
+        if len(members):
+            torch.testing.assert_close(on_metric.tokens[0, j], members.mean(0))
