@@ -33,6 +33,7 @@ from pipeline.pooling.common import (
     check_tokens,
     identity_result,
     pool_segments,
+    segment_sum,
     work_dtype,
 )
 
@@ -147,6 +148,7 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
         g.mul_(w.unsqueeze(2))
     g_rows = g.reshape(b * n, n)
     member_weights = torch.ones(b, n, dtype=x.dtype, device=x.device) if w is None else w
+    dense = x.is_cuda  # one-hot matmuls on CUDA: fast there, and deterministic unlike atomics
     batch_offset = torch.arange(b, device=x.device).unsqueeze(1)  # (B, 1)
     clusters = torch.arange(k, device=x.device).expand(b, k)
     scratch = g.new_empty(b * k, n)  # medoid rows in the assignment, segment sums in the update
@@ -162,9 +164,12 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
 
     assign = nearest(medoids)  # (B, N)
     for _ in range(iters - 1):
-        sums = scratch.zero_().index_add_(0, (assign + batch_offset * k).reshape(-1), g_rows)
-        mass = norms.new_zeros(b, k).scatter_add_(1, assign, member_weights)  # (B, K) sum_{i' in C} w_i'
-        cost = sums.view(b, k, n).gather(1, assign.unsqueeze(1)).squeeze(1) + norms * mass.gather(1, assign)
+        if dense:
+            sums = segment_sum(g, assign, k, dense=True)
+        else:
+            sums = scratch.zero_().index_add_(0, (assign + batch_offset * k).reshape(-1), g_rows).view(b, k, n)
+        mass = segment_sum(member_weights.unsqueeze(-1), assign, k).squeeze(-1)  # (B, K) sum_{i' in C} w_i'
+        cost = sums.gather(1, assign.unsqueeze(1)).squeeze(1) + norms * mass.gather(1, assign)
         best_cost, best = _segment_argmin(cost, assign, k)  # (B, K)
         current = cost.gather(1, medoids)  # the current medoid's cost (it is a member)
         medoids = torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, medoids)

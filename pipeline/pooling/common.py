@@ -138,13 +138,12 @@ def pool_segments(
     Returns:
         ((B, K, M) weighted means, (B, K) summed sizes).
     """
-    b = tokens.shape[0]
+    b, n, _ = tokens.shape
     sums = segment_sum(tokens if weights is None else tokens * weights.unsqueeze(-1), assign, k)  # (B, K, M)
-    counts = None
-    if weights is None or sizes is None:
-        counts = tokens.new_zeros(b, k).scatter_add_(1, assign, torch.ones_like(assign, dtype=tokens.dtype))
-    total = counts if weights is None else weights.new_zeros(b, k).scatter_add_(1, assign, weights)  # (B, K)
-    out_sizes = counts if sizes is None else sizes.new_zeros(b, k).scatter_add_(1, assign, sizes)  # (B, K)
+    ones = torch.ones(b, n, dtype=tokens.dtype, device=tokens.device)
+    # Weights and sizes go through segment_sum too (not scatter_add_), so that CUDA stays deterministic.
+    per_token = torch.stack([ones if weights is None else weights, ones if sizes is None else sizes], dim=-1)
+    total, out_sizes = segment_sum(per_token, assign, k).unbind(-1)  # (B, K) each
     if fallback is None:
         return sums.div_(total.unsqueeze(-1)), out_sizes
     # An empty segment (total 0, sums 0) becomes fallback / 1; the others divide by their weight.
