@@ -231,3 +231,16 @@ def test_cluster_on_metric_matches_clustering_the_metric_itself(method):
         members = tokens[0][on_metric.assign[0] == j]
         if len(members):
             torch.testing.assert_close(on_metric.tokens[0, j], members.mean(0))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kmedoids_dense_path_agrees(weighted):
+    # The one-hot (CUDA) path of the K-Medoids update, run on the CPU against the index_add_ path.
+    from pipeline.pooling.clustering import _kmedoids
+
+    tokens, scores, _ = _batch(8, 3, 40, 5)
+    w = scores / scores.amax(-1, keepdim=True) if weighted else None
+    start = scores.topk(9, dim=-1).indices
+    dense = _kmedoids(tokens, w, start, 5, dense=True)
+    sparse = _kmedoids(tokens, w, start, 5, dense=False)
+    assert torch.equal(dense[0], sparse[0]) and torch.equal(dense[1], sparse[1])

@@ -126,11 +126,13 @@ def _segment_argmin(values: Tensor, assign: Tensor, k: int) -> tuple[Tensor, Ten
     return best, torch.full_like(best, n, dtype=torch.long).scatter_reduce(1, assign, candidates, "amin")
 
 
-def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def _kmedoids(
+    x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: bool | None = None
+) -> tuple[Tensor, Tensor]:
     """Voronoi iterations on the token distance matrix, computed once.
 
     x (B, N, D), w (B, N) or None (uniform), medoids (B, K) token indices
-    -> (medoids (B, K), last assignment (B, N)).
+    -> (medoids (B, K), last assignment (B, N)). ``dense`` forces the CUDA or the CPU path (tests).
 
     With ``g[m, i] = ||x_m||^2 - 2 x_m . x_i = d(m, i) - ||x_i||^2`` (one matmul), the nearest medoid
     of token i is the argmin of g over the medoid rows, and the cost of i as the medoid of its
@@ -148,7 +150,8 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
         g.mul_(w.unsqueeze(2))
     g_rows = g.reshape(b * n, n)
     member_weights = torch.ones(b, n, dtype=x.dtype, device=x.device) if w is None else w
-    dense = x.is_cuda  # one-hot matmuls on CUDA: fast there, and deterministic unlike atomics
+    if dense is None:  # one-hot matmuls on CUDA: fast there, and deterministic unlike atomics
+        dense = x.is_cuda
     batch_offset = torch.arange(b, device=x.device).unsqueeze(1)  # (B, 1)
     clusters = torch.arange(k, device=x.device).expand(b, k)
     scratch = g.new_empty(b * k, n)  # medoid rows in the assignment, segment sums in the update
