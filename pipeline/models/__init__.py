@@ -1,0 +1,21 @@
+"""timm ViTs with a token-downsampling step in every block."""
+
+from pipeline.models.attention import AttentionStats, attend
+from pipeline.models.deit import create_model, deit_e252_patch16_224, deit_e318_patch16_224, deit_width, load_weights
+from pipeline.models.downsampling import DownsamplingBlocks, DownsamplingConfig, apply_downsampling
+from pipeline.models.keep import effective_keep, parse_keep
+
+__all__ = [
+    "AttentionStats",
+    "DownsamplingBlocks",
+    "DownsamplingConfig",
+    "apply_downsampling",
+    "attend",
+    "create_model",
+    "deit_e252_patch16_224",
+    "deit_e318_patch16_224",
+    "deit_width",
+    "effective_keep",
+    "load_weights",
+    "parse_keep",
+]

@@ -1,0 +1,75 @@
+"""Self-attention of a timm ``Attention`` module that also returns what the downsampling step needs.
+
+It reads the module's own layers (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``), so a timm
+state dict loads unchanged. Without statistics, proportional attention or normalised queries and
+keys it calls the same fused kernel as timm; otherwise it forms the probabilities explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.pooling import significance
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """Per-token statistics of one attention call, for the non-prefix tokens only."""
+
+    scores: Tensor  # (B, N) significance (eq. 4): attention each token receives, over all heads and queries
+    keys: Tensor  # (B, N, head_dim) keys averaged over heads, the cheap clustering metric
+
+
+def attend(
+    attn: nn.Module,
+    x: Tensor,
+    *,
+    num_prefix: int,
+    log_sizes: Tensor | None = None,
+    qk_alpha: Tensor | None = None,
+    need_stats: bool = False,
+) -> tuple[Tensor, AttentionStats | None]:
+    """Runs ``attn`` on x (B, T, M) with T = prefix + tokens.
+
+    Args:
+        attn: a timm ``Attention`` (no gate).
+        x: (B, T, M) normalised block input.
+        num_prefix: number of prefix tokens at the front of x.
+        log_sizes: (B, T) log of each token's size; added to the logits of every query
+            (proportional attention, Appendix D). Size 0 gives -inf: the token is ignored.
+        qk_alpha: scalar tensor; if given, queries and keys are L2-normalised and the logits are
+            ``alpha * q . k`` (Appendix F) instead of ``q . k / sqrt(d)``.
+        need_stats: also return the significance scores and mean keys of the non-prefix tokens.
+
+    Returns:
+        ((B, T, M) output, AttentionStats or None).
+    """
+    if getattr(attn, "gate", None) is not None:
+        raise ValueError("gated attention is not supported by the downsampling blocks")
+    b, t, _ = x.shape
+    qkv = attn.qkv(x).reshape(b, t, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)  # (B, H, T, hd)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    scale = attn.scale
+    if qk_alpha is not None:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        scale = qk_alpha
+    bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
+    stats = None
+    if need_stats or qk_alpha is not None:
+        logits = (q * scale) @ k.transpose(-2, -1)  # (B, H, T, T)
+        if bias is not None:
+            logits = logits + bias
+        probs = logits.softmax(dim=-1)
+        if need_stats:
+            stats = AttentionStats(scores=significance(probs)[:, num_prefix:], keys=k.mean(dim=1)[:, num_prefix:])
+        out = attn.attn_drop(probs) @ v
+    else:  # timm's own fused kernel and scale (head_dim ** -0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                             dropout_p=attn.attn_drop.p if attn.training else 0.0)
+    out = out.transpose(1, 2).reshape(b, t, -1)
+    return attn.proj_drop(attn.proj(attn.norm(out))), stats

@@ -1,0 +1,96 @@
+"""DeiT models: timm's, the paper's in-between widths registered the timm way, and any other width."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import generate_default_cfgs, register_model
+from timm.models.vision_transformer import VisionTransformer, _create_vision_transformer
+from torch import nn
+
+from pipeline.models.downsampling import apply_downsampling
+
+DEIT_BASE_ARGS = dict(patch_size=16, depth=12, mlp_ratio=4.0, qkv_bias=True)
+
+# DeiT's data config (timm's deit_*_patch16_224): register_model reads this module's default_cfgs.
+_DEIT_CFG = dict(url="", num_classes=1000, input_size=(3, 224, 224), pool_size=None, crop_pct=0.875,
+                 interpolation="bicubic", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+                 first_conv="patch_embed.proj", classifier="head")
+default_cfgs = generate_default_cfgs({
+    "deit_e252_patch16_224.untrained": dict(_DEIT_CFG),
+    "deit_e318_patch16_224.untrained": dict(_DEIT_CFG),
+})
+
+
+def deit_width(embed_dim: int, num_heads: int = 6, **kwargs: Any) -> VisionTransformer:
+    """A DeiT (patch 16, 224 px, depth 12) of any embedding width M; M must divide into the heads."""
+    if embed_dim % num_heads:
+        raise ValueError(f"embed_dim {embed_dim} does not split into {num_heads} heads; pick a multiple of {num_heads}")
+    return VisionTransformer(**(DEIT_BASE_ARGS | dict(embed_dim=embed_dim, num_heads=num_heads) | kwargs))
+
+
+@register_model
+def deit_e252_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """DeiT-e252 of the paper: embed dim 252, 6 heads."""
+    if pretrained:
+        raise ValueError("no published weights exist for deit_e252_patch16_224; load a local file instead")
+    return _create_vision_transformer("deit_e252_patch16_224", **(DEIT_BASE_ARGS | dict(embed_dim=252, num_heads=6)
+                                                                    | kwargs))
+
+
+@register_model
+def deit_e318_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """DeiT-e318 of the paper: embed dim 318, 6 heads."""
+    if pretrained:
+        raise ValueError("no published weights exist for deit_e318_patch16_224; load a local file instead")
+    return _create_vision_transformer("deit_e318_patch16_224", **(DEIT_BASE_ARGS | dict(embed_dim=318, num_heads=6)
+                                                                    | kwargs))
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Loads a timm state dict (a bare dict, or under 'model' / 'state_dict') with no key renaming."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file not found: {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            state = state[key]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Parameters the downsampling variants add (per-block alpha, conv layers) may be absent.
+    missing = [k for k in missing if not k.endswith(("qk_alpha",)) and ".downsample." not in k]
+    if missing or unexpected:
+        raise ValueError(f"{path}: state dict does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def create_model(
+    name: str,
+    *,
+    method: str = "none",
+    keep: list[int] | None = None,
+    embed_dim: int | None = None,
+    num_heads: int | None = None,
+    weights: str | Path | None = None,
+    carry: bool = False,
+    qk_norm: str | None = None,
+    alpha: float = 1.0,
+    options: dict[str, Any] | None = None,
+    **timm_kwargs: Any,
+) -> VisionTransformer:
+    """Builds a timm ViT by name (or a DeiT of width ``embed_dim``), loads ``weights``, adds downsampling.
+
+    Nothing downloads: weights come from a local file only.
+    """
+    if embed_dim is not None:
+        model = deit_width(embed_dim, num_heads or 6, **timm_kwargs)
+    else:
+        model = timm.create_model(name, pretrained=False, **timm_kwargs)
+    apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha, **(options or {}))
+    if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is
+        load_weights(model, weights)
+    return model

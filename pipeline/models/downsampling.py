@@ -1,0 +1,162 @@
+"""A downsampling step inside every block of a timm ViT, between the attention and the MLP.
+
+``apply_downsampling`` swaps ``model.blocks`` for ``DownsamplingBlocks``: an ``nn.Sequential`` of
+the very same block modules (so state-dict keys and weights stay as they are) whose forward runs
+each block from its own parts (``norm1``, ``attn``, ``ls1``, ``drop_path1``, ``norm2``, ``mlp``,
+``ls2``, ``drop_path2``) with the downsampling step placed between the two halves. LayerScale,
+register and distillation tokens keep working because nothing of the block is re-implemented but
+its two residual lines, and the tests compare against the unpatched timm model.
+
+Placement: the paper's GFLOPs are reproduced only when block l keeps K_l tokens after its attention
+and before its MLP (PoWER-BERT's placement, see NOTES); the next block then sees K_l + prefix tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.models.attention import attend
+from pipeline.models.keep import effective_keep
+from pipeline.pooling import METHODS, GridConvDownsample, build_downsampler, pooled_count
+from pipeline.pooling.conv import grid_shape
+
+QK_NORM = ("fixed", "learned")
+
+
+@dataclass(frozen=True)
+class DownsamplingConfig:
+    """How a model downsamples: the method, its options and the effective keep list."""
+
+    method: str
+    keep: list[int]
+    carry: bool = False
+    qk_norm: str | None = None  # None, "fixed" or "learned" alpha (Appendix F)
+    alpha: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _needs_stats(config: DownsamplingConfig) -> bool:
+    spec = METHODS[config.method]
+    on_metric = config.options.get("cluster_on", "metric" if config.method == "tome" else "tokens") == "metric"
+    return spec.needs_scores or on_metric
+
+
+class DownsamplingBlocks(nn.Sequential):
+    """timm blocks run with downsampling; x (B, P+N, M) -> (B, P+K_L, M)."""
+
+    def __init__(self, blocks: nn.Sequential, config: DownsamplingConfig, *, num_prefix: int, num_tokens: int,
+                 grid: tuple[int, int] | None) -> None:
+        super().__init__(*blocks)
+        self.config = config
+        self.num_prefix = num_prefix
+        self.num_tokens = num_tokens
+        self.needs_stats = _needs_stats(config)
+        dim = blocks[0].norm1.normalized_shape[0]
+        if config.method == "conv":
+            self._attach_convs(dim, grid)
+        else:
+            self.step = build_downsampler(config.method, **config.options)
+        if config.qk_norm is not None:
+            for block in self:
+                block.qk_alpha = nn.Parameter(torch.tensor(float(config.alpha)),
+                                              requires_grad=config.qk_norm == "learned")
+
+    def _attach_convs(self, dim: int, grid: tuple[int, int] | None) -> None:
+        """Gives each block that downsamples its own 2x2 conv, built for the grid it receives."""
+        n = self.num_tokens
+        h, w = grid_shape(n, grid)
+        for layer, (block, k) in enumerate(zip(self, self.config.keep)):
+            if k >= n:
+                continue
+            expected = pooled_count(n, (h, w))
+            if k != expected:
+                raise ValueError(f"keep[{layer}] is {k}, but conv downsampling of a {h}x{w} grid gives {expected} "
+                                 f"tokens; use {expected}, or {n} to skip block {layer + 1}")
+            block.downsample = GridConvDownsample(dim, grid=(h, w))
+            h, w = -(-h // 2), -(-w // 2)
+            n = expected
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        sizes = torch.ones(b, t, device=x.device, dtype=torch.float32) if self.config.carry else None
+        for layer, block in enumerate(self):
+            x, sizes = self._run_block(block, self.config.keep[layer], x, sizes)
+        return x
+
+    def _run_block(self, block: nn.Module, k: int, x: Tensor, sizes: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        p = self.num_prefix
+        downsample = k < x.shape[1] - p
+        attn_out, stats = attend(
+            block.attn, block.norm1(x), num_prefix=p,
+            log_sizes=None if sizes is None else sizes.log(),
+            qk_alpha=getattr(block, "qk_alpha", None),
+            need_stats=downsample and k > 0 and self.needs_stats,
+        )
+        x = x + block.drop_path1(block.ls1(attn_out))
+        if downsample and k == 0:  # "0": only the prefix tokens go on (the paper's tables)
+            x = x[:, :p]
+            sizes = None if sizes is None else sizes[:, :p]
+        elif downsample:
+            step = block.downsample if self.config.method == "conv" else self.step
+            result = step(
+                x[:, p:], k,
+                scores=None if stats is None else stats.scores,
+                metric=None if stats is None else stats.keys,
+                sizes=None if sizes is None else sizes[:, p:],
+                validate=False,
+            )
+            x = torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
+            if sizes is not None:
+                sizes = torch.cat([sizes[:, :p], result.sizes], dim=1)
+        x = x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+        return x, sizes
+
+
+def apply_downsampling(
+    model: nn.Module,
+    method: str,
+    keep: list[int] | None = None,
+    *,
+    carry: bool = False,
+    qk_norm: str | None = None,
+    alpha: float = 1.0,
+    **options: Any,
+) -> nn.Module:
+    """Adds a downsampling step to every block of a timm ViT instance, in place; returns the model.
+
+    Args:
+        model: a timm ``VisionTransformer`` (DeiT, ViT, with or without LayerScale, register or
+            distillation tokens), trained or not.
+        method: a name from ``pipeline.pooling.METHODS``.
+        keep: K_1..K_L, the most non-prefix tokens after each block; default: keep all.
+        carry: carry cluster sizes and use proportional attention (Appendix D).
+        qk_norm: ``"fixed"`` or ``"learned"``: L2-normalised queries and keys with logits
+            ``alpha * q . k`` (Appendix F); adds one ``qk_alpha`` parameter per block.
+        alpha: the initial (or fixed) alpha.
+        options: method options (``iters``, ``init``, ``cluster_on``).
+    """
+    for attr in ("blocks", "num_prefix_tokens", "patch_embed"):
+        if not hasattr(model, attr):
+            raise ValueError(f"apply_downsampling needs a timm VisionTransformer; the model has no {attr!r}")
+    if getattr(model, "grad_checkpointing", False):
+        raise ValueError("gradient checkpointing runs timm's blocks one by one and would skip the downsampling; "
+                         "call model.set_grad_checkpointing(False) first")
+    if isinstance(model.blocks, DownsamplingBlocks):
+        raise ValueError("this model already downsamples; build a fresh model to change the method")
+    if method not in METHODS:
+        raise ValueError(f"unknown downsampling method {method!r}; choose one of {sorted(METHODS)}")
+    if qk_norm not in (None, *QK_NORM):
+        raise ValueError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
+    num_tokens = model.patch_embed.num_patches
+    depth = len(model.blocks)
+    keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
+    config = DownsamplingConfig(method=method, keep=keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
+                                options=dict(options))
+    grid = tuple(model.patch_embed.grid_size) if hasattr(model.patch_embed, "grid_size") else None
+    model.blocks = DownsamplingBlocks(model.blocks, config, num_prefix=model.num_prefix_tokens,
+                                      num_tokens=num_tokens, grid=grid)
+    return model
