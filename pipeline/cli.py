@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from pipeline.config import ConfigError, dump_config, load_config, write_resolved
@@ -50,6 +51,28 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flops(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.flops import count_flops, format_report
+    from pipeline.models import create_model, parse_keep
+    from pipeline.sparsity import level_keep
+
+    model = create_model(args.model, embed_dim=args.embed_dim, method="none")
+    depth, num_tokens = len(model.blocks), model.patch_embed.num_patches
+    if args.level is not None and args.keep is not None:
+        raise ValueError("give --keep or --level, not both")
+    if args.level is not None:
+        keep = level_keep(args.model, args.level)
+    else:
+        keep = parse_keep(args.keep or "none", depth=depth, num_tokens=num_tokens)
+    options = {"iters": args.iters} if args.method.endswith(("kmeans", "kmedoids")) else {}
+    model = create_model(args.model, embed_dim=args.embed_dim, method=args.method, keep=keep, options=options)
+    report = count_flops(model)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -64,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     methods = commands.add_parser("methods", help="list the downsampling methods")
     methods.set_defaults(func=cmd_methods)
 
+    flops = commands.add_parser("flops", help="GFLOPs of a (downsampling) model, with a breakdown (fvcore)")
+    flops.add_argument("--model", default="deit_small_patch16_224", help="timm model name")
+    flops.add_argument("--embed-dim", type=int, default=None, help="a DeiT of this width instead of --model's")
+    flops.add_argument("--method", default="none", help="downsampling method (python -m pipeline methods)")
+    flops.add_argument("--keep", default=None, help="K_1..K_L, comma-separated (default: keep all)")
+    flops.add_argument("--level", type=int, default=None, help="the paper's sparsity level (configs/sparsity/)")
+    flops.add_argument("--iters", type=int, default=5, help="clustering iterations (they cost FLOPs for K-Means)")
+    flops.add_argument("--json", action="store_true", help="print a JSON object with a 'gflops' field")
+    flops.set_defaults(func=cmd_flops)
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
     ops = bench_commands.add_parser("ops", help="time each method against one transformer block")
@@ -74,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch.jit.script's deprecation notice fires on import inside timm/fvcore; it is not ours to fix.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -42,7 +42,8 @@ def match_round(metric: Tensor, r: int) -> Tensor:
     best_sim, partner = sim.max(dim=-1)  # (B, Na)
     order = best_sim.argsort(dim=-1, descending=True, stable=True)  # (B, Na)
     merged = torch.zeros(b, n_a, dtype=torch.bool, device=metric.device)
-    merged.scatter_(1, order[:, :r], True)
+    chosen = order[:, :r]
+    merged.scatter_(1, chosen, torch.ones_like(chosen, dtype=torch.bool))
     unmerged_pos = (~merged).long().cumsum(-1) - 1  # position among the kept A tokens
     first_b = n_a - r  # B tokens follow the n_a - r unmerged A tokens
     assign = torch.empty(b, n, dtype=torch.long, device=metric.device)
