@@ -250,3 +250,54 @@ def test_grad_checkpointing_is_refused():
     model.set_grad_checkpointing(True)
     with pytest.raises(ValueError, match="gradient checkpointing"):
         apply_downsampling(model, "tome")
+
+
+# ---- PoWER-BERT soft-extract (the K search) ------------------------------------------------------
+
+def test_soft_extract_starts_as_the_timm_model():
+    reference = tiny()
+    searched = apply_downsampling(copy.deepcopy(reference), "none", soft_extract=True)
+    with torch.no_grad():
+        torch.testing.assert_close(searched(images()), reference(images()))
+
+
+def test_soft_extract_scales_by_significance_rank():
+    from pipeline.models import soft_extract
+    from pipeline.pooling import select_topk
+
+    tokens = torch.randn(2, 10, 4)
+    scores = torch.rand(2, 10)
+    retention = torch.tensor([1.0] * 4 + [0.0] * 6)  # keep the 4 most significant tokens
+    out = soft_extract(tokens, scores, retention)
+    kept = select_topk(tokens, 4, scores=scores)
+    for s in range(2):
+        nonzero = out[s].abs().sum(-1) > 0
+        assert torch.equal(nonzero.nonzero().squeeze(-1), kept.index[s])
+    half = soft_extract(tokens, scores, torch.full((10,), 0.5))
+    torch.testing.assert_close(half, tokens * 0.5)
+    torch.testing.assert_close(soft_extract(tokens, scores, torch.full((10,), 3.0)), tokens)  # clamped to 1
+
+
+def test_retention_penalty_and_keep_list():
+    from pipeline.models import retention_keep, retention_penalty
+
+    model = apply_downsampling(tiny(), "none", soft_extract=True)
+    masses = [60.0, 62.0, 30.0, 10.4]  # block 2 asks for more than block 1 kept: clamped
+    with torch.no_grad():
+        for block, mass in zip(model.blocks, masses):
+            block.retention.copy_(torch.full((64,), mass / 64))
+    assert retention_keep(model) == [60, 60, 30, 10]
+    expected = 0.01 * sum((layer + 1) * mass for layer, mass in enumerate(masses))
+    assert retention_penalty(model, 0.01).item() == pytest.approx(expected, rel=1e-5)
+    loss = model(images()).sum() + retention_penalty(model, 0.01)
+    loss.backward()
+    assert all(block.retention.grad is not None and block.retention.grad.abs().sum() > 0 for block in model.blocks)
+
+
+def test_soft_extract_needs_the_plain_model():
+    with pytest.raises(ValueError, match="soft_extract is the K search"):
+        apply_downsampling(tiny(), "kmedoids", soft_extract=True)
+    from pipeline.models import retention_keep
+
+    with pytest.raises(ValueError, match="no soft-extract layers"):
+        retention_keep(apply_downsampling(tiny(), "none"))

@@ -2,7 +2,14 @@
 
 from pipeline.models.attention import AttentionStats, attend
 from pipeline.models.deit import create_model, deit_e252_patch16_224, deit_e318_patch16_224, deit_width, load_weights
-from pipeline.models.downsampling import DownsamplingBlocks, DownsamplingConfig, apply_downsampling
+from pipeline.models.downsampling import (
+    DownsamplingBlocks,
+    DownsamplingConfig,
+    apply_downsampling,
+    retention_keep,
+    retention_penalty,
+    soft_extract,
+)
 from pipeline.models.keep import effective_keep, parse_keep
 
 __all__ = [
@@ -18,4 +25,7 @@ __all__ = [
     "effective_keep",
     "load_weights",
     "parse_keep",
+    "retention_keep",
+    "retention_penalty",
+    "soft_extract",
 ]

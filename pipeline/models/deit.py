@@ -62,7 +62,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             state = state[key]
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Parameters the downsampling variants add (per-block alpha, conv layers) may be absent.
-    missing = [k for k in missing if not k.endswith(("qk_alpha",)) and ".downsample." not in k]
+    missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
     if missing or unexpected:
         raise ValueError(f"{path}: state dict does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
@@ -76,20 +76,24 @@ def create_model(
     embed_dim: int | None = None,
     num_heads: int | None = None,
     weights: str | Path | None = None,
+    pretrained: bool = False,
     carry: bool = False,
     qk_norm: str | None = None,
     alpha: float = 1.0,
     options: dict[str, Any] | None = None,
     **timm_kwargs: Any,
 ) -> VisionTransformer:
-    """Builds a timm ViT by name (or a DeiT of width ``embed_dim``), loads ``weights``, adds downsampling.
+    """Builds a timm ViT by name (or a DeiT of width ``embed_dim``), loads weights, adds downsampling.
 
-    Nothing downloads: weights come from a local file only.
+    ``weights`` is a local state-dict file; ``pretrained=True`` asks timm for the published weights
+    (from the Hugging Face hub, so only where a network exists). Nothing downloads otherwise.
     """
     if embed_dim is not None:
+        if pretrained:
+            raise ValueError("no published weights exist for a DeiT of custom width; pass weights=PATH")
         model = deit_width(embed_dim, num_heads or 6, **timm_kwargs)
     else:
-        model = timm.create_model(name, pretrained=False, **timm_kwargs)
+        model = timm.create_model(name, pretrained=pretrained, **timm_kwargs)
     apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha, **(options or {}))
     if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is
         load_weights(model, weights)

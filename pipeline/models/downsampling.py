@@ -36,10 +36,13 @@ class DownsamplingConfig:
     carry: bool = False
     qk_norm: str | None = None  # None, "fixed" or "learned" alpha (Appendix F)
     alpha: float = 1.0
+    soft_extract: bool = False  # PoWER-BERT's K-search layer instead of hard downsampling
     options: dict[str, Any] = field(default_factory=dict)
 
 
 def _needs_stats(config: DownsamplingConfig) -> bool:
+    if config.soft_extract:
+        return True
     spec = METHODS[config.method]
     on_metric = config.options.get("cluster_on", "metric" if config.method == "tome" else "tokens") == "metric"
     return spec.needs_scores or on_metric
@@ -64,6 +67,9 @@ class DownsamplingBlocks(nn.Sequential):
             for block in self:
                 block.qk_alpha = nn.Parameter(torch.tensor(float(config.alpha)),
                                               requires_grad=config.qk_norm == "learned")
+        if config.soft_extract:
+            for block in self:
+                block.retention = nn.Parameter(torch.ones(num_tokens))
 
     def _attach_convs(self, dim: int, grid: tuple[int, int] | None) -> None:
         """Gives each block that downsamples its own 2x2 conv, built for the grid it receives."""
@@ -90,14 +96,17 @@ class DownsamplingBlocks(nn.Sequential):
     def _run_block(self, block: nn.Module, k: int, x: Tensor, sizes: Tensor | None) -> tuple[Tensor, Tensor | None]:
         p = self.num_prefix
         downsample = k < x.shape[1] - p
+        soft = hasattr(block, "retention")
         attn_out, stats = attend(
             block.attn, block.norm1(x), num_prefix=p,
             log_sizes=None if sizes is None else sizes.log(),
             qk_alpha=getattr(block, "qk_alpha", None),
-            need_stats=downsample and k > 0 and self.needs_stats,
+            need_stats=soft or (downsample and k > 0 and self.needs_stats),
         )
         x = x + block.drop_path1(block.ls1(attn_out))
-        if downsample and k == 0:  # "0": only the prefix tokens go on (the paper's tables)
+        if soft:
+            x = torch.cat([x[:, :p], soft_extract(x[:, p:], stats.scores, block.retention)], dim=1)
+        elif downsample and k == 0:  # "0": only the prefix tokens go on (the paper's tables)
             x = x[:, :p]
             sizes = None if sizes is None else sizes[:, :p]
         elif downsample:
@@ -116,6 +125,40 @@ class DownsamplingBlocks(nn.Sequential):
         return x, sizes
 
 
+def soft_extract(tokens: Tensor, scores: Tensor, retention: Tensor) -> Tensor:
+    """PoWER-BERT's soft-extract layer: scales the token of significance rank j by retention[j].
+
+    tokens (B, N, M), scores (B, N), retention (N,) clamped to [0, 1] -> (B, N, M).
+    """
+    b, n = scores.shape
+    order = scores.argsort(dim=-1, descending=True, stable=True)  # token index at each rank
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=order.device).expand(b, n))
+    return tokens * retention.clamp(0.0, 1.0)[ranks].unsqueeze(-1).to(tokens.dtype)
+
+
+def retention_penalty(model: nn.Module, strength: float) -> Tensor:
+    """PoWER-BERT's mass penalty: strength * sum over blocks l of l * sum_j retention_l[j] (l from 1)."""
+    blocks = [block for block in model.blocks if hasattr(block, "retention")]
+    if not blocks:
+        raise ValueError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
+    return strength * sum((layer + 1) * block.retention.clamp(0.0, 1.0).sum() for layer, block in enumerate(blocks))
+
+
+def retention_keep(model: nn.Module) -> list[int]:
+    """Turns learned retention weights into a non-increasing integer keep list (the K search's result).
+
+    K_l is the rounded retained mass of block l, at most K_{l-1}.
+    """
+    keep, previous = [], None
+    for block in model.blocks:
+        if not hasattr(block, "retention"):
+            raise ValueError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
+        mass = int(torch.round(block.retention.detach().clamp(0.0, 1.0).sum()).item())
+        previous = mass if previous is None else min(previous, mass)
+        keep.append(previous)
+    return keep
+
+
 def apply_downsampling(
     model: nn.Module,
     method: str,
@@ -124,6 +167,7 @@ def apply_downsampling(
     carry: bool = False,
     qk_norm: str | None = None,
     alpha: float = 1.0,
+    soft_extract: bool = False,
     **options: Any,
 ) -> nn.Module:
     """Adds a downsampling step to every block of a timm ViT instance, in place; returns the model.
@@ -137,6 +181,9 @@ def apply_downsampling(
         qk_norm: ``"fixed"`` or ``"learned"``: L2-normalised queries and keys with logits
             ``alpha * q . k`` (Appendix F); adds one ``qk_alpha`` parameter per block.
         alpha: the initial (or fixed) alpha.
+        soft_extract: add PoWER-BERT's soft-extract layer to every block (one learnable retention
+            weight per significance rank, initialised to 1) for the K search; see
+            ``retention_penalty`` and ``retention_keep``. It needs ``method="none"`` and no keep list.
         options: method options (``iters``, ``init``, ``cluster_on``).
     """
     for attr in ("blocks", "num_prefix_tokens", "patch_embed"):
@@ -151,11 +198,13 @@ def apply_downsampling(
         raise ValueError(f"unknown downsampling method {method!r}; choose one of {sorted(METHODS)}")
     if qk_norm not in (None, *QK_NORM):
         raise ValueError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
+    if soft_extract and (method != "none" or keep is not None):
+        raise ValueError("soft_extract is the K search: use it with method='none' and no keep list")
     num_tokens = model.patch_embed.num_patches
     depth = len(model.blocks)
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
     config = DownsamplingConfig(method=method, keep=keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
-                                options=dict(options))
+                                soft_extract=soft_extract, options=dict(options))
     grid = tuple(model.patch_embed.grid_size) if hasattr(model.patch_embed, "grid_size") else None
     model.blocks = DownsamplingBlocks(model.blocks, config, num_prefix=model.num_prefix_tokens,
                                       num_tokens=num_tokens, grid=grid)
