@@ -22,7 +22,7 @@ import timm
 import torch
 from torch import Tensor
 
-from pipeline.config import BenchOpsConfig, PoolingConfig
+from pipeline.config import BenchOpsConfig, BenchThroughputConfig, PoolingConfig
 from pipeline.pooling import build_downsampler, pooled_count, significance
 
 
@@ -205,3 +205,68 @@ def format_table(timings: list[Timing]) -> str:
         lines.append(f"| {t.label} | {keep} | {t.median_s * 1e3:.2f} | {t.iqr_s * 1e3:.2f} | "
                      f"{t.block_median_s * 1e3:.1f} | {100 * t.share:.1f} |")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    base_images_s: float
+    pooled_images_s: float
+    speedup: float  # median over pairs of (unmodified time / downsampled time)
+    base_gflops: float
+    pooled_gflops: float
+    keep: list[int]
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.base_gflops / self.pooled_gflops
+
+    @property
+    def realised(self) -> float:
+        """The fraction of the FLOP saving that shows up as speed: speed-up / GFLOPs ratio."""
+        return self.speedup / self.flops_ratio
+
+
+def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
+                   log: Callable[[str], None] = print) -> ThroughputResult:
+    """Times the downsampling model and the unmodified one in alternating calls on the same batch."""
+    from pipeline.flops import count_flops
+    from pipeline.models import create_model
+    from pipeline.sparsity import level_keep
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("bench_throughput.device is 'cuda' but no CUDA device is visible")
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    keep = cfg.keep if cfg.keep is not None else (level_keep(cfg.model, cfg.level) if cfg.level is not None else None)
+    options = {"iters": pooling.iters, "init": pooling.init} if cfg.method.endswith(("kmeans", "kmedoids")) else {}
+    base = create_model(cfg.model).eval()
+    pooled = create_model(cfg.model, method=cfg.method, keep=keep, options=options).eval()
+    pooled.load_state_dict(base.state_dict(), strict=False)
+    base_gflops, report = count_flops(base).total, count_flops(pooled)
+    base, pooled = base.to(device), pooled.to(device)
+    size = base.patch_embed.img_size[0]
+    x = torch.randn(cfg.batch, 3, size, size, device=device)
+    log(f"timing {cfg.model} with {cfg.method} against the unmodified model, batch {cfg.batch} ...")
+    with torch.inference_mode():
+        base_t, own_t = time_paired(lambda: pooled(x), lambda: base(x), warmup=cfg.warmup, repeats=cfg.repeats,
+                                    device=device)
+    return ThroughputResult(
+        base_images_s=cfg.batch / statistics.median(base_t),
+        pooled_images_s=cfg.batch / statistics.median(own_t),
+        speedup=statistics.median(b / o for b, o in zip(base_t, own_t)),
+        base_gflops=base_gflops, pooled_gflops=report.total, keep=report.keep,
+    )
+
+
+def format_throughput(cfg: BenchThroughputConfig, r: ThroughputResult) -> str:
+    return "\n".join([
+        f"model {cfg.model}, method {cfg.method}, batch {cfg.batch}, keep {','.join(map(str, r.keep))}",
+        "| | images/s | GFLOPs |",
+        "|---|---:|---:|",
+        f"| unmodified | {r.base_images_s:.1f} | {r.base_gflops:.3f} |",
+        f"| {cfg.method} | {r.pooled_images_s:.1f} | {r.pooled_gflops:.3f} |",
+        "",
+        f"speed-up {r.speedup:.3f}x (median of paired runs); GFLOPs ratio {r.flops_ratio:.3f}; "
+        f"realised fraction {r.realised:.3f}",
+    ])

@@ -73,6 +73,32 @@ def cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from pipeline.benchmark import format_throughput, run_throughput
+
+    overrides = list(args.overrides)
+    for flag in ("model", "method"):
+        if getattr(args, flag) is not None:
+            overrides.append(f"bench_throughput.{flag}={getattr(args, flag)}")
+    if args.keep is not None:
+        overrides += [f"bench_throughput.keep=[{args.keep}]", "bench_throughput.level=null"]
+    if args.level is not None:
+        overrides += [f"bench_throughput.level={args.level}", "bench_throughput.keep=null"]
+    config = load_config(args.config, overrides)
+    result = run_throughput(config.bench_throughput, config.pooling,
+                            log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"machine: {machine_line_for(config.bench_throughput.device)}")
+    print(format_throughput(config.bench_throughput, result))
+    return 0
+
+
+def machine_line_for(device: str) -> str:
+    from pipeline.benchmark import machine_line
+    from pipeline.config import BenchOpsConfig
+
+    return machine_line(BenchOpsConfig(device=device))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -103,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(ops, required=False)
     ops.add_argument("--out", type=Path, default=None, help="also write the table to this file")
     ops.set_defaults(func=cmd_bench_ops)
+    throughput = bench_commands.add_parser("throughput", help="images/s of a downsampling model against the "
+                                           "unmodified one, and the realised fraction of the FLOP saving")
+    _add_config_args(throughput, required=False)
+    throughput.add_argument("--model", default=None, help="timm model name")
+    throughput.add_argument("--method", default=None, help="downsampling method")
+    throughput.add_argument("--keep", default=None, help="K_1..K_L, comma-separated")
+    throughput.add_argument("--level", type=int, default=None, help="the paper's sparsity level")
+    throughput.set_defaults(func=cmd_bench_throughput)
     return parser
 
 

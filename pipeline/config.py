@@ -72,12 +72,33 @@ class BenchOpsConfig(Section):
         return keep
 
 
+class BenchThroughputConfig(Section):
+    """``pipeline bench throughput``: a downsampling model against the unmodified one, side by side."""
+
+    model: str = "deit_small_patch16_224"
+    method: MethodName = "wkmedoids"
+    keep: list[int] | None = Field(None, description="K_1..K_L; default: the sparsity level below")
+    level: int | None = Field(3, ge=0, le=7, description="the paper's sparsity level (configs/sparsity/)")
+    batch: int = Field(64, ge=1)
+    warmup: int = Field(2, ge=0)
+    repeats: int = Field(10, ge=1)
+    threads: int | None = Field(None, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+
+    @model_validator(mode="after")
+    def _one_keep_source(self) -> BenchThroughputConfig:
+        if self.keep is not None and self.level is not None:
+            raise ValueError("set bench_throughput.keep or bench_throughput.level, not both (set level: null)")
+        return self
+
+
 class Config(Section):
     """The whole experiment config. Later stages add their sections here."""
 
     seed: int = 0
     pooling: PoolingConfig = Field(default_factory=PoolingConfig)
     bench: BenchOpsConfig = Field(default_factory=BenchOpsConfig)
+    bench_throughput: BenchThroughputConfig = Field(default_factory=BenchThroughputConfig)
 
     @model_validator(mode="after")
     def _pooling_options_exist(self) -> Config:

@@ -25,6 +25,8 @@ def test_help_lists_only_working_commands():
     out = run("--help").stdout
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
     assert listed == {"config", "methods", "flops", "bench"}
+    bench_help = run("bench", "--help").stdout
+    assert set(re.findall(r"^    (\w+)\s", bench_help, flags=re.M)) == {"ops", "throughput"}
     for command in listed:  # each listed command answers its own --help
         assert run(command, "--help").returncode == 0
 
@@ -103,3 +105,25 @@ def test_bench_ops_bad_input(override, message):
                "--set", "bench.repeats=1", "--set", override, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_bench_throughput_reports_the_realised_fraction():
+    proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--method", "tome",
+               "--keep", "196,150,120,100,80,60,50,40,30,20,10,5",
+               "--set", "bench_throughput.batch=2", "--set", "bench_throughput.repeats=2",
+               "--set", "bench_throughput.warmup=1")
+    out = proc.stdout
+    match = re.search(r"speed-up ([\d.]+)x .*; GFLOPs ratio ([\d.]+); realised fraction ([\d.]+)", out)
+    assert match, out
+    speedup, ratio, realised = map(float, match.groups())
+    assert realised == pytest.approx(speedup / ratio, abs=2e-3)
+    base = float(re.search(r"\| unmodified \| [\d.]+ \| ([\d.]+) \|", out).group(1))
+    assert base == pytest.approx(1.258, abs=1e-3)  # DeiT-Ti, Table 1
+    assert "keep 196,150,120,100,80,60,50,40,30,20,10,5" in out
+
+
+def test_bench_throughput_level_and_bad_keep():
+    proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--level", "3", check=False)
+    assert proc.returncode == 2 and "no sparsity levels for 'deit_tiny_patch16_224'" in proc.stderr
+    proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--keep", "196,300", check=False)
+    assert proc.returncode == 2 and "keep has 2 entries" in proc.stderr

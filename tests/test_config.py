@@ -59,7 +59,7 @@ def test_unknown_key_names_key_file_and_allowed(tmp_path: Path):
 def test_unknown_section(tmp_path: Path):
     path = tmp_path / "typo.yaml"
     path.write_text("poolin:\n  iters: 3\n")
-    with pytest.raises(ConfigError, match=r"typo.yaml: poolin: unknown key; allowed keys here: bench, pooling, seed"):
+    with pytest.raises(ConfigError, match=r"typo.yaml: poolin: unknown key; allowed keys here: bench, bench_throughput, pooling, seed"):
         load_config(path)
 
 
