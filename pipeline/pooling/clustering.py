@@ -104,13 +104,13 @@ def _first_argmin_rows(rows: Tensor) -> Tensor:
     """Index of the smallest entry along dim 1 of (B, K, N), ties to the lowest index, -> (B, N).
 
     Overwrites ``rows``. After subtracting the minimum, an entry is 0 exactly where it is minimal;
-    ``1 + sign(-x)`` turns that into 1 (else 0), and the max over reversed indices picks the first.
-    These in-place float passes run several times faster on the CPU than argmin over a non-last
-    dim, or than a comparison, whose bool output is not vectorised.
+    an in-place ``<= 0`` turns that into 1.0 (else 0.0), and the max over reversed indices picks the
+    first. These in-place float passes run several times faster on the CPU than argmin over a
+    non-last dim, or than a comparison into a new bool tensor, which is not vectorised.
     """
     k = rows.shape[1]
     reverse = torch.arange(k, 0, -1, device=rows.device, dtype=rows.dtype).view(1, k, 1)
-    rows.sub_(rows.amin(1, keepdim=True)).neg_().sign_().add_(1.0).mul_(reverse)
+    rows.sub_(rows.amin(1, keepdim=True)).le_(0.0).mul_(reverse)
     return k - rows.amax(1).long()
 
 
@@ -143,11 +143,13 @@ def _kmedoids(
     b, n, _ = x.shape
     k = medoids.shape[1]
     norms = sq_norms(x)  # (B, N)
-    g = torch.bmm(x, x.transpose(1, 2)).mul_(-2.0).add_(norms.unsqueeze(2))  # (B, N, N)
-    if w is not None:
+    g = torch.bmm(x, x.transpose(1, 2))  # (B, N, N) Gram matrix
+    if w is None:
+        g.mul_(-2.0).add_(norms.unsqueeze(2))  # g[m, i] = d(m, i) - ||x_i||^2
+    else:
         # Store the weighted rows w_m g[m, :] in place (no second N x N matrix); the few medoid
         # rows are divided back by their weight before each assignment.
-        g.mul_(w.unsqueeze(2))
+        g.mul_(-2.0 * w.unsqueeze(2)).add_((w * norms).unsqueeze(2))
     g_rows = g.reshape(b * n, n)
     member_weights = torch.ones(b, n, dtype=x.dtype, device=x.device) if w is None else w
     if dense is None:  # one-hot matmuls on CUDA: fast there, and deterministic unlike atomics
