@@ -163,6 +163,8 @@ def test_registered_widths():
     assert model.embed_dim == 192
     with pytest.raises(ValueError, match="does not split into 6 heads"):
         create_model("x", embed_dim=250)
+    with pytest.raises(ValueError, match="no published weights exist for deit_e252_patch16_224"):
+        timm.create_model("deit_e252_patch16_224", pretrained=True)  # refused before any download
 
 
 # ---- off-the-shelf use on the three kinds of timm ViT -------------------------------------------

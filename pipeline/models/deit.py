@@ -33,22 +33,22 @@ def deit_width(embed_dim: int, num_heads: int = 6, **kwargs: Any) -> VisionTrans
     return VisionTransformer(**(DEIT_BASE_ARGS | dict(embed_dim=embed_dim, num_heads=num_heads) | kwargs))
 
 
+def _paper_width(variant: str, embed_dim: int, pretrained: bool, **kwargs: Any) -> VisionTransformer:
+    if pretrained:
+        raise ValueError(f"no published weights exist for {variant}; load a local file instead (weights=PATH)")
+    return _create_vision_transformer(variant, **(DEIT_BASE_ARGS | dict(embed_dim=embed_dim, num_heads=6) | kwargs))
+
+
 @register_model
 def deit_e252_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
     """DeiT-e252 of the paper: embed dim 252, 6 heads."""
-    if pretrained:
-        raise ValueError("no published weights exist for deit_e252_patch16_224; load a local file instead")
-    return _create_vision_transformer("deit_e252_patch16_224", **(DEIT_BASE_ARGS | dict(embed_dim=252, num_heads=6)
-                                                                    | kwargs))
+    return _paper_width("deit_e252_patch16_224", 252, pretrained, **kwargs)
 
 
 @register_model
 def deit_e318_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
     """DeiT-e318 of the paper: embed dim 318, 6 heads."""
-    if pretrained:
-        raise ValueError("no published weights exist for deit_e318_patch16_224; load a local file instead")
-    return _create_vision_transformer("deit_e318_patch16_224", **(DEIT_BASE_ARGS | dict(embed_dim=318, num_heads=6)
-                                                                    | kwargs))
+    return _paper_width("deit_e318_patch16_224", 318, pretrained, **kwargs)
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
