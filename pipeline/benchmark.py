@@ -183,8 +183,9 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
     return timings
 
 
-def machine_line(cfg: BenchOpsConfig) -> str:
-    if cfg.device == "cuda":
+def machine_line(device: str) -> str:
+    """The card (or CPU and thread count) and the library versions, for a benchmark's header."""
+    if device == "cuda":
         where = torch.cuda.get_device_name()
     else:
         where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"

@@ -42,11 +42,11 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     timings = run_ops_benchmark(config.bench, config.pooling, seed=config.seed,
                                 log=lambda line: print(line, file=sys.stderr, flush=True))
     table = format_table(timings)
-    print(f"machine: {machine_line(config.bench)}")
+    print(f"machine: {machine_line(config.bench.device)}")
     print(table)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"machine: {machine_line(config.bench)}\n\n{table}\n")
+        args.out.write_text(f"machine: {machine_line(config.bench.device)}\n\n{table}\n")
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
@@ -74,7 +74,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from pipeline.benchmark import format_throughput, run_throughput
+    from pipeline.benchmark import format_throughput, machine_line, run_throughput
 
     overrides = list(args.overrides)
     for flag in ("model", "method"):
@@ -87,16 +87,9 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     result = run_throughput(config.bench_throughput, config.pooling,
                             log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(f"machine: {machine_line_for(config.bench_throughput.device)}")
+    print(f"machine: {machine_line(config.bench_throughput.device)}")
     print(format_throughput(config.bench_throughput, result))
     return 0
-
-
-def machine_line_for(device: str) -> str:
-    from pipeline.benchmark import machine_line
-    from pipeline.config import BenchOpsConfig
-
-    return machine_line(BenchOpsConfig(device=device))
 
 
 def build_parser() -> argparse.ArgumentParser:

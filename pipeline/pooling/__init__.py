@@ -3,7 +3,7 @@
 from pipeline.pooling.clustering import token_pool
 from pipeline.pooling.common import PoolResult
 from pipeline.pooling.conv import GridConvDownsample, pooled_count
-from pipeline.pooling.registry import METHODS, Downsampler, build_downsampler, is_module
+from pipeline.pooling.registry import METHODS, Downsampler, build_downsampler
 from pipeline.pooling.selection import select_importance, select_random, select_topk, significance
 from pipeline.pooling.tome import tome_merge
 
@@ -13,7 +13,6 @@ __all__ = [
     "GridConvDownsample",
     "PoolResult",
     "build_downsampler",
-    "is_module",
     "pooled_count",
     "select_importance",
     "select_random",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from pipeline.pooling.clustering import INITS, token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
@@ -130,8 +130,3 @@ def build_downsampler(name: str, *, dim: int | None = None, **options: Any) -> D
         return spec.build(**options)
     except TypeError as err:
         raise ValueError(f"method {name!r} got options it does not take: {sorted(options)} ({err})") from None
-
-
-def is_module(step: Downsampler) -> bool:
-    """Whether a built method holds parameters that a model must register."""
-    return isinstance(step, nn.Module)
