@@ -58,14 +58,12 @@ def cmd_flops(args: argparse.Namespace) -> int:
     from pipeline.models import create_model, parse_keep
     from pipeline.sparsity import level_keep
 
-    model = create_model(args.model, embed_dim=args.embed_dim, method="none")
-    depth, num_tokens = len(model.blocks), model.patch_embed.num_patches
     if args.level is not None and args.keep is not None:
         raise ValueError("give --keep or --level, not both")
     if args.level is not None:
         keep = level_keep(args.model, args.level)
     else:
-        keep = parse_keep(args.keep or "none", depth=depth, num_tokens=num_tokens)
+        keep = None if args.keep is None else parse_keep(args.keep)
     options = {"iters": args.iters} if args.method.endswith(("kmeans", "kmedoids")) else {}
     model = create_model(args.model, embed_dim=args.embed_dim, method=args.method, keep=keep, options=options)
     report = count_flops(model)

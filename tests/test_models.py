@@ -105,10 +105,10 @@ def test_bad_keep_lists(keep, message):
 
 
 def test_parse_keep():
-    assert parse_keep("64, 32,16,8", depth=4, num_tokens=64) == [64, 32, 16, 8]
-    assert parse_keep("none", depth=4, num_tokens=64) == [64] * 4
+    assert parse_keep("64, 32,16,8") == [64, 32, 16, 8]
+    assert parse_keep("none") is None  # keep all
     with pytest.raises(ValueError, match="comma-separated integers"):
-        parse_keep("64,x,16,8", depth=4, num_tokens=64)
+        parse_keep("64,x,16,8")
 
 
 def test_conv_keep_must_follow_the_grid():

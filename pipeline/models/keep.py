@@ -39,12 +39,12 @@ def effective_keep(keep: Sequence[object], *, depth: int, num_tokens: int) -> li
     return out
 
 
-def parse_keep(text: str, *, depth: int, num_tokens: int) -> list[int]:
-    """Parses ``"196,195,...,0"`` (or ``"none"`` for no downsampling) into a validated keep list."""
+def parse_keep(text: str) -> list[int] | None:
+    """Parses ``"196,195,...,0"`` into integers (validated later, against the model, by
+    ``effective_keep``); ``"none"`` means no downsampling and gives None."""
     if text.strip().lower() == "none":
-        return [num_tokens] * depth
+        return None
     try:
-        values = [int(part) for part in text.split(",")]
+        return [int(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"keep {text!r}: expected {depth} comma-separated integers, e.g. 196,195,...,0") from None
-    return effective_keep(values, depth=depth, num_tokens=num_tokens)
+        raise ValueError(f"keep {text!r}: expected comma-separated integers, one per block, e.g. 196,195,...,0") from None
