@@ -90,6 +90,98 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def cmd_data_write(args: argparse.Namespace) -> int:
+    from pipeline.data import WriteSettings, open_source, write_beton
+
+    source = open_source(args.source, limit=args.limit)
+    mode = args.mode or ("jpg" if args.source.startswith("imagefolder:") else "raw")
+    settings = WriteSettings(mode=mode, max_res=args.max_res or None, quality=args.quality, workers=args.workers,
+                             strict=args.strict)
+    write_beton(source, args.out, settings, log=_log)
+    return 0
+
+
+def cmd_data_folder(args: argparse.Namespace) -> int:
+    from pipeline.data import open_source, write_folder
+
+    write_folder(open_source(args.source, limit=args.limit), args.out, args.size, log=_log)
+    return 0
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.data.loaders import check_dataset, read_metadata
+
+    meta = read_metadata(args.beton)
+    check_dataset(args.beton, meta["num_classes"] if args.num_classes is None else args.num_classes,
+                  full_checksum=True)
+    shown = {key: meta[key] for key in ("source", "num_images", "num_classes", "settings", "bytes", "sha256")}
+    shown["skipped"] = len(meta["skipped"])
+    print(json.dumps(shown, indent=2))
+    print(f"ok: {args.beton} matches its metadata (size and SHA-256)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_loader(args: argparse.Namespace) -> int:
+    from pipeline.benchmark import machine_line
+    from pipeline.data.bench import LoaderBenchSettings, format_loader_table, prepare_data, run_loader_benchmark
+
+    settings = LoaderBenchSettings(images=args.images, size=args.size, res=args.res, batch=args.batch,
+                                   workers=args.workers, epochs=args.epochs)
+    folder, beton = prepare_data(args.work_dir, settings, args.folder, _log)
+    table = format_loader_table(run_loader_benchmark(folder, beton, settings, _log), settings)
+    print(f"machine: {machine_line('cpu')}")
+    print(table)
+    return 0
+
+
+def _add_data_commands(commands) -> None:
+    data = commands.add_parser("data", help="write and check datasets")
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    write = data_commands.add_parser("write", help="write a source to an FFCV .beton (+ .beton.json metadata)")
+    write.add_argument("--source", required=True,
+                       help="imagefolder:PATH | fashion-mnist:train | fashion-mnist:test | "
+                            "synthetic[:classes=C,count=N,size=S]")
+    write.add_argument("--out", required=True, type=Path, help="the .beton to write (atomically)")
+    write.add_argument("--max-res", type=int, default=256, help="longest side kept (default 256; 0: keep as is)")
+    write.add_argument("--quality", type=int, default=90, help="JPEG quality (jpg and smart modes)")
+    write.add_argument("--mode", choices=("jpg", "raw", "smart"), default=None,
+                       help="how images are stored (default: raw for fashion-mnist and synthetic, jpg otherwise)")
+    write.add_argument("--workers", type=int, default=2, help="writer processes")
+    write.add_argument("--limit", type=int, default=None, help="write only N images, spread over all classes")
+    write.add_argument("--strict", action="store_true", help="fail on the first unreadable file instead of skipping it")
+    write.set_defaults(func=cmd_data_write)
+    folder = data_commands.add_parser("folder", help="write a source as a JPEG folder PATH/<class>/*.jpg")
+    folder.add_argument("--source", required=True, help="as for data write")
+    folder.add_argument("--out", required=True, type=Path, help="the folder to create (must not exist)")
+    folder.add_argument("--size", type=int, default=None, help="resize every image to SIZE x SIZE")
+    folder.add_argument("--limit", type=int, default=None, help="write only N images, spread over all classes")
+    folder.set_defaults(func=cmd_data_folder)
+    check = data_commands.add_parser("check", help="verify a .beton against its metadata (size and SHA-256)")
+    check.add_argument("beton", type=Path)
+    check.add_argument("--num-classes", type=int, default=None, help="also require this many classes")
+    check.set_defaults(func=cmd_data_check)
+
+
+def _add_bench_loader(bench_commands) -> None:
+    loader = bench_commands.add_parser("loader", help="FFCV against torchvision's DataLoader on one JPEG folder")
+    loader.add_argument("--folder", type=Path, default=None,
+                        help="an image folder to read (default: Fashion-MNIST test, upscaled, written to --work-dir)")
+    loader.add_argument("--work-dir", type=Path, default=Path("runs/bench_loader"), help="where data is written")
+    loader.add_argument("--images", type=int, default=5000, help="images in the generated folder")
+    loader.add_argument("--size", type=int, default=160, help="side of the generated JPEGs")
+    loader.add_argument("--res", type=int, default=128, help="output resolution of both loaders")
+    loader.add_argument("--batch", type=int, default=128)
+    loader.add_argument("--workers", type=int, default=2, help="the same for both loaders")
+    loader.add_argument("--epochs", type=int, default=4, help="the first is reported apart (compilation)")
+    loader.set_defaults(func=cmd_bench_loader)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -128,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--keep", default=None, help="K_1..K_L, comma-separated")
     throughput.add_argument("--level", type=int, default=None, help="the paper's sparsity level")
     throughput.set_defaults(func=cmd_bench_throughput)
+    _add_bench_loader(bench_commands)
+    _add_data_commands(commands)
     return parser
 
 
@@ -137,6 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+    except (ConfigError, ValueError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,219 @@
+"""Train and validation loaders: FFCV on ``.beton`` files (the default), or torchvision's ImageFolder (baseline).
+
+Normalisation and the validation crop come from the model's data config
+(``timm.data.resolve_model_data_config``), never from hard-coded ImageNet statistics.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from pipeline.data.write import metadata_path
+
+
+class DatasetMismatchError(ValueError):
+    """A dataset file that does not match the config (or has no metadata); says what differs."""
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Everything a loader needs; built from the data config and the model's data config."""
+
+    path: str
+    train: bool
+    batch_size: int
+    res: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    crop_pct: float = 0.875
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    workers: int = 2
+    distributed: bool = False
+    seed: int = 0
+    os_cache: bool = True
+    device: str = "cpu"
+    drop_last: bool | None = None
+
+
+def read_metadata(beton: str | Path) -> dict[str, Any]:
+    """The JSON written beside a ``.beton`` by ``pipeline data write``."""
+    beton = Path(beton)
+    if not beton.is_file():
+        raise FileNotFoundError(f"dataset not found: {beton}; write it with "
+                                f"`python -m pipeline data write --source ... --out {beton}`")
+    meta = metadata_path(beton)
+    if not meta.is_file():
+        raise DatasetMismatchError(f"{beton} has no metadata file {meta.name} beside it; it was not written by "
+                                   "`python -m pipeline data write` or its write did not finish; rewrite it")
+    return json.loads(meta.read_text())
+
+
+def check_dataset(beton: str | Path, num_classes: int, full_checksum: bool = False) -> dict[str, Any]:
+    """Refuses a ``.beton`` whose metadata disagrees with the config or with the file itself.
+
+    The size check is free; the SHA-256 (``full_checksum``) reads the whole file.
+    """
+    from pipeline.data.write import sha256_file
+
+    meta = read_metadata(beton)
+    size = Path(beton).stat().st_size
+    if size != meta["bytes"]:
+        raise DatasetMismatchError(f"{beton} is {size} bytes but its metadata says {meta['bytes']}: the file was "
+                                   "changed or only partly copied; copy or write it again")
+    if meta["num_classes"] != num_classes:
+        raise DatasetMismatchError(f"{beton} holds {meta['num_classes']} classes ({meta['source']}) but the config "
+                                   f"says data.num_classes={num_classes}; fix the config or point at the right file")
+    if full_checksum and sha256_file(beton) != meta["sha256"]:
+        raise DatasetMismatchError(f"{beton}: SHA-256 differs from its metadata; the file is corrupt, write it again")
+    return meta
+
+
+def train_pipeline(spec: LoaderSpec) -> list:
+    """FFCV ops for training images: random-resized crop, flip, normalise.
+
+    On the CPU the jitted ops come first (NormalizeImage is jitted there): FFCV 1.0.2 hangs in
+    ``Graph.group_operations`` on a jitted -> non-jitted -> jitted chain. On a GPU this follows
+    ffcv-imagenet's order, with a torch module for normalisation so that cupy is not needed.
+    """
+    from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder
+    from ffcv.transforms import RandomHorizontalFlip
+
+    decoder = RandomResizedCropRGBImageDecoder((spec.res, spec.res), scale=spec.crop_scale)
+    return [decoder, RandomHorizontalFlip(), *_to_model_input(spec)]
+
+
+def val_pipeline(spec: LoaderSpec) -> list:
+    """FFCV ops for validation: a centre crop of ``crop_pct`` of the shorter side, resized, then normalised."""
+    from ffcv.fields.rgb_image import CenterCropRGBImageDecoder
+
+    return [CenterCropRGBImageDecoder((spec.res, spec.res), ratio=spec.crop_pct), *_to_model_input(spec)]
+
+
+class _Normalize(torch.nn.Module):
+    """uint8 ``(B, 3, H, W)`` on the device -> normalised float32."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1) * 255)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1) * 255)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.float() - self.mean.to(images.device)) / self.std.to(images.device)
+
+
+def _to_model_input(spec: LoaderSpec) -> list:
+    from ffcv.transforms import NormalizeImage, ToDevice, ToTensor, ToTorchImage
+
+    if spec.device == "cpu":
+        mean, std = np.array(spec.mean) * 255, np.array(spec.std) * 255
+        return [NormalizeImage(mean, std, np.float32), ToTensor(), ToTorchImage()]
+    return [ToTensor(), ToDevice(torch.device(spec.device), non_blocking=True), ToTorchImage(),
+            _Normalize(spec.mean, spec.std)]
+
+
+def label_pipeline(spec: LoaderSpec) -> list:
+    from ffcv.fields.basics import IntDecoder
+    from ffcv.transforms import Squeeze, ToDevice, ToTensor
+
+    ops = [IntDecoder(), ToTensor(), Squeeze(1)]
+    if spec.device != "cpu":
+        ops.append(ToDevice(torch.device(spec.device), non_blocking=True))
+    return ops
+
+
+def ffcv_loader(spec: LoaderSpec):
+    """An ``ffcv.loader.Loader``; under DDP (``distributed``) each rank reads a disjoint shard, reshuffled per epoch."""
+    from ffcv.loader import Loader, OrderOption
+
+    # QUASI_RANDOM is not implemented with distributed=True in FFCV 1.0.2; RANDOM reseeds with seed + epoch.
+    order = OrderOption.RANDOM if spec.train else OrderOption.SEQUENTIAL
+    pipelines = {"image": train_pipeline(spec) if spec.train else val_pipeline(spec), "label": label_pipeline(spec)}
+    return Loader(spec.path, batch_size=spec.batch_size, num_workers=spec.workers, os_cache=spec.os_cache,
+                  order=order, distributed=spec.distributed, seed=spec.seed, pipelines=pipelines,
+                  drop_last=spec.train if spec.drop_last is None else spec.drop_last)
+
+
+def set_resolution(loader, res: int) -> None:
+    """Progressive resizing (ffcv-imagenet): changes the random-resized-crop output size for the next epoch."""
+    from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder
+
+    spec = getattr(loader, "pipeline_specs", {}).get("image")
+    ops = [] if spec is None else [spec.decoder, *spec.transforms]
+    decoders = [op for op in ops if isinstance(op, RandomResizedCropRGBImageDecoder)]
+    if not decoders:
+        raise ValueError("progressive resizing needs an FFCV train loader with a random-resized-crop decoder")
+    for decoder in decoders:
+        decoder.output_size = (res, res)
+
+
+def progressive_res(epoch: int, start_res: int, end_res: int, start_epoch: int, end_epoch: int,
+                    multiple: int = 32) -> int:
+    """ffcv-imagenet's schedule: ``start_res`` until ``start_epoch``, then linear to ``end_res`` at ``end_epoch``.
+
+    Rounded down to a multiple of ``multiple`` (use the patch size for ViTs).
+    """
+    if epoch <= start_epoch:
+        return start_res
+    if epoch >= end_epoch:
+        return end_res
+    res = np.interp(epoch, [start_epoch, end_epoch], [start_res, end_res])
+    return int(res // multiple) * multiple
+
+
+class _TorchLoader:
+    """torchvision ImageFolder + PIL ``DataLoader`` behind the same ``len``/``iter`` as FFCV's loader."""
+
+    def __init__(self, spec: LoaderSpec) -> None:
+        from torch.utils.data import DataLoader, DistributedSampler
+        from torchvision import datasets, transforms
+
+        if spec.train:
+            tf = transforms.Compose([transforms.RandomResizedCrop(spec.res, scale=spec.crop_scale),
+                                     transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+                                     transforms.Normalize(spec.mean, spec.std)])
+        else:
+            tf = transforms.Compose([transforms.Resize(int(spec.res / spec.crop_pct)), transforms.CenterCrop(spec.res),
+                                     transforms.ToTensor(), transforms.Normalize(spec.mean, spec.std)])
+        if not Path(spec.path).is_dir():
+            raise FileNotFoundError(f"loader=torch reads an image folder (PATH/<class>/<images>), but {spec.path} is "
+                                    "not a directory; write one with `python -m pipeline data folder`")
+        self.dataset = datasets.ImageFolder(spec.path, transform=tf)
+        self.sampler = DistributedSampler(self.dataset, shuffle=spec.train, seed=spec.seed) \
+            if spec.distributed else None
+        generator = torch.Generator().manual_seed(spec.seed)
+        self.loader = DataLoader(self.dataset, batch_size=spec.batch_size, shuffle=spec.train and self.sampler is None,
+                                 sampler=self.sampler, num_workers=spec.workers, generator=generator,
+                                 drop_last=spec.train if spec.drop_last is None else spec.drop_last,
+                                 pin_memory=spec.device != "cpu", persistent_workers=spec.workers > 0)
+        self.device = torch.device(spec.device)
+        self.next_epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.next_epoch)
+        self.next_epoch += 1
+        for images, labels in self.loader:
+            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def torch_loader(spec: LoaderSpec) -> _TorchLoader:
+    """The torchvision baseline loader (and the fallback without FFCV)."""
+    return _TorchLoader(spec)
+
+
+def build_loader(kind: str, spec: LoaderSpec) -> Iterable:
+    """``kind`` is ``ffcv`` or ``torch``."""
+    if kind == "ffcv":
+        return ffcv_loader(spec)
+    if kind == "torch":
+        return torch_loader(spec)
+    raise ValueError(f"unknown loader {kind!r}; use ffcv or torch")

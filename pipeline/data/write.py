@@ -1,0 +1,272 @@
+"""Writing FFCV ``.beton`` files (and plain JPEG folders) from a source, atomically, with metadata beside them.
+
+Every image is decoded once before FFCV's writer starts: FFCV 1.0.2's ``DatasetWriter`` waits
+forever when one of its worker processes dies (``writer.py: _write_common`` polls a counter that
+then never reaches the total), so a corrupt file must be found first. A watchdog covers what the
+validation cannot foresee, such as a disk that fills up halfway.
+"""
+
+from __future__ import annotations
+
+import _thread
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from tqdm import tqdm
+
+from pipeline.data.sources import Source
+
+METADATA_VERSION = 1
+WriteMode = Literal["raw", "jpg", "smart"]
+
+
+class DataWriteError(RuntimeError):
+    """A write that could not finish; nothing was left at the output path."""
+
+
+@dataclass(frozen=True)
+class WriteSettings:
+    """How images are stored: FFCV's ``RGBImageField`` options."""
+
+    mode: WriteMode = "jpg"
+    max_res: int | None = 256
+    quality: int = 90
+    workers: int = 2
+    strict: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "max_res": self.max_res, "quality": self.quality}
+
+
+def metadata_path(beton: str | Path) -> Path:
+    """``train.beton`` -> ``train.beton.json``."""
+    beton = Path(beton)
+    return beton.with_name(beton.name + ".json")
+
+
+def _check_one(args: tuple[str, int]) -> str | None:
+    from pipeline.data.sources import read_image
+
+    path, draft = args
+    try:
+        read_image(path, draft=draft)
+    except Exception as err:  # noqa: BLE001 - any decoder failure means the file is unusable
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def validate_files(source: Source, settings: WriteSettings, log=print) -> tuple[Source, list[dict[str, str]]]:
+    """Decodes every file of a folder source; returns the usable ones and ``[{path, reason}]`` for the rest.
+
+    Raises DataWriteError on the first bad file under ``settings.strict``.
+    """
+    if source.arrays is not None or source.synthetic_seed is not None:
+        return source, []
+    draft = settings.max_res or 4096
+    bad: list[dict[str, str]] = []
+    keep: list[int] = []
+    context = multiprocessing.get_context("fork")
+    with context.Pool(max(settings.workers, 1)) as pool:
+        results = pool.imap(_check_one, [(path, draft) for path in source.items], chunksize=64)
+        for index, reason in enumerate(tqdm(results, total=len(source), desc="validate", unit="img",
+                                            file=sys.stderr, disable=None)):
+            if reason is None:
+                keep.append(index)
+                continue
+            if settings.strict:
+                raise DataWriteError(f"{source.items[index]}: cannot decode ({reason}); "
+                                     "drop --strict to skip and count such files")
+            bad.append({"path": str(source.items[index]), "reason": reason})
+    if bad:
+        log(f"skipped {len(bad)} unreadable file(s); they are listed in the metadata under 'skipped'")
+    if not keep:
+        raise DataWriteError(f"{source.spec}: none of the {len(source)} files could be decoded")
+    return source.subset(np.asarray(keep, dtype=np.int64)), bad
+
+
+class _Samples:
+    """What FFCV's writer indexes: ``(image, label)`` with ``image`` ``(H, W, 3)`` uint8."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        return self.source.image(index), int(self.source.labels[index])
+
+
+def _check_output(out: Path) -> None:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.probe-{os.getpid()}")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise DataWriteError(f"cannot write to {out.parent}: {err.strerror or err}; choose a writable --out") from None
+    if out.is_dir():
+        raise DataWriteError(f"--out {out} is a directory; give a file name such as {out / 'train.beton'}")
+
+
+def _check_space(out: Path, source: Source, settings: WriteSettings) -> None:
+    """Refuses a write that cannot fit: raw mode needs its pixels, JPEG about the source's own size."""
+    side = settings.max_res or 4096
+    if source.arrays is not None:
+        side = min(side, max(source.arrays.shape[1:3]))
+    elif source.synthetic_seed is not None:
+        side = min(side, source.synthetic_size)
+    if settings.mode == "raw" or source.arrays is not None or source.synthetic_seed is not None:
+        need = len(source) * side * side * 3
+    else:
+        need = sum(os.path.getsize(path) for path in source.items[:2000]) * len(source) // min(len(source), 2000)
+    free = shutil.disk_usage(out.parent).free
+    if need > free:
+        raise DataWriteError(f"{out.parent} has {free / 1e9:.2f} GB free but the dataset needs about "
+                             f"{need / 1e9:.2f} GB; free space or choose another --out")
+
+
+def _watch_workers(done: threading.Event, failed: list[str]) -> None:
+    """Interrupts the main thread if one of FFCV's writer processes exits with an error."""
+    seen: set[multiprocessing.Process] = set()
+    while not done.wait(0.1):
+        seen.update(multiprocessing.active_children())  # keeps dead ones too: active_children() drops them
+        for child in seen:
+            if child.exitcode not in (None, 0):
+                failed.append(f"{child.name} exited with code {child.exitcode}")
+                _thread.interrupt_main()
+                return
+
+
+def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None:
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
+    fields = {"image": RGBImageField(write_mode=settings.mode, max_resolution=settings.max_res,
+                                     jpeg_quality=settings.quality),
+              "label": IntField()}
+    writer = DatasetWriter(str(tmp), fields, num_workers=max(settings.workers, 1))
+    done, failed = threading.Event(), []
+    watchdog = threading.Thread(target=_watch_workers, args=(done, failed), daemon=True)
+    watchdog.start()
+    try:
+        writer.from_indexed_dataset(_Samples(source), chunksize=100)
+    except KeyboardInterrupt:
+        if not failed:
+            raise
+        for child in multiprocessing.active_children():
+            child.terminate()
+        writer.metadata_sm.close()
+        writer.metadata_sm.unlink()
+        raise DataWriteError(f"a writer process failed ({failed[0]}); the disk may be full or the source "
+                             "changed during the write, see the traceback above") from None
+    finally:
+        done.set()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """The hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Deletes partial files left by writers that were killed (their pid is gone)."""
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            partial.unlink(missing_ok=True)
+
+
+def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=print) -> dict[str, Any]:
+    """Writes ``source`` to ``out`` (a ``.beton``) and ``out.json``; returns the metadata.
+
+    The data goes to a hidden temporary file in the same directory, renamed into place only when
+    complete, so an interrupted write never leaves a ``.beton`` that looks finished.
+    """
+    from pipeline.config import git_sha
+
+    out = Path(out)
+    _check_output(out)
+    _remove_stale_partials(out)
+    source, skipped = validate_files(source, settings, log)
+    _check_space(out, source, settings)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    started = time.perf_counter()
+    try:
+        _run_ffcv_writer(tmp, source, settings)
+        metadata = {
+            "format_version": METADATA_VERSION,
+            "source": source.spec,
+            "num_images": len(source),
+            "num_classes": len(source.classes),
+            "classes": source.classes,
+            "class_to_idx": {name: index for index, name in enumerate(source.classes)},
+            "class_counts": np.bincount(source.labels, minlength=len(source.classes)).tolist(),
+            "grayscale_source": source.grayscale,
+            "settings": settings.as_dict(),
+            "skipped": skipped,
+            "non_image_files": source.non_images,
+            "bytes": tmp.stat().st_size,
+            "sha256": sha256_file(tmp),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "git": git_sha(Path(__file__).parent),
+        }
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _write_json(metadata_path(out), metadata)
+    seconds = time.perf_counter() - started
+    log(f"wrote {out} ({len(source)} images, {len(source.classes)} classes, {metadata['bytes'] / 1e6:.1f} MB, "
+        f"{len(source) / max(seconds, 1e-9):.0f} img/s; {len(skipped)} skipped, "
+        f"{len(source.non_images)} non-image files ignored)")
+    return metadata
+
+
+def write_folder(source: Source, out: str | Path, size: int | None, quality: int = 90, log=print) -> int:
+    """Writes ``source`` as ``out/<class>/<index>.jpg`` (upscaled to ``size`` if given), atomically; returns the count.
+
+    Used for the loader benchmark and for the ``torch`` loader on sources that are not folders.
+    """
+    from PIL import Image
+
+    out = Path(out)
+    if out.exists():
+        raise DataWriteError(f"{out} already exists; remove it or choose another --out")
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    safe = [name.replace("/", "_").replace(" ", "_") for name in source.classes]
+    try:
+        for name in safe:
+            (tmp / name).mkdir(parents=True)
+        for index in tqdm(range(len(source)), desc="write", unit="img", file=sys.stderr, disable=None):
+            image = Image.fromarray(source.image(index))
+            if size is not None:
+                image = image.resize((size, size), Image.Resampling.BICUBIC)
+            image.save(tmp / safe[int(source.labels[index])] / f"{index:07d}.jpg", quality=quality)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {len(source)} images under {out}")
+    return len(source)
