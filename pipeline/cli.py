@@ -140,6 +140,29 @@ def cmd_bench_loader(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipeline.train import run_training
+
+    overrides = list(args.overrides) + ([f"train.address={args.address}"] if args.address else [])
+    config = load_config(args.config, overrides)
+    result = run_training(config)
+    summary = result.summary
+    print(f"done: {config.train.mode} {config.train.name}: val_top1 {summary['val_top1']:.2f}% after "
+          f"{summary['epoch']} epochs")
+    if result.keep is not None:
+        print(f"keep: {','.join(map(str, result.keep))}")
+    print(f"checkpoint: {result.checkpoint}")
+    print(f"mlflow: run {result.run_id} in {config.train.tracking_uri}")
+    return 0
+
+
+def _add_train_command(commands) -> None:
+    train = commands.add_parser("train", help="one training job on Ray Train (base, ksearch, finetune, baseline)")
+    _add_config_args(train, required=True)
+    train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    train.set_defaults(func=cmd_train)
+
+
 def _add_data_commands(commands) -> None:
     data = commands.add_parser("data", help="write and check datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
@@ -222,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.set_defaults(func=cmd_bench_throughput)
     _add_bench_loader(bench_commands)
     _add_data_commands(commands)
+    _add_train_command(commands)
     return parser
 
 

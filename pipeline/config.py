@@ -43,6 +43,23 @@ class PoolingConfig(Section):
     cluster_on: Literal["tokens", "metric"] = Field(
         "tokens", description="cluster on the tokens, or on the cheaper metric (keys averaged over heads)"
     )
+    keep: list[int] | None = Field(None, description="K_1..K_L for finetuning; default: keep all")
+    level: int | None = Field(None, ge=0, le=7, description="or the paper's sparsity level (configs/sparsity/)")
+    carry: bool = Field(False, description="carry cluster sizes, proportional attention (Appendix D)")
+    qk_norm: Literal["fixed", "learned"] | None = Field(None, description="normalised queries/keys (Appendix F)")
+    alpha: float = Field(1.0, gt=0, description="the (initial) alpha of qk_norm")
+
+    @model_validator(mode="after")
+    def _one_keep_source(self) -> PoolingConfig:
+        if self.keep is not None and self.level is not None:
+            raise ValueError("set pooling.keep or pooling.level, not both")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The method's own options, as ``build_downsampler`` takes them."""
+        if self.method.endswith(("kmeans", "kmedoids")):
+            return {"iters": self.iters, "init": self.init, "cluster_on": self.cluster_on}
+        return {"cluster_on": self.cluster_on} if self.method == "tome" else {}
 
 
 class BenchOpsConfig(Section):
@@ -117,6 +134,7 @@ class DataConfig(Section):
     batch_size: int = Field(128, ge=1, description="per worker")
     num_workers: int = Field(2, ge=0, description="loader threads (ffcv) or processes (torch) per worker")
     os_cache: bool = Field(True, description="FFCV: rely on the page cache (True) or its own process cache")
+    flip: bool = Field(True, description="random horizontal flip in training")
     crop_scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
     progressive: ProgressiveConfig | None = None
     verify_checksum: bool = Field(False, description="SHA-256 the .beton before training (reads the whole file)")
@@ -134,6 +152,79 @@ class DataConfig(Section):
         return self
 
 
+class ModelConfig(Section):
+    """The network: a timm model name plus overrides (a small DeiT-style ViT for Fashion-MNIST, or a new width)."""
+
+    name: str = "deit_small_patch16_224"
+    img_size: int | None = Field(None, ge=8)
+    patch_size: int | None = Field(None, ge=1)
+    embed_dim: int | None = Field(None, ge=8, description="a sweep over M sets this")
+    depth: int | None = Field(None, ge=1)
+    num_heads: int | None = Field(None, ge=1)
+    drop_path: float = Field(0.1, ge=0, lt=1, description="stochastic depth rate (DeiT: 0.1)")
+    weights: str | None = Field(None, description="a timm state dict to start from (mode base)")
+    pretrained: bool = Field(False, description="timm's published weights (needs a network)")
+    mean: tuple[float, float, float] | None = Field(None, description="overrides the model's data config")
+    std: tuple[float, float, float] | None = Field(None, description="overrides the model's data config")
+    crop_pct: float | None = Field(None, gt=0, le=1, description="overrides the model's data config")
+
+    @field_validator("mean", "std", mode="before")
+    @classmethod
+    def _triple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.embed_dim is not None and self.num_heads is not None and self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} does not split into {self.num_heads} heads")
+        return self
+
+
+class RecipeConfig(Section):
+    """Optimisation: DeiT's recipe through timm's optimizer, scheduler, Mixup/CutMix, losses and EMA."""
+
+    epochs: int = Field(300, ge=1)
+    opt: str = Field("adamw", description="timm.optim name; weight decay skips norms and biases")
+    lr: float = Field(5e-4, gt=0, description="at a global batch of lr_batch; scaled linearly")
+    lr_batch: int = Field(512, ge=1)
+    min_lr: float = Field(1e-5, ge=0)
+    warmup_epochs: float = Field(5, ge=0)
+    warmup_lr: float = Field(1e-6, ge=0)
+    weight_decay: float = Field(0.05, ge=0)
+    label_smoothing: float = Field(0.1, ge=0, lt=1)
+    mixup: float = Field(0.8, ge=0, description="Mixup alpha (0: off)")
+    cutmix: float = Field(1.0, ge=0, description="CutMix alpha (0: off)")
+    mixup_prob: float = Field(1.0, ge=0, le=1)
+    mixup_switch_prob: float = Field(0.5, ge=0, le=1)
+    clip_grad: float | None = Field(None, gt=0, description="clip the gradient norm (None: off)")
+    ema: bool = Field(False, description="keep an EMA of the weights (timm ModelEmaV3) and evaluate it too")
+    ema_decay: float = Field(0.99996, gt=0, lt=1)
+    amp: bool = Field(True, description="bf16 autocast on GPU (ignored on CPU)")
+
+
+class TrainConfig(Section):
+    """One training job on Ray Train: what it does, where it runs and where results go."""
+
+    mode: Literal["base", "ksearch", "finetune", "baseline"] = "base"
+    init: str | None = Field(None, description="base checkpoint to start from (ksearch, finetune, baseline)")
+    ksearch_lambda: float = Field(1e-4, ge=0, description="strength of the soft-extract mass penalty")
+    name: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; same name + storage resumes")
+    storage_path: str = Field("runs/ray", description="Ray Train storage (shared FS or s3:// on a cluster)")
+    workers: int = Field(2, ge=0, description="DDP workers; 0: Ray Train's local mode, in this process")
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    max_failures: int = Field(1, ge=0, description="worker failures survived by restarting from a checkpoint")
+    address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS or a local Ray")
+    tracking_uri: str = Field("sqlite:///runs/mlflow.db", description="MLflow tracking URI")
+    artifact_root: str = Field("runs/mlartifacts", description="artifact store for new MLflow experiments")
+    experiment: str = "token-pooling"
+    parent_run_id: str | None = Field(None, description="MLflow parent run (set by the stage DAG)")
+    checkpoint_artifact_mb: float = Field(200, ge=0, description="log the final checkpoint to MLflow if smaller")
+    debug_fail_at_step: int | None = Field(None, ge=1, description="debug: raise once at this global step")
+    progress_bar: bool = Field(True, description="a per-step bar when stdout is a terminal")
+
+
 class Config(Section):
     """The whole experiment config. Later stages add their sections here."""
 
@@ -142,6 +233,9 @@ class Config(Section):
     bench: BenchOpsConfig = Field(default_factory=BenchOpsConfig)
     bench_throughput: BenchThroughputConfig = Field(default_factory=BenchThroughputConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    recipe: RecipeConfig = Field(default_factory=RecipeConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
 
     @model_validator(mode="after")
     def _pooling_options_exist(self) -> Config:

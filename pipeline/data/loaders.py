@@ -39,6 +39,7 @@ class LoaderSpec:
     os_cache: bool = True
     device: str = "cpu"
     drop_last: bool | None = None
+    flip: bool = True
 
 
 def read_metadata(beton: str | Path) -> dict[str, Any]:
@@ -85,7 +86,8 @@ def train_pipeline(spec: LoaderSpec) -> list:
     from ffcv.transforms import RandomHorizontalFlip
 
     decoder = RandomResizedCropRGBImageDecoder((spec.res, spec.res), scale=spec.crop_scale)
-    return [decoder, RandomHorizontalFlip(), *_to_model_input(spec)]
+    flip = [RandomHorizontalFlip()] if spec.flip else []
+    return [decoder, *flip, *_to_model_input(spec)]
 
 
 def val_pipeline(spec: LoaderSpec) -> list:
@@ -174,8 +176,9 @@ class _TorchLoader:
         from torchvision import datasets, transforms
 
         if spec.train:
-            tf = transforms.Compose([transforms.RandomResizedCrop(spec.res, scale=spec.crop_scale),
-                                     transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+            flip = [transforms.RandomHorizontalFlip()] if spec.flip else []
+            tf = transforms.Compose([transforms.RandomResizedCrop(spec.res, scale=spec.crop_scale), *flip,
+                                     transforms.ToTensor(),
                                      transforms.Normalize(spec.mean, spec.std)])
         else:
             tf = transforms.Compose([transforms.Resize(int(spec.res / spec.crop_pct)), transforms.CenterCrop(spec.res),

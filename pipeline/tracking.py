@@ -1,0 +1,119 @@
+"""MLflow tracking through ``MlflowClient`` (explicit run ids, no global active run, safe in Ray workers).
+
+The default store is SQLite (MLflow 3.13+ refuses a plain ``./mlruns`` file store) with artifacts in
+a local directory; on a cluster, a tracking server URI.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterable
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+RUN_KEY_TAG = "pipeline.run_key"
+MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used; says which URI and how to fix it."""
+
+
+def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
+    """Fails fast when a tracking server does not answer, or a SQLite store's folder cannot be written."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout) as response:
+                if response.status != 200:
+                    raise TrackingError(f"MLflow server {uri} answered {response.status} on /health")
+        except (urllib.error.URLError, OSError) as err:
+            raise TrackingError(f"MLflow tracking server {uri} is not reachable ({err}); start it, or "
+                                "pass another --tracking-uri (the default is a local SQLite store)") from None
+    elif uri.startswith("sqlite:///"):
+        folder = Path(uri[len("sqlite:///"):]).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise TrackingError(f"cannot create the MLflow SQLite folder {folder}: {err}") from None
+    elif uri.startswith(("file:", "./", "/")) or "://" not in uri:
+        raise TrackingError(f"tracking URI {uri!r}: MLflow 3.13+ refuses a plain file store; use "
+                            "sqlite:///PATH/mlflow.db or an http(s):// tracking server")
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``; lists become their string form."""
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)[:MAX_PARAM_LENGTH]
+    return flat
+
+
+def experiment_id(client: MlflowClient, name: str, artifact_root: str | None) -> str:
+    """The experiment's id, creating it (with artifacts under ``artifact_root``) if needed."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if artifact_root is not None and "://" not in artifact_root:
+        location = (Path(artifact_root).resolve() / name).as_uri()
+    elif artifact_root is not None:
+        location = f"{artifact_root.rstrip('/')}/{name}"
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # noqa: BLE001 - another process created it first
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def find_run(client: MlflowClient, exp_id: str, run_key: str) -> str | None:
+    """The id of the newest live run tagged with ``run_key``, if any."""
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def open_run(uri: str, experiment: str, artifact_root: str | None, run_key: str, *, run_name: str,
+             tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> tuple[MlflowClient, str]:
+    """Resumes the run tagged ``run_key`` or starts it; returns the client and run id."""
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = experiment_id(client, experiment, artifact_root)
+    run_id = find_run(client, exp_id, run_key)
+    all_tags = {RUN_KEY_TAG: run_key, **(tags or {})}
+    if parent_run_id is not None:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    if run_id is None:
+        run_id = client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
+    else:
+        client.update_run(run_id, status="RUNNING")
+        log_batch(client, run_id, tags=all_tags)
+    return client, run_id
+
+
+def _chunks(items: list, size: int) -> Iterable[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def log_batch(client: MlflowClient, run_id: str, *, params: dict[str, str] | None = None,
+              metrics: dict[str, float] | None = None, step: int = 0, tags: dict[str, str] | None = None) -> None:
+    """Logs params, metrics (at ``step``) and tags in MLflow's batch-size limits."""
+    now = int(time.time() * 1000)
+    metric_list = [Metric(k, float(v), now, step) for k, v in (metrics or {}).items()]
+    param_list = [Param(k, v) for k, v in (params or {}).items()]
+    tag_list = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+    for chunk in _chunks(param_list, 100):
+        client.log_batch(run_id, params=chunk)
+    for chunk in _chunks(metric_list, 1000):
+        client.log_batch(run_id, metrics=chunk)
+    for chunk in _chunks(tag_list, 100):
+        client.log_batch(run_id, tags=chunk)

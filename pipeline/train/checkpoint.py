@@ -1,0 +1,85 @@
+"""Training checkpoints: everything needed to continue bit-for-bit, and to start later stages from them.
+
+A checkpoint is a directory (what ``ray.train.report`` stores) holding ``checkpoint.pt`` (model,
+optimizer, scheduler, scaler, EMA, epoch, step, per-rank RNG states, data-order seed, the
+architecture and the keep list) and ``summary.json`` (metrics, readable without torch).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_FILE = "checkpoint.pt"
+SUMMARY_FILE = "summary.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable or made for another architecture."""
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's Python, NumPy and torch (CPU and CUDA) generator states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """``path`` itself if it is a file, else ``path/checkpoint.pt``."""
+    path = Path(path)
+    return path / CHECKPOINT_FILE if path.is_dir() else path
+
+
+def save_checkpoint(directory: str | Path, state: dict[str, Any], summary: dict[str, Any]) -> None:
+    directory = Path(directory)
+    torch.save(state, directory / CHECKPOINT_FILE)
+    (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The state dict saved by ``save_checkpoint`` (a directory or its ``checkpoint.pt``)."""
+    file = checkpoint_file(path)
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint not found: {file}")
+    try:
+        # Our own files: RNG states and numpy arrays need the full unpickler.
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means an unusable file
+        raise CheckpointError(f"{file}: not a readable checkpoint ({type(err).__name__}: {err})") from None
+
+
+def check_architecture(state: dict[str, Any], expected: dict[str, Any], path: str | Path) -> None:
+    """Raises CheckpointError naming each architecture field that differs."""
+    found = state.get("arch")
+    if found is None:
+        raise CheckpointError(f"{path}: no architecture record; it was not written by `pipeline train`")
+    diffs = [f"{key}: checkpoint {found.get(key)} vs config {value}" for key, value in expected.items()
+             if found.get(key) != value]
+    if diffs:
+        raise CheckpointError(f"{path} was trained for a different architecture ({'; '.join(diffs)}); "
+                              "point train.init at a checkpoint of this model, or change model.*")
+
+
+def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str | Path) -> None:
+    """Loads a checkpoint's weights; parameters the new mode adds (retention, alpha, convs) may be absent."""
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
+    unexpected = [k for k in unexpected if not k.endswith("retention")]  # a K-search checkpoint's soft-extract
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not fit the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")

@@ -1,0 +1,157 @@
+"""The driver side of ``pipeline train``: checks everything first, then runs a Ray Train ``TorchTrainer``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished job hands to the next stage."""
+
+    checkpoint: str  # directory holding checkpoint.pt
+    summary: dict[str, Any]
+
+    @property
+    def keep(self) -> list[int] | None:
+        return self.summary.get("keep")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.summary.get("mlflow_run_id")
+
+
+def _absolute(path: str | None) -> str | None:
+    if path is None or "://" in path:
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
+def resolve_paths(config: Config) -> Config:
+    """Absolute local paths, so that Ray workers (whatever their working directory) see the same files."""
+    uri = config.train.tracking_uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + _absolute(uri[len("sqlite:///"):])
+    data = config.data.model_copy(update={"train": _absolute(config.data.train), "val": _absolute(config.data.val)})
+    model = config.model.model_copy(update={"weights": _absolute(config.model.weights)})
+    train = config.train.model_copy(update={
+        "init": _absolute(config.train.init), "storage_path": _absolute(config.train.storage_path),
+        "artifact_root": _absolute(config.train.artifact_root), "tracking_uri": uri})
+    return config.model_copy(update={"data": data, "model": model, "train": train})
+
+
+def check_data(config: Config) -> None:
+    """Both datasets exist and their metadata matches the config."""
+    from pipeline.data.loaders import check_dataset
+
+    for split in ("train", "val"):
+        path = getattr(config.data, split)
+        if path is None:
+            raise ConfigError(f"data.{split} is not set; write a dataset with `python -m pipeline data write`")
+        if config.data.loader == "ffcv":
+            check_dataset(path, config.data.num_classes, full_checksum=config.data.verify_checksum)
+        elif not Path(path).is_dir():
+            raise FileNotFoundError(f"data.{split}: {path} is not an image folder (loader: torch)")
+    if config.data.batch_size % 2 and (config.recipe.mixup > 0 or config.recipe.cutmix > 0):
+        raise ConfigError(f"data.batch_size={config.data.batch_size}: Mixup/CutMix pair images, use an even batch")
+
+
+def check_model(config: Config) -> None:
+    """The model builds (names, widths, method, keep list), and ``train.init`` fits it."""
+    from pipeline.train.build import arch_signature, build_model
+    from pipeline.train.checkpoint import check_architecture, load_checkpoint
+
+    model = build_model(config)
+    mode = config.train.mode
+    if mode in ("ksearch", "finetune", "baseline") and config.train.init is None:
+        raise ConfigError(f"train.mode={mode} starts from a base model: set train.init to its checkpoint")
+    if config.train.init is not None:
+        check_architecture(load_checkpoint(config.train.init), arch_signature(model), config.train.init)
+
+
+def check_resources(config: Config) -> None:
+    """Enough CPUs (and GPUs) in the Ray cluster for the workers asked for."""
+    import ray
+
+    train = config.train
+    if train.workers == 0:  # Ray Train's local mode: this process
+        if train.use_gpu and not __import__("torch").cuda.is_available():
+            raise ConfigError("train.use_gpu is true but this machine has no CUDA device")
+        return
+    resources = ray.cluster_resources()
+    if train.use_gpu and resources.get("GPU", 0) < 1:
+        raise ConfigError("train.use_gpu is true but the Ray cluster has no GPU; set train.use_gpu=false "
+                          "or connect to a GPU cluster (--address)")
+    cpus = train.workers * train.cpus_per_worker
+    if resources.get("CPU", 0) < cpus:
+        raise ConfigError(f"train.workers={train.workers} x train.cpus_per_worker={train.cpus_per_worker} needs "
+                          f"{cpus:g} CPUs but the Ray cluster has {resources.get('CPU', 0):g}; lower them")
+    if train.use_gpu and resources.get("GPU", 0) < train.workers:
+        raise ConfigError(f"train.workers={train.workers} GPU workers but the cluster has "
+                          f"{resources.get('GPU', 0):g} GPUs")
+
+
+def preflight(config: Config) -> None:
+    """Every check that can fail before compute starts."""
+    from pipeline.tracking import check_tracking_uri
+
+    check_tracking_uri(config.train.tracking_uri)
+    check_data(config)
+    check_model(config)
+
+
+def connect_ray(address: str | None) -> None:
+    """A local Ray by default, or the cluster at ``address`` (or ``RAY_ADDRESS``)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    ray.init(address=address or os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING,
+             include_dashboard=False if (address or os.environ.get("RAY_ADDRESS")) is None else None)
+
+
+def make_trainer(config: Config):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipeline.train.loop import train_worker
+
+    train = config.train
+    resources = {"CPU": train.cpus_per_worker} | ({"GPU": 1} if train.use_gpu else {})
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=config.model_dump(mode="json"),
+        scaling_config=ScalingConfig(num_workers=train.workers, use_gpu=train.use_gpu,
+                                     resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if train.use_gpu else "gloo"),
+        run_config=RunConfig(name=train.name, storage_path=train.storage_path,
+                             failure_config=FailureConfig(max_failures=train.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=train.keep_checkpoints)),
+    )
+
+
+def run_training(config: Config, address: str | None = None) -> TrainResult:
+    """Runs (or resumes: same ``train.name`` and ``train.storage_path``) one training job."""
+    config = resolve_paths(config)
+    preflight(config)
+    if config.train.workers > 0:
+        connect_ray(address or config.train.address)
+    check_resources(config)
+    try:
+        result = make_trainer(config).fit()
+    except Exception as err:  # Ray wraps the worker's exception; keep its message, drop Ray's frames
+        raise RuntimeError(f"training job {config.train.name!r} failed after {config.train.max_failures} "
+                           f"restart(s): {err}") from err
+    if result.checkpoint is None:
+        raise RuntimeError(f"training job {config.train.name!r} finished without a checkpoint")
+    with result.checkpoint.as_directory() as directory:
+        summary = json.loads((Path(directory) / "summary.json").read_text())
+    return TrainResult(checkpoint=result.checkpoint.path, summary=summary)

@@ -1,0 +1,54 @@
+"""DeiT's training recipe, assembled from timm's own parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import CosineLRScheduler
+from timm.utils import ModelEmaV3
+from torch import nn
+
+from pipeline.config import RecipeConfig
+
+
+@dataclass
+class Recipe:
+    """The optimiser and everything that steps with it."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: CosineLRScheduler
+    mixup: Mixup | None
+    loss: nn.Module
+    ema: ModelEmaV3 | None
+    lr: float
+
+
+def scaled_lr(cfg: RecipeConfig, global_batch: int) -> float:
+    """DeiT's linear scaling: ``lr * global_batch / lr_batch``."""
+    return cfg.lr * global_batch / cfg.lr_batch
+
+
+def build_recipe(model: nn.Module, cfg: RecipeConfig, *, num_classes: int, global_batch: int,
+                 steps_per_epoch: int) -> Recipe:
+    """AdamW (no decay on norms, biases and other 1-D parameters), cosine with warm-up per step,
+    Mixup/CutMix with label smoothing folded into the soft targets, and an optional EMA."""
+    lr = scaled_lr(cfg, global_batch)
+    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, filter_bias_and_bn=True)
+    scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * steps_per_epoch, lr_min=cfg.min_lr,
+                                  warmup_t=int(cfg.warmup_epochs * steps_per_epoch), warmup_lr_init=cfg.warmup_lr,
+                                  t_in_epochs=False)
+    mixup = None
+    if cfg.mixup > 0 or cfg.cutmix > 0:
+        mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                      switch_prob=cfg.mixup_switch_prob, label_smoothing=cfg.label_smoothing, num_classes=num_classes)
+        loss: nn.Module = SoftTargetCrossEntropy()
+    elif cfg.label_smoothing > 0:
+        loss = LabelSmoothingCrossEntropy(smoothing=cfg.label_smoothing)
+    else:
+        loss = nn.CrossEntropyLoss()
+    ema = ModelEmaV3(model, decay=cfg.ema_decay) if cfg.ema else None
+    return Recipe(optimizer, scheduler, mixup, loss, ema, lr)

@@ -1,0 +1,62 @@
+"""What a training job records in MLflow (rank 0 only): params, per-epoch metrics, tags, artifacts."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+from pipeline.config import Config, config_hash, dump_config, git_sha
+from pipeline.tracking import flatten, log_batch, open_run
+
+
+def run_key(config: Config) -> str:
+    """A job's identity in MLflow: its Ray storage folder, so that a resumed job continues its run."""
+    return f"{config.train.storage_path.rstrip('/')}/{config.train.name}"
+
+
+@dataclass
+class JobTracker:
+    client: MlflowClient
+    run_id: str
+    config: Config
+
+    @classmethod
+    def open(cls, config: Config, run_id: str | None = None) -> JobTracker:
+        """Continues ``run_id`` (from a checkpoint) or the run with this job's key, else starts one."""
+        train = config.train
+        tags = {"git_sha": git_sha(Path(__file__).parent), "config_hash": config_hash(config), "mode": train.mode,
+                "method": config.pooling.method if train.mode == "finetune" else "none"}
+        client, found = open_run(train.tracking_uri, train.experiment, train.artifact_root, run_key(config),
+                                 run_name=train.name, tags=tags, parent_run_id=train.parent_run_id)
+        tracker = cls(client, run_id or found, config)
+        log_batch(client, tracker.run_id, params=flatten(config.model_dump(mode="json")))
+        return tracker
+
+    def log_epoch(self, metrics: dict[str, float], epoch: int, keep: list[int] | None) -> None:
+        log_batch(self.client, self.run_id, metrics=metrics, step=epoch)
+
+    def finish(self, model: nn.Module, keep: list[int] | None) -> None:
+        """Logs the resolved config, the keep list and the weights (or their location), and closes the run."""
+        with tempfile.TemporaryDirectory() as tmp:
+            config_file = Path(tmp) / "config.yaml"
+            config_file.write_text(f"# git {git_sha(Path(__file__).parent)}; hash {config_hash(self.config)}\n"
+                                   + dump_config(self.config))
+            self.client.log_artifact(self.run_id, str(config_file))
+            if keep is not None:
+                keep_file = Path(tmp) / "keep.json"
+                keep_file.write_text(json.dumps({"keep": keep}) + "\n")
+                self.client.log_artifact(self.run_id, str(keep_file))
+                log_batch(self.client, self.run_id, tags={"keep": ",".join(map(str, keep))})
+            weights = Path(tmp) / "model.pt"
+            torch.save(model.state_dict(), weights)
+            if weights.stat().st_size <= self.config.train.checkpoint_artifact_mb * 1e6:
+                self.client.log_artifact(self.run_id, str(weights), artifact_path="checkpoint")
+            else:
+                log_batch(self.client, self.run_id, tags={"checkpoint_location": run_key(self.config)})
+        self.client.set_terminated(self.run_id, "FINISHED")
