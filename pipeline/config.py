@@ -208,6 +208,7 @@ class TrainConfig(Section):
     mode: Literal["base", "ksearch", "finetune", "baseline"] = "base"
     init: str | None = Field(None, description="base checkpoint to start from (ksearch, finetune, baseline)")
     ksearch_lambda: float = Field(1e-4, ge=0, description="strength of the soft-extract mass penalty")
+    ksearch_lr_scale: float = Field(20.0, gt=0, description="learning-rate multiple of the retention weights")
     name: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; same name + storage resumes")
     storage_path: str = Field("runs/ray", description="Ray Train storage (shared FS or s3:// on a cluster)")
     workers: int = Field(2, ge=0, description="DDP workers; 0: Ray Train's local mode, in this process")

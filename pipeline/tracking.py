@@ -83,8 +83,9 @@ def find_run(client: MlflowClient, exp_id: str, run_key: str) -> str | None:
 
 
 def open_run(uri: str, experiment: str, artifact_root: str | None, run_key: str, *, run_name: str,
-             tags: dict[str, str] | None = None, parent_run_id: str | None = None) -> tuple[MlflowClient, str]:
-    """Resumes the run tagged ``run_key`` or starts it; returns the client and run id."""
+             tags: dict[str, str] | None = None, parent_run_id: str | None = None
+             ) -> tuple[MlflowClient, str, bool]:
+    """Resumes the run tagged ``run_key`` or starts it; returns the client, the run id and whether it is new."""
     client = MlflowClient(tracking_uri=uri)
     exp_id = experiment_id(client, experiment, artifact_root)
     run_id = find_run(client, exp_id, run_key)
@@ -92,11 +93,10 @@ def open_run(uri: str, experiment: str, artifact_root: str | None, run_key: str,
     if parent_run_id is not None:
         all_tags["mlflow.parentRunId"] = parent_run_id
     if run_id is None:
-        run_id = client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
-    else:
-        client.update_run(run_id, status="RUNNING")
-        log_batch(client, run_id, tags=all_tags)
-    return client, run_id
+        return client, client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id, True
+    client.update_run(run_id, status="RUNNING")
+    log_batch(client, run_id, tags=all_tags)
+    return client, run_id, False
 
 
 def _chunks(items: list, size: int) -> Iterable[list]:

@@ -296,6 +296,20 @@ def test_retention_penalty_and_keep_list():
     assert all(block.retention.grad is not None and block.retention.grad.abs().sum() > 0 for block in model.blocks)
 
 
+def test_retention_moves_from_its_initial_value_of_one():
+    from pipeline.models import project_retention, retention_penalty
+
+    model = apply_downsampling(tiny(), "none", soft_extract=True)  # every retention weight is exactly 1
+    retention_penalty(model, 0.01).backward()
+    grads = [block.retention.grad for block in model.blocks]
+    assert all(g is not None and (g > 0).all() for g in grads)  # a plain clamp would give 0 at the bound
+    with torch.no_grad():
+        model.blocks[0].retention.sub_(2.0)
+        model.blocks[1].retention.add_(0.5)
+    project_retention(model)
+    assert (model.blocks[0].retention == 0).all() and (model.blocks[1].retention == 1).all()
+
+
 def test_soft_extract_needs_the_plain_model():
     with pytest.raises(ValueError, match="soft_extract is the K search"):
         apply_downsampling(tiny(), "kmedoids", soft_extract=True)

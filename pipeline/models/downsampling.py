@@ -125,6 +125,23 @@ class DownsamplingBlocks(nn.Sequential):
         return x, sizes
 
 
+def unit_interval(retention: Tensor) -> Tensor:
+    """``retention`` clamped to [0, 1] with the gradient passed straight through.
+
+    A plain ``clamp`` has zero gradient at the bounds, and retention starts at exactly 1, so the
+    K search would never move; ``project_retention`` keeps the stored values inside [0, 1].
+    """
+    return retention + (retention.clamp(0.0, 1.0) - retention).detach()
+
+
+@torch.no_grad()
+def project_retention(model: nn.Module) -> None:
+    """Clips every soft-extract weight back into [0, 1] after an optimiser step (PoWER-BERT)."""
+    for block in model.blocks:
+        if hasattr(block, "retention"):
+            block.retention.clamp_(0.0, 1.0)
+
+
 def soft_extract(tokens: Tensor, scores: Tensor, retention: Tensor) -> Tensor:
     """PoWER-BERT's soft-extract layer: scales the token of significance rank j by retention[j].
 
@@ -133,7 +150,7 @@ def soft_extract(tokens: Tensor, scores: Tensor, retention: Tensor) -> Tensor:
     b, n = scores.shape
     order = scores.argsort(dim=-1, descending=True, stable=True)  # token index at each rank
     ranks = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=order.device).expand(b, n))
-    return tokens * retention.clamp(0.0, 1.0)[ranks].unsqueeze(-1).to(tokens.dtype)
+    return tokens * unit_interval(retention)[ranks].unsqueeze(-1).to(tokens.dtype)
 
 
 def retention_penalty(model: nn.Module, strength: float) -> Tensor:
@@ -141,7 +158,7 @@ def retention_penalty(model: nn.Module, strength: float) -> Tensor:
     blocks = [block for block in model.blocks if hasattr(block, "retention")]
     if not blocks:
         raise ValueError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
-    return strength * sum((layer + 1) * block.retention.clamp(0.0, 1.0).sum() for layer, block in enumerate(blocks))
+    return strength * sum((layer + 1) * unit_interval(block.retention).sum() for layer, block in enumerate(blocks))
 
 
 def retention_keep(model: nn.Module) -> list[int]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from pipeline.config import Config, config_hash
 from pipeline.data.loaders import LoaderSpec, build_loader, progressive_res, set_resolution
-from pipeline.models import retention_keep, retention_penalty
+from pipeline.models import project_retention, retention_keep, retention_penalty
 from pipeline.train.build import arch_signature, build_model, data_config, unwrap
 from pipeline.train.checkpoint import (
     check_architecture,
@@ -153,6 +153,8 @@ def train_one_epoch(model: nn.Module, loader, recipe: Recipe, worker: Worker, ep
         if config.recipe.clip_grad is not None:
             nn.utils.clip_grad_norm_(model.parameters(), config.recipe.clip_grad)
         recipe.optimizer.step()
+        if config.train.mode == "ksearch":
+            project_retention(unwrap(model))
         step += 1
         recipe.scheduler.step_update(step)
         if recipe.ema is not None:
@@ -191,6 +193,17 @@ def evaluate(model: nn.Module, loader, worker: Worker) -> float:
     if worker.world > 1:
         dist.all_reduce(counts)
     return float(100.0 * counts[0] / counts[1].clamp(min=1))
+
+
+def replica_divergence(model: nn.Module, worker: Worker) -> float:
+    """The largest difference between ranks of any parameter (0.0 when DDP keeps them in sync)."""
+    if worker.world == 1:
+        return 0.0
+    flat = torch.cat([p.detach().reshape(-1).double() for p in unwrap(model).parameters()])
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return float((high - low).max())
 
 
 def global_mean(value: float, worker: Worker) -> float:
@@ -323,7 +336,8 @@ def train_worker(config_dict: dict[str, Any]) -> None:
         raise ValueError(f"data.batch_size={config.data.batch_size} x {worker.world} workers is larger than the "
                          "training set; lower the batch size")
     recipe = build_recipe(unwrap(model), config.recipe, num_classes=config.data.num_classes,
-                          global_batch=config.data.batch_size * worker.world, steps_per_epoch=steps_per_epoch)
+                          global_batch=config.data.batch_size * worker.world, steps_per_epoch=steps_per_epoch,
+                          retention_lr_scale=config.train.ksearch_lr_scale)
     start_epoch, step, run_id = 0, 0, None
     checkpoint = ray.train.get_checkpoint() if config.train.workers else latest_local_checkpoint(config)
     if checkpoint is not None:
@@ -343,7 +357,10 @@ def train_worker(config_dict: dict[str, Any]) -> None:
         stats, step = train_one_epoch(model, train_loader, recipe, worker, epoch, step, steps_per_epoch)
         metrics = {"train_loss": global_mean(stats.loss, worker), "val_top1": evaluate(model, evaluation, worker),
                    "images_per_s": stats.images * worker.world / max(stats.seconds, 1e-9),
-                   "lr": recipe.optimizer.param_groups[0]["lr"], "epoch": epoch + 1}
+                   "lr": recipe.optimizer.param_groups[0]["lr"], "epoch": epoch + 1,
+                   "replica_divergence": replica_divergence(model, worker)}
+        if metrics["replica_divergence"] > 0:
+            raise RuntimeError(f"DDP replicas diverged by {metrics['replica_divergence']:.3g} after epoch {epoch + 1}")
         if recipe.ema is not None:
             metrics["val_top1_ema"] = evaluate(recipe.ema.module, evaluation, worker)
         if config.train.mode == "ksearch":

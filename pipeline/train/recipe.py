@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -32,12 +32,28 @@ def scaled_lr(cfg: RecipeConfig, global_batch: int) -> float:
     return cfg.lr * global_batch / cfg.lr_batch
 
 
+def param_groups(model: nn.Module, weight_decay: float, retention_lr_scale: float) -> list[dict]:
+    """timm's groups (no decay on 1-D parameters: norms, biases), with the K search's retention
+    weights apart at ``retention_lr_scale`` times the learning rate, as PoWER-BERT trains them."""
+    retention = [p for name, p in model.named_parameters() if name.endswith(".retention") and p.requires_grad]
+    skip = {id(p) for p in retention}
+    groups = []
+    for group in param_groups_weight_decay(model, weight_decay):
+        params = [p for p in group["params"] if id(p) not in skip]
+        if params:
+            groups.append({**group, "params": params})
+    if retention:
+        groups.append({"params": retention, "weight_decay": 0.0, "lr_scale": retention_lr_scale})
+    return groups
+
+
 def build_recipe(model: nn.Module, cfg: RecipeConfig, *, num_classes: int, global_batch: int,
-                 steps_per_epoch: int) -> Recipe:
+                 steps_per_epoch: int, retention_lr_scale: float = 1.0) -> Recipe:
     """AdamW (no decay on norms, biases and other 1-D parameters), cosine with warm-up per step,
     Mixup/CutMix with label smoothing folded into the soft targets, and an optional EMA."""
     lr = scaled_lr(cfg, global_batch)
-    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, filter_bias_and_bn=True)
+    optimizer = create_optimizer_v2(param_groups(model, cfg.weight_decay, retention_lr_scale), opt=cfg.opt, lr=lr,
+                                    weight_decay=cfg.weight_decay)
     scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * steps_per_epoch, lr_min=cfg.min_lr,
                                   warmup_t=int(cfg.warmup_epochs * steps_per_epoch), warmup_lr_init=cfg.warmup_lr,
                                   t_in_epochs=False)

@@ -32,10 +32,16 @@ class JobTracker:
         train = config.train
         tags = {"git_sha": git_sha(Path(__file__).parent), "config_hash": config_hash(config), "mode": train.mode,
                 "method": config.pooling.method if train.mode == "finetune" else "none"}
-        client, found = open_run(train.tracking_uri, train.experiment, train.artifact_root, run_key(config),
-                                 run_name=train.name, tags=tags, parent_run_id=train.parent_run_id)
+        client, found, new = open_run(train.tracking_uri, train.experiment, train.artifact_root, run_key(config),
+                                      run_name=train.name, tags=tags, parent_run_id=train.parent_run_id)
         tracker = cls(client, run_id or found, config)
-        log_batch(client, tracker.run_id, params=flatten(config.model_dump(mode="json")))
+        params = flatten(config.model_dump(mode="json"))
+        if new:
+            log_batch(client, tracker.run_id, params=params)
+        else:  # MLflow params are immutable: a resumed job that changed its config records the new values as tags
+            logged = client.get_run(tracker.run_id).data.params
+            changed = {f"resumed.{k}": v for k, v in params.items() if logged.get(k, v) != v}
+            log_batch(client, tracker.run_id, tags=changed)
         return tracker
 
     def log_epoch(self, metrics: dict[str, float], epoch: int, keep: list[int] | None) -> None:

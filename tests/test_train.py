@@ -1,0 +1,160 @@
+"""Training on Ray Train (2 CPU workers, gloo) and in Ray Train's local mode, on tiny synthetic data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import ConfigError, load_config
+from pipeline.data import WriteSettings, open_source, write_beton, write_folder
+from pipeline.data.loaders import DatasetMismatchError
+from pipeline.pooling import METHODS
+from pipeline.train import run_training
+from pipeline.train.checkpoint import CheckpointError, load_checkpoint
+from pipeline.tracking import TrackingError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
+QUIET = lambda _: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("data")
+    raw = WriteSettings(mode="raw", max_res=None)
+    paths = {}
+    for split, spec in (("train", "synthetic:classes=4,count=256,size=16"),
+                        ("val", "synthetic:classes=4,count=64,size=16,seed=1")):
+        write_beton(open_source(spec), root / f"{split}.beton", raw, log=QUIET)
+        write_folder(open_source(spec), root / split, size=None, quality=95, log=QUIET)
+        paths[split] = root / f"{split}.beton"
+        paths[f"{split}_folder"] = root / split
+    return paths
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+def tiny(data: dict[str, Path], runs: Path, *overrides: str, folders: bool = False):
+    if folders:
+        paths = [f"data.train={data['train_folder']}", f"data.val={data['val_folder']}", "data.loader=torch",
+                 "data.num_workers=0"]
+    else:
+        paths = [f"data.train={data['train']}", f"data.val={data['val']}"]
+    where = [f"train.storage_path={runs / 'ray'}", f"train.tracking_uri=sqlite:///{runs / 'mlflow.db'}",
+             f"train.artifact_root={runs / 'artifacts'}"]
+    return load_config(TINY, [*paths, *where, *overrides])
+
+
+@pytest.fixture(scope="module")
+def base(data, runs):
+    """A base model trained by 2 Ray Train workers (DDP over gloo) on FFCV loaders."""
+    return run_training(tiny(data, runs, "train.name=base"))
+
+
+def mlflow_run(runs: Path, run_id: str):
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
+    return client, client.get_run(run_id)
+
+
+def test_two_workers_learn_and_stay_in_sync(base, runs):
+    client, run = mlflow_run(runs, base.run_id)
+    losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    divergence = client.get_metric_history(run.info.run_id, "replica_divergence")
+    assert [m.value for m in divergence] == [0.0, 0.0]  # DDP: both ranks hold the same parameters
+    state = load_checkpoint(base.checkpoint)
+    assert state["world_size"] == 2 and len(state["rng"]) == 2 and state["epoch"] == 1
+    assert {"model", "optimizer", "scheduler", "ema", "scaler", "data_seed"} <= set(state)
+
+
+def test_mlflow_holds_params_metrics_tags_and_artifacts(base, runs):
+    client, run = mlflow_run(runs, base.run_id)
+    assert run.data.params["model.embed_dim"] == "24" and run.data.params["train.mode"] == "base"
+    assert run.data.tags["mode"] == "base" and len(run.data.tags["config_hash"]) == 16
+    assert run.data.tags["git_sha"] != "unknown"
+    assert {"val_top1", "train_loss", "images_per_s", "lr"} <= set(run.data.metrics)
+    assert run.info.status == "FINISHED"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "checkpoint"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/model.pt"]
+
+
+def test_failure_at_a_step_resumes_to_the_same_weights(data, runs):
+    # Deterministic data (full crops, no flip) and Mixup on, so that the restored RNG states matter.
+    common = ["recipe.epochs=3", "recipe.mixup=0.8", "data.flip=false", "data.crop_scale=[1.0, 1.0]"]
+    clean = run_training(tiny(data, runs, "train.name=clean", *common))
+    failed = run_training(tiny(data, runs, "train.name=failed", "train.debug_fail_at_step=12",
+                               "train.max_failures=1", *common))
+    assert (runs / "ray" / "failed" / ".debug_failed_at_12").exists()  # it did fail once, in epoch 2
+    a, b = load_checkpoint(clean.checkpoint)["model"], load_checkpoint(failed.checkpoint)["model"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    client, run = mlflow_run(runs, failed.run_id)
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_top1")]
+    assert sorted(steps) == [1, 2, 3]  # one MLflow run, each epoch once
+
+
+def test_rerun_of_a_finished_job_resumes_instead_of_starting_over(base, data, runs):
+    again = run_training(tiny(data, runs, "train.name=base", "recipe.epochs=3"))
+    assert load_checkpoint(again.checkpoint)["epoch"] == 2  # only the third epoch ran
+    assert again.run_id == base.run_id
+
+
+def test_ksearch_gives_non_increasing_keep_lists_and_lambda_prunes(base, data, runs):
+    keeps = {}
+    for lam in (0.0, 0.05):
+        result = run_training(tiny(data, runs, "train.mode=ksearch", f"train.init={base.checkpoint}",
+                                   f"train.ksearch_lambda={lam}", f"train.name=ks{lam}", "train.workers=0",
+                                   "recipe.epochs=3", folders=True))
+        keep = result.keep
+        assert len(keep) == 3 and all(0 <= k <= 16 for k in keep)
+        assert all(a >= b for a, b in zip(keep, keep[1:]))
+        keeps[lam] = keep
+    assert keeps[0.0] == [16, 16, 16]  # no penalty: nothing to gain from dropping tokens
+    assert sum(keeps[0.05]) < sum(keeps[0.0])
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
+def test_finetune_every_method_from_the_base(method, base, data, runs):
+    keep = "[4, 1, 1]" if method == "conv" else "[12, 8, 4]"
+    result = run_training(tiny(data, runs, "train.mode=finetune", f"train.init={base.checkpoint}",
+                               f"pooling.method={method}", f"pooling.keep={keep}", f"train.name=ft_{method}",
+                               "train.workers=0", "recipe.epochs=1", folders=True))
+    assert result.keep == eval(keep)
+    before, after = load_checkpoint(base.checkpoint)["model"], load_checkpoint(result.checkpoint)["model"]
+    assert not torch.equal(before["head.weight"], after["head.weight"])  # it trained
+    assert 0.0 <= result.summary["val_top1"] <= 100.0
+
+
+def test_baseline_finetunes_without_downsampling(base, data, runs):
+    result = run_training(tiny(data, runs, "train.mode=baseline", f"train.init={base.checkpoint}",
+                               "train.name=baseline", "train.workers=0", "recipe.epochs=1", folders=True))
+    assert result.keep is None and load_checkpoint(result.checkpoint)["mode"] == "baseline"
+
+
+def test_bad_inputs_fail_before_any_compute(base, data, runs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="dataset not found"):
+        run_training(tiny(data, runs, f"data.train={tmp_path / 'nope.beton'}"))
+    with pytest.raises(DatasetMismatchError, match="holds 4 classes"):
+        run_training(tiny(data, runs, "data.num_classes=10"))
+    with pytest.raises(CheckpointError, match="different architecture.*embed_dim: checkpoint 24 vs config 32"):
+        run_training(tiny(data, runs, "train.mode=finetune", f"train.init={base.checkpoint}", "model.embed_dim=32",
+                          "pooling.keep=[12, 8, 4]"))
+    with pytest.raises(ConfigError, match="needs 16 CPUs but the Ray cluster has 2"):
+        run_training(tiny(data, runs, "train.workers=8", "train.cpus_per_worker=2"))
+    with pytest.raises(ConfigError, match="use_gpu is true but the Ray cluster has no GPU"):
+        run_training(tiny(data, runs, "train.use_gpu=true"))
+    with pytest.raises(ConfigError, match="pooling.method"):
+        tiny(data, runs, "pooling.method=kmedians")
+    with pytest.raises(ValueError, match="keep has 2 entries but the model has 3 blocks"):
+        run_training(tiny(data, runs, "train.mode=finetune", f"train.init={base.checkpoint}", "pooling.keep=[8, 4]"))
+    with pytest.raises(ConfigError, match="set train.init"):
+        run_training(tiny(data, runs, "train.mode=finetune", "pooling.keep=[12, 8, 4]"))
+    with pytest.raises(TrackingError, match="not reachable"):
+        run_training(tiny(data, runs, "train.tracking_uri=http://127.0.0.1:9"))
