@@ -211,7 +211,7 @@ class TrainConfig(Section):
     ksearch_lr_scale: float = Field(20.0, gt=0, description="learning-rate multiple of the retention weights")
     name: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; same name + storage resumes")
     storage_path: str = Field("runs/ray", description="Ray Train storage (shared FS or s3:// on a cluster)")
-    workers: int = Field(2, ge=0, description="DDP workers; 0: Ray Train's local mode, in this process")
+    workers: int = Field(2, ge=0, description="DDP workers on Ray Train; 0: the same loop in this process")
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     keep_checkpoints: int = Field(2, ge=1)
@@ -221,9 +221,89 @@ class TrainConfig(Section):
     artifact_root: str = Field("runs/mlartifacts", description="artifact store for new MLflow experiments")
     experiment: str = "token-pooling"
     parent_run_id: str | None = Field(None, description="MLflow parent run (set by the stage DAG)")
+    tags: dict[str, str] = Field(default_factory=dict, description="extra MLflow tags (the DAG's stage records)")
     checkpoint_artifact_mb: float = Field(200, ge=0, description="log the final checkpoint to MLflow if smaller")
     debug_fail_at_step: int | None = Field(None, ge=1, description="debug: raise once at this global step")
     progress_bar: bool = Field(True, description="a per-step bar when stdout is a terminal")
+
+
+class StageRecipe(Section):
+    """Per-stage overrides of the recipe (the rest comes from the ``recipe`` section)."""
+
+    epochs: int | None = Field(None, ge=1)
+    lr: float | None = Field(None, gt=0)
+    warmup_epochs: float | None = Field(None, ge=0)
+
+
+class PrepareItem(Section):
+    """A dataset the DAG writes before anything else, if it is missing (``pipeline data write``)."""
+
+    source: str
+    out: str
+    limit: int | None = Field(None, ge=1)
+    mode: Literal["raw", "jpg", "smart"] = "raw"
+    max_res: int | None = 256
+
+
+class SearchConfig(Section):
+    """How Ray Tune walks the finetune grid."""
+
+    algorithm: Literal["grid", "random"] = Field("grid", description="grid: every trial; random: num_samples of them")
+    num_samples: int = Field(1, ge=1, description="random: how many trials to draw")
+    max_concurrent: int | None = Field(None, ge=1, description="default: as many as the cluster's resources allow")
+    trial_workers: int = Field(0, ge=0, description="0: single-process trials (cheap); N: a TorchTrainer of N per trial")
+    trial_cpus: float = Field(1.0, gt=0, description="CPUs per trial (per worker with trial_workers > 0)")
+    trial_gpus: float = Field(0.0, ge=0)
+
+
+class EvalConfig(Section):
+    batch: int = Field(64, ge=1, description="throughput batch")
+    warmup: int = Field(2, ge=0)
+    repeats: int = Field(5, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    cpus: float = Field(2.0, gt=0, description="CPUs per evaluation task (all of them: clean timings)")
+
+
+class ExperimentConfig(Section):
+    """``pipeline run``: the stage DAG (base -> ksearch -> finetune sweep -> evaluate -> select)."""
+
+    name: str = Field("experiment", pattern=r"^[A-Za-z0-9_.-]+$")
+    embed_dims: list[int] | None = Field(None, description="one base per width M (model.* is the template)")
+    models: list[str] | None = Field(None, description="or one base per timm model name (the paper's DeiTs)")
+    num_heads: dict[int, int] = Field(default_factory=dict, description="heads per width; default model.num_heads")
+    base_checkpoints: dict[str, str] = Field(default_factory=dict, description="arch -> checkpoint: skip its training")
+    lambdas: list[float] | None = Field(None, description="K-search strengths; each gives one sparsity level")
+    levels: list[int] | None = Field(None, description="or pin the paper's levels (configs/sparsity/)")
+    methods: list[MethodName] = Field(
+        default_factory=lambda: ["wkmedoids", "kmedoids", "powerbert", "random", "importance", "tome"])
+    baseline: bool = Field(True, description="also finetune each base without downsampling (DeiT-2x control)")
+    base: StageRecipe = Field(default_factory=StageRecipe)
+    ksearch: StageRecipe = Field(default_factory=lambda: StageRecipe(epochs=1))
+    finetune: StageRecipe = Field(default_factory=StageRecipe)
+    search: SearchConfig = Field(default_factory=SearchConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    budgets: list[float] | None = Field(None, description="GFLOPs budgets of the best-trade-off table")
+    register_models: bool = Field(True, description="register Pareto-optimal models in the MLflow Model Registry")
+    prepare: list[PrepareItem] = Field(default_factory=list)
+    runs_dir: str = Field("runs/experiments", description="reports and plots go to RUNS_DIR/NAME/")
+
+    @model_validator(mode="after")
+    def _sweep_is_not_empty(self) -> ExperimentConfig:
+        if (self.embed_dims is None) == (self.models is None):
+            raise ValueError("give experiment.embed_dims or experiment.models (exactly one)")
+        if not (self.embed_dims or self.models):
+            raise ValueError("experiment.embed_dims/models is empty: the sweep would have zero trials")
+        if (self.lambdas is None) == (self.levels is None):
+            raise ValueError("give experiment.lambdas (K search) or experiment.levels (the paper's), exactly one")
+        if not (self.lambdas or self.levels) and self.methods:
+            raise ValueError("experiment.lambdas/levels is empty: the finetune sweep would have zero trials")
+        if not self.methods and not self.baseline:
+            raise ValueError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
+        if "none" in self.methods:
+            raise ValueError("experiment.methods: 'none' is the baseline; set experiment.baseline: true instead")
+        if self.search.algorithm == "grid" and self.search.num_samples != 1:
+            raise ValueError("experiment.search.num_samples applies to algorithm: random")
+        return self
 
 
 class Config(Section):
@@ -237,6 +317,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     recipe: RecipeConfig = Field(default_factory=RecipeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    experiment: ExperimentConfig | None = None
 
     @model_validator(mode="after")
     def _pooling_options_exist(self) -> Config:

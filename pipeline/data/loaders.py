@@ -220,3 +220,22 @@ def build_loader(kind: str, spec: LoaderSpec) -> Iterable:
     if kind == "torch":
         return torch_loader(spec)
     raise ValueError(f"unknown loader {kind!r}; use ffcv or torch")
+
+
+_SHARED: dict[tuple[str, LoaderSpec], Any] = {}
+
+
+def shared_loader(kind: str, spec: LoaderSpec) -> Iterable:
+    """``build_loader``, but an FFCV loader is built once per process and spec, then reused.
+
+    FFCV compiles every new loader with numba (about 10 s here); Tune runs many short trials in the
+    same reused actor, and they all read the same data with the same spec.
+    """
+    if kind != "ffcv":
+        return build_loader(kind, spec)
+    key = (kind, spec)
+    if key not in _SHARED:
+        if len(_SHARED) >= 4:
+            _SHARED.pop(next(iter(_SHARED)))
+        _SHARED[key] = build_loader(kind, spec)
+    return _SHARED[key]

@@ -81,10 +81,6 @@ def check_resources(config: Config) -> None:
     import ray
 
     train = config.train
-    if train.workers == 0:  # Ray Train's local mode: this process
-        if train.use_gpu and not __import__("torch").cuda.is_available():
-            raise ConfigError("train.use_gpu is true but this machine has no CUDA device")
-        return
     resources = ray.cluster_resources()
     if train.use_gpu and resources.get("GPU", 0) < 1:
         raise ConfigError("train.use_gpu is true but the Ray cluster has no GPU; set train.use_gpu=false "
@@ -138,12 +134,29 @@ def make_trainer(config: Config):
     )
 
 
+def run_local(config: Config) -> TrainResult:
+    """``train.workers: 0``: the loop in this process (Tune trials, quick runs)."""
+    from pipeline.train.loop import latest_local_checkpoint, local_checkpoints, train_local
+
+    if config.train.use_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.use_gpu is true but this machine has no CUDA device")
+    train_local(config)
+    directory = latest_local_checkpoint(local_checkpoints(config))
+    if directory is None:
+        raise RuntimeError(f"training job {config.train.name!r} finished without a checkpoint")
+    return TrainResult(checkpoint=str(directory), summary=json.loads((directory / "summary.json").read_text()))
+
+
 def run_training(config: Config, address: str | None = None) -> TrainResult:
     """Runs (or resumes: same ``train.name`` and ``train.storage_path``) one training job."""
     config = resolve_paths(config)
     preflight(config)
-    if config.train.workers > 0:
-        connect_ray(address or config.train.address)
+    if config.train.workers == 0:
+        return run_local(config)
+    connect_ray(address or config.train.address)
     check_resources(config)
     try:
         result = make_trainer(config).fit()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config, config_hash
-from pipeline.data.loaders import LoaderSpec, build_loader, progressive_res, set_resolution
+from pipeline.data.loaders import LoaderSpec, progressive_res, set_resolution, shared_loader
 from pipeline.models import project_retention, retention_keep, retention_penalty
 from pipeline.train.build import arch_signature, build_model, data_config, unwrap
 from pipeline.train.checkpoint import (
@@ -69,7 +69,7 @@ def val_loader(config: Config, model: nn.Module, worker: Worker):
     """Each rank reads every ``world``-th validation image, so the ranks' counts add up to the set exactly."""
     spec = loader_spec(config, model, worker, train=False)
     if config.data.loader == "torch" or worker.world == 1:
-        return build_loader(config.data.loader, spec)
+        return shared_loader(config.data.loader, spec)
     from ffcv.loader import Loader, OrderOption
 
     from pipeline.data.loaders import label_pipeline, val_pipeline
@@ -252,40 +252,93 @@ def restore(state: dict[str, Any], model: nn.Module, recipe: Recipe, worker: Wor
     return state["epoch"] + 1, state["step"]
 
 
+class RaySession:
+    """A Ray Train worker: rank and device from Ray, checkpoints kept by ``ray.train.report``."""
+
+    def __init__(self) -> None:
+        import ray.train
+        import ray.train.torch
+
+        context = ray.train.get_context()
+        self.rank, self.world = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if self.world > 1 else None)
+
+    def latest(self) -> dict[str, Any] | None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return load_checkpoint(directory)
+
+    def report(self, metrics: dict[str, float], directory: Path | None) -> None:
+        """Every rank reports (Ray requires it); rank 0 hands over the checkpoint directory."""
+        import ray.train
+
+        checkpoint = None if directory is None else ray.train.Checkpoint.from_directory(str(directory))
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+    def checkpoint_dir(self, config: Config, epoch: int, tmp: str) -> Path:
+        return Path(tmp)
+
+
+class LocalSession:
+    """One process, no Ray Train (``train.workers: 0``): what Tune trials and quick runs use.
+
+    Checkpoints go to ``STORAGE/NAME/local_checkpoints/epoch_*`` (the newest ``keep_checkpoints``).
+    """
+
+    rank, world = 0, 1
+
+    def __init__(self, config: Config) -> None:
+        self.device = torch.device("cuda" if config.train.use_gpu else "cpu")
+        self.folder = local_checkpoints(config)
+        self.keep = config.train.keep_checkpoints
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def latest(self) -> dict[str, Any] | None:
+        found = latest_local_checkpoint(self.folder)
+        return None if found is None else load_checkpoint(found)
+
+    def report(self, metrics: dict[str, float], directory: Path | None) -> None:
+        import shutil
+
+        for old in sorted(self.folder.glob("epoch_*"))[:-self.keep]:
+            shutil.rmtree(old)
+
+    def checkpoint_dir(self, config: Config, epoch: int, tmp: str) -> Path:
+        return self.folder / f"epoch_{epoch + 1:05d}"
+
+
 def local_checkpoints(config: Config) -> Path:
-    """Where local mode (``train.workers: 0``) keeps its checkpoints: Ray's local mode does not persist them."""
     return Path(config.train.storage_path) / config.train.name / "local_checkpoints"
 
 
-def latest_local_checkpoint(config: Config):
-    import ray.train
+def latest_local_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint directory (one with its summary written last)."""
+    found = sorted(d for d in folder.glob("epoch_*") if (d / "summary.json").is_file())
+    return found[-1] if found else None
 
-    found = sorted(local_checkpoints(config).glob("epoch_*"))
-    return ray.train.Checkpoint.from_directory(str(found[-1])) if found else None
 
-
-def save_and_report(model, recipe, worker, epoch, step, metrics, keep, run_id) -> None:
-    """Rank 0 writes the checkpoint; every rank calls ``ray.train.report`` (Ray requires all of them)."""
-    import shutil
-
-    import ray.train
-
+def save_and_report(session, model, recipe, worker, epoch, step, metrics, keep, run_id) -> None:
+    """Rank 0 writes the checkpoint; every rank reports."""
     rng = gather_rng(worker)
-    config = worker.config
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
+        directory = None
         if worker.lead:
-            directory = Path(tmp)
-            if config.train.workers == 0:
-                directory = local_checkpoints(config) / f"epoch_{epoch + 1:05d}"
-                directory.mkdir(parents=True, exist_ok=True)
+            directory = session.checkpoint_dir(worker.config, epoch, tmp)
+            directory.mkdir(parents=True, exist_ok=True)
             save_checkpoint(directory, training_state(model, recipe, epoch, step, rng, worker, keep, run_id),
                             {**metrics, "keep": keep, "mlflow_run_id": run_id})
-            checkpoint = ray.train.Checkpoint.from_directory(str(directory))
-            if config.train.workers == 0:
-                for old in sorted(local_checkpoints(config).glob("epoch_*"))[:-config.train.keep_checkpoints]:
-                    shutil.rmtree(old)
-        ray.train.report(metrics, checkpoint=checkpoint)
+        session.report(metrics, directory)
 
 
 def seed_worker(config: Config, rank: int) -> None:
@@ -318,18 +371,24 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], started: floa
 def train_worker(config_dict: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: the typed config first, then pipeline/ does the work."""
     config = Config.model_validate(config_dict)
-    import ray.train
-    import ray.train.torch
+    train(config, RaySession())
 
+
+def train_local(config: Config) -> None:
+    """The same loop in this process, without Ray Train (``train.workers: 0``)."""
+    train(config, LocalSession(config))
+
+
+def train(config: Config, session) -> None:
+    """Builds everything, resumes from the session's latest checkpoint, and trains to ``recipe.epochs``."""
     from pipeline.train.run_tracking import JobTracker
 
-    context = ray.train.get_context()
-    worker = Worker(context.get_world_rank(), context.get_world_size(), ray.train.torch.get_device(), config)
+    worker = Worker(session.rank, session.world, session.device, config)
     seed_worker(config, worker.rank)
     model = build_model(config)
     init_from(config, model)
-    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp" if worker.world > 1 else None)
-    train_loader = build_loader(config.data.loader, loader_spec(config, unwrap(model), worker, train=True))
+    model = session.prepare(model)
+    train_loader = shared_loader(config.data.loader, loader_spec(config, unwrap(model), worker, train=True))
     evaluation = val_loader(config, unwrap(model), worker)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
@@ -339,10 +398,8 @@ def train_worker(config_dict: dict[str, Any]) -> None:
                           global_batch=config.data.batch_size * worker.world, steps_per_epoch=steps_per_epoch,
                           retention_lr_scale=config.train.ksearch_lr_scale)
     start_epoch, step, run_id = 0, 0, None
-    checkpoint = ray.train.get_checkpoint() if config.train.workers else latest_local_checkpoint(config)
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = load_checkpoint(directory)
+    state = session.latest()
+    if state is not None:
         start_epoch, step = restore(state, model, recipe, worker)
         run_id = state["mlflow_run_id"]
     tracker = JobTracker.open(config, run_id) if worker.lead else None
@@ -350,7 +407,12 @@ def train_worker(config_dict: dict[str, Any]) -> None:
         print(f"[rank 0] {config.train.mode}: {worker.world} worker(s) on {worker.device}, "
               f"{steps_per_epoch} steps/epoch, lr {recipe.lr:.2e}, epochs {start_epoch + 1}..{config.recipe.epochs}",
               flush=True)
+    run_epochs(config, session, worker, model, recipe, train_loader, evaluation, tracker, start_epoch, step)
+
+
+def run_epochs(config, session, worker, model, recipe, train_loader, evaluation, tracker, start_epoch, step) -> None:
     patch = unwrap(model).patch_embed.patch_size[0]
+    steps_per_epoch = len(train_loader)
     started, keep = time.perf_counter(), None
     for epoch in range(start_epoch, config.recipe.epochs):
         set_epoch(train_loader, epoch, config, patch)
@@ -372,7 +434,7 @@ def train_worker(config_dict: dict[str, Any]) -> None:
         if tracker is not None:
             tracker.log_epoch(metrics, epoch + 1, keep)
             print(epoch_line(epoch, config.recipe.epochs, metrics, started, epoch + 1 - start_epoch), flush=True)
-        save_and_report(model, recipe, worker, epoch, step, metrics, keep,
+        save_and_report(session, model, recipe, worker, epoch, step, metrics, keep,
                         None if tracker is None else tracker.run_id)
     if tracker is not None:
         tracker.finish(unwrap(model), keep)

@@ -31,7 +31,7 @@ class JobTracker:
         """Continues ``run_id`` (from a checkpoint) or the run with this job's key, else starts one."""
         train = config.train
         tags = {"git_sha": git_sha(Path(__file__).parent), "config_hash": config_hash(config), "mode": train.mode,
-                "method": config.pooling.method if train.mode == "finetune" else "none"}
+                "method": config.pooling.method if train.mode == "finetune" else "none", **train.tags}
         client, found, new = open_run(train.tracking_uri, train.experiment, train.artifact_root, run_key(config),
                                       run_name=train.name, tags=tags, parent_run_id=train.parent_run_id)
         tracker = cls(client, run_id or found, config)

@@ -1,0 +1,157 @@
+"""Expanding an experiment config into stages, each with a content identity.
+
+A stage's id hashes its resolved config (without paths that only say where results go) and the
+ids of the stages it reads from, so any change upstream changes every id downstream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config import Config, ExperimentConfig, StageRecipe
+
+KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
+# Where a stage reads its result from; excluded from the identity.
+_VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
+             ("train", "tracking_uri"), ("train", "address"), ("train", "storage_path"), ("train", "artifact_root"),
+             ("train", "progress_bar")}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One point of the width axis: a label (``M96`` or a model name) and its model overrides."""
+
+    label: str
+    overrides: dict[str, Any]
+
+
+@dataclass
+class Stage:
+    kind: str
+    label: str
+    config: Config | None
+    upstream: list[str]
+    arch: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = stage_id(self.kind, self.config, self.upstream, self.meta)
+
+    @property
+    def name(self) -> str:
+        """The Ray Train run name: readable, and unique per identity."""
+        return f"{self.label}-{self.id[:10]}"
+
+
+def stage_id(kind: str, config: Config | None, upstream: list[str], meta: dict[str, Any]) -> str:
+    content = {} if config is None else config.model_dump(mode="json")
+    for section, key in _VOLATILE:
+        content.get(section, {}).pop(key, None)
+    content.pop("experiment", None)
+    canonical = json.dumps({"kind": kind, "config": content, "upstream": upstream, "meta": meta}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def dag_id(config: Config) -> str:
+    """The identity of a whole experiment (its parent run in MLflow)."""
+    return stage_id("dag", config, [], {"experiment": config.experiment.model_dump(mode="json")})
+
+
+def archs(config: Config) -> list[Arch]:
+    exp = config.experiment
+    if exp.models is not None:
+        return [Arch(name, {"name": name}) for name in exp.models]
+    heads = config.model.num_heads
+    return [Arch(f"M{dim}", {"embed_dim": dim, "num_heads": exp.num_heads.get(dim, heads)}) for dim in exp.embed_dims]
+
+
+def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: dict[str, Any],
+          pooling: dict[str, Any] | None = None) -> Config:
+    """``config`` with section updates, validated again (a bad width or keep list fails here)."""
+    data = config.model_dump(mode="json")
+    data["model"].update(model)
+    data["recipe"].update({k: v for k, v in recipe.model_dump().items() if v is not None})
+    data["train"].update(train)
+    data["pooling"].update(pooling or {})
+    data["experiment"] = None
+    return Config.model_validate(data)
+
+
+def base_stage(config: Config, arch: Arch) -> Stage:
+    given = config.experiment.base_checkpoints.get(arch.label)
+    cfg = _with(config, model=arch.overrides, recipe=config.experiment.base, train={"mode": "base"})
+    meta = {"given": given} if given else {}
+    return Stage("base", f"{config.experiment.name}-base-{arch.label}", cfg, [], arch.label, meta)
+
+
+def trial_train(exp: ExperimentConfig) -> dict[str, Any]:
+    """Worker settings of a Tune trial."""
+    return {"workers": exp.search.trial_workers, "cpus_per_worker": exp.search.trial_cpus,
+            "use_gpu": exp.search.trial_gpus > 0}
+
+
+def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
+    exp = config.experiment
+    stages = []
+    for lam in exp.lambdas or []:
+        cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
+                    train={"mode": "ksearch", "ksearch_lambda": lam, **trial_train(exp)})
+        stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-lam{lam:g}", cfg, [base.id], arch.label,
+                            {"lambda": lam}))
+    return stages
+
+
+def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: str, keep: list[int] | None,
+                   upstream: list[str]) -> Stage:
+    """One trial of the sweep; ``method`` ``none`` is the no-downsampling baseline."""
+    exp = config.experiment
+    if method == "none":
+        cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "baseline", **trial_train(exp)},
+                    pooling={"keep": None, "level": None})
+    else:
+        cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},
+                    pooling={"method": method, "keep": keep, "level": None})
+    label = f"{exp.name}-ft-{arch.label}-{level}-{method}"
+    return Stage("finetune", label, cfg, [base.id, *upstream], arch.label, {"method": method, "level": level})
+
+
+def evaluate_stage(config: Config, model_stage: Stage) -> Stage:
+    exp = config.experiment
+    return Stage("evaluate", model_stage.label.replace("-ft-", "-eval-"), None, [model_stage.id], model_stage.arch,
+                 {**model_stage.meta, "eval": exp.eval.model_dump()})
+
+
+def paper_levels(config: Config, arch: Arch) -> dict[str, list[int]]:
+    """``{"L3": keep}`` for the pinned levels of ``arch`` (configs/sparsity/)."""
+    from pipeline.sparsity import level_keep
+
+    name = arch.overrides.get("name", config.model.name)
+    if "embed_dim" in arch.overrides:
+        raise ValueError("experiment.levels pins the paper's keep lists of named models; "
+                         "use experiment.models (not embed_dims) with it")
+    return {f"L{level}": level_keep(name, level) for level in config.experiment.levels or []}
+
+
+@dataclass
+class PlanCounts:
+    base: int
+    ksearch: int
+    finetune: int
+    evaluate: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"base": self.base, "ksearch": self.ksearch, "finetune": self.finetune, "evaluate": self.evaluate}
+
+
+def count_plan(config: Config) -> PlanCounts:
+    """How many stages of each kind the experiment expands to (K-search levels counted before dedupe)."""
+    exp = config.experiment
+    n_arch = len(archs(config))
+    levels = len(exp.lambdas or exp.levels or [])
+    trained = sum(1 for arch in archs(config) if arch.label not in exp.base_checkpoints)
+    finetune = n_arch * (levels * len(exp.methods) + int(exp.baseline))
+    return PlanCounts(base=trained, ksearch=n_arch * len(exp.lambdas or []), finetune=finetune, evaluate=finetune)

@@ -1,0 +1,76 @@
+"""Stage records in MLflow: how the DAG knows what already finished, and what it produced.
+
+A stage is done when an MLflow run carries ``pipeline.stage_id = ID`` and ``pipeline.done = 1``;
+its result (checkpoint, keep list, metrics) is the JSON tag ``pipeline.result``. The record is
+written only after the stage's work is complete, so a stage killed halfway is simply rerun (its
+training resumes from Ray's checkpoints), and each stage id is counted once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from mlflow.tracking import MlflowClient
+
+from pipeline.tracking import RUN_KEY_TAG, experiment_id, log_batch
+
+STAGE_ID = "pipeline.stage_id"
+STAGE_KIND = "pipeline.stage"
+DONE = "pipeline.done"
+RESULT = "pipeline.result"
+DAG = "pipeline.dag"
+
+
+def find_done(client: MlflowClient, exp_id: str, stage_id: str) -> dict[str, Any] | None:
+    """The recorded result of a finished stage, or None."""
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{STAGE_ID}` = '{stage_id}' and tags.`{DONE}` = '1'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        return None
+    return json.loads(runs[0].data.tags[RESULT]) | {"run_id": runs[0].info.run_id}
+
+
+def mark_done(client: MlflowClient, run_id: str, *, stage_id: str, kind: str, result: dict[str, Any]) -> None:
+    """Records the result on the stage's run; the ``done`` tag goes last."""
+    log_batch(client, run_id, tags={STAGE_ID: stage_id, STAGE_KIND: kind, RESULT: json.dumps(result)})
+    client.set_tag(run_id, DONE, "1")
+
+
+def supersede(client: MlflowClient, exp_id: str, dag_id: str, kinds: list[str]) -> int:
+    """Retires this DAG's runs of ``kinds`` (for ``--force``): they are no longer found as done or resumed."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    count = 0
+    for kind in kinds:
+        runs = client.search_runs([exp_id], filter_string=f"tags.`{DAG}` = '{dag_id}' and tags.`{STAGE_KIND}` = '{kind}'",
+                                  max_results=10000)
+        for run in runs:
+            tags = {DONE: "superseded"}
+            if RUN_KEY_TAG in run.data.tags:
+                tags[RUN_KEY_TAG] = f"{run.data.tags[RUN_KEY_TAG]}#superseded-{stamp}"
+            log_batch(client, run.info.run_id, tags=tags)
+            count += 1
+    return count
+
+
+def open_child(client: MlflowClient, exp_id: str, parent_id: str, *, name: str, kind: str, stage_id: str,
+               dag_id: str) -> str:
+    """A child run of the DAG's parent run, for stages that do not train (evaluate)."""
+    tags = {"mlflow.parentRunId": parent_id, STAGE_KIND: kind, STAGE_ID: stage_id, DAG: dag_id}
+    return client.create_run(exp_id, run_name=name, tags=tags).info.run_id
+
+
+def open_parent(uri: str, experiment: str, artifact_root: str | None, dag_id: str, name: str
+                ) -> tuple[MlflowClient, str, str]:
+    """The parent run of this DAG (one per experiment config), reused by reruns; returns client, exp id, run id."""
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = experiment_id(client, experiment, artifact_root)
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{DAG}` = '{dag_id}' and tags.`{STAGE_KIND}` = 'dag'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    if runs:
+        run_id = runs[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+    else:
+        run_id = client.create_run(exp_id, run_name=name, tags={DAG: dag_id, STAGE_KIND: "dag"}).info.run_id
+    return client, exp_id, run_id

@@ -1,0 +1,211 @@
+"""``pipeline run``: base -> K search -> finetune sweep -> evaluate -> select, on Ray, recorded in MLflow."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.config import Config, ConfigError
+from pipeline.dag.plan import (
+    KINDS,
+    Arch,
+    Stage,
+    archs,
+    base_stage,
+    count_plan,
+    dag_id,
+    evaluate_stage,
+    finetune_stage,
+    ksearch_stages,
+    paper_levels,
+)
+from pipeline.dag.records import open_parent, supersede
+from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_spec
+from pipeline.dag.sweep import run_sweep
+from pipeline.train.launch import connect_ray, preflight, resolve_paths
+
+
+@dataclass
+class Context:
+    config: Config
+    dag: str
+    parent: str
+    client: Any
+    exp_id: str
+    log: Callable[[str], None]
+
+    @property
+    def out_dir(self) -> Path:
+        exp = self.config.experiment
+        return Path(exp.runs_dir) / exp.name
+
+
+def prepare_data(config: Config, log: Callable[[str], None]) -> None:
+    """Writes the experiment's datasets that do not exist yet."""
+    from pipeline.data import WriteSettings, open_source, write_beton
+    from pipeline.data.write import metadata_path
+
+    for item in config.experiment.prepare:
+        out = Path(item.out)
+        if out.exists() and metadata_path(out).exists():
+            continue
+        log(f"[data] writing {out} from {item.source}")
+        write_beton(open_source(item.source, limit=item.limit), out,
+                    WriteSettings(mode=item.mode, max_res=item.max_res), log=log)
+
+
+def check_experiment(config: Config) -> None:
+    """Everything that can be refused before any training: models, widths, methods, keep lists, data, tracking."""
+    from pipeline.models import apply_downsampling
+    from pipeline.train.build import build_model
+
+    for arch in archs(config):
+        stage = base_stage(config, arch)
+        preflight(stage.config)
+        if config.experiment.levels is not None:
+            for level, keep in paper_levels(config, arch).items():
+                for method in config.experiment.methods:
+                    try:
+                        apply_downsampling(build_model(stage.config), method, keep)
+                    except ValueError as err:
+                        raise ConfigError(f"experiment: {arch.label} level {level} with {method}: {err}") from None
+
+
+def force_kinds(force: str | None) -> list[str]:
+    """``--force STAGE``: that stage kind and every kind downstream of it."""
+    if force is None:
+        return []
+    if force not in KINDS:
+        raise ConfigError(f"--force {force!r}: choose one of {', '.join(KINDS)}")
+    return list(KINDS[KINDS.index(force):])
+
+
+def retire_storage(ctx: Context, stages: list[Stage]) -> None:
+    """Moves forced stages' Ray storage aside so that their training starts over (kept, not deleted)."""
+    storage = Path(ctx.config.train.storage_path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for stage in stages:
+        folder = storage / stage.name
+        if folder.exists():
+            shutil.move(str(folder), str(storage / f".superseded-{stamp}-{stage.name}"))
+
+
+def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, dict[str, Any]]]:
+    """One base per width, each a multi-worker TorchTrainer job (or a given checkpoint)."""
+    bases = {}
+    for arch in arch_list:
+        stage = base_stage(ctx.config, arch)
+        bases[arch.label] = (stage, run_training_spec(stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag),
+                                                      log=ctx.log))
+    return bases
+
+
+def results_of(ctx: Context, stages: list[Stage]) -> dict[str, dict[str, Any]]:
+    from pipeline.dag.records import find_done
+
+    results = {}
+    for stage in stages:
+        found = find_done(ctx.client, ctx.exp_id, stage.id)
+        if found is None:
+            raise RuntimeError(f"stage {stage.label} ({stage.id}) has no finished record after its sweep")
+        results[stage.id] = found
+    return results
+
+
+def sweep(ctx: Context, stages: list[Stage], inits: dict[str, str], name: str) -> dict[str, dict[str, Any]]:
+    specs = [stage_spec(s, init=inits[s.id], parent_id=ctx.parent, dag=ctx.dag) for s in stages]
+    run_sweep(specs, ctx.config.experiment, storage=ctx.config.train.storage_path, name=name, log=ctx.log)
+    return results_of(ctx, stages)
+
+
+def sparsity_levels(ctx: Context, arch: Arch, base: Stage, ks_results: dict[str, dict[str, Any]],
+                    ks_stages: list[Stage]) -> dict[str, tuple[list[int], list[str]]]:
+    """``{level: (keep, upstream ids)}``: the K search's lists (deduplicated), or the paper's pinned ones."""
+    if ctx.config.experiment.levels is not None:
+        return {level: (keep, []) for level, keep in paper_levels(ctx.config, arch).items()}
+    levels: dict[str, tuple[list[int], list[str]]] = {}
+    seen: dict[tuple[int, ...], str] = {}
+    for stage in ks_stages:
+        keep = ks_results[stage.id]["keep"]
+        name = f"lam{stage.meta['lambda']:g}"
+        if tuple(keep) in seen:
+            ctx.log(f"[ksearch] {arch.label} {name} gave the same keep list as {seen[tuple(keep)]}; one level")
+            continue
+        seen[tuple(keep)] = name
+        levels[name] = (keep, [stage.id])
+    return levels
+
+
+def run_experiment(config: Config, *, force: str | None = None, address: str | None = None,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs (or resumes) the whole DAG; returns the select stage's summary."""
+    from pipeline.dag.select import run_select
+    from pipeline.tracking import check_tracking_uri
+
+    if config.experiment is None:
+        raise ConfigError("`pipeline run` needs an experiment section; see configs/experiments/")
+    config = resolve_paths(config)
+    exp = config.experiment
+    check_tracking_uri(config.train.tracking_uri)
+    prepare_data(config, log)
+    check_experiment(config)
+    counts = count_plan(config)
+    log(f"[plan] {exp.name}: {counts.as_dict()}")
+    connect_ray(address or config.train.address)
+    client, exp_id, parent = open_parent(config.train.tracking_uri, config.train.experiment,
+                                         config.train.artifact_root, dag_id(config), exp.name)
+    ctx = Context(config, dag_id(config), parent, client, exp_id, log)
+    kinds = force_kinds(force)
+    if kinds:
+        log(f"[force] retiring {supersede(client, exp_id, ctx.dag, kinds)} run(s) of {', '.join(kinds)}")
+    arch_list = archs(config)
+    if "base" in kinds:
+        retire_storage(ctx, [base_stage(config, a) for a in arch_list])
+    bases = run_bases(ctx, arch_list)
+    ks_stages = {a.label: ksearch_stages(config, a, bases[a.label][0]) for a in arch_list}
+    all_ks = [s for stages in ks_stages.values() for s in stages]
+    if "ksearch" in kinds:
+        retire_storage(ctx, all_ks)
+    ks_results = sweep(ctx, all_ks, {s.id: bases[s.arch][1]["checkpoint"] for s in all_ks}, f"{exp.name}-ksearch")
+    ft_stages: list[Stage] = []
+    for arch in arch_list:
+        base = bases[arch.label][0]
+        for level, (keep, upstream) in sparsity_levels(ctx, arch, base, ks_results, ks_stages[arch.label]).items():
+            ft_stages += [finetune_stage(config, arch, base, m, level, keep, upstream) for m in exp.methods]
+        if exp.baseline:
+            ft_stages.append(finetune_stage(config, arch, base, "none", "full", None, []))
+    if "finetune" in kinds:
+        retire_storage(ctx, ft_stages)
+    ft_results = sweep(ctx, ft_stages, {s.id: bases[s.arch][1]["checkpoint"] for s in ft_stages},
+                       f"{exp.name}-finetune")
+    evaluations = run_evaluations(ctx, ft_stages, ft_results)
+    summary = run_select(ctx, ft_stages, ft_results, evaluations)
+    client.set_terminated(parent, "FINISHED")
+    return summary
+
+
+def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, dict[str, Any]]
+                    ) -> dict[str, dict[str, Any]]:
+    """One Ray task per finetuned model; each takes ``eval.cpus`` so timings do not share cores."""
+    import ray
+
+    config = ctx.config
+    tracking = {"uri": config.train.tracking_uri, "experiment": config.train.experiment,
+                "artifact_root": config.train.artifact_root, "parent": ctx.parent, "dag": ctx.dag}
+    task = ray.remote(num_cpus=min(config.experiment.eval.cpus, ray.cluster_resources().get("CPU", 1)),
+                      num_gpus=1 if config.experiment.eval.device == "cuda" else 0)(run_evaluation_spec)
+    stages = [evaluate_stage(config, s) for s in ft_stages]
+    ctx.log(f"[evaluate] {len(stages)} model(s): top-1, GFLOPs, images/s at batch {config.experiment.eval.batch}")
+    futures = {}
+    for stage, source in zip(stages, ft_stages):
+        spec = {"id": stage.id, "label": stage.label, "meta": stage.meta}
+        futures[source.id] = task.remote(spec, ft_results[source.id]["checkpoint"], tracking)
+    results = {}
+    for index, (source_id, future) in enumerate(futures.items(), 1):
+        results[source_id] = ray.get(future)
+        ctx.log(f"[evaluate] {index}/{len(futures)} {results[source_id]['top1']:.2f}% "
+                f"{results[source_id]['gflops']:.4f} GFLOPs {results[source_id]['images_per_s']:.0f} img/s")
+    return results

@@ -1,0 +1,77 @@
+"""Running one stage: a training job (base, K search, finetune trial) or an evaluation, recorded in MLflow."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import Config
+from pipeline.dag.plan import Stage
+from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, find_done, mark_done, open_child
+from pipeline.tracking import experiment_id, log_batch
+
+
+def stage_spec(stage: Stage, *, init: str | None, parent_id: str, dag: str) -> dict[str, Any]:
+    """What a Ray task or Tune trial needs to run ``stage`` (plain data: it crosses process boundaries)."""
+    config = stage.config.model_dump(mode="json")
+    config["train"].update({"name": stage.name, "init": init, "parent_run_id": parent_id,
+                            "tags": {DAG: dag, STAGE_KIND: stage.kind, STAGE_ID: stage.id}})
+    return {"id": stage.id, "kind": stage.kind, "label": stage.label, "config": config, "meta": stage.meta}
+
+
+def _client(config: Config) -> tuple[MlflowClient, str]:
+    client = MlflowClient(tracking_uri=config.train.tracking_uri)
+    return client, experiment_id(client, config.train.experiment, config.train.artifact_root)
+
+
+def run_training_spec(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Trains the stage unless MLflow already records it done; returns its result either way."""
+    from pipeline.train import run_training
+
+    config = Config.model_validate(spec["config"])
+    client, exp_id = _client(config)
+    done = find_done(client, exp_id, spec["id"])
+    if done is not None:
+        log(f"[skip] {spec['label']}: done in MLflow run {done['run_id']}")
+        return done | {"skipped": True}
+    given = spec["meta"].get("given")
+    if given:  # a base checkpoint from the config: recorded as this stage's result, nothing trained
+        run_id = open_child(client, exp_id, config.train.parent_run_id, name=spec["label"], kind=spec["kind"],
+                            stage_id=spec["id"], dag_id=config.train.tags[DAG])
+        result = {"checkpoint": given, "keep": None, "val_top1": None, "mlflow_run_id": run_id}
+        mark_done(client, run_id, stage_id=spec["id"], kind=spec["kind"], result=result)
+        client.set_terminated(run_id, "FINISHED")
+        return result | {"run_id": run_id}
+    started = time.perf_counter()
+    log(f"[run] {spec['label']} ({config.train.mode}, {config.recipe.epochs} epochs)")
+    trained = run_training(config)
+    result = {"checkpoint": trained.checkpoint, "keep": trained.keep, "val_top1": trained.summary["val_top1"],
+              "mlflow_run_id": trained.run_id, "seconds": round(time.perf_counter() - started, 1)}
+    mark_done(client, trained.run_id, stage_id=spec["id"], kind=spec["kind"], result=result)
+    log(f"[done] {spec['label']}: val_top1 {result['val_top1']:.2f}% in {result['seconds']:.0f} s")
+    return result | {"run_id": trained.run_id}
+
+
+def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[str, str]) -> dict[str, Any]:
+    """Top-1, GFLOPs and images/s of a finetuned model, recorded as a child run of the DAG."""
+    from pipeline.config import EvalConfig
+    from pipeline.evaluate import evaluate_checkpoint
+
+    client = MlflowClient(tracking_uri=tracking["uri"])
+    exp_id = experiment_id(client, tracking["experiment"], tracking["artifact_root"])
+    done = find_done(client, exp_id, spec["id"])
+    if done is not None:
+        return done | {"skipped": True}
+    cfg = EvalConfig.model_validate(spec["meta"]["eval"])
+    run_id = open_child(client, exp_id, tracking["parent"], name=spec["label"], kind="evaluate", stage_id=spec["id"],
+                        dag_id=tracking["dag"])
+    result = evaluate_checkpoint(checkpoint, batch=cfg.batch, warmup=cfg.warmup, repeats=cfg.repeats,
+                                 device=cfg.device).as_dict()
+    log_batch(client, run_id, metrics={k: v for k, v in result.items() if k != "num_images"},
+              params={"checkpoint": checkpoint, "method": spec["meta"]["method"], "level": spec["meta"]["level"]})
+    result |= {"checkpoint": checkpoint, "mlflow_run_id": run_id}
+    mark_done(client, run_id, stage_id=spec["id"], kind="evaluate", result=result)
+    client.set_terminated(run_id, "FINISHED")
+    return result | {"run_id": run_id}

@@ -1,0 +1,78 @@
+"""Ray Tune sweeps of training stages (K search over lambda, finetunes over method x level x width)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeline.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class SweepTiming:
+    trials: int
+    wall_s: float
+    train_s: float
+    concurrency: int
+
+    @property
+    def overhead_per_trial_s(self) -> float:
+        """Slot-seconds not spent inside the trials' own work, per trial (Ray/Tune scheduling and start-up)."""
+        return max(self.wall_s * self.concurrency - self.train_s, 0.0) / max(self.trials, 1)
+
+
+def _trial(params: dict[str, Any]) -> None:
+    """The Tune function trainable: one training stage (skipped if MLflow records it done)."""
+    from ray import tune
+
+    from pipeline.dag.stages import run_training_spec
+
+    result = run_training_spec(params["spec"])
+    tune.report({"val_top1": float(result.get("val_top1") or 0.0), "skipped": int(bool(result.get("skipped"))),
+                 "stage_seconds": float(result.get("seconds", 0.0))})
+
+
+def concurrency(exp: ExperimentConfig) -> int:
+    """Trials that fit at once: the config's bound, else the cluster's CPUs over a trial's CPUs."""
+    import ray
+
+    search = exp.search
+    per_trial = search.trial_cpus * max(search.trial_workers, 1)
+    fit = max(int(ray.cluster_resources().get("CPU", 1) // per_trial), 1)
+    return min(fit, search.max_concurrent) if search.max_concurrent else fit
+
+
+def run_sweep(specs: list[dict[str, Any]], exp: ExperimentConfig, *, storage: str, name: str,
+              log: Callable[[str], None]) -> SweepTiming:
+    """Runs ``specs`` as Tune trials; results are read back from MLflow, not from Tune."""
+    from ray import tune
+
+    if not specs:
+        return SweepTiming(0, 0.0, 0.0, 1)
+    search = exp.search
+    slots = concurrency(exp)
+    if search.algorithm == "grid":
+        space, samples = {"spec": tune.grid_search(specs)}, 1
+    else:
+        space, samples = {"spec": tune.choice(specs)}, search.num_samples
+    # A trial with its own TorchTrainer holds no CPU itself; the trainer's workers reserve them.
+    resources = {"CPU": search.trial_cpus, "GPU": search.trial_gpus} if search.trial_workers == 0 else {"CPU": 0}
+    tuner = tune.Tuner(
+        tune.with_resources(_trial, resources),
+        param_space=space,
+        tune_config=tune.TuneConfig(num_samples=samples, max_concurrent_trials=slots, reuse_actors=True),
+        run_config=tune.RunConfig(name=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", storage_path=storage, verbose=1),
+    )
+    log(f"[sweep] {name}: {len(specs) if samples == 1 else samples} trial(s), up to {slots} at a time")
+    started = time.perf_counter()
+    results = tuner.fit()
+    wall = time.perf_counter() - started
+    errors = [r.error for r in results if r.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} trial(s) of {name} failed; first: {errors[0]}")
+    train_s = sum(float(r.metrics.get("stage_seconds", 0.0)) for r in results if r.metrics)
+    timing = SweepTiming(len(results), wall, train_s, slots)
+    log(f"[sweep] {name}: {timing.trials} trials in {wall:.0f} s; Ray/Tune overhead about "
+        f"{timing.overhead_per_trial_s:.1f} s per trial")
+    return timing
