@@ -253,7 +253,7 @@ class SearchConfig(Section):
     max_concurrent: int | None = Field(None, ge=1, description="default: as many as the cluster's resources allow")
     trial_workers: int = Field(0, ge=0, description="0: single-process trials (cheap); N: a TorchTrainer of N per trial")
     trial_cpus: float = Field(1.0, gt=0, description="CPUs per trial (per worker with trial_workers > 0)")
-    trial_gpus: float = Field(0.0, ge=0)
+    trial_gpus: float = Field(0.0, ge=0, description="GPUs per trial (per worker with trial_workers > 0)")
 
 
 class EvalConfig(Section):

@@ -1,0 +1,169 @@
+"""The stage DAG for real on tiny synthetic data: interrupted, resumed, rerun; plus config expansion and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import ConfigError, load_config
+from pipeline.dag import count_plan, run_experiment
+from pipeline.dag.records import DONE, STAGE_KIND
+from pipeline.data import WriteSettings, open_source, write_beton
+from pipeline.tracking import TrackingError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
+
+
+def tiny_overrides(root: Path) -> list[str]:
+    return [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}",
+            f"train.storage_path={root / 'ray'}", f"train.tracking_uri=sqlite:///{root / 'mlflow.db'}",
+            f"train.artifact_root={root / 'artifacts'}", f"experiment.runs_dir={root / 'experiments'}"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dag")
+    raw = WriteSettings(mode="raw", max_res=None)
+    write_beton(open_source("synthetic:classes=4,count=192,size=16"), root / "train.beton", raw, log=lambda _: None)
+    write_beton(open_source("synthetic:classes=4,count=48,size=16,seed=1"), root / "val.beton", raw,
+                log=lambda _: None)
+    return root
+
+
+def runs_by_kind(root: Path) -> dict[str, list]:
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("token-pooling")
+    out: dict[str, list] = {}
+    for run in client.search_runs([experiment.experiment_id], max_results=1000):
+        out.setdefault(run.data.tags.get(STAGE_KIND, "?"), []).append(run)
+    return out
+
+
+def start(root: Path, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "pipeline", "run", str(TINY)]
+    for item in tiny_overrides(root):
+        command += ["--set", item]
+    return subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
+    # 1. Start the whole DAG and kill the driver (and its local Ray) once the finetune sweep has results.
+    first = start(root, root / "first.log")
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and first.poll() is None:
+        done = [r for r in runs_by_kind(root).get("finetune", []) if r.data.tags.get(DONE) == "1"] \
+            if (root / "mlflow.db").exists() else []
+        if done:
+            break
+        time.sleep(2)
+    assert first.poll() is None, (root / "first.log").read_text()[-3000:]
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    finished_before = {r.data.tags["pipeline.stage_id"] for r in runs_by_kind(root)["finetune"]
+                       if r.data.tags.get(DONE) == "1"}
+    assert finished_before
+
+    # 2. The same command resumes: finished stages are skipped, the rest run, nothing is counted twice.
+    log = root / "second.log"
+    second = start(root, log)
+    assert second.wait(timeout=1200) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Pareto front" in text and "registry: token-pooling-tiny@pareto-1" in text
+    by_kind = runs_by_kind(root)
+    plan = count_plan(load_config(TINY, tiny_overrides(root)))
+    for kind in ("base", "ksearch", "finetune", "evaluate"):
+        done_ids = [r.data.tags["pipeline.stage_id"] for r in by_kind[kind] if r.data.tags.get(DONE) == "1"]
+        assert len(done_ids) == len(set(done_ids)), f"{kind}: a stage was recorded twice"
+    assert len([r for r in by_kind["finetune"] if r.data.tags.get(DONE) == "1"]) <= plan.finetune
+    results = (root / "experiments" / "tiny" / "results.csv").read_text().strip().splitlines()
+    finetunes = [r for r in by_kind["finetune"] if r.data.tags.get(DONE) == "1"]
+    assert len(results) - 1 == len(finetunes)  # one row per finetuned model, no duplicates
+    assert finished_before <= {r.data.tags["pipeline.stage_id"] for r in finetunes}
+
+    # 3. MLflow: one parent run; every stage run is its child; the report and K lists are artifacts.
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    (parent,) = by_kind["dag"]
+    for kind in ("base", "ksearch", "finetune", "evaluate"):
+        assert all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in by_kind[kind]), kind
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/results.csv", "report/pareto.csv", "report/budgets.csv", "report/report.md",
+            "report/tradeoff.png", "report/widths.png", "report/keep_lists.png"} <= artifacts
+    ksearch = [r for r in by_kind["ksearch"] if r.data.tags.get(DONE) == "1"]
+    assert all("keep.json" in {a.path for a in client.list_artifacts(r.info.run_id)} for r in ksearch)
+    version = client.get_model_version_by_alias("token-pooling-tiny", "best")
+    assert version.run_id in {r.info.run_id for r in finetunes}
+
+    # 4. A third run trains nothing and records nothing new.
+    counts = {kind: len(runs) for kind, runs in by_kind.items()}
+    third = run_experiment(load_config(TINY, tiny_overrides(root)), log=lambda _: None)
+    assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == counts
+    assert len(third["rows"]) == len(finetunes)
+
+
+def test_paper_config_expands_without_running():
+    config = load_config(ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml")
+    # 4 DeiTs; 8 lambdas -> 8 levels; 8 methods per level, plus one no-downsampling finetune per DeiT.
+    assert count_plan(config).as_dict() == {"base": 4, "ksearch": 32, "finetune": 4 * (8 * 8 + 1),
+                                            "evaluate": 4 * (8 * 8 + 1)}
+    from pipeline.dag.plan import archs, base_stage, finetune_stage, ksearch_stages
+
+    stages = [base_stage(config, arch) for arch in archs(config)]
+    assert [s.config.model.name for s in stages] == config.experiment.models
+    assert len({s.id for s in stages}) == 4
+    ks = ksearch_stages(config, archs(config)[3], stages[3])
+    assert len(ks) == 8 and all(s.config.recipe.epochs == 30 and s.config.train.workers == 8 for s in ks)
+    ft = finetune_stage(config, archs(config)[3], stages[3], "wkmedoids", "lam1e-05", [196] * 12, [ks[0].id])
+    assert ft.config.recipe.epochs == 300 and ft.config.train.mode == "finetune"
+
+
+def test_stage_ids_change_downstream_of_any_change(root):
+    from pipeline.dag.plan import archs, base_stage, ksearch_stages
+
+    a = load_config(TINY, tiny_overrides(root))
+    b = load_config(TINY, [*tiny_overrides(root), "recipe.lr=0.01"])
+    base_a, base_b = base_stage(a, archs(a)[0]), base_stage(b, archs(b)[0])
+    assert base_a.id != base_b.id
+    assert ksearch_stages(a, archs(a)[0], base_a)[0].id != ksearch_stages(b, archs(b)[0], base_b)[0].id
+    moved = load_config(TINY, [*tiny_overrides(root)[:-1], "experiment.runs_dir=/elsewhere"])
+    assert base_stage(moved, archs(moved)[0]).id == base_a.id  # where results go is not part of the identity
+
+
+def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):
+    base = [*tiny_overrides(root)[:2], f"train.storage_path={tmp_path / 'ray'}",
+            f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match="experiment.methods"):
+        load_config(TINY, [*base, "experiment.methods=[kmedians]"])
+    with pytest.raises(ConfigError, match="zero trials"):
+        load_config(TINY, [*base, "experiment.lambdas=[]"])
+    with pytest.raises(ConfigError, match="unknown timm model"):
+        run_experiment(load_config(TINY, [*base, "model.name=vit_nonexistent"]), log=lambda _: None)
+    with pytest.raises(ConfigError, match="keep has 12 entries but the model has 3 blocks"):
+        run_experiment(load_config(TINY, [*base, "model.name=deit_small_patch16_224",
+                                          "model.img_size=null", "model.patch_size=null", "experiment.lambdas=null",
+                                          "experiment.levels=[1]", "experiment.embed_dims=null",
+                                          "experiment.models=[deit_small_patch16_224]"]), log=lambda _: None)
+    with pytest.raises(TrackingError, match="not reachable"):
+        run_experiment(load_config(TINY, [*base, "train.tracking_uri=http://127.0.0.1:9"]),
+                       log=lambda _: None)
+    assert not (tmp_path / "ray").exists()  # nothing trained
+    with pytest.raises(ConfigError, match="--force"):
+        from pipeline.dag.runner import force_kinds
+
+        force_kinds("everything")
+
+
+def test_cli_plan_prints_counts():
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/experiments/demo.yaml", "--plan"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 4, "finetune": 26, "evaluate": 26}

@@ -1,0 +1,59 @@
+"""Pareto selection and the best-at-budget table against brute-force references."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeline.pareto import Point, best_at_budgets, dominates, pareto_front
+
+
+def brute_front(points: list[Point]) -> set[str]:
+    """Every point no other point dominates; of exact duplicates, the smallest id."""
+    keep = set()
+    for p in points:
+        if any(dominates(q, p) for q in points):
+            continue
+        twins = [q.id for q in points if (q.gflops, q.top1) == (p.gflops, p.top1)]
+        if p.id == min(twins):
+            keep.add(p.id)
+    return keep
+
+
+def brute_budget(points: list[Point], budget: float) -> str | None:
+    """Filter step by step: within the budget, then the best top-1, then the fewest GFLOPs, then the id."""
+    within = [p for p in points if p.gflops <= budget]
+    if not within:
+        return None
+    best_top1 = max(p.top1 for p in within)
+    tied = [p for p in within if p.top1 == best_top1]
+    cheapest = min(p.gflops for p in tied)
+    return sorted(p.id for p in tied if p.gflops == cheapest)[0]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_front_matches_brute_force_with_ties_and_duplicates(seed):
+    rng = random.Random(seed)
+    # A coarse grid forces equal GFLOPs, equal top-1 and exact duplicates.
+    points = [Point(f"m{i:02d}", rng.choice([0.5, 1.0, 1.5, 2.0]), rng.choice([70.0, 72.5, 75.0, 80.0]))
+              for i in range(rng.randint(1, 25))]
+    front = pareto_front(points)
+    assert {p.id for p in front} == brute_front(points)
+    assert [p.gflops for p in front] == sorted(p.gflops for p in front)
+
+
+def test_hand_made_cases():
+    a, b, c = Point("a", 1.0, 80.0), Point("b", 1.0, 80.0), Point("c", 1.0, 79.0)
+    d, e = Point("d", 2.0, 80.0), Point("e", 0.5, 70.0)
+    assert [p.id for p in pareto_front([d, c, b, a, e])] == ["e", "a"]  # b duplicates a; c and d are dominated
+    assert pareto_front([]) == []
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_best_at_budget_matches_brute_force(seed):
+    rng = random.Random(seed)
+    points = [Point(f"m{i:02d}", rng.choice([0.5, 1.0, 1.5]), rng.choice([70.0, 75.0])) for i in range(12)]
+    budgets = [0.25, 0.5, 0.75, 1.0, 1.5, 3.0]
+    got = {b: (p.id if p else None) for b, p in best_at_budgets(points, budgets)}
+    assert got == {b: brute_budget(points, b) for b in budgets}
