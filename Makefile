@@ -9,7 +9,7 @@ STAMP := $(VENV)/.setup-stamp
 APT_PACKAGES := libturbojpeg0-dev libopencv-dev pkg-config dataset-fashion-mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup system test bench clean-venv
+.PHONY: setup system test demo bench clean-venv
 
 setup: system $(STAMP)
 
@@ -28,6 +28,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: setup
 	$(PY) -m pytest -q
+
+# The whole protocol on Fashion-MNIST (writes its data subset first); prints the Pareto table.
+demo: setup
+	$(PY) -m pipeline run configs/experiments/demo.yaml
 
 bench: setup
 	$(PY) -m pipeline bench ops configs/bench_ops.yaml --out runs/bench_ops.md

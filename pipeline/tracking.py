@@ -39,6 +39,8 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise TrackingError(f"cannot create the MLflow SQLite folder {folder}: {err}") from None
+        # Create the schema here, once: workers that open a fresh store together race on its migration.
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     elif uri.startswith(("file:", "./", "/")) or "://" not in uri:
         raise TrackingError(f"tracking URI {uri!r}: MLflow 3.13+ refuses a plain file store; use "
                             "sqlite:///PATH/mlflow.db or an http(s):// tracking server")

@@ -42,6 +42,8 @@ def root(tmp_path_factory) -> Path:
 def runs_by_kind(root: Path) -> dict[str, list]:
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("token-pooling")
+    if experiment is None:
+        return {}
     out: dict[str, list] = {}
     for run in client.search_runs([experiment.experiment_id], max_results=1000):
         out.setdefault(run.data.tags.get(STAGE_KIND, "?"), []).append(run)
@@ -58,11 +60,11 @@ def start(root: Path, log: Path) -> subprocess.Popen:
 
 def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     # 1. Start the whole DAG and kill the driver (and its local Ray) once the finetune sweep has results.
+    MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()  # schema first: no race
     first = start(root, root / "first.log")
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and first.poll() is None:
-        done = [r for r in runs_by_kind(root).get("finetune", []) if r.data.tags.get(DONE) == "1"] \
-            if (root / "mlflow.db").exists() else []
+        done = [r for r in runs_by_kind(root).get("finetune", []) if r.data.tags.get(DONE) == "1"]
         if done:
             break
         time.sleep(2)

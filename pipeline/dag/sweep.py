@@ -30,7 +30,7 @@ def _trial(params: dict[str, Any]) -> None:
 
     result = run_training_spec(params["spec"])
     tune.report({"val_top1": float(result.get("val_top1") or 0.0), "skipped": int(bool(result.get("skipped"))),
-                 "stage_seconds": float(result.get("seconds", 0.0))})
+                 "stage_seconds": 0.0 if result.get("skipped") else float(result.get("seconds", 0.0))})
 
 
 def concurrency(exp: ExperimentConfig) -> int:
