@@ -218,7 +218,8 @@ class TrainConfig(Section):
     max_failures: int = Field(1, ge=0, description="worker failures survived by restarting from a checkpoint")
     address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS or a local Ray")
     tracking_uri: str = Field("sqlite:///runs/mlflow.db", description="MLflow tracking URI")
-    artifact_root: str = Field("runs/mlartifacts", description="artifact store for new MLflow experiments")
+    artifact_root: str | None = Field("runs/mlartifacts", description="artifact store of new MLflow experiments "
+                                      "(null: the tracking server's default)")
     experiment: str = "token-pooling"
     parent_run_id: str | None = Field(None, description="MLflow parent run (set by the stage DAG)")
     tags: dict[str, str] = Field(default_factory=dict, description="extra MLflow tags (the DAG's stage records)")

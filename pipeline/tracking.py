@@ -85,20 +85,29 @@ def find_run(client: MlflowClient, exp_id: str, run_key: str) -> str | None:
 
 
 def open_run(uri: str, experiment: str, artifact_root: str | None, run_key: str, *, run_name: str,
-             tags: dict[str, str] | None = None, parent_run_id: str | None = None
+             tags: dict[str, str] | None = None, parent_run_id: str | None = None, resume_id: str | None = None
              ) -> tuple[MlflowClient, str, bool]:
-    """Resumes the run tagged ``run_key`` or starts it; returns the client, the run id and whether it is new."""
+    """Resumes run ``resume_id`` (from a checkpoint), or starts a new run for ``run_key``.
+
+    A new run retires earlier runs with the same key that never finished (attempts that died
+    before their first checkpoint): they are marked FAILED and keep their data, under a new key.
+    Returns the client, the run id and whether the run is new.
+    """
     client = MlflowClient(tracking_uri=uri)
     exp_id = experiment_id(client, experiment, artifact_root)
-    run_id = find_run(client, exp_id, run_key)
     all_tags = {RUN_KEY_TAG: run_key, **(tags or {})}
     if parent_run_id is not None:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    if run_id is None:
-        return client, client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id, True
-    client.update_run(run_id, status="RUNNING")
-    log_batch(client, run_id, tags=all_tags)
-    return client, run_id, False
+    if resume_id is not None:
+        client.update_run(resume_id, status="RUNNING")
+        log_batch(client, resume_id, tags=all_tags)
+        return client, resume_id, False
+    stale = find_run(client, exp_id, run_key)
+    if stale is not None:
+        log_batch(client, stale, tags={RUN_KEY_TAG: f"{run_key}#retired-{int(time.time())}"})
+        if client.get_run(stale).info.status == "RUNNING":
+            client.set_terminated(stale, "FAILED")
+    return client, client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id, True
 
 
 def _chunks(items: list, size: int) -> Iterable[list]:

@@ -28,13 +28,14 @@ class JobTracker:
 
     @classmethod
     def open(cls, config: Config, run_id: str | None = None) -> JobTracker:
-        """Continues ``run_id`` (from a checkpoint) or the run with this job's key, else starts one."""
+        """Continues ``run_id`` (from this job's checkpoint), else starts a run for this job."""
         train = config.train
         tags = {"git_sha": git_sha(Path(__file__).parent), "config_hash": config_hash(config), "mode": train.mode,
                 "method": config.pooling.method if train.mode == "finetune" else "none", **train.tags}
         client, found, new = open_run(train.tracking_uri, train.experiment, train.artifact_root, run_key(config),
-                                      run_name=train.name, tags=tags, parent_run_id=train.parent_run_id)
-        tracker = cls(client, run_id or found, config)
+                                      run_name=train.name, tags=tags, parent_run_id=train.parent_run_id,
+                                      resume_id=run_id)
+        tracker = cls(client, found, config)
         params = flatten(config.model_dump(mode="json"))
         if new:
             log_batch(client, tracker.run_id, params=params)
