@@ -44,6 +44,22 @@ def next_submission(client, base: str) -> tuple[str, bool]:
     return f"{base}-attempt-{len(attempts) + 1}", False
 
 
+def submit(client, entrypoint: str, submission_id: str, wait_s: float = 120.0) -> None:
+    """Submits, retrying while the head's job agent is still starting (a fresh cluster answers 500)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.submit_job(entrypoint=entrypoint, submission_id=submission_id,
+                              runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES})
+            return
+        except RuntimeError as err:
+            if "No available agent" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 async def follow(client, submission_id: str) -> None:
     async for lines in client.tail_job_logs(submission_id):
         print(lines, end="", flush=True)
@@ -67,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attaching to {submission_id} ({client.get_job_status(submission_id)})", flush=True)
     else:
         entrypoint = " ".join(["python -m pipeline run", args.config, *(f"--set {o}" for o in args.overrides)])
-        client.submit_job(entrypoint=entrypoint, submission_id=submission_id,
-                          runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES})
+        submit(client, entrypoint, submission_id)
         print(f"submitted {submission_id}: {entrypoint}", flush=True)
     if args.no_follow:
         return 0

@@ -202,12 +202,22 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def ray_head(tmp_path):
+def ray_head():
+    import tempfile
+
+    # Ray's unix sockets live under --temp-dir; pytest's tmp_path is too long for them (108 chars).
+    temp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))
     gcs, dashboard = free_port(), free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+    # The venv first on PATH, as in the images: the job's `python` is the cluster's interpreter.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    # Every port explicit: another Ray on this machine (the test session's own) holds the defaults.
+    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                   "runtime-env-agent-port", "metrics-export-port",
+                                                   "node-manager-port", "object-manager-port",
+                                                   "ray-client-server-port")]
+    proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", *ports,
                              f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                             "--num-cpus=2", f"--temp-dir={tmp_path / 'ray'}", "--include-dashboard=true"],
+                             "--num-cpus=2", f"--temp-dir={temp}", "--include-dashboard=true"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
@@ -215,6 +225,7 @@ def ray_head(tmp_path):
         yield f"http://127.0.0.1:{dashboard}"
     finally:
         stop(proc)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def tiny_dag_overrides(data: Path, out: Path, uri: str) -> list[str]:
