@@ -24,7 +24,7 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def test_help_lists_only_working_commands():
     out = run("--help").stdout
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
-    assert listed == {"config", "methods", "flops", "bench", "data"}
+    assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report"}
     bench_help = run("bench", "--help").stdout
     assert set(re.findall(r"^    (\w+)\s", bench_help, flags=re.M)) == {"ops", "throughput", "loader"}
     for command in listed:  # each listed command answers its own --help
