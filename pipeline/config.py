@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -24,6 +25,21 @@ assert set(get_args(MethodName)) == set(METHODS), "MethodName must list the regi
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); this loader reads it as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ConfigError(ValueError):
@@ -337,7 +353,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"--set {item!r}: the key {key!r} has an empty part")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({err})") from None
     return parts, value
@@ -348,7 +364,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         shipped = sorted(str(p.relative_to(CONFIG_DIR.parent)) for p in CONFIG_DIR.rglob("*.yaml"))
         raise ConfigError(f"config file not found: {path}; the shipped configs are: {', '.join(shipped)}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if data is None:

@@ -155,3 +155,14 @@ def test_bad_sparsity_file(tmp_path: Path):
     path.write_text("model: x\nlevels:\n  0: {keep: [1], powerbert: 1.0, kmedoid: 2.0}\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: levels.0.kmedoids: Field required; levels.0.kmedoid: Extra"):
         load_sparsity(path)
+
+
+def test_scientific_notation_without_a_dot_is_a_float(tmp_path):
+    # PyYAML (YAML 1.1) alone reads 2e-3 as the string '2e-3'; configs and --set read it as a number.
+    import yaml
+
+    assert yaml.safe_load("2e-3") == "2e-3"
+    path = tmp_path / "c.yaml"
+    path.write_text("recipe:\n  lr: 2e-3\n  min_lr: 1E-5\n")
+    config = load_config(path, ["recipe.warmup_lr=5e-7"])
+    assert (config.recipe.lr, config.recipe.min_lr, config.recipe.warmup_lr) == (2e-3, 1e-5, 5e-7)
