@@ -53,13 +53,13 @@ def test_unknown_key_names_key_file_and_allowed(tmp_path: Path):
         load_config(path)
     message = str(err.value)
     assert str(path) in message and "pooling.iter" in message
-    assert "allowed keys here: cluster_on, init, iters, method" in message
+    assert "allowed keys here: alpha, carry, cluster_on, init, iters, keep, level, method, qk_norm" in message
 
 
 def test_unknown_section(tmp_path: Path):
     path = tmp_path / "typo.yaml"
     path.write_text("poolin:\n  iters: 3\n")
-    with pytest.raises(ConfigError, match=r"typo.yaml: poolin: unknown key; allowed keys here: bench, bench_throughput, pooling, seed"):
+    with pytest.raises(ConfigError, match=r"typo.yaml: poolin: unknown key; allowed keys here: bench, bench_throughput, data, experiment, model, pooling, recipe, seed, train"):
         load_config(path)
 
 
