@@ -82,38 +82,37 @@ def _axes(title: str, xlabel: str, ylabel: str):
     return fig, ax
 
 
+def _curve(ax, points: Sequence[dict[str, Any]], style: str, label: str, **kw: Any) -> None:
+    ax.plot([p["gflops"] for p in points], [p["top1"] for p in points], style, label=label, **kw)
+
+
+def _save(fig, ax, path: Path, fontsize: int = 8, ncol: int = 1) -> Path:
+    ax.legend(fontsize=fontsize, ncol=ncol)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
 def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Top-1 vs GFLOPs, one curve per method (its Pareto front), the overall front dashed (Figures 1b, 3)."""
     fig, ax = _axes("Top-1 vs GFLOPs (each method's Pareto front)", "GFLOPs per image", "top-1 (%)")
     method_fronts = fronts(rows)
     for index, method in enumerate(m for m in method_fronts if m != "all"):
-        pts = method_fronts[method]
-        ax.plot([p["gflops"] for p in pts], [p["top1"] for p in pts], STYLES[index % len(STYLES)], label=method,
-                markersize=5)
-    overall = method_fronts["all"]
-    ax.plot([p["gflops"] for p in overall], [p["top1"] for p in overall], color="black", alpha=0.35, linewidth=4,
-            label="overall front", zorder=0)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+        _curve(ax, method_fronts[method], STYLES[index % len(STYLES)], method, markersize=5)
+    _curve(ax, method_fronts["all"], "-", "overall front", color="black", alpha=0.35, linewidth=4, zorder=0)
+    return _save(fig, ax, path)
 
 
 def plot_widths(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Per width: the no-downsampling baselines, and each method's front (Figure 4)."""
     fig, ax = _axes("Token downsampling vs a narrower model (per width)", "GFLOPs per image", "top-1 (%)")
     baselines = sorted((r for r in rows if r["method"] == "none"), key=lambda r: r["gflops"])
-    ax.plot([r["gflops"] for r in baselines], [r["top1"] for r in baselines], "k*-", markersize=10,
-            label="no downsampling (width sweep)")
+    _curve(ax, baselines, "k*-", "no downsampling (width sweep)", markersize=10)
     for index, arch in enumerate(sorted({r["arch"] for r in rows})):
         arch_rows = [r for r in rows if r["arch"] == arch and r["method"] != "none"]
-        front = [r for r in fronts(arch_rows)["all"]] if arch_rows else []
-        ax.plot([p["gflops"] for p in front], [p["top1"] for p in front], STYLES[index % len(STYLES)],
-                label=f"{arch}: best downsampling", markersize=5)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+        front = fronts(arch_rows)["all"] if arch_rows else []
+        _curve(ax, front, STYLES[index % len(STYLES)], f"{arch}: best downsampling", markersize=5)
+    return _save(fig, ax, path)
 
 
 def plot_keep_lists(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -128,10 +127,7 @@ def plot_keep_lists(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         ax.plot(range(1, len(r["keep"]) + 1), r["keep"], STYLES[index % len(STYLES)], label=f"{r['arch']} {r['level']}",
                 markersize=4)
         index += 1
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _save(fig, ax, path, fontsize=7, ncol=2)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -4,3 +4,15 @@
 # constructor recursion depth mismatch" when pytest rewrites a module (hypothesis's plugin is
 # otherwise imported lazily at the terminal summary) while another thread is compiling.
 import hypothesis  # noqa: F401
+
+
+def write_synthetic_pair(root, train: int, val: int):
+    """``root/train.beton`` and ``root/val.beton``: 4-class 16 px synthetic data (raw pixels)."""
+    from pipeline.data import WriteSettings, open_source, write_beton
+
+    raw = WriteSettings(mode="raw", max_res=None)
+    write_beton(open_source(f"synthetic:classes=4,count={train},size=16"), root / "train.beton", raw,
+                log=lambda _: None)
+    write_beton(open_source(f"synthetic:classes=4,count={val},size=16,seed=1"), root / "val.beton", raw,
+                log=lambda _: None)
+    return root

@@ -191,14 +191,9 @@ def test_runbook_names_every_launcher_and_image():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    from pipeline.data import WriteSettings, open_source, write_beton
+    from tests.conftest import write_synthetic_pair
 
-    root = tmp_path_factory.mktemp("cluster")
-    raw = WriteSettings(mode="raw", max_res=None)
-    write_beton(open_source("synthetic:classes=4,count=128,size=16"), root / "train.beton", raw, log=lambda _: None)
-    write_beton(open_source("synthetic:classes=4,count=32,size=16,seed=1"), root / "val.beton", raw,
-                log=lambda _: None)
-    return root
+    return write_synthetic_pair(tmp_path_factory.mktemp("cluster"), 128, 32)
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from mlflow.tracking import MlflowClient
 from pipeline.config import ConfigError, load_config
 from pipeline.dag import count_plan, run_experiment
 from pipeline.dag.records import DONE, STAGE_KIND
-from pipeline.data import WriteSettings, open_source, write_beton
 from pipeline.tracking import TrackingError
+from tests.conftest import write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -33,12 +33,7 @@ def tiny_overrides(root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dag")
-    raw = WriteSettings(mode="raw", max_res=None)
-    write_beton(open_source("synthetic:classes=4,count=192,size=16"), root / "train.beton", raw, log=lambda _: None)
-    write_beton(open_source("synthetic:classes=4,count=48,size=16,seed=1"), root / "val.beton", raw,
-                log=lambda _: None)
-    return root
+    return write_synthetic_pair(tmp_path_factory.mktemp("dag"), 192, 48)
 
 
 def runs_by_kind(root: Path) -> dict[str, list]:
