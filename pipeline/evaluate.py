@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,16 +55,12 @@ def top1(model: nn.Module, config: Config, device: torch.device) -> tuple[float,
 def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, device: torch.device
                ) -> tuple[float, float]:
     """Inference images/s at ``batch``: median over ``repeats`` timed passes, and the spread (max - min)."""
-    size = model.patch_embed.img_size
-    images = torch.randn(batch, 3, *size, device=device)
-    rates = []
-    for index in range(warmup + repeats):
-        start = time.perf_counter()
-        model(images)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if index >= warmup:
-            rates.append(batch / (time.perf_counter() - start))
+    from pipeline.benchmark import _timed
+
+    images = torch.randn(batch, 3, *model.patch_embed.img_size, device=device)
+    for _ in range(warmup):
+        _timed(lambda: model(images), device)
+    rates = [batch / _timed(lambda: model(images), device) for _ in range(repeats)]
     return statistics.median(rates), max(rates) - min(rates)
 
 

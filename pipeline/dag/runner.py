@@ -121,7 +121,7 @@ def sweep(ctx: Context, stages: list[Stage], inits: dict[str, str], name: str) -
     return results_of(ctx, stages)
 
 
-def sparsity_levels(ctx: Context, arch: Arch, base: Stage, ks_results: dict[str, dict[str, Any]],
+def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, dict[str, Any]],
                     ks_stages: list[Stage]) -> dict[str, tuple[list[int], list[str]]]:
     """``{level: (keep, upstream ids)}``: the K search's lists (deduplicated), or the paper's pinned ones."""
     if ctx.config.experiment.levels is not None:
@@ -173,7 +173,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     ft_stages: list[Stage] = []
     for arch in arch_list:
         base = bases[arch.label][0]
-        for level, (keep, upstream) in sparsity_levels(ctx, arch, base, ks_results, ks_stages[arch.label]).items():
+        for level, (keep, upstream) in sparsity_levels(ctx, arch, ks_results, ks_stages[arch.label]).items():
             ft_stages += [finetune_stage(config, arch, base, m, level, keep, upstream) for m in exp.methods]
         if exp.baseline:
             ft_stages.append(finetune_stage(config, arch, base, "none", "full", None, []))

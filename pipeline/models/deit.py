@@ -60,11 +60,20 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and key in state and isinstance(state[key], dict):
             state = state[key]
+    load_state(model, state, path)
+
+
+def load_state(model: nn.Module, state: dict[str, Any], source: str | Path) -> None:
+    """``load_state_dict`` that tolerates only the parameters downsampling adds or drops.
+
+    A new variant's per-block alpha, conv layers and retention weights may be absent; a K-search
+    state dict's retention weights may be extra. Anything else raises ValueError naming ``source``.
+    """
     missing, unexpected = model.load_state_dict(state, strict=False)
-    # Parameters the downsampling variants add (per-block alpha, conv layers) may be absent.
     missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
+    unexpected = [k for k in unexpected if not k.endswith("retention")]
     if missing or unexpected:
-        raise ValueError(f"{path}: state dict does not match the model: missing {missing[:5]}, "
+        raise ValueError(f"{source}: state dict does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
 
 

@@ -77,9 +77,9 @@ def check_architecture(state: dict[str, Any], expected: dict[str, Any], path: st
 
 def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str | Path) -> None:
     """Loads a checkpoint's weights; parameters the new mode adds (retention, alpha, convs) may be absent."""
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
-    unexpected = [k for k in unexpected if not k.endswith("retention")]  # a K-search checkpoint's soft-extract
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not fit the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+    from pipeline.models.deit import load_state
+
+    try:
+        load_state(model, state["model"], path)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None

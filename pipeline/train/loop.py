@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ class EpochStats:
     images: int
     seconds: float
     penalty: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 def loader_spec(config: Config, model: nn.Module, worker: Worker, *, train: bool) -> LoaderSpec:
@@ -432,7 +431,7 @@ def run_epochs(config, session, worker, model, recipe, train_loader, evaluation,
         elif config.train.mode == "finetune":
             keep = list(unwrap(model).blocks.config.keep)
         if tracker is not None:
-            tracker.log_epoch(metrics, epoch + 1, keep)
+            tracker.log_epoch(metrics, epoch + 1)
             print(epoch_line(epoch, config.recipe.epochs, metrics, started, epoch + 1 - start_epoch), flush=True)
         save_and_report(session, model, recipe, worker, epoch, step, metrics, keep,
                         None if tracker is None else tracker.run_id)

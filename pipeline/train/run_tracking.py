@@ -45,7 +45,7 @@ class JobTracker:
             log_batch(client, tracker.run_id, tags=changed)
         return tracker
 
-    def log_epoch(self, metrics: dict[str, float], epoch: int, keep: list[int] | None) -> None:
+    def log_epoch(self, metrics: dict[str, float], epoch: int) -> None:
         log_batch(self.client, self.run_id, metrics=metrics, step=epoch)
 
     def finish(self, model: nn.Module, keep: list[int] | None) -> None:
