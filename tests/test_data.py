@@ -299,8 +299,9 @@ HANG_PROBE = textwrap.dedent("""
     from pipeline.data.loaders import LoaderSpec, ffcv_loader
     for train in (True, False):
         spec = LoaderSpec(sys.argv[1], train=train, batch_size=8, res=16, mean=(0.5,) * 3, std=(0.5,) * 3, workers=1)
-        x, y = next(iter(ffcv_loader(spec)))
-        print(train, tuple(x.shape))
+        # Read the whole epoch: FFCV's daemon iterator thread, left mid-epoch, can abort the interpreter at exit.
+        shapes = [tuple(x.shape) for x, _ in ffcv_loader(spec)]
+        print(train, shapes[0])
 """)
 
 
