@@ -13,6 +13,7 @@ and before its MLP (PoWER-BERT's placement, see NOTES); the next block then sees
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,30 @@ class DownsamplingConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class BlockRecord:
+    """What one block did, for analysis hooks (``DownsamplingBlocks.recorder``); non-prefix tokens only.
+
+    Attributes:
+        layer: block index, from 0.
+        before: (B, N, M) the block's input tokens.
+        attended: (B, N, M) the attention branch's output (after LayerScale), before the residual sum.
+        mixed: (B, N, M) ``before + attended``: what the downsampling step receives.
+        scores: (B, N) significance (eq. 4) from this block's attention.
+        keys: (B, N, head_dim) keys averaged over heads.
+        assign: (B, N) output slot of each token, -1 for a dropped one; None when the block keeps
+            every token.
+    """
+
+    layer: int
+    before: Tensor
+    attended: Tensor
+    mixed: Tensor
+    scores: Tensor
+    keys: Tensor
+    assign: Tensor | None
+
+
 def _needs_stats(config: DownsamplingConfig) -> bool:
     if config.soft_extract:
         return True
@@ -58,6 +83,8 @@ class DownsamplingBlocks(nn.Sequential):
         self.num_prefix = num_prefix
         self.num_tokens = num_tokens
         self.needs_stats = _needs_stats(config)
+        # Analysis hook (pipeline.analysis): called with a BlockRecord per block when set.
+        self.recorder: Callable[[BlockRecord], None] | None = None
         dim = blocks[0].norm1.normalized_shape[0]
         if config.method == "conv":
             self._attach_convs(dim, grid)
@@ -90,23 +117,27 @@ class DownsamplingBlocks(nn.Sequential):
         b, t, _ = x.shape
         sizes = torch.ones(b, t, device=x.device, dtype=torch.float32) if self.config.carry else None
         for layer, block in enumerate(self):
-            x, sizes = self._run_block(block, self.config.keep[layer], x, sizes)
+            x, sizes = self._run_block(layer, block, x, sizes)
         return x
 
-    def _run_block(self, block: nn.Module, k: int, x: Tensor, sizes: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        p = self.num_prefix
+    def _run_block(self, layer: int, block: nn.Module, x: Tensor, sizes: Tensor | None
+                   ) -> tuple[Tensor, Tensor | None]:
+        p, k, record = self.num_prefix, self.config.keep[layer], self.recorder is not None
         downsample = k < x.shape[1] - p
         soft = hasattr(block, "retention")
         attn_out, stats = attend(
             block.attn, block.norm1(x), num_prefix=p,
             log_sizes=None if sizes is None else sizes.log(),
             qk_alpha=getattr(block, "qk_alpha", None),
-            need_stats=soft or (downsample and k > 0 and self.needs_stats),
+            need_stats=record or soft or (downsample and k > 0 and self.needs_stats),
         )
-        x = x + block.drop_path1(block.ls1(attn_out))
+        before, attended = x, block.drop_path1(block.ls1(attn_out))
+        x = mixed = before + attended
+        assign = None
         if soft:
             x = torch.cat([x[:, :p], soft_extract(x[:, p:], stats.scores, block.retention)], dim=1)
         elif downsample and k == 0:  # "0": only the prefix tokens go on (the paper's tables)
+            assign = torch.full(x[:, p:, 0].shape, -1, dtype=torch.long, device=x.device)
             x = x[:, :p]
             sizes = None if sizes is None else sizes[:, :p]
         elif downsample:
@@ -118,9 +149,13 @@ class DownsamplingBlocks(nn.Sequential):
                 sizes=None if sizes is None else sizes[:, p:],
                 validate=False,
             )
+            assign = result.assign
             x = torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
             if sizes is not None:
                 sizes = torch.cat([sizes[:, :p], result.sizes], dim=1)
+        if record:
+            self.recorder(BlockRecord(layer, before[:, p:], attended[:, p:], mixed[:, p:], stats.scores,
+                                      stats.keys, assign))
         x = x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
         return x, sizes
 

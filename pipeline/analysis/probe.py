@@ -1,0 +1,225 @@
+"""What the analyses look at: a trained network, its inputs, and what each of its blocks did.
+
+A ``Subject`` is the plain network (no downsampling) of a ``pipeline train`` checkpoint or of a timm
+model name, plus the variant it was trained with (carry, normalised queries and keys), so that any
+method can be applied to it off the shelf with ``with_method``. Inputs come from image files or
+from the first images of a ``.beton``; ``block_records`` runs the network once and returns the
+``BlockRecord`` of every block (``DownsamplingBlocks.recorder``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from pipeline.models import DownsamplingBlocks, apply_downsampling
+from pipeline.models.downsampling import BlockRecord
+
+
+class AnalysisError(ValueError):
+    """Bad input to an analysis: a missing image, an impossible layer, an unusable checkpoint."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    """A network to analyse, without downsampling, and what it needs of its inputs.
+
+    Attributes:
+        model: the plain timm ViT in eval mode (never modified; ``with_method`` copies it).
+        state: its state dict, reloaded after a method adds parameters (alpha, conv weights).
+        variant: ``carry``, ``qk_norm`` and ``alpha`` it was trained with (empty for a base model).
+        method, keep: the downsampling it was finetuned with, or ``None`` for a base model.
+        res, mean, std: the input size and normalisation (timm's resolved data config).
+        grid: the patch grid (rows, columns); patch: the patch side in pixels.
+        label: where it came from, for titles.
+    """
+
+    model: nn.Module
+    state: dict[str, Any]
+    res: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    grid: tuple[int, int]
+    patch: int
+    label: str
+    method: str | None = None
+    keep: list[int] | None = None
+    variant: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def depth(self) -> int:
+        return len(self.model.blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def _subject(model: nn.Module, state: dict[str, Any], label: str, **extra: Any) -> Subject:
+    import timm
+
+    cfg = timm.data.resolve_model_data_config(model)
+    grid = tuple(int(g) for g in model.patch_embed.grid_size)
+    return Subject(model=model.eval(), state=state, res=int(cfg["input_size"][-1]), mean=tuple(cfg["mean"]),
+                   std=tuple(cfg["std"]), grid=grid, patch=int(model.patch_embed.patch_size[0]), label=label, **extra)
+
+
+def load_subject(checkpoint: str | Path | None = None, model: str | None = None,
+                 weights: str | Path | None = None) -> Subject:
+    """The network of a ``pipeline train`` checkpoint, or a timm model by name (``weights``: a state-dict file).
+
+    A finetuned checkpoint keeps its weights and variant but loses its downsampling, which
+    ``with_method`` puts back (its own method by default).
+    """
+    if (checkpoint is None) == (model is None):
+        raise AnalysisError("give exactly one of --checkpoint (a `pipeline train` checkpoint) or --model (a timm name)")
+    if model is not None:
+        import timm
+
+        from pipeline.models import load_weights
+
+        if model not in timm.list_models():
+            raise AnalysisError(f"unknown timm model {model!r}; for example deit_small_patch16_224")
+        net = timm.create_model(model, pretrained=False)
+        if weights is not None:
+            load_weights(net, weights)
+        return _subject(net, net.state_dict(), model if weights is None else f"{model} ({Path(weights).name})")
+    return _checkpoint_subject(Path(checkpoint))
+
+
+def _checkpoint_subject(path: Path) -> Subject:
+    from pipeline.config import Config
+    from pipeline.train.build import build_model
+    from pipeline.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights
+
+    try:
+        state = load_checkpoint(path)
+        config = Config.model_validate(state["config"])
+    except CheckpointError as err:
+        raise AnalysisError(str(err)) from None
+    except (KeyError, TypeError, ValueError) as err:
+        raise AnalysisError(f"{path}: not a `pipeline train` checkpoint (no usable config: {err})") from None
+    mode = config.train.mode
+    plain = config.model_copy(update={"train": config.train.model_copy(update={"mode": "base"})})
+    net = build_model(plain)
+    try:
+        load_model_weights(net, state, path)
+    except CheckpointError as err:
+        raise AnalysisError(str(err)) from None
+    extra: dict[str, Any] = {}
+    if mode == "finetune":
+        pool = config.pooling
+        extra = {"method": pool.method, "keep": state.get("keep"),
+                 "variant": {"carry": pool.carry, "qk_norm": pool.qk_norm, "alpha": pool.alpha}}
+    return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", **extra)
+
+
+def with_method(subject: Subject, method: str, keep: Sequence[int] | None, *,
+                variant: dict[str, Any] | None = None, **options: Any) -> nn.Module:
+    """A copy of the subject's network with ``method`` at ``keep`` in every block.
+
+    ``variant`` (carry, qk_norm, alpha) defaults to the one the subject was trained with.
+    """
+    from pipeline.models.deit import load_state
+
+    net = copy.deepcopy(subject.model)
+    variant = subject.variant if variant is None else variant
+    apply_downsampling(net, method, None if keep is None else list(keep), **variant, **options)
+    load_state(net, subject.state, subject.label)  # learned alpha / conv weights, where the method has them
+    return net.eval()
+
+
+def check_layers(layers: Sequence[int], depth: int) -> list[int]:
+    """1-based block indices, validated against the depth."""
+    bad = [layer for layer in layers if not 1 <= layer <= depth]
+    if bad:
+        raise AnalysisError(f"layer(s) {bad} out of range: the model has {depth} blocks, numbered 1..{depth}")
+    return list(layers)
+
+
+@torch.no_grad()
+def block_records(net: nn.Module, inputs: Tensor) -> list[BlockRecord]:
+    """Runs ``net`` (with ``DownsamplingBlocks``) on inputs (B, 3, R, R); one record per block."""
+    blocks = net.blocks
+    if not isinstance(blocks, DownsamplingBlocks):
+        raise AnalysisError("block_records needs a model with downsampling blocks; use with_method(subject, ...)")
+    records: list[BlockRecord] = []
+    blocks.recorder = records.append
+    try:
+        net(inputs)
+    finally:
+        blocks.recorder = None
+    return records
+
+
+def normalise(subject: Subject, images: np.ndarray) -> Tensor:
+    """uint8 images (B, R, R, 3) -> normalised float inputs (B, 3, R, R)."""
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float().div_(255.0)
+    mean = torch.tensor(subject.mean).view(1, 3, 1, 1)
+    std = torch.tensor(subject.std).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def read_images(paths: Sequence[str | Path], res: int) -> np.ndarray:
+    """Image files -> uint8 (B, res, res, 3): the shorter side resized to ``res``, then a centre crop."""
+    from PIL import Image
+
+    from pipeline.data.sources import to_rgb
+
+    out = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise AnalysisError(f"image not found: {path}")
+        try:
+            with Image.open(path) as image:
+                image.load()
+                rgb = Image.fromarray(to_rgb(image))
+        except (OSError, SyntaxError, ValueError) as err:
+            raise AnalysisError(f"{path}: not a readable image ({err})") from None
+        scale = res / min(rgb.size)
+        size = (max(res, round(rgb.width * scale)), max(res, round(rgb.height * scale)))
+        rgb = rgb.resize(size, Image.BICUBIC)
+        left, top = (size[0] - res) // 2, (size[1] - res) // 2
+        out.append(np.asarray(rgb.crop((left, top, left + res, top + res))))
+    return np.stack(out)
+
+
+def beton_images(beton: str | Path, subject: Subject, *, count: int | None = None, batch: int = 64
+                 ) -> Iterator[np.ndarray]:
+    """The first ``count`` images (all if None) of a ``.beton`` as uint8 (B, R, R, 3) batches, in file order.
+
+    Read through the validation pipeline (centre crop at the subject's resolution) with the
+    identity normalisation, so the batches are the pixels the model's validation loader sees.
+    """
+    import timm
+    from ffcv.loader import Loader, OrderOption
+
+    from pipeline.data.loaders import LoaderSpec, label_pipeline, read_metadata, val_pipeline
+
+    total = int(read_metadata(beton)["num_images"])  # a clear error for a missing file or metadata
+    if count is not None and not 1 <= count <= total:
+        raise AnalysisError(f"{beton} holds {total} images; asked for {count}")
+    crop_pct = float(timm.data.resolve_model_data_config(subject.model)["crop_pct"])
+    spec = LoaderSpec(str(beton), train=False, batch_size=batch, res=subject.res, mean=(0.0,) * 3,
+                      std=(1.0 / 255,) * 3, workers=1, flip=False, crop_pct=crop_pct)
+    # Only the wanted indices: the iterator then runs to its end (an abandoned FFCV iterator can abort at exit).
+    loader = Loader(spec.path, batch_size=batch, num_workers=1, order=OrderOption.SEQUENTIAL,
+                    indices=np.arange(total if count is None else count), drop_last=False,
+                    pipelines={"image": val_pipeline(spec), "label": label_pipeline(spec)})
+    for images, _ in loader:
+        yield images.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def first_batches(beton: str | Path, subject: Subject, *, batches: int, batch: int) -> list[np.ndarray]:
+    """Up to ``batches`` batches of ``batch`` images from the start of a ``.beton`` (fewer if it is smaller)."""
+    from pipeline.data.loaders import read_metadata
+
+    count = min(batches * batch, int(read_metadata(beton)["num_images"]))
+    return list(beton_images(beton, subject, count=count, batch=batch))
