@@ -279,6 +279,9 @@ class EvalConfig(Section):
     repeats: int = Field(5, ge=1)
     device: Literal["cpu", "cuda"] = "cpu"
     cpus: float = Field(2.0, gt=0, description="CPUs per evaluation task (all of them: clean timings)")
+    analysis_images: int = Field(2, ge=0, description="validation images drawn as cluster maps per model (0: none)")
+    analysis_batch: int = Field(16, ge=0, description="validation images for the redundancy and reconstruction "
+                                "analyses per model (0: none)")
 
 
 class ExperimentConfig(Section):

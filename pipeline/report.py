@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from pipeline.pareto import Point, best_at_budgets, pareto_front
 
 COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "train_top1", "checkpoint",
-           "stage_id", "run_id"]
+           "stage_id", "run_id", "analysis"]
 # Distinguishable in grayscale: markers and line styles carry the method as well as the colour.
 STYLES = ["o-", "s--", "^-.", "D:", "v-", "P--", "X-.", "*:", "h-", "<--"]
 
@@ -164,6 +164,14 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
             markdown_table(table, ["budget_gflops", "top1", "method", "arch", "level", "gflops"]), "",
             "## Plots", "", "![top-1 vs GFLOPs](tradeoff.png)", "", "![per width](widths.png)", "",
             "![keep lists](keep_lists.png)", "", "## All models", "", markdown_table(ordered, shown + ["keep"]), ""]
+    analysed = [r for r in ordered if r.get("analysis")]
+    if analysed:
+        text += ["## Analysis artifacts", "",
+                 "Per model (MLflow artifacts): cluster maps of validation images (`maps/`), token redundancy per "
+                 "block (`redundancy.png`, `.csv`) and each method's eq. 2 reconstruction error at the model's keep "
+                 "list (`reconstruction.png`, `.csv`).", "",
+                 markdown_table([r | {"analysis": f"[{r['analysis']}]({r['analysis']})"} for r in analysed],
+                                ["arch", "level", "method", "analysis"]), ""]
     files["report"] = out_dir / "report.md"
     files["report"].write_text("\n".join(text))
     return files

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.analysis.clustermap import cluster_maps
-from pipeline.analysis.probe import Subject, beton_images, first_batches, load_subject
+from pipeline.analysis.probe import Subject, first_batches, load_subject
 from pipeline.analysis.reconstruction import COLUMNS as RECONSTRUCTION_COLUMNS
 from pipeline.analysis.reconstruction import DEFAULT_METHODS, plot_reconstruction, reconstruction_rows
 from pipeline.analysis.redundancy import COLUMNS as REDUNDANCY_COLUMNS
@@ -37,24 +37,25 @@ def write_reconstruction(subject: Subject, batches: Iterable[np.ndarray], out: P
                                 title=f"Reconstruction error (eq. 2) per block: {subject.label}")]
 
 
-def evaluation_artifacts(checkpoint: str, beton: str, out: Path, *, images: int, batch: int, batches: int,
-                         log=print) -> list[Path]:
+def evaluation_artifacts(checkpoint: str, out: Path, *, images: int, batch: int, log=print) -> list[Path]:
     """What the DAG's evaluate stage logs for one finetuned model, under ``out``.
 
-    Cluster maps of its own method and keep list at every block for the first ``images``
-    validation images (``maps/``), redundancy over ``batches`` batches, and the reconstruction error
-    of every method at its keep list. A no-downsampling baseline gets the redundancy only.
+    From its validation set: cluster maps of its own method and keep list at every block for the
+    first ``images`` images (``maps/``); the redundancy and the reconstruction error of every method
+    at its keep list over the first ``batch`` images. A no-downsampling baseline gets the redundancy only.
     """
     subject = load_subject(checkpoint=checkpoint)
+    count = max(images, batch)
+    if count == 0:
+        return []
+    data = np.concatenate(first_batches(subject.val, subject, batches=1, batch=count))  # one loader for both
     files: list[Path] = []
     if subject.method is not None and images > 0:
-        pictures = np.concatenate(list(beton_images(beton, subject, count=images, batch=images)))
-        files += cluster_maps(subject, pictures, [f"val{i:04d}" for i in range(len(pictures))],
+        files += cluster_maps(subject, data[:images], [f"val{i:04d}" for i in range(min(images, len(data)))],
                               methods=[subject.method], keep=subject.keep, layers=range(1, subject.depth + 1),
                               out=out / "maps", log=log)
-    if batches > 0:
-        data = first_batches(beton, subject, batches=batches, batch=batch)
-        files += write_redundancy(subject, data, out, log=log)
+    if batch > 0:
+        files += write_redundancy(subject, [data[:batch]], out, log=log)
         if subject.method is not None:
-            files += write_reconstruction(subject, data, out, keep=subject.keep, log=log)
+            files += write_reconstruction(subject, [data[:batch]], out, keep=subject.keep, log=log)
     return files

@@ -39,6 +39,7 @@ class Subject:
         res, mean, std: the input size and normalisation (timm's resolved data config).
         grid: the patch grid (rows, columns); patch: the patch side in pixels.
         label: where it came from, for titles.
+        val: the validation ``.beton`` of its training config, if it has one.
     """
 
     model: nn.Module
@@ -52,6 +53,7 @@ class Subject:
     method: str | None = None
     keep: list[int] | None = None
     variant: dict[str, Any] = field(default_factory=dict)
+    val: str | None = None
 
     @property
     def depth(self) -> int:
@@ -118,7 +120,7 @@ def _checkpoint_subject(path: Path) -> Subject:
         pool = config.pooling
         extra = {"method": pool.method, "keep": state.get("keep"),
                  "variant": {"carry": pool.carry, "qk_norm": pool.qk_norm, "alpha": pool.alpha}}
-    return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", **extra)
+    return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", val=config.data.val, **extra)
 
 
 def with_method(subject: Subject, method: str, keep: Sequence[int] | None, *,

@@ -30,7 +30,7 @@ def nn_error(x: Tensor, y: Tensor, weights: Tensor | None = None) -> Tensor:
 
     x (B, N, M), y (B, K, M), weights (B, N) non-negative -> (B,).
     """
-    d = torch.cdist(x.double(), y.double()).pow(2).amin(-1)  # (B, N)
+    d = torch.cdist(x.double(), y.double(), compute_mode="donot_use_mm_for_euclid_dist").pow(2).amin(-1)  # (B, N)
     if weights is None:
         return d.mean(-1)
     w = weights.double()

@@ -51,7 +51,7 @@ def k_grid(num_tokens: int) -> list[int]:
 
 
 def clusters_needed(x: Tensor, scores: Tensor, *, fractions: Sequence[float] = FRACTIONS,
-                    ks: Sequence[int] | None = None, iters: int = 10) -> dict[float, Tensor]:
+                    ks: Sequence[int] | None = None, iters: int = 5) -> dict[float, Tensor]:
     """Per image, the smallest K on the grid whose K-Means keeps ``fraction`` of the token variance.
 
     x (B, N, M), scores (B, N) (the K-Means initialisation) -> {fraction: (B,) float}; N where

@@ -16,7 +16,8 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, dict[str, Any]],
         rows.append({"arch": stage.arch, "level": stage.meta["level"], "method": stage.meta["method"],
                      "keep": trained.get("keep"), "gflops": measured["gflops"], "top1": measured["top1"],
                      "images_per_s": measured["images_per_s"], "train_top1": trained.get("val_top1"),
-                     "checkpoint": trained["checkpoint"], "stage_id": stage.id, "run_id": trained["mlflow_run_id"]})
+                     "checkpoint": trained["checkpoint"], "stage_id": stage.id, "run_id": trained["mlflow_run_id"],
+                     "analysis": measured.get("analysis")})
     return rows
 
 

@@ -54,6 +54,25 @@ def run_training_spec(spec: dict[str, Any], log: Callable[[str], None] = print) 
     return result | {"run_id": trained.run_id}
 
 
+def log_analysis(client: MlflowClient, run_id: str, checkpoint: str, cfg) -> str | None:
+    """Cluster maps, redundancy and reconstruction error of one model, as artifacts under ``analysis/``.
+
+    Returns their artifact URI, or None when ``eval.analysis_images`` and ``eval.analysis_batch`` are 0.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from pipeline.analysis.artifacts import evaluation_artifacts
+
+    if cfg.analysis_images == 0 and cfg.analysis_batch == 0:
+        return None
+    with tempfile.TemporaryDirectory(prefix="analysis-") as tmp:
+        evaluation_artifacts(checkpoint, Path(tmp), images=cfg.analysis_images, batch=cfg.analysis_batch,
+                             log=lambda _: None)
+        client.log_artifacts(run_id, tmp, artifact_path="analysis")
+    return f"{client.get_run(run_id).info.artifact_uri}/analysis"
+
+
 def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[str, str]) -> dict[str, Any]:
     """Top-1, GFLOPs and images/s of a finetuned model, recorded as a child run of the DAG."""
     from pipeline.config import EvalConfig
@@ -71,7 +90,7 @@ def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[st
                                  device=cfg.device).as_dict()
     log_batch(client, run_id, metrics={k: v for k, v in result.items() if k != "num_images"},
               params={"checkpoint": checkpoint, "method": spec["meta"]["method"], "level": spec["meta"]["level"]})
-    result |= {"checkpoint": checkpoint, "mlflow_run_id": run_id}
+    result |= {"checkpoint": checkpoint, "mlflow_run_id": run_id, "analysis": log_analysis(client, run_id, checkpoint, cfg)}
     mark_done(client, run_id, stage_id=spec["id"], kind="evaluate", result=result)
     client.set_terminated(run_id, "FINISHED")
     return result | {"run_id": run_id}

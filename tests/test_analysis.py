@@ -1,0 +1,220 @@
+"""Cluster maps, redundancy and reconstruction error: against brute-force references and hand-built models."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.analysis import (
+    AnalysisError,
+    block_records,
+    clusters_needed,
+    load_subject,
+    mean_cosine,
+    nn_error,
+    patch_groups,
+    read_images,
+    with_method,
+)
+from pipeline.analysis.probe import _subject, normalise
+from pipeline.analysis.reconstruction import DEFAULT_METHODS
+from pipeline.pooling import build_downsampler
+from tests.conftest import write_synthetic_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
+
+
+# ---- references ----------------------------------------------------------------------------------------------------
+
+def test_nn_error_and_mean_cosine_match_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    x, y, w = torch.randn(3, 7, 5, generator=gen), torch.randn(3, 4, 5, generator=gen), torch.rand(3, 7, generator=gen)
+    for b in range(3):
+        dists = [min(float(((x[b, i] - y[b, j]) ** 2).sum()) for j in range(4)) for i in range(7)]
+        assert float(nn_error(x, y)[b]) == pytest.approx(sum(dists) / 7)
+        assert float(nn_error(x, y, w)[b]) == pytest.approx(sum(d * float(w[b, i]) for i, d in enumerate(dists))
+                                                            / float(w[b].sum()))
+        pairs = [float(torch.nn.functional.cosine_similarity(x[b, i], x[b, j], dim=0))
+                 for i, j in itertools.permutations(range(7), 2)]
+        assert float(mean_cosine(x)[b]) == pytest.approx(sum(pairs) / len(pairs))
+
+
+def test_patch_groups_follow_every_assignment_like_a_loop():
+    from pipeline.models.downsampling import BlockRecord
+
+    gen = torch.Generator().manual_seed(1)
+    sizes = [12, 6, 6, 3]  # block 2 keeps all (assign None)
+    assigns = [torch.randint(-1, 6, (2, 12), generator=gen), None, torch.randint(-1, 3, (2, 6), generator=gen)]
+    empty = torch.zeros(2, 12, 1)
+    records = [BlockRecord(i, empty, empty, empty, empty[..., 0], empty, a) for i, a in enumerate(assigns)]
+    groups = patch_groups(records, 12)
+    assert groups.shape == (3, 2, 12) and sizes[0] == 12
+    for b, patch in itertools.product(range(2), range(12)):
+        g = patch
+        for layer, assign in enumerate(assigns):
+            if assign is not None and g >= 0:
+                g = int(assign[b, g])
+            assert int(groups[layer, b, patch]) == g
+
+
+def test_kmedoids_reconstructs_at_least_as_well_as_topk_and_random():
+    """Eq. 2 on random tokens: K-Medoids starts from the top-K set and never raises the cost, and its
+    outputs are cluster means (no worse than the medoids); random selection is beaten on every image."""
+    gen = torch.Generator().manual_seed(2)
+    x, scores = torch.randn(16, 64, 16, generator=gen), torch.rand(16, 64, generator=gen)
+    errors = {}
+    for method in ("kmedoids", "powerbert", "random"):
+        y = build_downsampler(method)(x, 8, scores=scores, generator=torch.Generator().manual_seed(3)).tokens
+        errors[method] = nn_error(x, y)
+    assert bool((errors["kmedoids"] <= errors["powerbert"] + 1e-9).all())
+    assert bool((errors["kmedoids"] <= errors["random"] + 1e-9).all())
+    assert float(errors["kmedoids"].mean()) < 0.95 * float(errors["powerbert"].mean())
+    for method in DEFAULT_METHODS:  # K = N: every method returns the tokens themselves
+        y = build_downsampler(method)(x, 64, scores=scores, metric=x[..., :4], generator=gen).tokens
+        assert float(nn_error(x, y).max()) == 0.0, method
+
+
+def test_clusters_needed_counts_distinct_token_values():
+    centres = torch.tensor([[10.0, 0, 0], [0, 10.0, 0], [0, 0, 10.0]])
+    x = centres[torch.tensor([0, 1, 2] * 5)].unsqueeze(0)  # 15 tokens, 3 distinct values, equidistant
+    scores = torch.zeros(1, 15)
+    scores[0, :3] = 1.0  # K-Means starts from one token of each value
+    needed = clusters_needed(x, scores)
+    assert float(needed[0.9][0]) == 3.0 and float(needed[0.99][0]) == 3.0  # 2 clusters keep only 50%
+
+
+# ---- a hand-built model: the two flat regions ------------------------------------------------------------------------
+
+def identity_like_subject():
+    """A 16x16 ViT (4x4 patches, 16 tokens) whose token after block 1's attention is its patch's mean
+    colour: patch embedding = per-channel mean, no positions, attention and MLP branches zeroed."""
+    import timm
+
+    net = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=12, depth=2, num_heads=1,
+                            num_classes=2, pretrained_cfg_overlay={"mean": (0.0,) * 3, "std": (1.0,) * 3,
+                                                                   "crop_pct": 1.0})
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+        for c in range(3):
+            net.patch_embed.proj.weight[c, c] = 1.0 / 16
+        for block in net.blocks:
+            block.norm1.weight.fill_(1.0)
+            block.norm2.weight.fill_(1.0)
+    return _subject(net, net.state_dict(), "identity-like")
+
+
+def two_region_image() -> np.ndarray:
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    image[:, :8] = (200, 40, 40)
+    image[:, 8:] = (30, 90, 220)
+    return image
+
+
+def test_kmedoids_k2_puts_each_flat_region_in_one_cluster():
+    subject = identity_like_subject()
+    net = with_method(subject, "kmedoids", [2, 2])
+    groups = patch_groups(block_records(net, normalise(subject, two_region_image()[None])), 16)[0, 0].reshape(4, 4)
+    left, right = groups[:, :2], groups[:, 2:]
+    assert len(set(left.flatten().tolist())) == 1 and len(set(right.flatten().tolist())) == 1
+    assert int(left[0, 0]) != int(right[0, 0])
+
+
+# ---- files and the command line --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A `pipeline train`-format checkpoint of the tiny test model (finetuned-with-wkmedoids config) and data."""
+    from pipeline.config import load_config
+    from pipeline.train.build import arch_signature, build_model
+    from pipeline.train.checkpoint import save_checkpoint
+
+    root = write_synthetic_pair(tmp_path_factory.mktemp("analysis"), train=8, val=40)
+    config = load_config(TINY, [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}",
+                                "train.mode=finetune", "pooling.method=wkmedoids", "pooling.keep=[12,6,3]"])
+    torch.manual_seed(0)
+    model = build_model(config)
+    directory = root / "ckpt"
+    directory.mkdir()
+    save_checkpoint(directory, {"model": model.state_dict(), "config": config.model_dump(mode="json"),
+                                "arch": arch_signature(model), "keep": [12, 6, 3]}, {})
+    return directory, root
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_picture(path: Path, size: tuple[int, int] | None = None) -> None:
+    pixels = np.asarray(Image.open(path).convert("L"), dtype=np.float64)
+    assert pixels.var() > 100.0, f"{path} looks blank"
+    if size is not None:
+        assert Image.open(path).size == size
+
+
+def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path):
+    ckpt, _ = tiny_checkpoint
+    images = []
+    for i, colour in enumerate(((250, 20, 20), (20, 250, 20))):
+        picture = np.zeros((40, 32, 3), dtype=np.uint8)
+        picture[:, 16:] = colour
+        images.append(tmp_path / f"img{i}.png")
+        Image.fromarray(picture).save(images[-1])
+    proc = run_cli("viz", "clusters", "--checkpoint", str(ckpt), "--images", *map(str, images),
+                   "--method", "wkmedoids,powerbert,tome", "--layers", "1,3", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert written == sorted([f"img{i}_{m}.png" for i in range(2) for m in ("wkmedoids", "powerbert", "tome")]
+                             + ["img0_sheet.png", "img1_sheet.png"])
+    assert_picture(tmp_path / "out" / "img0_wkmedoids.png", size=(720, 290))  # 3 panels of 2.4 in at 100 dpi
+    assert_picture(tmp_path / "out" / "img1_sheet.png", size=(960, 290))      # input + 3 methods
+
+
+def test_analyze_cli_writes_plots_and_csvs(tiny_checkpoint, tmp_path):
+    ckpt, root = tiny_checkpoint
+    base = ["--checkpoint", str(ckpt), "--data", str(root / "val.beton"), "--batches", "2", "--batch-size", "16"]
+    red = run_cli("analyze", "redundancy", *base, "--qk-norm-alpha", "8", "--out", str(tmp_path))
+    assert red.returncode == 0, red.stderr
+    rec = run_cli("analyze", "reconstruction", *base, "--k", "4,8", "--out", str(tmp_path))
+    assert rec.returncode == 0, rec.stderr
+    rows = list(csv.DictReader((tmp_path / "redundancy.csv").open()))
+    assert list(rows[0]) == ["attention", "layer", "stage", "tokens", "images", "mean_cosine", "k90", "k99"]
+    assert len(rows) == 2 * 3 * 3 and {r["images"] for r in rows} == {"32"}  # 2 attentions x 3 blocks x 3 stages
+    assert all(1 <= float(r["k90"]) <= float(r["k99"]) <= 16 for r in rows)
+    rows = list(csv.DictReader((tmp_path / "reconstruction.csv").open()))
+    assert list(rows[0]) == ["setting", "layer", "method", "k", "tokens", "images", "error", "relative_error",
+                             "weighted_error", "weighted_relative_error"]
+    assert {(r["setting"], r["method"]) for r in rows} == {(f"K = {k}", m) for k in (4, 8) for m in DEFAULT_METHODS}
+    assert all(float(r["error"]) >= 0 for r in rows)
+    for name in ("redundancy.png", "reconstruction.png"):
+        assert_picture(tmp_path / name)
+
+
+def test_bad_inputs_are_refused_with_a_clear_message(tiny_checkpoint, tmp_path):
+    ckpt, root = tiny_checkpoint
+    missing = run_cli("viz", "clusters", "--checkpoint", str(ckpt), "--images", str(tmp_path / "nope.png"),
+                      "--out", str(tmp_path))
+    assert missing.returncode == 2 and "image not found" in missing.stderr and "nope.png" in missing.stderr
+    deep = run_cli("viz", "clusters", "--checkpoint", str(ckpt), "--data", str(root / "val.beton"), "--count", "1",
+                   "--layers", "2,7", "--out", str(tmp_path))
+    assert deep.returncode == 2 and "[7] out of range" in deep.stderr and "3 blocks" in deep.stderr
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    bad = run_cli("analyze", "redundancy", "--checkpoint", str(junk), "--data", str(root / "val.beton"),
+                  "--out", str(tmp_path))
+    assert bad.returncode == 2 and "not a readable checkpoint" in bad.stderr and "junk.pt" in bad.stderr
+    with pytest.raises(AnalysisError, match="not a readable image"):
+        (tmp_path / "fake.png").write_text("text")
+        read_images([tmp_path / "fake.png"], 16)
+    with pytest.raises(AnalysisError, match="exactly one"):
+        load_subject()
