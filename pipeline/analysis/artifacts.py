@@ -32,6 +32,9 @@ def write_reconstruction(subject: Subject, batches: Iterable[np.ndarray], out: P
                          keep: Sequence[int] | None = None, log=print) -> list[Path]:
     """reconstruction.csv and reconstruction.png: eq. 2's error per block for each method."""
     rows = reconstruction_rows(subject, batches, methods=methods, ks=ks, keep=keep, log=log)
+    if not rows:  # a keep list that keeps every token (or none) at every block: nothing to compare
+        log(f"[reconstruction] keep list {keep} downsamples at no block; no reconstruction error to plot")
+        return []
     return [write_csv(rows, out / "reconstruction.csv", RECONSTRUCTION_COLUMNS),
             plot_reconstruction(rows, out / "reconstruction.png",
                                 title=f"Reconstruction error (eq. 2) per block: {subject.label}")]
