@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import itertools
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,9 +149,13 @@ def tiny_checkpoint(tmp_path_factory):
     return directory, root
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+def run_cli(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``python -m pipeline ARGS`` in this process (the same ``main``; no interpreter start-up per call)."""
+    from pipeline.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["pipeline", *args], code, out, err)
 
 
 def assert_picture(path: Path, size: tuple[int, int] | None = None) -> None:
@@ -162,7 +165,7 @@ def assert_picture(path: Path, size: tuple[int, int] | None = None) -> None:
         assert Image.open(path).size == size
 
 
-def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path):
+def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path, capsys):
     ckpt, _ = tiny_checkpoint
     images = []
     for i, colour in enumerate(((250, 20, 20), (20, 250, 20))):
@@ -170,7 +173,7 @@ def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path):
         picture[:, 16:] = colour
         images.append(tmp_path / f"img{i}.png")
         Image.fromarray(picture).save(images[-1])
-    proc = run_cli("viz", "clusters", "--checkpoint", str(ckpt), "--images", *map(str, images),
+    proc = run_cli(capsys, "viz", "clusters", "--checkpoint", str(ckpt), "--images", *map(str, images),
                    "--method", "wkmedoids,powerbert,tome", "--layers", "1,3", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     written = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
@@ -180,12 +183,12 @@ def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path):
     assert_picture(tmp_path / "out" / "img1_sheet.png", size=(960, 290))      # input + 3 methods
 
 
-def test_analyze_cli_writes_plots_and_csvs(tiny_checkpoint, tmp_path):
+def test_analyze_cli_writes_plots_and_csvs(tiny_checkpoint, tmp_path, capsys):
     ckpt, root = tiny_checkpoint
     base = ["--checkpoint", str(ckpt), "--data", str(root / "val.beton"), "--batches", "2", "--batch-size", "16"]
-    red = run_cli("analyze", "redundancy", *base, "--qk-norm-alpha", "8", "--out", str(tmp_path))
+    red = run_cli(capsys, "analyze", "redundancy", *base, "--qk-norm-alpha", "8", "--out", str(tmp_path))
     assert red.returncode == 0, red.stderr
-    rec = run_cli("analyze", "reconstruction", *base, "--k", "4,8", "--out", str(tmp_path))
+    rec = run_cli(capsys, "analyze", "reconstruction", *base, "--k", "4,8", "--out", str(tmp_path))
     assert rec.returncode == 0, rec.stderr
     rows = list(csv.DictReader((tmp_path / "redundancy.csv").open()))
     assert list(rows[0]) == ["attention", "layer", "stage", "tokens", "images", "mean_cosine", "k90", "k99"]
@@ -200,17 +203,17 @@ def test_analyze_cli_writes_plots_and_csvs(tiny_checkpoint, tmp_path):
         assert_picture(tmp_path / name)
 
 
-def test_bad_inputs_are_refused_with_a_clear_message(tiny_checkpoint, tmp_path):
+def test_bad_inputs_are_refused_with_a_clear_message(tiny_checkpoint, tmp_path, capsys):
     ckpt, root = tiny_checkpoint
-    missing = run_cli("viz", "clusters", "--checkpoint", str(ckpt), "--images", str(tmp_path / "nope.png"),
-                      "--out", str(tmp_path))
+    missing = run_cli(capsys, "viz", "clusters", "--checkpoint", str(ckpt), "--images",
+                      str(tmp_path / "nope.png"), "--out", str(tmp_path))
     assert missing.returncode == 2 and "image not found" in missing.stderr and "nope.png" in missing.stderr
-    deep = run_cli("viz", "clusters", "--checkpoint", str(ckpt), "--data", str(root / "val.beton"), "--count", "1",
-                   "--layers", "2,7", "--out", str(tmp_path))
+    deep = run_cli(capsys, "viz", "clusters", "--checkpoint", str(ckpt), "--data", str(root / "val.beton"),
+                   "--count", "1", "--layers", "2,7", "--out", str(tmp_path))
     assert deep.returncode == 2 and "[7] out of range" in deep.stderr and "3 blocks" in deep.stderr
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    bad = run_cli("analyze", "redundancy", "--checkpoint", str(junk), "--data", str(root / "val.beton"),
+    bad = run_cli(capsys, "analyze", "redundancy", "--checkpoint", str(junk), "--data", str(root / "val.beton"),
                   "--out", str(tmp_path))
     assert bad.returncode == 2 and "not a readable checkpoint" in bad.stderr and "junk.pt" in bad.stderr
     with pytest.raises(AnalysisError, match="not a readable image"):

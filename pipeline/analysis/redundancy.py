@@ -96,9 +96,11 @@ def redundancy_rows(subject: Subject, batches: Iterable[np.ndarray], *, qk_alpha
         log(f"[redundancy] batch {index + 1}: {images} images")
     if images == 0:
         raise AnalysisError("no images to analyse")
+    order = list(STAGES)
     return [{"attention": attention, "layer": layer + 1, "stage": stage, "tokens": subject.num_tokens,
              "images": images, "mean_cosine": cos / images, "k90": k90 / images, "k99": k99 / images}
-            for (layer, stage), (cos, k90, k99) in sorted(sums.items(), key=lambda kv: (kv[0][0], list(STAGES).index(kv[0][1])))]
+            for (layer, stage), (cos, k90, k99) in sorted(sums.items(), key=lambda kv: (kv[0][0],
+                                                                                        order.index(kv[0][1])))]
 
 
 def plot_redundancy(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:

@@ -90,7 +90,8 @@ def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[st
                                  device=cfg.device).as_dict()
     log_batch(client, run_id, metrics={k: v for k, v in result.items() if k != "num_images"},
               params={"checkpoint": checkpoint, "method": spec["meta"]["method"], "level": spec["meta"]["level"]})
-    result |= {"checkpoint": checkpoint, "mlflow_run_id": run_id, "analysis": log_analysis(client, run_id, checkpoint, cfg)}
+    analysis = log_analysis(client, run_id, checkpoint, cfg)
+    result |= {"checkpoint": checkpoint, "mlflow_run_id": run_id, "analysis": analysis}
     mark_done(client, run_id, stage_id=spec["id"], kind="evaluate", result=result)
     client.set_terminated(run_id, "FINISHED")
     return result | {"run_id": run_id}
