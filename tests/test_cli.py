@@ -24,9 +24,11 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def test_help_lists_only_working_commands():
     out = run("--help").stdout
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
-    assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report"}
+    assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "viz", "analyze"}
     bench_help = run("bench", "--help").stdout
     assert set(re.findall(r"^    (\w+)\s", bench_help, flags=re.M)) == {"ops", "throughput", "loader"}
+    analyze_help = run("analyze", "--help").stdout
+    assert set(re.findall(r"^    (\w+)\s", analyze_help, flags=re.M)) == {"redundancy", "reconstruction"}
     for command in listed:  # each listed command answers its own --help
         assert run(command, "--help").returncode == 0
 
