@@ -268,8 +268,10 @@ def _limit_file_size() -> None:
 def test_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path):
     out = tmp_path / "big.beton"
     out.write_bytes(b"previous dataset")
+    # 8000 images = 80 chunks of indices queued up front, more than a pipe holds: without
+    # write._abandon_queues the failed write hangs at exit on FFCV's queue feeder thread.
     proc = subprocess.run([sys.executable, "-m", "pipeline", "data", "write", "--source",
-                           "synthetic:count=3000,size=64", "--out", str(out)], cwd=ROOT, capture_output=True,
+                           "synthetic:count=8000,size=64", "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, preexec_fn=_limit_file_size)
     assert proc.returncode == 2, proc.stderr
     assert "writer process failed" in proc.stderr and "Traceback" not in proc.stderr.split("error:")[-1]

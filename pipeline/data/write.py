@@ -149,6 +149,22 @@ def _watch_workers(done: threading.Event, failed: list[str]) -> None:
                 return
 
 
+def _abandon_queues() -> None:
+    """Lets this process exit although FFCV's work queue still holds chunks no worker will read.
+
+    FFCV's writer puts every chunk of indices on a ``multiprocessing.Queue`` up front; once its
+    workers are dead, the queue's feeder thread blocks on the full pipe, and the exit-time join of
+    that thread hangs the process. The queue is local to FFCV's ``_write_common``, so it is found
+    among live objects; ``cancel_join_thread`` is the documented way to exit without flushing.
+    """
+    import gc
+    import multiprocessing.queues
+
+    for obj in gc.get_objects():
+        if isinstance(obj, multiprocessing.queues.Queue):
+            obj.cancel_join_thread()
+
+
 def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None:
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
@@ -167,6 +183,7 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None
             raise
         for child in multiprocessing.active_children():
             child.terminate()
+        _abandon_queues()
         writer.metadata_sm.close()
         writer.metadata_sm.unlink()
         raise DataWriteError(f"a writer process failed ({failed[0]}); the disk may be full or the source "
