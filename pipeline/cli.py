@@ -259,7 +259,11 @@ def cmd_analyze_redundancy(args: argparse.Namespace) -> int:
 
     subject = _subject(args)
     data = first_batches(args.data, subject, batches=args.batches, batch=args.batch_size)
-    alphas = [float(a) for a in args.qk_norm_alpha.split(",")] if args.qk_norm_alpha else []
+    try:
+        alphas = [float(a) for a in args.qk_norm_alpha.split(",")] if args.qk_norm_alpha else []
+    except ValueError:
+        raise ValueError(f"--qk-norm-alpha must be comma-separated numbers, e.g. 5,10; got {args.qk_norm_alpha!r}") \
+            from None
     print("\n".join(str(f) for f in write_redundancy(subject, data, args.out, qk_alphas=alphas, log=_log)))
     return 0
 

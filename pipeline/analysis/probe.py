@@ -36,7 +36,7 @@ class Subject:
         state: its state dict, reloaded after a method adds parameters (alpha, conv weights).
         variant: ``carry``, ``qk_norm`` and ``alpha`` it was trained with (empty for a base model).
         method, keep: the downsampling it was finetuned with, or ``None`` for a base model.
-        res, mean, std: the input size and normalisation (timm's resolved data config).
+        res, mean, std, crop_pct: the input size, normalisation and validation crop (timm's data config).
         grid: the patch grid (rows, columns); patch: the patch side in pixels.
         label: where it came from, for titles.
         val: the validation ``.beton`` of its training config, if it has one.
@@ -47,6 +47,7 @@ class Subject:
     res: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    crop_pct: float
     grid: tuple[int, int]
     patch: int
     label: str
@@ -70,7 +71,7 @@ def _subject(model: nn.Module, state: dict[str, Any], label: str, **extra: Any) 
     cfg = timm.data.resolve_model_data_config(model)
     grid = tuple(int(g) for g in model.patch_embed.grid_size)
     return Subject(model=model.eval(), state=state, res=int(cfg["input_size"][-1]), mean=tuple(cfg["mean"]),
-                   std=tuple(cfg["std"]), grid=grid, patch=int(model.patch_embed.patch_size[0]), label=label, **extra)
+                   std=tuple(cfg["std"]), crop_pct=float(cfg["crop_pct"]), grid=grid, patch=int(model.patch_embed.patch_size[0]), label=label, **extra)
 
 
 def load_subject(checkpoint: str | Path | None = None, model: str | None = None,
@@ -173,16 +174,14 @@ def read_images(paths: Sequence[str | Path], res: int) -> np.ndarray:
     """Image files -> uint8 (B, res, res, 3): the shorter side resized to ``res``, then a centre crop."""
     from PIL import Image
 
-    from pipeline.data.sources import to_rgb
+    from pipeline.data.sources import read_image
 
     out = []
     for path in map(Path, paths):
         if not path.is_file():
             raise AnalysisError(f"image not found: {path}")
         try:
-            with Image.open(path) as image:
-                image.load()
-                rgb = Image.fromarray(to_rgb(image))
+            rgb = Image.fromarray(read_image(path))
         except (OSError, SyntaxError, ValueError) as err:
             raise AnalysisError(f"{path}: not a readable image ({err})") from None
         scale = res / min(rgb.size)
@@ -200,22 +199,15 @@ def beton_images(beton: str | Path, subject: Subject, *, count: int | None = Non
     Read through the validation pipeline (centre crop at the subject's resolution) with the
     identity normalisation, so the batches are the pixels the model's validation loader sees.
     """
-    import timm
-    from ffcv.loader import Loader, OrderOption
-
-    from pipeline.data.loaders import LoaderSpec, label_pipeline, read_metadata, val_pipeline
+    from pipeline.data.loaders import LoaderSpec, ffcv_loader, read_metadata
 
     total = int(read_metadata(beton)["num_images"])  # a clear error for a missing file or metadata
     if count is not None and not 1 <= count <= total:
         raise AnalysisError(f"{beton} holds {total} images; asked for {count}")
-    crop_pct = float(timm.data.resolve_model_data_config(subject.model)["crop_pct"])
     spec = LoaderSpec(str(beton), train=False, batch_size=batch, res=subject.res, mean=(0.0,) * 3,
-                      std=(1.0 / 255,) * 3, workers=1, flip=False, crop_pct=crop_pct)
+                      std=(1.0 / 255,) * 3, workers=1, flip=False, crop_pct=subject.crop_pct)
     # Only the wanted indices: the iterator then runs to its end (an abandoned FFCV iterator can abort at exit).
-    loader = Loader(spec.path, batch_size=batch, num_workers=1, order=OrderOption.SEQUENTIAL,
-                    indices=np.arange(total if count is None else count), drop_last=False,
-                    pipelines={"image": val_pipeline(spec), "label": label_pipeline(spec)})
-    for images, _ in loader:
+    for images, _ in ffcv_loader(spec, indices=np.arange(total if count is None else count)):
         yield images.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
 
 

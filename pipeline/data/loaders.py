@@ -129,15 +129,18 @@ def label_pipeline(spec: LoaderSpec) -> list:
     return ops
 
 
-def ffcv_loader(spec: LoaderSpec):
-    """An ``ffcv.loader.Loader``; under DDP (``distributed``) each rank reads a disjoint shard, reshuffled per epoch."""
+def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
+    """An ``ffcv.loader.Loader``; under DDP (``distributed``) each rank reads a disjoint shard, reshuffled per epoch.
+
+    ``indices`` restricts it to those samples (a rank's validation slice, the first images of a file).
+    """
     from ffcv.loader import Loader, OrderOption
 
     # QUASI_RANDOM is not implemented with distributed=True in FFCV 1.0.2; RANDOM reseeds with seed + epoch.
     order = OrderOption.RANDOM if spec.train else OrderOption.SEQUENTIAL
     pipelines = {"image": train_pipeline(spec) if spec.train else val_pipeline(spec), "label": label_pipeline(spec)}
     return Loader(spec.path, batch_size=spec.batch_size, num_workers=spec.workers, os_cache=spec.os_cache,
-                  order=order, distributed=spec.distributed, seed=spec.seed, pipelines=pipelines,
+                  order=order, distributed=spec.distributed, seed=spec.seed, pipelines=pipelines, indices=indices,
                   drop_last=spec.train if spec.drop_last is None else spec.drop_last)
 
 

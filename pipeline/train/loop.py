@@ -69,14 +69,9 @@ def val_loader(config: Config, model: nn.Module, worker: Worker):
     spec = loader_spec(config, model, worker, train=False)
     if config.data.loader == "torch" or worker.world == 1:
         return shared_loader(config.data.loader, spec)
-    from ffcv.loader import Loader, OrderOption
+    from pipeline.data.loaders import ffcv_loader
 
-    from pipeline.data.loaders import label_pipeline, val_pipeline
-
-    indices = np.arange(worker.rank, _num_samples(spec.path), worker.world)
-    return Loader(spec.path, batch_size=spec.batch_size, num_workers=spec.workers, os_cache=spec.os_cache,
-                  order=OrderOption.SEQUENTIAL, indices=indices, drop_last=False,
-                  pipelines={"image": val_pipeline(spec), "label": label_pipeline(spec)})
+    return ffcv_loader(spec, indices=np.arange(worker.rank, _num_samples(spec.path), worker.world))
 
 
 def _num_samples(path: str) -> int:
