@@ -220,7 +220,7 @@ def test_stats_are_significance_and_mean_keys():
     attn = tiny().blocks[0].attn
     x = torch.randn(2, 7, 48)
     with torch.no_grad():
-        out, stats = attend(attn, x, num_prefix=1, need_stats=True)
+        out, stats = attend(attn, x, num_prefix=1, scores=True, keys=True)
         fused, _ = attend(attn, x, num_prefix=1)
         q, k, v = attn.qkv(x).reshape(2, 7, 3, 3, 16).permute(2, 0, 3, 1, 4)
         probs = ((q @ k.transpose(-2, -1)) / 4.0).softmax(-1)  # head_dim 16

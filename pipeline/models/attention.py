@@ -1,8 +1,10 @@
 """Self-attention of a timm ``Attention`` module that also returns what the downsampling step needs.
 
 It reads the module's own layers (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``), so a timm
-state dict loads unchanged. Without statistics, proportional attention or normalised queries and
-keys it calls the same fused kernel as timm; otherwise it forms the probabilities explicitly.
+state dict loads unchanged. The output always comes from the fused kernel
+(``F.scaled_dot_product_attention``), with proportional attention as an additive bias and normalised
+queries and keys as pre-scaled queries; the significance scores of eq. 4 come from
+``attention_significance``, which never forms the normalised probabilities.
 """
 
 from __future__ import annotations
@@ -12,15 +14,15 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.pooling import significance
+from pipeline.models.significance import attention_significance
 
 
 @dataclass(frozen=True)
 class AttentionStats:
-    """Per-token statistics of one attention call, for the non-prefix tokens only."""
+    """Per-token statistics of one attention call, for the non-prefix tokens only (None: not asked for)."""
 
-    scores: Tensor  # (B, N) significance (eq. 4): attention each token receives, over all heads and queries
-    keys: Tensor  # (B, N, head_dim) keys averaged over heads, the cheap clustering metric
+    scores: Tensor | None  # (B, N) significance (eq. 4): attention each token receives, over all heads and queries
+    keys: Tensor | None  # (B, N, head_dim) keys averaged over heads, the cheap clustering metric
 
 
 def attend(
@@ -30,7 +32,8 @@ def attend(
     num_prefix: int,
     log_sizes: Tensor | None = None,
     qk_alpha: Tensor | None = None,
-    need_stats: bool = False,
+    scores: bool = False,
+    keys: bool = False,
 ) -> tuple[Tensor, AttentionStats | None]:
     """Runs ``attn`` on x (B, T, M) with T = prefix + tokens.
 
@@ -42,10 +45,11 @@ def attend(
             (proportional attention, Appendix D). Size 0 gives -inf: the token is ignored.
         qk_alpha: scalar tensor; if given, queries and keys are L2-normalised and the logits are
             ``alpha * q . k`` (Appendix F) instead of ``q . k / sqrt(d)``.
-        need_stats: also return the significance scores and mean keys of the non-prefix tokens.
+        scores: also return the significance scores of the non-prefix tokens.
+        keys: also return their keys averaged over heads.
 
     Returns:
-        ((B, T, M) output, AttentionStats or None).
+        ((B, T, M) output, AttentionStats, or None when neither statistic was asked for).
     """
     if getattr(attn, "gate", None) is not None:
         raise ValueError("gated attention is not supported by the downsampling blocks")
@@ -54,21 +58,17 @@ def attend(
     q, k, v = qkv.unbind(0)  # (B, H, T, hd)
     q, k = attn.q_norm(q), attn.k_norm(k)
     scale = attn.scale
-    if qk_alpha is not None:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        scale = qk_alpha
+    if qk_alpha is not None:  # alpha * q^ . k^ as a fused attention with pre-scaled queries
+        q, k = F.normalize(q, dim=-1) * qk_alpha.to(q.dtype), F.normalize(k, dim=-1)
+        scale = 1.0
     bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
+                                         dropout_p=attn.attn_drop.p if attn.training else 0.0)
     stats = None
-    if need_stats or qk_alpha is not None:
-        logits = (q * scale) @ k.transpose(-2, -1)  # (B, H, T, T)
-        if bias is not None:
-            logits = logits + bias
-        probs = logits.softmax(dim=-1)
-        if need_stats:
-            stats = AttentionStats(scores=significance(probs)[:, num_prefix:], keys=k.mean(dim=1)[:, num_prefix:])
-        out = attn.attn_drop(probs) @ v
-    else:  # timm's own fused kernel and scale (head_dim ** -0.5)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
-                                             dropout_p=attn.attn_drop.p if attn.training else 0.0)
+    if scores or keys:
+        stats = AttentionStats(
+            scores=attention_significance(q, k, scale, log_sizes)[:, num_prefix:] if scores else None,
+            keys=k.mean(dim=1)[:, num_prefix:] if keys else None,
+        )
     out = out.transpose(1, 2).reshape(b, t, -1)
     return attn.proj_drop(attn.proj(attn.norm(out))), stats

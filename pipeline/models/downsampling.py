@@ -65,12 +65,10 @@ class BlockRecord:
     assign: Tensor | None
 
 
-def _needs_stats(config: DownsamplingConfig) -> bool:
-    if config.soft_extract:
-        return True
-    spec = METHODS[config.method]
+def _needs(config: DownsamplingConfig) -> tuple[bool, bool]:
+    """Whether the method reads (significance scores, mean keys) from the attention."""
     on_metric = config.options.get("cluster_on", "metric" if config.method == "tome" else "tokens") == "metric"
-    return spec.needs_scores or on_metric
+    return METHODS[config.method].needs_scores, on_metric
 
 
 class DownsamplingBlocks(nn.Sequential):
@@ -82,7 +80,7 @@ class DownsamplingBlocks(nn.Sequential):
         self.config = config
         self.num_prefix = num_prefix
         self.num_tokens = num_tokens
-        self.needs_stats = _needs_stats(config)
+        self.needs_scores, self.needs_keys = _needs(config)
         # Analysis hook (pipeline.analysis): called with a BlockRecord per block when set.
         self.recorder: Callable[[BlockRecord], None] | None = None
         dim = blocks[0].norm1.normalized_shape[0]
@@ -124,12 +122,14 @@ class DownsamplingBlocks(nn.Sequential):
                    ) -> tuple[Tensor, Tensor | None]:
         p, k, record = self.num_prefix, self.config.keep[layer], self.recorder is not None
         downsample = k < x.shape[1] - p
+        pool = downsample and k > 0
         soft = hasattr(block, "retention")
         attn_out, stats = attend(
             block.attn, block.norm1(x), num_prefix=p,
             log_sizes=None if sizes is None else sizes.log(),
             qk_alpha=getattr(block, "qk_alpha", None),
-            need_stats=record or soft or (downsample and k > 0 and self.needs_stats),
+            scores=record or soft or (pool and self.needs_scores),
+            keys=record or (pool and self.needs_keys),
         )
         before, attended = x, block.drop_path1(block.ls1(attn_out))
         x = mixed = before + attended
@@ -137,22 +137,26 @@ class DownsamplingBlocks(nn.Sequential):
         if soft:
             x = torch.cat([x[:, :p], soft_extract(x[:, p:], stats.scores, block.retention)], dim=1)
         elif downsample and k == 0:  # "0": only the prefix tokens go on (the paper's tables)
-            assign = torch.full(x[:, p:, 0].shape, -1, dtype=torch.long, device=x.device)
+            if record:
+                assign = torch.full(x[:, p:, 0].shape, -1, dtype=torch.long, device=x.device)
             x = x[:, :p]
             sizes = None if sizes is None else sizes[:, :p]
         elif downsample:
             step = block.downsample if self.config.method == "conv" else self.step
-            result = step(
-                x[:, p:], k,
-                scores=None if stats is None else stats.scores,
-                metric=None if stats is None else stats.keys,
-                sizes=None if sizes is None else sizes[:, p:],
-                validate=False,
-            )
-            assign = result.assign
+            # The step works in float32 (distances, means) whatever autocast does to the blocks.
+            with torch.autocast(x.device.type, enabled=False):
+                result = step(
+                    x[:, p:], k,
+                    scores=None if stats is None else stats.scores,
+                    metric=None if stats is None else stats.keys,
+                    sizes=None if sizes is None else sizes[:, p:],
+                    validate=False,
+                )
             x = torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
             if sizes is not None:
                 sizes = torch.cat([sizes[:, :p], result.sizes], dim=1)
+            if record:
+                assign = result.assign
         if record:
             self.recorder(BlockRecord(layer, before[:, p:], attended[:, p:], mixed[:, p:], stats.scores,
                                       stats.keys, assign))

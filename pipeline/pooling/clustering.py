@@ -26,14 +26,19 @@ import torch
 from torch import Tensor
 
 from pipeline.pooling.common import (
+    Partition,
     PoolResult,
+    augmented,
+    batch_offset,
     check_k,
     check_metric,
     check_per_token,
     check_tokens,
     identity_result,
+    one_hot,
     pool_segments,
-    segment_sum,
+    segment_means,
+    use_dense,
     work_dtype,
 )
 
@@ -47,17 +52,10 @@ _WEIGHT_FLOOR = 1e-12
 _SWAP_RTOL = 1e-4
 
 
-def sq_norms(x: Tensor) -> Tensor:
-    """Squared row norms, (B, N, D) -> (B, N)."""
-    return torch.linalg.vector_norm(x, dim=-1).square()
-
-
-def shifted_sq_dists(x: Tensor, y: Tensor) -> Tensor:
-    """||x_i - y_j||^2 - ||x_i||^2 for (B, N, D) x (B, K, D) -> (B, N, K), one batched matmul.
-
-    Dropping ||x_i||^2 leaves every argmin over j unchanged and saves a pass over the result.
-    """
-    return torch.baddbmm(sq_norms(y).unsqueeze(1), x, y.transpose(1, 2), alpha=-2.0)
+def sq_dists(x: Tensor) -> Tensor:
+    """All pairwise squared distances ||x_i - x_j||^2, (B, N, D) -> (B, N, N), one batched matmul."""
+    norms = (x * x).sum(-1)  # (B, N)
+    return torch.baddbmm(norms.unsqueeze(1) + norms.unsqueeze(2), x, x.transpose(1, 2), alpha=-2.0)
 
 
 def effective_weights(tokens: Tensor, weights: Tensor | None, sizes: Tensor | None) -> Tensor | None:
@@ -85,101 +83,69 @@ def initial_indices(
 ) -> Tensor:
     """Indices (B, K) of the tokens that start as cluster centres."""
     if init == "topk":
-        return init_scores.float().topk(k, dim=-1).indices
+        return init_scores.topk(k, dim=-1).indices
     noise = torch.rand(batch, n, device=device, generator=generator)
     return noise.topk(k, dim=-1).indices
 
 
 def _kmeans(x: Tensor, w: Tensor | None, centres: Tensor, iters: int) -> Tensor:
-    """Lloyd iterations. x (B, N, D), w (B, N) or None, centres (B, K, D) -> last assignment (B, N)."""
+    """Lloyd iterations. x (B, N, D), w (B, N) or None, centres (B, K, D) -> last assignment (B, N).
+
+    The nearest centre of x_i minimises ||c_j||^2 - 2 x_i . c_j (||x_i||^2 is the same for every j).
+    """
+    b, _, _ = x.shape
     k = centres.shape[1]
-    assign = shifted_sq_dists(x, centres).argmin(-1)  # (B, N)
+    x_t = x.transpose(1, 2)  # (B, D, N)
+    rows = augmented(x, w)  # (B, N, D + 1), for the weighted means
+    offset = None if use_dense(x) else batch_offset(b, k, x.device)
+
+    def nearest(c: Tensor) -> Tensor:
+        return torch.baddbmm((c * c).sum(-1).unsqueeze(-1), c, x_t, alpha=-2.0).argmin(1)  # (B, K, N) -> (B, N)
+
+    assign = nearest(centres)
     for _ in range(iters - 1):
-        centres, _ = pool_segments(x, w, None, assign, k, fallback=centres)
-        assign = shifted_sq_dists(x, centres).argmin(-1)
+        means, total = segment_means(Partition(assign, k, dtype=x.dtype, offset=offset), rows)
+        centres = torch.where(total > 0, means, centres)  # an empty cluster keeps its centre
+        assign = nearest(centres)
     return assign
 
 
-def _first_argmin_rows(rows: Tensor) -> Tensor:
-    """Index of the smallest entry along dim 1 of (B, K, N), ties to the lowest index, -> (B, N).
-
-    Overwrites ``rows``. After subtracting the minimum, an entry is 0 exactly where it is minimal;
-    an in-place ``<= 0`` turns that into 1.0 (else 0.0), and the max over reversed indices picks the
-    first. These in-place float passes run several times faster on the CPU than argmin over a
-    non-last dim, or than a comparison into a new bool tensor, which is not vectorised.
-    """
-    k = rows.shape[1]
-    reverse = torch.arange(k, 0, -1, device=rows.device, dtype=rows.dtype).view(1, k, 1)
-    rows.sub_(rows.amin(1, keepdim=True)).le_(0.0).mul_(reverse)
-    return k - rows.amax(1).long()
-
-
-def _segment_argmin(values: Tensor, assign: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Per segment, the minimum of ``values`` (B, N) and the lowest index reaching it, -> ((B, K), (B, K)).
-
-    An empty segment gets value inf and index N.
-    """
-    b, n = values.shape
-    best = values.new_full((b, k), torch.inf).scatter_reduce(1, assign, values, "amin")
-    positions = torch.arange(n, device=values.device).expand(b, n)
-    candidates = torch.where(values == best.gather(1, assign), positions, n)
-    return best, torch.full_like(best, n, dtype=torch.long).scatter_reduce(1, assign, candidates, "amin")
-
-
-def _kmedoids(
-    x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: bool | None = None
-) -> tuple[Tensor, Tensor]:
+def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: bool | None = None
+              ) -> tuple[Tensor, Tensor]:
     """Voronoi iterations on the token distance matrix, computed once.
 
     x (B, N, D), w (B, N) or None (uniform), medoids (B, K) token indices
     -> (medoids (B, K), last assignment (B, N)). ``dense`` forces the CUDA or the CPU path (tests).
 
-    With ``g[m, i] = ||x_m||^2 - 2 x_m . x_i = d(m, i) - ||x_i||^2`` (one matmul), the nearest medoid
-    of token i is the argmin of g over the medoid rows, and the cost of i as the medoid of its
-    cluster C, ``sum_{i' in C} w_i' d(i', i)``, is a segment sum of the rows ``w_i' g[i', :]`` plus
-    ``||x_i||^2 sum_{i' in C} w_i'``. No (B, N, N) element-wise pass runs inside the loop, and its
-    buffers are allocated once.
+    With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
+    ``sum_{i' in c} w_i' d(i', i)``: a segment sum of the rows ``w_i' d[i', :]``, laid out
+    (B, K, N) with +inf where i is not a member of c, so that one ``min`` over N finds every
+    cluster's best member. The assignment reads the medoids' rows of d with -inf on the diagonal:
+    a medoid always joins its own cluster, even when a duplicate token ties with it.
     """
     b, n, _ = x.shape
     k = medoids.shape[1]
-    norms = sq_norms(x)  # (B, N)
-    g = torch.bmm(x, x.transpose(1, 2))  # (B, N, N) Gram matrix
-    if w is None:
-        g.mul_(-2.0).add_(norms.unsqueeze(2))  # g[m, i] = d(m, i) - ||x_i||^2
-    else:
-        # Store the weighted rows w_m g[m, :] in place (no second N x N matrix); the few medoid
-        # rows are divided back by their weight before each assignment.
-        g.mul_(-2.0 * w.unsqueeze(2)).add_((w * norms).unsqueeze(2))
-    g_rows = g.reshape(b * n, n)
-    member_weights = torch.ones(b, n, dtype=x.dtype, device=x.device) if w is None else w
-    if dense is None:  # one-hot matmuls on CUDA: fast there, and deterministic unlike atomics
-        dense = x.is_cuda
-    batch_offset = torch.arange(b, device=x.device).unsqueeze(1)  # (B, 1)
-    clusters = torch.arange(k, device=x.device).expand(b, k)
-    scratch = g.new_empty(b * k, n)  # medoid rows in the assignment, segment sums in the update
-
-    def nearest(med: Tensor) -> Tensor:
-        rows = torch.index_select(g_rows, 0, (med + batch_offset * n).reshape(-1), out=scratch).view(b, k, n)
-        if w is not None:
-            rows.div_(w.gather(1, med).unsqueeze(-1))
-        assign = _first_argmin_rows(rows)  # (B, N)
-        # A medoid belongs to its own cluster even when rounding (or a duplicate token) ties it
-        # with another: no cluster is ever empty.
-        return assign.scatter_(1, med, clusters)
-
-    assign = nearest(medoids)  # (B, N)
+    dense = use_dense(x) if dense is None else dense
+    d = sq_dists(x)  # (B, N, N)
+    reach = d.clone()
+    reach.diagonal(dim1=1, dim2=2).fill_(-torch.inf)
+    rows = d if w is None else d * w.unsqueeze(-1)  # row i' scaled by w_i'
+    if not dense:
+        offset, rows_flat = batch_offset(b, k, x.device), rows.view(b * n, n)
+    med = medoids.unsqueeze(-1)  # (B, K, 1)
+    assign = reach.gather(1, med.expand(b, k, n)).argmin(1)  # (B, N)
     for _ in range(iters - 1):
-        if dense:
-            sums = segment_sum(g, assign, k, dense=True)
-        else:
-            sums = scratch.zero_().index_add_(0, (assign + batch_offset * k).reshape(-1), g_rows).view(b, k, n)
-        mass = segment_sum(member_weights.unsqueeze(-1), assign, k).squeeze(-1)  # (B, K) sum_{i' in C} w_i'
-        cost = sums.gather(1, assign.unsqueeze(1)).squeeze(1) + norms * mass.gather(1, assign)
-        best_cost, best = _segment_argmin(cost, assign, k)  # (B, K)
-        current = cost.gather(1, medoids)  # the current medoid's cost (it is a member)
-        medoids = torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, medoids)
-        assign = nearest(medoids)
-    return medoids, assign
+        if dense:  # baddbmm(log(one-hot), one-hot, rows, beta=-1): -log is 0 for members, +inf otherwise
+            member = one_hot(assign, k, x.dtype)  # (B, K, N)
+            cost = torch.baddbmm(member.log(), member, rows, beta=-1.0)
+        else:  # +inf, zeroed at the members, plus the rows summed in with index_add_
+            cost = x.new_full((b, k, n), torch.inf).scatter_(1, assign.unsqueeze(1), 0.0)
+            cost.view(b * k, n).index_add_(0, (assign + offset).view(-1), rows_flat)
+        best_cost, best = cost.min(-1, keepdim=True)  # (B, K, 1), ties to the lowest index
+        current = cost.gather(2, med)  # the current medoid is a member of its cluster
+        med = torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, med)
+        assign = reach.gather(1, med.expand(b, k, n)).argmin(1)
+    return med.squeeze(-1), assign
 
 
 def _check_options(method: str, init: str, iters: object, init_scores: Tensor | None) -> None:
@@ -259,11 +225,9 @@ def token_pool(
     in_sizes = None if sizes is None else sizes.to(dtype)
     pooled, out_sizes = pool_segments(x, w, in_sizes, assign, k, fallback=fallback)
     index = medoids if method == "kmedoids" else None
-    return PoolResult(tokens=pooled.to(tokens.dtype), sizes=out_sizes.float(), assign=assign, index=index)
+    return PoolResult(tokens=pooled.to(tokens.dtype), sizes=out_sizes, assign=assign, index=index)
 
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """Rows of x (B, N, D) at index (B, K) -> (B, K, D); whole-row copies, far cheaper than gather."""
-    b, n, d = x.shape
-    flat = (index + torch.arange(b, device=x.device).unsqueeze(1) * n).reshape(-1)
-    return x.reshape(b * n, d).index_select(0, flat).reshape(b, -1, d)
+    """Rows of x (B, N, D) at index (B, K) -> (B, K, D)."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))

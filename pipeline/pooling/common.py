@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 
-@dataclass(frozen=True)
 class PoolResult:
     """What every downsampling method returns.
 
@@ -22,12 +22,32 @@ class PoolResult:
         index: (B, K) int64 input token behind each output where there is one: the medoid of each
             cluster (K-Medoids, medoids of the last assignment) or the kept token (selection and
             ``k >= N``); None for K-Means, ToMe and conv, whose outputs are new vectors.
+
+    ``sizes`` and ``assign`` may be given as zero-argument callables: they are then computed on
+    first access and kept. A model that neither carries sizes nor records assignments never pays
+    for them (each is a few kernel launches per block on a GPU).
     """
 
-    tokens: Tensor
-    sizes: Tensor
-    assign: Tensor
-    index: Tensor | None = None
+    __slots__ = ("tokens", "index", "_sizes", "_assign")
+
+    def __init__(self, tokens: Tensor, sizes: Tensor | Callable[[], Tensor], assign: Tensor | Callable[[], Tensor],
+                 index: Tensor | None = None) -> None:
+        self.tokens = tokens
+        self.index = index
+        self._sizes = sizes
+        self._assign = assign
+
+    @property
+    def sizes(self) -> Tensor:
+        if callable(self._sizes):
+            self._sizes = self._sizes()
+        return self._sizes
+
+    @property
+    def assign(self) -> Tensor:
+        if callable(self._assign):
+            self._assign = self._assign()
+        return self._assign
 
 
 def check_k(k: object) -> int:
@@ -91,44 +111,136 @@ def check_metric(metric: Tensor | None, tokens: Tensor, *, finite: bool = True) 
 def identity_result(tokens: Tensor, sizes: Tensor | None) -> PoolResult:
     """The result of a step that keeps every token: (B, N, M) in, the same tensor out."""
     b, n, _ = tokens.shape
-    out_sizes = torch.ones(b, n, device=tokens.device) if sizes is None else sizes.float()
-    assign = torch.arange(n, device=tokens.device).expand(b, n)
-    return PoolResult(tokens=tokens, sizes=out_sizes, assign=assign, index=assign)
+
+    def assign() -> Tensor:
+        return torch.arange(n, device=tokens.device).expand(b, n)
+
+    out_sizes = (lambda: torch.ones(b, n, device=tokens.device)) if sizes is None else sizes.float()
+    return PoolResult(tokens=tokens, sizes=out_sizes, assign=assign, index=assign())
 
 
 def work_dtype(tokens: Tensor) -> torch.dtype:
     """The dtype distances and means are computed in: float32, or float64 for float64 input."""
-    return torch.promote_types(tokens.dtype, torch.float32)
+    return torch.float64 if tokens.dtype == torch.float64 else torch.float32  # no dispatched op
+
+
+def one_hot(assign: Tensor, k: int, dtype: torch.dtype) -> Tensor:
+    """(B, N) segment ids in [0, k) -> (B, K, N) membership matrix of 0s and 1s."""
+    b, n = assign.shape
+    return torch.zeros(b, k, n, device=assign.device, dtype=dtype).scatter_(1, assign.unsqueeze(1), 1.0)
+
+
+_DENSE: bool | None = None  # None: the one-hot path on CUDA, index_add_ on the CPU
+
+
+@contextlib.contextmanager
+def dense_segments(enabled: bool | None) -> Iterator[None]:
+    """Forces the segment-sum path of every operator inside the block (None: by device).
+
+    ``True`` runs the CUDA path on any device: ``bench throughput`` uses it to count on the CPU the
+    ops that a GPU launches.
+    """
+    global _DENSE
+    previous, _DENSE = _DENSE, enabled
+    try:
+        yield
+    finally:
+        _DENSE = previous
+
+
+def use_dense(t: Tensor) -> bool:
+    """Whether segment sums over ``t``'s device take the one-hot matmul path."""
+    return t.is_cuda if _DENSE is None else _DENSE
+
+
+def batch_offset(b: int, k: int, device: torch.device) -> Tensor:
+    """(B, 1) offsets s * k that turn per-sample segment ids into rows of a flattened (B*K) output."""
+    return torch.arange(0, b * k, k, device=device).unsqueeze(1)
+
+
+class Partition:
+    """N tokens split into K segments by ``assign`` (B, N), and the segment sums over it.
+
+    On CUDA the sums multiply by a (B, K, N) one-hot matrix: a dense batched matmul is fast there
+    and, unlike ``index_add_``'s atomics, gives the same bits on every run. On the CPU ``index_add_``
+    over the flattened batch is several times cheaper than the matmul. ``dense`` picks the path
+    (default: by device); both give the same sums.
+    """
+
+    def __init__(self, assign: Tensor, k: int, *, dtype: torch.dtype, dense: bool | None = None,
+                 offset: Tensor | None = None) -> None:
+        self.assign, self.k, self.dtype = assign, k, dtype
+        self.dense = use_dense(assign) if dense is None else dense
+        if self.dense:
+            self.matrix = one_hot(assign, k, dtype)  # (B, K, N)
+        else:
+            if offset is None:
+                offset = batch_offset(assign.shape[0], k, assign.device)
+            self.flat = (assign + offset).view(-1)  # (B*N,) row of each token in the flattened (B*K) output
+
+    def sum(self, values: Tensor) -> Tensor:
+        """Segment sums of the rows of ``values`` (B, N, C) -> (B, K, C)."""
+        if self.dense:
+            return torch.bmm(self.matrix, values)
+        b, n, c = values.shape
+        out = values.new_zeros(b * self.k, c).index_add_(0, self.flat, values.reshape(b * n, c))
+        return out.view(b, self.k, c)
+
+    def total(self, weights: Tensor | None) -> Tensor:
+        """Per segment, the sum of ``weights`` (B, N) over its members, or the member count; (B, K, 1)."""
+        if self.dense:
+            return (self.matrix if weights is None else self.matrix * weights.unsqueeze(1)).sum(-1, keepdim=True)
+        b = self.assign.shape[0]
+        source = torch.ones_like(self.flat, dtype=self.dtype) if weights is None else weights.reshape(-1)
+        return source.new_zeros(b * self.k).index_add_(0, self.flat, source).view(b, self.k, 1)
+
+    def mean(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Weighted segment means of ``values`` (B, N, C) -> ((B, K, C), the (B, K, 1) weight totals).
+
+        An empty segment gives 0 / 0 (NaN), for the caller to replace.
+        """
+        if self.dense:  # weight the (B, K, N) matrix, not the (B, N, C) values: K < C here
+            mw = self.matrix if weights is None else self.matrix * weights.unsqueeze(1)
+            total = mw.sum(-1, keepdim=True)
+            return torch.bmm(mw, values) / total, total
+        total = self.total(weights)
+        return self.sum(values if weights is None else values * weights.unsqueeze(-1)) / total, total
 
 
 def segment_sum(values: Tensor, assign: Tensor, k: int, *, dense: bool | None = None) -> Tensor:
-    """Sums rows of ``values`` (B, N, C) into ``k`` segments given by ``assign`` (B, N) -> (B, K, C).
+    """Sums rows of ``values`` (B, N, C) into ``k`` segments given by ``assign`` (B, N) -> (B, K, C)."""
+    return Partition(assign, k, dtype=values.dtype, dense=dense).sum(values)
 
-    On CUDA it multiplies by a one-hot matrix: a dense batched matmul is fast there and, unlike
-    ``index_add_``'s atomics, gives the same bits on every run. On the CPU ``index_add_`` over the
-    flattened batch is several times cheaper than the matmul. ``dense`` forces either path (tests).
+
+def augmented(x: Tensor, w: Tensor | None) -> Tensor:
+    """(B, N, D) rows and (B, N) weights -> (B, N, D + 1) rows ``[w_i x_i, w_i]`` (w = 1 when None).
+
+    A segment sum of these gives each segment's weighted sum and its total weight in one pass.
     """
-    b, n, c = values.shape
-    if dense is None:
-        dense = values.is_cuda
-    if dense:
-        onehot = torch.zeros(b, k, n, device=values.device, dtype=values.dtype)
-        onehot.scatter_(1, assign.unsqueeze(1), 1.0)  # (B, K, N)
-        return torch.bmm(onehot, values)
-    offset = torch.arange(b, device=assign.device).unsqueeze(1) * k  # (B, 1)
-    flat = (assign + offset).reshape(-1)  # (B*N,)
-    out = values.new_zeros(b * k, c)
-    return out.index_add_(0, flat, values.reshape(b * n, c)).reshape(b, k, c)
+    if w is None:
+        return torch.cat([x, x.new_ones(x.shape[0], x.shape[1], 1)], dim=-1)
+    w = w.unsqueeze(-1)
+    return torch.cat([x * w, w], dim=-1)
+
+
+def segment_means(part: Partition, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Weighted means from ``augmented`` rows (B, N, D + 1) -> ((B, K, D), the (B, K, 1) total weights).
+
+    An empty segment gives 0 / 0 (NaN), for the caller to replace.
+    """
+    sums = part.sum(rows)
+    total = sums[..., -1:]
+    return sums[..., :-1] / total, total
 
 
 def pool_segments(
     tokens: Tensor, weights: Tensor | None, sizes: Tensor | None, assign: Tensor, k: int, fallback: Tensor | None
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Callable[[], Tensor]]:
     """Weighted mean of the tokens in each segment, and the summed sizes of each segment.
 
     Args:
         tokens: (B, N, M).
-        weights: (B, N) strictly positive, or None for a plain mean (no (B, N, M) product).
+        weights: (B, N) strictly positive, or None for a plain mean.
         sizes: (B, N) the number of original tokens each input stands for, or None for ones.
         assign: (B, N) int64 segment of each token, in [0, k).
         k: number of segments.
@@ -136,17 +248,10 @@ def pool_segments(
             the caller guarantees that no segment is empty.
 
     Returns:
-        ((B, K, M) weighted means, (B, K) summed sizes).
+        ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
     """
-    b, n, _ = tokens.shape
-    sums = segment_sum(tokens if weights is None else tokens * weights.unsqueeze(-1), assign, k)  # (B, K, M)
-    ones = torch.ones(b, n, dtype=tokens.dtype, device=tokens.device)
-    # Weights and sizes go through segment_sum too (not scatter_add_), so that CUDA stays deterministic.
-    per_token = torch.stack([ones if weights is None else weights, ones if sizes is None else sizes], dim=-1)
-    total, out_sizes = segment_sum(per_token, assign, k).unbind(-1)  # (B, K) each
-    if fallback is None:
-        return sums.div_(total.unsqueeze(-1)), out_sizes
-    # An empty segment (total 0, sums 0) becomes fallback / 1; the others divide by their weight.
-    empty = (total == 0).to(sums.dtype)
-    sums.addcmul_(fallback, empty.unsqueeze(-1))
-    return sums.div_((total + empty).unsqueeze(-1)), out_sizes
+    part = Partition(assign, k, dtype=tokens.dtype)
+    means, total = segment_means(part, augmented(tokens, weights))
+    if fallback is not None:  # an empty segment: 0 / 0, replaced by its fallback
+        means = torch.where(total > 0, means, fallback)
+    return means, lambda: part.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()

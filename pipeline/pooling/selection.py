@@ -33,10 +33,15 @@ def keep_indices(tokens: Tensor, index: Tensor, sizes: Tensor | None) -> PoolRes
     k = index.shape[1]
     index = index.sort(dim=-1).values  # (B, K)
     kept = tokens.gather(1, index.unsqueeze(-1).expand(b, k, m))  # (B, K, M)
-    in_sizes = torch.ones(b, n, device=tokens.device) if sizes is None else sizes.float()
-    assign = torch.full((b, n), -1, dtype=torch.long, device=tokens.device)
-    assign.scatter_(1, index, torch.arange(k, device=tokens.device).expand(b, k))
-    return PoolResult(tokens=kept, sizes=in_sizes.gather(1, index), assign=assign, index=index)
+
+    def out_sizes() -> Tensor:
+        return torch.ones(b, k, device=tokens.device) if sizes is None else sizes.float().gather(1, index)
+
+    def assign() -> Tensor:
+        out = torch.full((b, n), -1, dtype=torch.long, device=tokens.device)
+        return out.scatter_(1, index, torch.arange(k, device=tokens.device).expand(b, k))
+
+    return PoolResult(tokens=kept, sizes=out_sizes, assign=assign, index=index)
 
 
 def _prepare(tokens: Tensor, k: int, scores: Tensor | None, sizes: Tensor | None, *, validate: bool,
@@ -57,7 +62,7 @@ def select_topk(
     k = _prepare(tokens, k, scores, sizes, validate=validate, need_scores="powerbert")
     if k >= tokens.shape[1]:
         return identity_result(tokens, sizes)
-    return keep_indices(tokens, scores.float().topk(k, dim=-1).indices, sizes)
+    return keep_indices(tokens, scores.topk(k, dim=-1).indices, sizes)
 
 
 def select_random(

@@ -16,13 +16,13 @@ import torch
 from torch import Tensor
 
 from pipeline.pooling.common import (
+    Partition,
     PoolResult,
     check_k,
     check_metric,
     check_per_token,
     check_tokens,
     identity_result,
-    pool_segments,
     work_dtype,
 )
 
@@ -35,21 +35,18 @@ def match_round(metric: Tensor, r: int) -> Tensor:
         r: number of A tokens to merge, 0 < r <= ceil(N/2).
     """
     b, n, _ = metric.shape
+    n_a = (n + 1) // 2
     unit = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    a, bb = unit[:, ::2], unit[:, 1::2]  # (B, Na, D), (B, Nb, D)
-    n_a = a.shape[1]
-    sim = torch.bmm(a, bb.transpose(1, 2))  # (B, Na, Nb)
+    sim = torch.bmm(unit[:, ::2], unit[:, 1::2].transpose(1, 2))  # (B, Na, Nb)
     best_sim, partner = sim.max(dim=-1)  # (B, Na)
-    order = best_sim.argsort(dim=-1, descending=True, stable=True)  # (B, Na)
-    merged = torch.zeros(b, n_a, dtype=torch.bool, device=metric.device)
-    chosen = order[:, :r]
-    merged.scatter_(1, chosen, torch.ones_like(chosen, dtype=torch.bool))
-    unmerged_pos = (~merged).long().cumsum(-1) - 1  # position among the kept A tokens
+    order = best_sim.argsort(dim=-1, descending=True, stable=True)  # equal similarities keep A's order
+    merged = torch.zeros(b, n_a, dtype=torch.bool, device=metric.device).scatter_(1, order[:, :r], 1)
     first_b = n_a - r  # B tokens follow the n_a - r unmerged A tokens
-    assign = torch.empty(b, n, dtype=torch.long, device=metric.device)
-    assign[:, ::2] = torch.where(merged, first_b + partner, unmerged_pos)
-    assign[:, 1::2] = first_b + torch.arange(n - n_a, device=metric.device)
-    return assign
+    kept_pos = torch.arange(n_a, device=metric.device) - merged.cumsum(-1)  # position among the kept A tokens
+    a_assign = torch.where(merged, partner + first_b, kept_pos)  # (B, Na)
+    # Interleave A (even) and B (odd) positions; for odd N the last B slot is a pad cut off below.
+    b_assign = torch.arange(first_b, first_b + n_a, device=metric.device).expand(b, n_a)
+    return torch.stack([a_assign, b_assign], dim=-1).view(b, 2 * n_a)[:, :n]
 
 
 def tome_merge(
@@ -80,23 +77,33 @@ def tome_merge(
 
     dtype = work_dtype(tokens)
     x = tokens.to(dtype)
-    space = x if metric is None else metric.to(dtype)
+    space = None if metric is None else metric.to(dtype)
     cur_sizes = None if sizes is None else sizes.to(dtype)  # None: every token has size 1
-    assign = torch.arange(n, device=tokens.device).expand(b, n)
+    steps = []
     count = n
     while count > k:
         r = min(count - k, (count + 1) // 2)
         with torch.no_grad():
-            step = match_round(space, r)  # (B, count)
+            step = match_round(x if space is None else space, r)  # (B, count)
+        part = Partition(step, count - r, dtype=dtype)  # every output holds its B token: none is empty
         # Size-weighted means; a size-0 token carries no weight unless its whole group has none.
         weights = None if cur_sizes is None else cur_sizes.clamp_min(1e-12)
-        # Every output holds at least its B token, so no segment is empty.
-        x, new_sizes = pool_segments(x, weights, cur_sizes, step, count - r, fallback=None)
-        if metric is None:
-            space = x
-        else:
-            space, _ = pool_segments(space, weights, cur_sizes, step, count - r, fallback=None)
-        assign = step.gather(1, assign)
-        cur_sizes = new_sizes
+        x = part.mean(x, weights)[0]
+        steps.append(step)
         count -= r
-    return PoolResult(tokens=x.to(tokens.dtype), sizes=cur_sizes.float(), assign=assign)
+        if count > k:  # the next round is weighted by the sizes and matches on the merged metric
+            cur_sizes = part.total(cur_sizes).squeeze(-1)
+            if space is not None:
+                space = part.mean(space, weights)[0]
+    last_sizes = cur_sizes  # what entered the last round
+
+    def assign() -> Tensor:
+        out = steps[0]
+        for step in steps[1:]:
+            out = step.gather(1, out)
+        return out
+
+    def out_sizes() -> Tensor:
+        return part.total(last_sizes).squeeze(-1).float()
+
+    return PoolResult(tokens=x.to(tokens.dtype), sizes=out_sizes, assign=assign)
