@@ -13,7 +13,6 @@ import importlib.util
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,11 @@ import timm
 import torch
 from torch import Tensor
 
-from pipeline.config import BenchOpsConfig, BenchThroughputConfig, PoolingConfig
-from pipeline.pooling import build_downsampler, pooled_count, significance
+from pipeline.config import BenchOpsConfig, PoolingConfig
+from pipeline.methods import METHODS
+from pipeline.models.attention import attend
+from pipeline.pooling import build_downsampler
+from pipeline.timing import median_iqr, time_paired
 
 
 @dataclass(frozen=True)
@@ -38,39 +40,6 @@ class Timing:
     block_median_s: float
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
-
-
-def _median_iqr(samples: list[float]) -> tuple[float, float]:
-    if len(samples) < 4:
-        return statistics.median(samples), max(samples) - min(samples)
-    q = statistics.quantiles(samples, n=4)
-    return statistics.median(samples), q[2] - q[0]
-
-
-def time_paired(fn: Callable[[], object], baseline: Callable[[], object], *, warmup: int, repeats: int,
-                device: torch.device) -> tuple[list[float], list[float]]:
-    """Times ``repeats`` (baseline, fn) pairs back to back after ``warmup`` calls of each; seconds."""
-    for _ in range(warmup):
-        baseline()
-        fn()
-    _sync(device)
-    base, own = [], []
-    for _ in range(repeats):
-        base.append(_timed(baseline, device))
-        own.append(_timed(fn, device))
-    return base, own
-
-
 @dataclass(frozen=True)
 class BlockInputs:
     """What one block hands its downsampling step: the tokens and the block's attention statistics."""
@@ -82,19 +51,10 @@ class BlockInputs:
 
 
 def block_inputs(block: torch.nn.Module, x: Tensor, num_prefix: int) -> BlockInputs:
-    """Runs a timm ViT block's attention by hand to get its probabilities and keys."""
-    attn = block.attn
-    b, n, _ = x.shape
-    qkv = attn.qkv(block.norm1(x)).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, _ = qkv.unbind(0)  # (B, H, P+N, hd)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    probs = (q * attn.scale @ k.transpose(-2, -1)).softmax(-1)  # (B, H, P+N, P+N)
-    return BlockInputs(
-        x=x,
-        tokens=x[:, num_prefix:].contiguous(),
-        scores=significance(probs)[:, num_prefix:].contiguous(),
-        keys=k.mean(1)[:, num_prefix:].contiguous(),
-    )
+    """Runs a timm ViT block's attention as the downsampling models do, for its scores and keys."""
+    _, stats = attend(block.attn, block.norm1(x), num_prefix=num_prefix, scores=True, keys=True)
+    return BlockInputs(x=x, tokens=x[:, num_prefix:].contiguous(), scores=stats.scores.contiguous(),
+                       keys=stats.keys.contiguous())
 
 
 def load_tome_reference(path: str) -> Callable[[Tensor, Tensor, int], object]:
@@ -114,22 +74,28 @@ def load_tome_reference(path: str) -> Callable[[Tensor, Tensor, int], object]:
 
 
 def method_rows(cfg: BenchOpsConfig, pooling: PoolingConfig, inputs: BlockInputs) -> list[tuple[str, int, Callable]]:
-    """(label, K, call) for every method and K in the config; conv only at the K one conv layer gives."""
-    dim = inputs.tokens.shape[-1]
-    n = inputs.tokens.shape[1]
+    """(label, K, call) for every method and K in the config. A method that takes ``cluster_on`` also
+    gets a row matching in the other space; a learnable one only the K it can produce."""
+    dim, n = inputs.tokens.shape[-1], inputs.tokens.shape[1]
+    side = int(n ** 0.5)
     rows = []
     for name in cfg.methods:
-        options = {"iters": pooling.iters, "init": pooling.init} if name.endswith(("kmeans", "kmedoids")) else {}
+        options = pooling.options(name)
         variants = [(name, options)]
-        if name in ("kmedoids", "wkmedoids"):
-            variants.append((f"{name} on keys", options | {"cluster_on": "metric"}))
+        if "cluster_on" in options:
+            other = "tokens" if options["cluster_on"] == "metric" else "metric"
+            variants.append((f"{name} on {'keys' if other == 'metric' else 'tokens'}", options | {"cluster_on": other}))
         for label, opts in variants:
-            step = build_downsampler(name, dim=dim, **opts)
-            if name == "conv":
-                step = step.to(inputs.tokens.device)
             for k in cfg.keep:
-                if name == "conv" and k != pooled_count(n):
-                    continue
+                try:
+                    step = build_downsampler(name, dim=dim, grid=(side, side) if side * side == n else None, k=k,
+                                             **opts)
+                except ValueError:
+                    if METHODS[name].learnable:  # this K is not one it can produce
+                        continue
+                    raise
+                if isinstance(step, torch.nn.Module):
+                    step = step.to(inputs.tokens.device)
                 rows.append((label, k, _bind(step, inputs, k)))
     return rows
 
@@ -177,7 +143,7 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
         for i, (label, k, call) in enumerate(rows, 1):
             base, own = time_paired(call, lambda: block(x), warmup=cfg.warmup, repeats=cfg.repeats, device=device)
             share = statistics.median(o / b for o, b in zip(own, base))
-            timings.append(Timing(label, k, *_median_iqr(own), share, statistics.median(base)))
+            timings.append(Timing(label, k, *median_iqr(own), share, statistics.median(base)))
             log(f"[{i}/{len(rows)}] {label} K={k if k is not None else '-'}: {timings[-1].median_s * 1e3:.2f} ms, "
                 f"{100 * share:.1f}% of the block")
     return timings
@@ -206,68 +172,3 @@ def format_table(timings: list[Timing]) -> str:
         lines.append(f"| {t.label} | {keep} | {t.median_s * 1e3:.2f} | {t.iqr_s * 1e3:.2f} | "
                      f"{t.block_median_s * 1e3:.1f} | {100 * t.share:.1f} |")
     return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class ThroughputResult:
-    base_images_s: float
-    pooled_images_s: float
-    speedup: float  # median over pairs of (unmodified time / downsampled time)
-    base_gflops: float
-    pooled_gflops: float
-    keep: list[int]
-
-    @property
-    def flops_ratio(self) -> float:
-        return self.base_gflops / self.pooled_gflops
-
-    @property
-    def realised(self) -> float:
-        """The fraction of the FLOP saving that shows up as speed: speed-up / GFLOPs ratio."""
-        return self.speedup / self.flops_ratio
-
-
-def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
-                   log: Callable[[str], None] = print) -> ThroughputResult:
-    """Times the downsampling model and the unmodified one in alternating calls on the same batch."""
-    from pipeline.flops import count_flops
-    from pipeline.models import create_model
-    from pipeline.sparsity import level_keep
-
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("bench_throughput.device is 'cuda' but no CUDA device is visible")
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
-    keep = cfg.keep if cfg.keep is not None else (level_keep(cfg.model, cfg.level) if cfg.level is not None else None)
-    options = {"iters": pooling.iters, "init": pooling.init} if cfg.method.endswith(("kmeans", "kmedoids")) else {}
-    base = create_model(cfg.model).eval()
-    pooled = create_model(cfg.model, method=cfg.method, keep=keep, options=options).eval()
-    pooled.load_state_dict(base.state_dict(), strict=False)
-    base_gflops, report = count_flops(base).total, count_flops(pooled)
-    base, pooled = base.to(device), pooled.to(device)
-    size = base.patch_embed.img_size[0]
-    x = torch.randn(cfg.batch, 3, size, size, device=device)
-    log(f"timing {cfg.model} with {cfg.method} against the unmodified model, batch {cfg.batch} ...")
-    with torch.inference_mode():
-        base_t, own_t = time_paired(lambda: pooled(x), lambda: base(x), warmup=cfg.warmup, repeats=cfg.repeats,
-                                    device=device)
-    return ThroughputResult(
-        base_images_s=cfg.batch / statistics.median(base_t),
-        pooled_images_s=cfg.batch / statistics.median(own_t),
-        speedup=statistics.median(b / o for b, o in zip(base_t, own_t)),
-        base_gflops=base_gflops, pooled_gflops=report.total, keep=report.keep,
-    )
-
-
-def format_throughput(cfg: BenchThroughputConfig, r: ThroughputResult) -> str:
-    return "\n".join([
-        f"model {cfg.model}, method {cfg.method}, batch {cfg.batch}, keep {','.join(map(str, r.keep))}",
-        "| | images/s | GFLOPs |",
-        "|---|---:|---:|",
-        f"| unmodified | {r.base_images_s:.1f} | {r.base_gflops:.3f} |",
-        f"| {cfg.method} | {r.pooled_images_s:.1f} | {r.pooled_gflops:.3f} |",
-        "",
-        f"speed-up {r.speedup:.3f}x (median of paired runs); GFLOPs ratio {r.flops_ratio:.3f}; "
-        f"realised fraction {r.realised:.3f}",
-    ])

@@ -26,12 +26,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from pipeline.pooling import METHODS
+    from pipeline.methods import METHODS
 
     for name, spec in METHODS.items():
         needs = "significance scores" if spec.needs_scores else "-"
         kind = "learnable" if spec.learnable else "parameter-free"
-        print(f"{name:11s} {spec.summary:32s} {kind:15s} needs: {needs}")
+        options = ", ".join(f"{k}={v}" for k, v in spec.options.items()) or "-"
+        print(f"{name:11s} {spec.summary:30s} {kind:15s} needs: {needs:20s} options: {options}")
     return 0
 
 
@@ -55,6 +56,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     import json
 
     from pipeline.flops import count_flops, format_report
+    from pipeline.methods import method_spec
     from pipeline.models import create_model, parse_keep
     from pipeline.sparsity import level_keep
 
@@ -64,7 +66,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
         keep = level_keep(args.model, args.level)
     else:
         keep = None if args.keep is None else parse_keep(args.keep)
-    options = {"iters": args.iters} if args.method.endswith(("kmeans", "kmedoids")) else {}
+    options = {"iters": args.iters} if "iters" in method_spec(args.method).options else {}
     model = create_model(args.model, embed_dim=args.embed_dim, method=args.method, keep=keep, options=options)
     report = count_flops(model)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
@@ -72,12 +74,17 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from pipeline.benchmark import format_throughput, machine_line, run_throughput
+    from pipeline.benchmark import machine_line
+    from pipeline.throughput import format_throughput, run_throughput
 
     overrides = list(args.overrides)
-    for flag in ("model", "method"):
+    if args.methods is not None:
+        overrides.append(f"bench_throughput.methods=[{args.methods}]")
+    for flag in ("model", "batch", "dtype", "compile", "device"):
         if getattr(args, flag) is not None:
             overrides.append(f"bench_throughput.{flag}={getattr(args, flag)}")
+    if args.train:
+        overrides.append("bench_throughput.train=true")
     if args.keep is not None:
         overrides += [f"bench_throughput.keep=[{args.keep}]", "bench_throughput.level=null"]
     if args.level is not None:
@@ -271,14 +278,12 @@ def cmd_analyze_redundancy(args: argparse.Namespace) -> int:
 def cmd_analyze_reconstruction(args: argparse.Namespace) -> int:
     from pipeline.analysis.artifacts import write_reconstruction
     from pipeline.analysis.probe import first_batches
-    from pipeline.analysis.reconstruction import DEFAULT_METHODS
-
     subject = _subject(args)
     ks = _int_list(args.k, "--k")
     if ks is None and subject.keep is None:
         ks = [max(1, subject.num_tokens // 4)]
     data = first_batches(args.data, subject, batches=args.batches, batch=args.batch_size)
-    methods = args.method.split(",") if args.method else list(DEFAULT_METHODS)
+    methods = args.method.split(",") if args.method else None
     files = write_reconstruction(subject, data, args.out, methods=methods, ks=ks,
                                  keep=subject.keep if ks is None else None, log=_log)
     print("\n".join(str(f) for f in files))
@@ -428,9 +433,18 @@ def build_parser() -> argparse.ArgumentParser:
                                            "unmodified one, and the realised fraction of the FLOP saving")
     _add_config_args(throughput, required=False)
     throughput.add_argument("--model", default=None, help="timm model name")
-    throughput.add_argument("--method", default=None, help="downsampling method")
+    throughput.add_argument("--methods", "--method", dest="methods", default=None,
+                            help="downsampling method(s), comma-separated, timed in one run")
     throughput.add_argument("--keep", default=None, help="K_1..K_L, comma-separated")
     throughput.add_argument("--level", type=int, default=None, help="the paper's sparsity level")
+    throughput.add_argument("--batch", type=int, default=None, help="batch size (default 64)")
+    throughput.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                            help="autocast dtype of both models (default fp32)")
+    throughput.add_argument("--compile", choices=("none", "default", "reduce-overhead", "max-autotune"),
+                            default=None, help="torch.compile both models in this mode (default none)")
+    throughput.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
+    throughput.add_argument("--train", action="store_true",
+                            help="time a training step (forward, backward, AdamW) instead of inference")
     throughput.set_defaults(func=cmd_bench_throughput)
     _add_bench_loader(bench_commands)
     _add_data_commands(commands)

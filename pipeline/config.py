@@ -12,16 +12,22 @@ import json
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.pooling import METHODS
+from pipeline.methods import METHODS, method_spec
 
-MethodName = Literal["none", "kmeans", "kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance",
-                     "tome", "conv"]
-assert set(get_args(MethodName)) == set(METHODS), "MethodName must list the registry's methods"
+
+def _known_method(name: str) -> str:
+    method_spec(name)  # ValueError naming the registered methods
+    return name
+
+
+# A registered downsampling method (pipeline.methods.METHODS, read when a config is validated).
+MethodName = Annotated[str, AfterValidator(_known_method)]
+CompileMode = Literal["none", "default", "reduce-overhead", "max-autotune"]
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -56,9 +62,9 @@ class PoolingConfig(Section):
     method: MethodName = "wkmedoids"
     iters: int = Field(5, ge=1, description="rounds of assignment and centre update")
     init: Literal["topk", "random"] = "topk"
-    cluster_on: Literal["tokens", "metric"] = Field(
-        "tokens", description="cluster on the tokens, or on the cheaper metric (keys averaged over heads)"
-    )
+    cluster_on: Literal["tokens", "metric"] | None = Field(
+        None, description="match on the tokens, or on the cheaper metric (keys averaged over heads); "
+        "default: the method's own (tokens for clustering, keys for ToMe)")
     keep: list[int] | None = Field(None, description="K_1..K_L for finetuning; default: keep all")
     level: int | None = Field(None, ge=0, le=7, description="or the paper's sparsity level (configs/sparsity/)")
     carry: bool = Field(False, description="carry cluster sizes, proportional attention (Appendix D)")
@@ -71,11 +77,13 @@ class PoolingConfig(Section):
             raise ValueError("set pooling.keep or pooling.level, not both")
         return self
 
-    def options(self) -> dict[str, Any]:
-        """The method's own options, as ``build_downsampler`` takes them."""
-        if self.method.endswith(("kmeans", "kmedoids")):
-            return {"iters": self.iters, "init": self.init, "cluster_on": self.cluster_on}
-        return {"cluster_on": self.cluster_on} if self.method == "tome" else {}
+    def options(self, method: str | None = None) -> dict[str, Any]:
+        """The options ``method`` (default ``self.method``) takes, from this section, as
+        ``build_downsampler`` takes them; unset ones keep the method's defaults."""
+        name = self.method if method is None else method
+        spec = method_spec(name)
+        given = {key: getattr(self, key) for key in spec.options if getattr(self, key, None) is not None}
+        return spec.resolve(name, given)
 
 
 class BenchOpsConfig(Section):
@@ -106,13 +114,18 @@ class BenchOpsConfig(Section):
 
 
 class BenchThroughputConfig(Section):
-    """``pipeline bench throughput``: a downsampling model against the unmodified one, side by side."""
+    """``pipeline bench throughput``: downsampling models against the unmodified one, side by side."""
 
     model: str = "deit_small_patch16_224"
-    method: MethodName = "wkmedoids"
+    methods: list[MethodName] = Field(default_factory=lambda: ["wkmedoids"], min_length=1,
+                                      description="timed in one run, each against the same unmodified model")
     keep: list[int] | None = Field(None, description="K_1..K_L; default: the sparsity level below")
     level: int | None = Field(3, ge=0, le=7, description="the paper's sparsity level (configs/sparsity/)")
     batch: int = Field(64, ge=1)
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast dtype of both models")
+    compile: CompileMode = Field("none", description="torch.compile mode of both models (fullgraph)")
+    train: bool = Field(False, description="time an optimizer step (forward, backward, AdamW), not inference")
+    ceiling: bool = Field(True, description="add a row of plain random token dropping at the same keep list")
     warmup: int = Field(2, ge=0)
     repeats: int = Field(10, ge=1)
     threads: int | None = Field(None, ge=1)
@@ -122,6 +135,8 @@ class BenchThroughputConfig(Section):
     def _one_keep_source(self) -> BenchThroughputConfig:
         if self.keep is not None and self.level is not None:
             raise ValueError("set bench_throughput.keep or bench_throughput.level, not both (set level: null)")
+        if self.compile == "reduce-overhead" and self.device != "cuda":
+            raise ValueError("bench_throughput.compile 'reduce-overhead' captures CUDA graphs: it needs device cuda")
         return self
 
 
@@ -341,9 +356,10 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _pooling_options_exist(self) -> Config:
-        if self.pooling.cluster_on == "metric" and self.pooling.method not in ("kmeans", "kmedoids", "wkmeans",
-                                                                                "wkmedoids", "tome"):
-            raise ValueError(f"pooling.cluster_on='metric' applies to clustering and tome, not {self.pooling.method!r}")
+        spec = METHODS[self.pooling.method]
+        if self.pooling.cluster_on is not None and "cluster_on" not in spec.options:
+            takers = sorted(name for name, s in METHODS.items() if "cluster_on" in s.options)
+            raise ValueError(f"pooling.cluster_on applies to {', '.join(takers)}, not {self.pooling.method!r}")
         return self
 
 

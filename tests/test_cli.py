@@ -78,10 +78,10 @@ def test_bench_ops_prints_the_table(tmp_path):
     labels = [(label, k) for label, k, *_ in rows]
     assert labels == [("distance matrix (torch.cdist)", "-"), ("Gram matrix (bmm)", "-"), ("wkmedoids", "98"), ("wkmedoids", "49"),
                       ("wkmedoids on keys", "98"), ("wkmedoids on keys", "49"), ("tome", "98"), ("tome", "49"),
-                      ("conv", "49")]
+                      ("tome on tokens", "98"), ("tome on tokens", "49"), ("conv", "49")]
     assert all(float(ms) > 0 and float(block) > 0 and float(share) > 0 for _, _, ms, _, block, share in rows)
     assert out_file.read_text().startswith("machine: ")
-    assert "[9/9] conv K=49" in proc.stderr, "progress goes to stderr"
+    assert "[11/11] conv K=49" in proc.stderr, "progress goes to stderr"
 
 
 def test_bench_ops_times_a_tome_reference_checkout(tmp_path):
@@ -122,18 +122,22 @@ def test_bench_ops_bad_input(override, message):
 
 
 def test_bench_throughput_reports_the_realised_fraction():
-    proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--method", "tome",
-               "--keep", "196,150,120,100,80,60,50,40,30,20,10,5",
-               "--set", "bench_throughput.batch=2", "--set", "bench_throughput.repeats=2",
-               "--set", "bench_throughput.warmup=1")
+    proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--methods", "tome,powerbert",
+               "--keep", "196,150,120,100,80,60,50,40,30,20,10,5", "--batch", "2",
+               "--set", "bench_throughput.repeats=2", "--set", "bench_throughput.warmup=1")
     out = proc.stdout
-    match = re.search(r"speed-up ([\d.]+)x .*; GFLOPs ratio ([\d.]+); realised fraction ([\d.]+)", out)
-    assert match, out
-    speedup, ratio, realised = map(float, match.groups())
-    assert realised == pytest.approx(speedup / ratio, abs=2e-3)
-    base = float(re.search(r"\| unmodified \| [\d.]+ \| ([\d.]+) \|", out).group(1))
-    assert base == pytest.approx(1.258, abs=1e-3)  # DeiT-Ti, Table 1
-    assert "keep 196,150,120,100,80,60,50,40,30,20,10,5" in out
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^\| ([\w :]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) / (\d+) \| - \|$",
+        out, flags=re.M)}
+    assert list(rows) == ["tome", "powerbert", "ceiling: random drop"], out
+    for gflops, _, speedup, ratio, realised, ops_cpu, ops_dense in rows.values():
+        assert float(realised) == pytest.approx(float(speedup) / float(ratio), abs=2e-3)
+        assert float(ratio) == pytest.approx(1.258 / float(gflops), rel=5e-3)  # both rounded to 3 decimals
+        assert int(ops_dense) <= int(ops_cpu)
+    base = re.search(r"^\| unmodified \| ([\d.]+) \| [\d.]+ \| 1 \| 1 \| - \| (\d+) \| - \|$", out, flags=re.M)
+    assert float(base.group(1)) == pytest.approx(1.258, abs=1e-3)  # DeiT-Ti, Table 1
+    assert int(base.group(2)) < int(rows["tome"][5]), "downsampling dispatches ops of its own"
+    assert "inference, batch 2, fp32, compile none, keep 196,150,120,100,80,60,50,40,30,20,10,5" in out
 
 
 def test_bench_throughput_level_and_bad_keep():

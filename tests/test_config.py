@@ -79,7 +79,7 @@ def test_strict_types_refuse_coercion(tmp_path: Path):
 @pytest.mark.parametrize(
     "override,fragment",
     [
-        ("pooling.method=kmodes", "pooling.method: Input should be 'none', 'kmeans'"),
+        ("pooling.method=kmodes", "pooling.method: Value error, unknown downsampling method 'kmodes'; choose one of"),
         ("pooling.iters=0", "pooling.iters: Input should be greater than or equal to 1"),
         ("bench.keep=[98, 0]", "every K must be >= 1"),
         ("pooling.init=kmeans++", "pooling.init: Input should be 'topk' or 'random'"),
@@ -92,7 +92,7 @@ def test_impossible_values(override, fragment):
 
 
 def test_cross_field_rule():
-    with pytest.raises(ConfigError, match="cluster_on='metric' applies to clustering and tome"):
+    with pytest.raises(ConfigError, match="pooling.cluster_on applies to kmeans, kmedoids, tome, wkmeans, wkmedoids, not 'powerbert'"):
         load_config(None, ["pooling.method=powerbert", "pooling.cluster_on=metric"])
 
 

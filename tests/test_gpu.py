@@ -1,13 +1,31 @@
-"""CUDA paths: the same operators on the GPU agree with the CPU. Skipped where no CUDA device exists."""
+"""CUDA paths against the CPU and against the unfused math. Skipped where no CUDA device exists.
+
+Run on a lent GPU machine with ``jobs/gpu/checks.sh`` (docs/benchmarks.md has the figures).
+"""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from timm.models.vision_transformer import VisionTransformer
 
+from pipeline.methods import METHODS
+from pipeline.models import apply_downsampling
+from pipeline.models.compiled import compile_model
+from pipeline.models.significance import attention_significance, significance_torch
 from pipeline.pooling import build_downsampler, token_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmuls():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 @pytest.mark.parametrize("method", ["kmeans", "kmedoids"])
@@ -23,7 +41,7 @@ def test_clustering_matches_cpu(method, dtype):
     assert gpu.tokens.dtype == dtype
 
 
-@pytest.mark.parametrize("name", ["powerbert", "random", "importance", "tome", "wkmedoids"])
+@pytest.mark.parametrize("name", ["powerbert", "random", "importance", "tome", "wkmedoids", "kmeans"])
 def test_deterministic_on_gpu(name):
     tokens = torch.randn(4, 196, 32, device="cuda")
     scores = torch.rand(4, 196, device="cuda")
@@ -32,3 +50,64 @@ def test_deterministic_on_gpu(name):
             for _ in range(2)]
     assert torch.equal(runs[0].tokens, runs[1].tokens)
     assert torch.equal(runs[0].assign, runs[1].assign)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 6, 197, 64), (3, 6, 70, 42), (1, 6, 130, 53), (4, 3, 17, 16)])
+@pytest.mark.parametrize("carry", [False, True])
+def test_triton_significance_matches_the_torch_path(dtype, shape, carry):
+    b, h, t, d = shape
+    gen = torch.Generator().manual_seed(t)
+    q, k, _ = torch.randn(b, t, 3, h, d, generator=gen).permute(2, 0, 3, 1, 4).to(dtype).unbind(0)
+    sizes = torch.randint(0, 3, (b, t), generator=gen).float()
+    sizes[:, 0] = 1
+    bias = sizes.log() if carry else None
+    want = significance_torch(q, k, bias, d ** -0.5)
+    got = attention_significance(q.cuda(), k.cuda(), d ** -0.5, None if bias is None else bias.cuda())
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol * t)
+    torch.testing.assert_close(got.sum(-1).cpu(), torch.full((b,), float(h * t)), rtol=1e-4, atol=1e-2)
+
+
+def test_significance_backward_on_gpu_matches_cpu():
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 2, 40, 16, generator=gen).unbind(0)
+    g = torch.randn(2, 40, generator=gen)
+    grads = []
+    for device in ("cpu", "cuda"):
+        qd, kd = q.to(device).requires_grad_(), k.to(device).requires_grad_()
+        (attention_significance(qd, kd, 0.25) * g.to(device)).sum().backward()
+        grads.append((qd.grad.cpu(), kd.grad.cpu()))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
+def _tiny() -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=64, patch_size=8, embed_dim=48, depth=4, num_heads=3, num_classes=10).eval()
+
+
+DETERMINISTIC = [m for m in METHODS if m not in ("random", "importance")]
+
+
+@pytest.mark.parametrize("method", DETERMINISTIC)
+@pytest.mark.parametrize("carry", [False, True])
+def test_models_on_gpu_match_cpu(method, carry):
+    keep = [64, 16, 16, 4] if method == "conv" else [60, 40, 16, 9]
+    model = apply_downsampling(_tiny(), method, keep, carry=carry)
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cpu = model(x)
+        gpu = copy.deepcopy(model).cuda()(x.cuda()).cpu()
+    torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["wkmedoids"])  # every method compiles in bench throughput and on the CPU
+def test_inductor_fullgraph_on_gpu(method):
+    model = apply_downsampling(_tiny(), method, [60, 40, 16, 9], carry=True).cuda().train()
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    compiled = compile_model(model, "default", "cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = compiled(x)
+    logits.float().sum().backward()
+    assert torch.isfinite(logits).all()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -10,7 +10,7 @@ import numpy as np
 from pipeline.analysis.clustermap import cluster_maps
 from pipeline.analysis.probe import Subject, first_batches, load_subject
 from pipeline.analysis.reconstruction import COLUMNS as RECONSTRUCTION_COLUMNS
-from pipeline.analysis.reconstruction import DEFAULT_METHODS, plot_reconstruction, reconstruction_rows
+from pipeline.analysis.reconstruction import plot_reconstruction, reconstruction_rows
 from pipeline.analysis.redundancy import COLUMNS as REDUNDANCY_COLUMNS
 from pipeline.analysis.redundancy import plot_redundancy, redundancy_rows
 from pipeline.report import write_csv
@@ -28,7 +28,7 @@ def write_redundancy(subject: Subject, batches: Iterable[np.ndarray], out: Path,
 
 
 def write_reconstruction(subject: Subject, batches: Iterable[np.ndarray], out: Path, *,
-                         methods: Sequence[str] = DEFAULT_METHODS, ks: Sequence[int] | None = None,
+                         methods: Sequence[str] | None = None, ks: Sequence[int] | None = None,
                          keep: Sequence[int] | None = None, log=print) -> list[Path]:
     """reconstruction.csv and reconstruction.png: eq. 2's error per block for each method."""
     rows = reconstruction_rows(subject, batches, methods=methods, ks=ks, keep=keep, log=log)

@@ -18,9 +18,14 @@ import torch
 from torch import Tensor
 
 from pipeline.analysis.probe import AnalysisError, Subject, block_records, normalise, with_method
-from pipeline.pooling import METHODS, build_downsampler
+from pipeline.methods import METHODS
+from pipeline.pooling import build_downsampler
 
-DEFAULT_METHODS = ("kmeans", "kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance", "tome")
+
+def default_methods() -> tuple[str, ...]:
+    """The registered methods that downsample off the shelf (``MethodSpec.reconstructs``)."""
+    return tuple(name for name, spec in METHODS.items() if spec.reconstructs)
+
 COLUMNS = ["setting", "layer", "method", "k", "tokens", "images", "error", "relative_error", "weighted_error",
            "weighted_relative_error"]
 
@@ -51,8 +56,10 @@ def check_methods(methods: Sequence[str]) -> list[str]:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise AnalysisError(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
-    if "conv" in methods:
-        raise AnalysisError("conv has learned weights per finetuned model and no off-the-shelf output; leave it out")
+    learned = [m for m in methods if METHODS[m].learnable]
+    if learned:
+        raise AnalysisError(f"{', '.join(learned)} has learned weights per finetuned model and no off-the-shelf "
+                            "output; leave it out")
     return list(methods)
 
 
@@ -76,7 +83,7 @@ def layer_ks(subject: Subject, *, ks: Sequence[int] | None, keep: Sequence[int] 
     return [(f"K = {k}", [k] * depth) for k in check_ks(ks, n)]
 
 
-def reconstruction_rows(subject: Subject, batches: Iterable[np.ndarray], *, methods: Sequence[str] = DEFAULT_METHODS,
+def reconstruction_rows(subject: Subject, batches: Iterable[np.ndarray], *, methods: Sequence[str] | None = None,
                         ks: Sequence[int] | None = None, keep: Sequence[int] | None = None, seed: int = 0,
                         log=print) -> list[dict[str, Any]]:
     """Per setting, layer and method: eq. 2's error, its significance-weighted version, and both
@@ -85,7 +92,8 @@ def reconstruction_rows(subject: Subject, batches: Iterable[np.ndarray], *, meth
     A setting is one K at every block (``ks``) or a model's keep list (``keep``: K_l at block l;
     blocks that keep all tokens or none are left out).
     """
-    methods, settings = check_methods(methods), layer_ks(subject, ks=ks, keep=keep)
+    methods = check_methods(default_methods() if methods is None else methods)
+    settings = layer_ks(subject, ks=ks, keep=keep)
     net = with_method(subject, "none", None)
     steps = {m: build_downsampler(m) for m in methods}
     generator = torch.Generator().manual_seed(seed)

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipeline.methods import METHODS, method_spec
 from pipeline.models.attention import attend
 from pipeline.models.keep import effective_keep
-from pipeline.pooling import METHODS, GridConvDownsample, build_downsampler, pooled_count
+from pipeline.pooling import build_downsampler
 from pipeline.pooling.conv import grid_shape
 
 QK_NORM = ("fixed", "learned")
@@ -65,12 +66,6 @@ class BlockRecord:
     assign: Tensor | None
 
 
-def _needs(config: DownsamplingConfig) -> tuple[bool, bool]:
-    """Whether the method reads (significance scores, mean keys) from the attention."""
-    on_metric = config.options.get("cluster_on", "metric" if config.method == "tome" else "tokens") == "metric"
-    return METHODS[config.method].needs_scores, on_metric
-
-
 class DownsamplingBlocks(nn.Sequential):
     """timm blocks run with downsampling; x (B, P+N, M) -> (B, P+K_L, M)."""
 
@@ -80,12 +75,14 @@ class DownsamplingBlocks(nn.Sequential):
         self.config = config
         self.num_prefix = num_prefix
         self.num_tokens = num_tokens
-        self.needs_scores, self.needs_keys = _needs(config)
+        spec = METHODS[config.method]
+        self.learnable = spec.learnable
+        self.needs_scores, self.needs_keys = spec.needs_scores, spec.needs_metric(config.options)
         # Analysis hook (pipeline.analysis): called with a BlockRecord per block when set.
         self.recorder: Callable[[BlockRecord], None] | None = None
         dim = blocks[0].norm1.normalized_shape[0]
-        if config.method == "conv":
-            self._attach_convs(dim, grid)
+        if self.learnable:
+            self._attach_per_block(dim, grid)
         else:
             self.step = build_downsampler(config.method, **config.options)
         if config.qk_norm is not None:
@@ -96,20 +93,21 @@ class DownsamplingBlocks(nn.Sequential):
             for block in self:
                 block.retention = nn.Parameter(torch.ones(num_tokens))
 
-    def _attach_convs(self, dim: int, grid: tuple[int, int] | None) -> None:
-        """Gives each block that downsamples its own 2x2 conv, built for the grid it receives."""
+    def _attach_per_block(self, dim: int, grid: tuple[int, int] | None) -> None:
+        """Gives each block that downsamples its own instance of a learnable method, built for the
+        grid it receives (``build(dim, grid=(h, w), k=K)``); a module's ``out_grid`` is the next grid."""
         n = self.num_tokens
-        h, w = grid_shape(n, grid)
+        grid = grid_shape(n, grid)
+        build = METHODS[self.config.method].factory()
         for layer, (block, k) in enumerate(zip(self, self.config.keep)):
             if k >= n:
                 continue
-            expected = pooled_count(n, (h, w))
-            if k != expected:
-                raise ValueError(f"keep[{layer}] is {k}, but conv downsampling of a {h}x{w} grid gives {expected} "
-                                 f"tokens; use {expected}, or {n} to skip block {layer + 1}")
-            block.downsample = GridConvDownsample(dim, grid=(h, w))
-            h, w = -(-h // 2), -(-w // 2)
-            n = expected
+            try:
+                block.downsample = build(dim, grid=grid, k=k, **self.config.options)
+            except ValueError as err:
+                raise ValueError(f"keep[{layer}] is {k}, but {err} (block {layer + 1})") from None
+            grid = getattr(block.downsample, "out_grid", None)
+            n = k
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -142,7 +140,7 @@ class DownsamplingBlocks(nn.Sequential):
             x = x[:, :p]
             sizes = None if sizes is None else sizes[:, :p]
         elif downsample:
-            step = block.downsample if self.config.method == "conv" else self.step
+            step = block.downsample if self.learnable else self.step
             # The step works in float32 (distances, means) whatever autocast does to the blocks.
             with torch.autocast(x.device.type, enabled=False):
                 result = step(
@@ -250,8 +248,7 @@ def apply_downsampling(
                          "call model.set_grad_checkpointing(False) first")
     if isinstance(model.blocks, DownsamplingBlocks):
         raise ValueError("this model already downsamples; build a fresh model to change the method")
-    if method not in METHODS:
-        raise ValueError(f"unknown downsampling method {method!r}; choose one of {sorted(METHODS)}")
+    options = method_spec(method).resolve(method, options)
     if qk_norm not in (None, *QK_NORM):
         raise ValueError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
     if soft_extract and (method != "none" or keep is not None):
@@ -260,7 +257,7 @@ def apply_downsampling(
     depth = len(model.blocks)
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
     config = DownsamplingConfig(method=method, keep=keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
-                                soft_extract=soft_extract, options=dict(options))
+                                soft_extract=soft_extract, options=options)
     grid = tuple(model.patch_embed.grid_size) if hasattr(model.patch_embed, "grid_size") else None
     model.blocks = DownsamplingBlocks(model.blocks, config, num_prefix=model.num_prefix_tokens,
                                       num_tokens=num_tokens, grid=grid)

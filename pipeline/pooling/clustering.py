@@ -54,7 +54,7 @@ _SWAP_RTOL = 1e-4
 
 def sq_dists(x: Tensor) -> Tensor:
     """All pairwise squared distances ||x_i - x_j||^2, (B, N, D) -> (B, N, N), one batched matmul."""
-    norms = (x * x).sum(-1)  # (B, N)
+    norms = torch.linalg.vector_norm(x, dim=-1).square()  # (B, N), no (B, N, D) temporary
     return torch.baddbmm(norms.unsqueeze(1) + norms.unsqueeze(2), x, x.transpose(1, 2), alpha=-2.0)
 
 
@@ -118,34 +118,37 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: b
     -> (medoids (B, K), last assignment (B, N)). ``dense`` forces the CUDA or the CPU path (tests).
 
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
-    ``sum_{i' in c} w_i' d(i', i)``: a segment sum of the rows ``w_i' d[i', :]``, laid out
-    (B, K, N) with +inf where i is not a member of c, so that one ``min`` over N finds every
-    cluster's best member. The assignment reads the medoids' rows of d with -inf on the diagonal:
-    a medoid always joins its own cluster, even when a duplicate token ties with it.
+    ``sum_{i' in c} w_i' d(i', i)``, laid out (B, N, K) with +inf where i is not a member of c, so
+    that one ``min`` over N finds every cluster's best member. The assignment reads the medoids'
+    columns of d with -inf on the diagonal: a medoid always joins its own cluster, even when a
+    duplicate token ties with it. Both reductions run over the contiguous dimension.
     """
     b, n, _ = x.shape
     k = medoids.shape[1]
     dense = use_dense(x) if dense is None else dense
-    d = sq_dists(x)  # (B, N, N)
-    reach = d.clone()
+    d = sq_dists(x)  # (B, N, N), symmetric
+    if w is None:
+        rows, reach = d, d.clone()
+    else:  # d scaled by the weight of the summed-over token: its column (dense) or row (index_add_)
+        rows, reach = d * w.unsqueeze(1 if dense else 2), d
     reach.diagonal(dim1=1, dim2=2).fill_(-torch.inf)
-    rows = d if w is None else d * w.unsqueeze(-1)  # row i' scaled by w_i'
     if not dense:
-        offset, rows_flat = batch_offset(b, k, x.device), rows.view(b * n, n)
-    med = medoids.unsqueeze(-1)  # (B, K, 1)
-    assign = reach.gather(1, med.expand(b, k, n)).argmin(1)  # (B, N)
+        offset, rows = batch_offset(b, k, x.device), rows.view(b * n, n)
+    med = medoids.unsqueeze(1)  # (B, 1, K)
+    assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)  # (B, N)
     for _ in range(iters - 1):
-        if dense:  # baddbmm(log(one-hot), one-hot, rows, beta=-1): -log is 0 for members, +inf otherwise
-            member = one_hot(assign, k, x.dtype)  # (B, K, N)
-            cost = torch.baddbmm(member.log(), member, rows, beta=-1.0)
-        else:  # +inf, zeroed at the members, plus the rows summed in with index_add_
+        if dense:  # baddbmm(log(one-hot), rows, one-hot, beta=-1): -log is 0 for members, +inf otherwise
+            member = torch.zeros(b, n, k, device=x.device, dtype=x.dtype).scatter_(2, assign.unsqueeze(-1), 1.0)
+            cost = torch.baddbmm(member.log(), rows, member, beta=-1.0)  # (B, N, K)
+        else:  # +inf, zeroed at the members, plus the rows summed in with index_add_; (B, K, N) seen as (B, N, K)
             cost = x.new_full((b, k, n), torch.inf).scatter_(1, assign.unsqueeze(1), 0.0)
-            cost.view(b * k, n).index_add_(0, (assign + offset).view(-1), rows_flat)
-        best_cost, best = cost.min(-1, keepdim=True)  # (B, K, 1), ties to the lowest index
-        current = cost.gather(2, med)  # the current medoid is a member of its cluster
+            cost.view(b * k, n).index_add_(0, (assign + offset).view(-1), rows)
+            cost = cost.transpose(1, 2)
+        best_cost, best = cost.min(1, keepdim=True)  # (B, 1, K), ties to the lowest index
+        current = cost.gather(1, med)  # the current medoid is a member of its cluster
         med = torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, med)
-        assign = reach.gather(1, med.expand(b, k, n)).argmin(1)
-    return med.squeeze(-1), assign
+        assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)
+    return med.squeeze(1), assign
 
 
 def _check_options(method: str, init: str, iters: object, init_scores: Tensor | None) -> None:

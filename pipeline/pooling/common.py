@@ -251,7 +251,7 @@ def pool_segments(
         ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
     """
     part = Partition(assign, k, dtype=tokens.dtype)
-    means, total = segment_means(part, augmented(tokens, weights))
+    means, total = part.mean(tokens, weights)
     if fallback is not None:  # an empty segment: 0 / 0, replaced by its fallback
         means = torch.where(total > 0, means, fallback)
     return means, lambda: part.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()

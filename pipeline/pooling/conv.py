@@ -37,13 +37,23 @@ def pooled_count(n: int, grid: tuple[int, int] | None = None) -> int:
 class GridConvDownsample(nn.Module):
     """A learnable 2x2 stride-2 convolution over the (h, w) token grid, (B, h*w, M) -> (B, ceil(h/2)*ceil(w/2), M)."""
 
-    def __init__(self, dim: int, *, grid: tuple[int, int] | None = None) -> None:
+    def __init__(self, dim: int, *, grid: tuple[int, int] | None = None, k: int | None = None) -> None:
+        """``grid``: the (h, w) it will see; ``k``: the token count it must produce (checked here)."""
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive integer, got {dim!r}")
         self.dim = dim
         self.grid = grid
         self.conv = nn.Conv2d(dim, dim, kernel_size=2, stride=2)
+        if grid is not None and k is not None and k != pooled_count(grid[0] * grid[1], grid):
+            h, w = grid
+            raise ValueError(f"conv downsampling of a {h}x{w} grid gives {pooled_count(h * w, grid)} tokens; use "
+                             f"that, or {h * w} to skip the block")
+
+    @property
+    def out_grid(self) -> tuple[int, int] | None:
+        """The grid of the tokens it outputs (the next block's input)."""
+        return None if self.grid is None else (-(-self.grid[0] // 2), -(-self.grid[1] // 2))
 
     def forward(
         self, tokens: Tensor, k: int, *, sizes: Tensor | None = None, validate: bool = True, **_: object

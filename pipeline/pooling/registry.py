@@ -12,15 +12,14 @@ what it does not use and raises a ValueError when it lacks what it needs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from pipeline.methods import METHODS, method_spec
 from pipeline.pooling.clustering import INITS, token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
-from pipeline.pooling.conv import GridConvDownsample
 from pipeline.pooling.selection import select_importance, select_random, select_topk
 from pipeline.pooling.tome import tome_merge
 
@@ -48,11 +47,15 @@ def _none(tokens: Tensor, k: int, *, sizes: Tensor | None = None, validate: bool
     return identity_result(tokens, sizes)
 
 
-def _clustering(method: str, weighted: bool, *, iters: int = 5, init: str = "topk", cluster_on: str = "tokens"):
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+def _check_cluster_on(cluster_on: str) -> None:
     if cluster_on not in CLUSTER_ON:
         raise ValueError(f"cluster_on must be one of {CLUSTER_ON}, got {cluster_on!r}")
+
+
+def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_on: str) -> Downsampler:
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    _check_cluster_on(cluster_on)
 
     def step(tokens: Tensor, k: int, *, scores: Tensor | None = None, sizes: Tensor | None = None,
              metric: Tensor | None = None, generator: torch.Generator | None = None,
@@ -70,63 +73,73 @@ def _clustering(method: str, weighted: bool, *, iters: int = 5, init: str = "top
     return step
 
 
-def _selection(fn: Callable[..., PoolResult], uses: tuple[str, ...]):
+def _selection(fn: Callable[..., PoolResult], uses: tuple[str, ...]) -> Downsampler:
     def step(tokens: Tensor, k: int, *, validate: bool = True, **inputs: Any) -> PoolResult:
         return fn(tokens, k, validate=validate, **{name: inputs.get(name) for name in uses})
 
     return step
 
 
-def _tome(*, cluster_on: str = "metric"):
-    if cluster_on not in CLUSTER_ON:
-        raise ValueError(f"cluster_on must be one of {CLUSTER_ON}, got {cluster_on!r}")
+# The factories the registry (pipeline.methods) names, each called with the method's resolved options.
+def keep_all() -> Downsampler:
+    return _none
+
+
+def kmeans(**options: Any) -> Downsampler:
+    return _clustering("kmeans", False, **options)
+
+
+def kmedoids(**options: Any) -> Downsampler:
+    return _clustering("kmedoids", False, **options)
+
+
+def wkmeans(**options: Any) -> Downsampler:
+    return _clustering("kmeans", True, **options)
+
+
+def wkmedoids(**options: Any) -> Downsampler:
+    return _clustering("kmedoids", True, **options)
+
+
+def powerbert() -> Downsampler:
+    return _selection(select_topk, ("scores", "sizes"))
+
+
+def random() -> Downsampler:
+    return _selection(select_random, ("sizes", "generator"))
+
+
+def importance() -> Downsampler:
+    return _selection(select_importance, ("scores", "sizes", "generator"))
+
+
+def tome(*, cluster_on: str) -> Downsampler:
+    _check_cluster_on(cluster_on)
 
     def step(tokens: Tensor, k: int, *, sizes: Tensor | None = None, metric: Tensor | None = None,
              validate: bool = True, **_: Any) -> PoolResult:
+        check_k(k)
+        if cluster_on == "metric" and metric is None:
+            raise ValueError("tome with cluster_on='metric' needs metric (B, N, D), the keys averaged over heads")
         return tome_merge(tokens, k, metric=metric if cluster_on == "metric" else None, sizes=sizes,
                           validate=validate)
 
     return step
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """A registered method: how to build it and what it needs from the model."""
-
-    build: Callable[..., Downsampler]
-    needs_scores: bool
-    learnable: bool = False
-    summary: str = ""
-
-
-METHODS: dict[str, MethodSpec] = {
-    "none": MethodSpec(lambda: _none, False, summary="keep every token"),
-    "kmeans": MethodSpec(lambda **o: _clustering("kmeans", False, **o), True, summary="K-Means (eq. 6-7)"),
-    "kmedoids": MethodSpec(lambda **o: _clustering("kmedoids", False, **o), True, summary="K-Medoids (eq. 8)"),
-    "wkmeans": MethodSpec(lambda **o: _clustering("kmeans", True, **o), True, summary="weighted K-Means"),
-    "wkmedoids": MethodSpec(lambda **o: _clustering("kmedoids", True, **o), True, summary="weighted K-Medoids"),
-    "powerbert": MethodSpec(lambda: _selection(select_topk, ("scores", "sizes")), True, summary="top-K significance"),
-    "random": MethodSpec(lambda: _selection(select_random, ("sizes", "generator")), False, summary="uniform selection"),
-    "importance": MethodSpec(lambda: _selection(select_importance, ("scores", "sizes", "generator")), True, summary="significance sampling"),
-    "tome": MethodSpec(_tome, False, summary="ToMe bipartite soft matching"),
-    "conv": MethodSpec(GridConvDownsample, False, learnable=True, summary="2x2 stride-2 convolution"),
-}
-
-
-def build_downsampler(name: str, *, dim: int | None = None, **options: Any) -> Downsampler:
-    """Builds the method ``name`` with its ``options``; ``conv`` also needs ``dim``.
+def build_downsampler(name: str, *, dim: int | None = None, grid: tuple[int, int] | None = None,
+                      k: int | None = None, **options: Any) -> Downsampler:
+    """Builds the method ``name`` with its ``options`` (defaults from its ``MethodSpec``).
 
     Options: clustering methods take ``iters``, ``init`` and ``cluster_on`` ("tokens" or
-    "metric"); ``tome`` takes ``cluster_on`` (default "metric", ToMe's keys). The others take none.
+    "metric"); ``tome`` takes ``cluster_on`` (default "metric", ToMe's keys). A learnable method
+    (``conv``) also needs ``dim``, the token width M, and may check the ``grid`` (h, w) it will see
+    and the ``k`` it must produce (a ValueError when it cannot).
     """
-    spec = METHODS.get(name)
-    if spec is None:
-        raise ValueError(f"unknown downsampling method {name!r}; choose one of {sorted(METHODS)}")
-    try:
-        if spec.learnable:
-            if dim is None:
-                raise ValueError(f"method {name!r} has learnable weights and needs dim (the token width M)")
-            return spec.build(dim, **options)
-        return spec.build(**options)
-    except TypeError as err:
-        raise ValueError(f"method {name!r} got options it does not take: {sorted(options)} ({err})") from None
+    spec = method_spec(name)
+    options = spec.resolve(name, options)
+    if spec.learnable:
+        if dim is None:
+            raise ValueError(f"method {name!r} has learnable weights and needs dim (the token width M)")
+        return spec.factory()(dim, grid=grid, k=k, **options)
+    return spec.factory()(**options)

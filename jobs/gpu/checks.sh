@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The project's GPU checks, as run for docs/benchmarks.md on a lent single-GPU machine.
+#
+# On a bare CUDA image (no network, no ray/mlflow/ffcv) carry the pure-Python wheels first
+# (../shared/gpu/README.md), then:  OUT=DIR bash jobs/gpu/checks.sh PART...
+# Parts (each under its own time limit, so one slow part cannot take the others' results):
+#   tests     tests/test_gpu.py
+#   eager     bench throughput, bf16, batch 256, DeiT-S level 3, every method + ceiling, eager
+#   compiled  the same with torch.compile (default mode) on both models
+#   train     training step, bf16, batch 128, compiled, every method
+#   fp32      inference, fp32, batch 256, eager
+# Outputs: OUT/card.txt, OUT/PART.md (stdout) and OUT/PART.log (stderr, progress).
+set -uo pipefail
+out=${OUT:-runs/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+methods=powerbert,kmedoids,wkmedoids,kmeans,tome
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
+
+bench() {  # bench NAME LIMIT_S ARGS...
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T))"
+  timeout "$limit" python3 -m pipeline bench throughput --device cuda --model deit_small_patch16_224 --level 3 \
+    "$@" > "$out/$name.md" 2> "$out/$name.log"
+  echo "   exit $? ($(date +%T))"; cat "$out/$name.md"
+}
+
+for part in "$@"; do
+  case $part in
+    tests) echo "== tests ($(date +%T))"
+           timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$out/tests.log" 2>&1
+           echo "   exit $?"; tail -3 "$out/tests.log" ;;
+    eager) bench eager "${EAGER_S:-180}" --methods $methods --dtype bf16 --batch 256 ;;
+    compiled) bench compiled "${COMPILED_S:-330}" --methods $methods --dtype bf16 --batch 256 --compile default ;;
+    train) bench train "${TRAIN_S:-330}" --methods $methods --dtype bf16 --batch 128 --compile default --train \
+             --set bench_throughput.ceiling=false ;;
+    fp32) bench fp32 "${FP32_S:-120}" --methods $methods --dtype fp32 --batch 256 ;;
+    *) echo "unknown part $part (tests eager compiled train fp32)"; exit 2 ;;
+  esac
+done

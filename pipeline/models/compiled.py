@@ -1,0 +1,60 @@
+"""``torch.compile`` as a setting: ``none | default | reduce-overhead | max-autotune``.
+
+Every forward in this package is written for it: static shapes from the keep list, no host syncs,
+no data-dependent Python branches, so ``fullgraph=True`` holds for every method (tested with the
+``aot_eager`` backend on the CPU). ``reduce-overhead`` adds CUDA graphs, which only exist on CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import nn
+
+CompileMode = Literal["none", "default", "reduce-overhead", "max-autotune"]
+COMPILE_MODES: tuple[str, ...] = ("none", "default", "reduce-overhead", "max-autotune")
+
+
+def check_compile(mode: str, device: torch.device | str) -> None:
+    """Raises ValueError for a mode this device cannot run, saying what to use instead."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode == "reduce-overhead" and torch.device(device).type != "cuda":
+        raise ValueError("compile mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device; "
+                         "on the CPU use 'default' (or 'none')")
+
+
+def compile_model(model: nn.Module, mode: str, device: torch.device | str, *, backend: str = "inductor"
+                  ) -> Callable[..., torch.Tensor]:
+    """``model`` compiled with ``fullgraph=True`` in ``mode``, or the model itself for ``none``."""
+    check_compile(mode, device)
+    if mode == "none":
+        return model
+    # Each model (method, keep list) is a new specialisation of the same forward code; a process
+    # that compiles several (bench throughput, the tests) must not hit dynamo's default of 8,
+    # which is a hard error under fullgraph=True.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(model, mode=None if mode == "default" else mode, fullgraph=True, backend=backend)
+
+
+def step_marker(mode: str) -> Callable[[], None]:
+    """What to call before each invocation: CUDA graphs must be told where a new step begins."""
+    if mode == "reduce-overhead":
+        return torch.compiler.cudagraph_mark_step_begin
+    return lambda: None
+
+
+def warm_up(fn: Callable[[], object], calls: int = 2, log: Callable[[str], None] | None = None,
+            label: str = "model") -> float:
+    """Runs ``fn`` ``calls`` times (the first compiles); returns and logs the seconds the first call took."""
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    for _ in range(calls - 1):
+        fn()
+    if log is not None:
+        log(f"{label}: first call (compilation included) {seconds:.1f} s")
+    return seconds

@@ -1,0 +1,211 @@
+"""``pipeline bench throughput``: downsampling models against the unmodified one, side by side.
+
+Every method of the list runs against the same unmodified model, in the same dtype (autocast) and
+compile mode, on the same batch: each timed call of a downsampled model follows a timed call of
+the unmodified one, and the speed-up is the median of the per-pair time ratios. ``--train`` times a
+whole optimizer step (forward, backward, AdamW) instead of an inference forward. A ceiling row runs
+the same keep list with plain random token dropping, the cheapest way to reach the same token
+counts. Each row also carries what the model dispatches: aten ops of one forward (counted on the
+CPU, for the CPU path and for the one-hot path that CUDA runs) and, on CUDA, kernel launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.config import BenchThroughputConfig, PoolingConfig
+from pipeline.models.compiled import compile_model, step_marker, warm_up
+from pipeline.pooling.common import dense_segments
+from pipeline.profiling import count_launches, count_ops
+from pipeline.timing import time_paired
+
+CEILING = "ceiling"  # the row label of plain random dropping at the same keep list
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    label: str
+    gflops: float
+    images_per_s: float
+    speedup: float  # median over pairs of (unmodified time / this model's time)
+    flops_ratio: float  # unmodified GFLOPs / this model's
+    ops_cpu: int  # aten ops of one no-grad forward, CPU path
+    ops_dense: int  # the same with the one-hot segment path that CUDA runs
+    launches: int | None  # CUDA kernel launches of one timed call (None off CUDA)
+    compile_s: float | None  # seconds of the first (compiling) call
+    base_times: list[float]  # the unmodified model's paired times, seconds
+
+    @property
+    def realised(self) -> float:
+        """The fraction of the FLOP saving that shows up as speed: speed-up / GFLOPs ratio."""
+        return self.speedup / self.flops_ratio
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    base_images_per_s: float
+    base_gflops: float
+    base_ops: int
+    base_launches: int | None
+    keep: list[int]
+    rows: list[ThroughputRow]
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """bf16 / fp16 autocast on ``device``, or nothing for fp32."""
+    if DTYPES[dtype] is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def _keep(cfg: BenchThroughputConfig) -> list[int] | None:
+    from pipeline.sparsity import level_keep
+
+    if cfg.keep is not None:
+        return cfg.keep
+    return level_keep(cfg.model, cfg.level) if cfg.level is not None else None
+
+
+def _op_counts(model: nn.Module, size: int) -> tuple[int, int]:
+    """aten ops of one forward of a CPU copy at batch 2: (CPU path, CUDA's one-hot path)."""
+    cpu = copy.deepcopy(model).cpu().eval()
+    x = torch.randn(2, 3, size, size)
+    with dense_segments(False):
+        own = count_ops(lambda: cpu(x)).total
+    with dense_segments(True):
+        dense = count_ops(lambda: cpu(x)).total
+    return own, dense
+
+
+def _runner(model: nn.Module, cfg: BenchThroughputConfig, device: torch.device, x: torch.Tensor,
+            labels: torch.Tensor) -> Callable[[], object]:
+    """One timed call: an inference forward, or a training step (forward, loss, backward, AdamW)."""
+    fn = compile_model(model, cfg.compile, device)
+    mark = step_marker(cfg.compile)
+    if not cfg.train:
+        def forward() -> object:
+            mark()
+            with torch.inference_mode(), autocast(device, cfg.dtype):
+                return fn(x)
+        return forward
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> object:
+        mark()
+        with autocast(device, cfg.dtype):
+            loss = F.cross_entropy(fn(x), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
+
+
+@contextlib.contextmanager
+def _matmul_precision(device: torch.device) -> Iterator[None]:
+    """TF32 for float32 matmuls on CUDA during the benchmark (the distances of the clustering steps)."""
+    previous = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[], object], base_gflops: float,
+                 keep: list[int] | None, x: torch.Tensor, labels: torch.Tensor, cfg: BenchThroughputConfig,
+                 pooling: PoolingConfig, device: torch.device, log: Callable[[str], None]) -> ThroughputRow:
+    from pipeline.flops import count_flops
+    from pipeline.models import create_model
+
+    pooled = create_model(cfg.model, method=method, keep=keep, options=pooling.options(method))
+    pooled.load_state_dict(base.state_dict(), strict=False)
+    gflops = count_flops(pooled).total
+    ops_cpu, ops_dense = _op_counts(pooled, x.shape[-1])
+    pooled = pooled.to(device).train(cfg.train)
+    run = _runner(pooled, cfg, device, x, labels)
+    compile_s = warm_up(run, log=log, label=f"{label} ({cfg.compile})")
+    launches = count_launches(run) if device.type == "cuda" else None
+    log(f"timing {label} against the unmodified model, batch {cfg.batch}, {cfg.dtype}, "
+        f"{'train step' if cfg.train else 'inference'} ...")
+    base_t, own_t = time_paired(run, run_base, warmup=cfg.warmup, repeats=cfg.repeats, device=device)
+    row = ThroughputRow(
+        label=label, gflops=gflops, images_per_s=cfg.batch / statistics.median(own_t),
+        speedup=statistics.median(b / o for b, o in zip(base_t, own_t)), flops_ratio=base_gflops / gflops,
+        ops_cpu=ops_cpu, ops_dense=ops_dense, launches=launches,
+        compile_s=None if cfg.compile == "none" else compile_s, base_times=base_t,
+    )
+    log(f"  {label}: {row.images_per_s:.1f} images/s, speed-up {row.speedup:.3f}x, realised {row.realised:.3f}")
+    return row
+
+
+def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
+                   log: Callable[[str], None] = print) -> ThroughputResult:
+    """Times every method of ``cfg.methods`` (and the ceiling) against the unmodified model."""
+    from pipeline.flops import count_flops
+    from pipeline.models import create_model
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("bench_throughput.device is 'cuda' but no CUDA device is visible")
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    keep = _keep(cfg)
+    torch.manual_seed(0)
+    base = create_model(cfg.model)
+    base_gflops = count_flops(base).total
+    size = base.patch_embed.img_size[0]
+    base_ops = _op_counts(base, size)[0]
+    x = torch.randn(cfg.batch, 3, size, size, device=device)
+    labels = torch.randint(0, base.num_classes, (cfg.batch,), device=device)
+    base = base.to(device).train(cfg.train)
+    methods = list(cfg.methods) + ([CEILING] if cfg.ceiling else [])
+    rows = []
+    with _matmul_precision(device):
+        run_base = _runner(base, cfg, device, x, labels)
+        warm_up(run_base, log=log, label=f"unmodified {cfg.model} ({cfg.compile})")
+        base_launches = count_launches(run_base) if device.type == "cuda" else None
+        base_times: list[float] = []
+        for label in methods:
+            method = "random" if label == CEILING else label
+            rows.append(_time_method(label, method, base, run_base, base_gflops, keep, x, labels, cfg, pooling,
+                                     device, log))
+            base_times += rows[-1].base_times
+    return ThroughputResult(base_images_per_s=cfg.batch / statistics.median(base_times), base_gflops=base_gflops,
+                            base_ops=base_ops, base_launches=base_launches, keep=keep or [], rows=rows)
+
+
+def format_throughput(cfg: BenchThroughputConfig, r: ThroughputResult) -> str:
+    kind = "training step (forward, backward, AdamW)" if cfg.train else "inference"
+    launches = lambda n: "-" if n is None else str(n)  # noqa: E731
+    lines = [
+        f"model {cfg.model}, {kind}, batch {cfg.batch}, {cfg.dtype}, compile {cfg.compile}, "
+        f"keep {','.join(map(str, r.keep)) or 'all'}",
+        "",
+        "| model | GFLOPs | images/s | speed-up | GFLOPs ratio | realised | aten ops (CPU path / CUDA path) "
+        "| CUDA launches |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| unmodified | {r.base_gflops:.3f} | {r.base_images_per_s:.1f} | 1 | 1 | - | {r.base_ops} | "
+        f"{launches(r.base_launches)} |",
+    ]
+    for row in r.rows:
+        label = "ceiling: random drop" if row.label == CEILING else row.label
+        lines.append(f"| {label} | {row.gflops:.3f} | {row.images_per_s:.1f} | {row.speedup:.3f} | "
+                     f"{row.flops_ratio:.3f} | {row.realised:.3f} | {row.ops_cpu} / {row.ops_dense} | "
+                     f"{launches(row.launches)} |")
+    lines += ["", "speed-up: median over paired calls of (unmodified time / model time); realised = speed-up / "
+              "GFLOPs ratio."]
+    compiled = [f"{row.label} {row.compile_s:.0f} s" for row in r.rows if row.compile_s is not None]
+    if compiled:
+        lines.append("first-call (compile) time: " + ", ".join(compiled))
+    return "\n".join(lines)
