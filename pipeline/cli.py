@@ -85,6 +85,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
             overrides.append(f"bench_throughput.{flag}={getattr(args, flag)}")
     if args.train:
         overrides.append("bench_throughput.train=true")
+    if args.profile:
+        overrides.append("bench_throughput.profile=true")
     if args.keep is not None:
         overrides += [f"bench_throughput.keep=[{args.keep}]", "bench_throughput.level=null"]
     if args.level is not None:
@@ -445,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
     throughput.add_argument("--train", action="store_true",
                             help="time a training step (forward, backward, AdamW) instead of inference")
+    throughput.add_argument("--profile", action="store_true",
+                            help="also log torch.profiler's kernel table of one call of each model (stderr)")
     throughput.set_defaults(func=cmd_bench_throughput)
     _add_bench_loader(bench_commands)
     _add_data_commands(commands)

@@ -51,3 +51,16 @@ def count_launches(fn: Callable[[], object]) -> int:
         fn()
         torch.cuda.synchronize()
     return sum(event.count for event in prof.key_averages() if event.key in _LAUNCH_EVENTS)
+
+
+def kernel_table(fn: Callable[[], object], rows: int = 15) -> str:
+    """torch.profiler's table of one call of ``fn``, sorted by device time (self CUDA time on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)

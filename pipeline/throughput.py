@@ -24,7 +24,7 @@ from torch import nn
 from pipeline.config import BenchThroughputConfig, PoolingConfig
 from pipeline.models.compiled import compile_model, step_marker, warm_up
 from pipeline.pooling.common import dense_segments
-from pipeline.profiling import count_launches, count_ops
+from pipeline.profiling import count_launches, count_ops, kernel_table
 from pipeline.timing import time_paired
 
 CEILING = "ceiling"  # the row label of plain random dropping at the same keep list
@@ -146,6 +146,8 @@ def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[]
         compile_s=None if cfg.compile == "none" else compile_s, base_times=base_t,
     )
     log(f"  {label}: {row.images_per_s:.1f} images/s, speed-up {row.speedup:.3f}x, realised {row.realised:.3f}")
+    if cfg.profile:
+        log(f"profile of one call of {label}:\n{kernel_table(run)}")
     return row
 
 
@@ -175,6 +177,8 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
         run_base = _runner(base, cfg, device, x, labels)
         warm_up(run_base, log=log, label=f"unmodified {cfg.model} ({cfg.compile})")
         base_launches = count_launches(run_base) if device.type == "cuda" else None
+        if cfg.profile:
+            log(f"profile of one call of the unmodified model:\n{kernel_table(run_base)}")
         base_times: list[float] = []
         for label in methods:
             method = "random" if label == CEILING else label

@@ -71,7 +71,7 @@ def test_triton_significance_matches_the_torch_path(dtype, shape, carry):
 
 def test_significance_backward_on_gpu_matches_cpu():
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 3, 2, 40, 16, generator=gen).unbind(0)
+    q, k = torch.randn(2, 2, 3, 40, 16, generator=gen).unbind(0)  # (B, H, T, D) each
     g = torch.randn(2, 40, generator=gen)
     grads = []
     for device in ("cpu", "cuda"):

@@ -14,7 +14,8 @@ set -uo pipefail
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-methods=powerbert,kmedoids,wkmedoids,kmeans,tome
+methods=${METHODS:-powerbert,kmedoids,wkmedoids,kmeans,tome}
+extra=${PROFILE:+--profile}  # PROFILE=1: kernel tables of one call of each model in PART.log
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
 
@@ -22,7 +23,7 @@ bench() {  # bench NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
   echo "== $name ($(date +%T))"
   timeout "$limit" python3 -m pipeline bench throughput --device cuda --model deit_small_patch16_224 --level 3 \
-    "$@" > "$out/$name.md" 2> "$out/$name.log"
+    $extra "$@" > "$out/$name.md" 2> "$out/$name.log"
   echo "   exit $? ($(date +%T))"; cat "$out/$name.md"
 }
 
@@ -33,7 +34,7 @@ for part in "$@"; do
            echo "   exit $?"; tail -3 "$out/tests.log" ;;
     eager) bench eager "${EAGER_S:-180}" --methods $methods --dtype bf16 --batch 256 ;;
     compiled) bench compiled "${COMPILED_S:-330}" --methods $methods --dtype bf16 --batch 256 --compile default ;;
-    train) bench train "${TRAIN_S:-330}" --methods $methods --dtype bf16 --batch 128 --compile default --train \
+    train) bench train "${TRAIN_S:-330}" --methods ${TRAIN_METHODS:-$methods} --dtype bf16 --batch 128 --compile default --train \
              --set bench_throughput.ceiling=false ;;
     fp32) bench fp32 "${FP32_S:-120}" --methods $methods --dtype fp32 --batch 256 ;;
     *) echo "unknown part $part (tests eager compiled train fp32)"; exit 2 ;;

@@ -213,24 +213,28 @@ def segment_sum(values: Tensor, assign: Tensor, k: int, *, dense: bool | None = 
 
 
 def augmented(x: Tensor, w: Tensor | None) -> Tensor:
-    """(B, N, D) rows and (B, N) weights -> (B, N, D + 1) rows ``[w_i x_i, w_i]`` (w = 1 when None).
+    """(B, N, D) rows and (B, N) weights -> (B, N, D + P) rows ``[w_i x_i, w_i, ...]`` (w = 1 when None).
 
-    A segment sum of these gives each segment's weighted sum and its total weight in one pass.
+    A segment sum of these gives each segment's weighted sum and its total weight in one pass. The
+    weight is repeated to a width that is a multiple of 8 (P >= 1), which keeps the rows 32-byte
+    aligned for the GPU's matmul kernels.
     """
+    b, n, d = x.shape
+    pad = 8 - d % 8
     if w is None:
-        return torch.cat([x, x.new_ones(x.shape[0], x.shape[1], 1)], dim=-1)
+        return torch.cat([x, x.new_ones(b, n, pad)], dim=-1)
     w = w.unsqueeze(-1)
-    return torch.cat([x * w, w], dim=-1)
+    return torch.cat([x * w, w.expand(b, n, pad)], dim=-1)
 
 
-def segment_means(part: Partition, rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Weighted means from ``augmented`` rows (B, N, D + 1) -> ((B, K, D), the (B, K, 1) total weights).
+def segment_means(part: Partition, rows: Tensor, d: int) -> tuple[Tensor, Tensor]:
+    """Weighted means from ``augmented`` rows of D features -> ((B, K, D), the (B, K, 1) total weights).
 
     An empty segment gives 0 / 0 (NaN), for the caller to replace.
     """
     sums = part.sum(rows)
-    total = sums[..., -1:]
-    return sums[..., :-1] / total, total
+    total = sums[..., d : d + 1]
+    return sums[..., :d] / total, total
 
 
 def pool_segments(

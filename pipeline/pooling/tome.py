@@ -40,7 +40,7 @@ def match_round(metric: Tensor, r: int) -> Tensor:
     sim = torch.bmm(unit[:, ::2], unit[:, 1::2].transpose(1, 2))  # (B, Na, Nb)
     best_sim, partner = sim.max(dim=-1)  # (B, Na)
     order = best_sim.argsort(dim=-1, descending=True, stable=True)  # equal similarities keep A's order
-    merged = torch.zeros(b, n_a, dtype=torch.bool, device=metric.device).scatter_(1, order[:, :r], 1)
+    merged = order.argsort(dim=-1) < r  # each A token's rank in that order, (B, Na)
     first_b = n_a - r  # B tokens follow the n_a - r unmerged A tokens
     kept_pos = torch.arange(n_a, device=metric.device) - merged.cumsum(-1)  # position among the kept A tokens
     a_assign = torch.where(merged, partner + first_b, kept_pos)  # (B, Na)
