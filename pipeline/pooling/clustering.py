@@ -110,18 +110,6 @@ def _kmeans(x: Tensor, w: Tensor | None, centres: Tensor, iters: int) -> Tensor:
     return assign
 
 
-def _segment_argmin(values: Tensor, assign: Tensor, k: int, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Per segment, the minimum of ``values`` (B, N) and the lowest index reaching it -> ((B, K), (B, K)).
-
-    ``positions`` is arange(N) broadcast to (B, N). An empty segment gets value inf and index N.
-    Minima do not depend on the order of the reduction, so this is deterministic on CUDA too.
-    """
-    b, n = values.shape
-    best = values.new_full((b, k), torch.inf).scatter_reduce(1, assign, values, "amin")
-    candidates = torch.where(values == best.gather(1, assign), positions, n)
-    return best, positions.new_full((b, k), n).scatter_reduce(1, assign, candidates, "amin")
-
-
 def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: bool | None = None
               ) -> tuple[Tensor, Tensor]:
     """Voronoi iterations on the token distance matrix, computed once.
@@ -129,13 +117,14 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: b
     x (B, N, D), w (B, N) or None (uniform), medoids (B, K) token indices
     -> (medoids (B, K), last assignment (B, N)). ``dense`` forces the CUDA or the CPU path (tests).
 
-    The cost of token i as the medoid of its cluster is ``sum_{i' in cluster(i)} w_i' d(i', i)``.
-    The CUDA path sums each row of d over the tokens of the same cluster (one masked (B, N, N)
-    reduction, which torch.compile fuses into one pass) and takes each cluster's cheapest member
-    with two ``scatter_reduce`` minima. The CPU path adds the rows of d up per cluster with
-    ``index_add_`` into (B, K, N), +inf where a token is not a member, and takes a ``min``. The
-    assignment reads the medoids' columns of d with -inf on the diagonal: a medoid always joins its
-    own cluster, even when a duplicate token ties with it.
+    With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
+    ``sum_{i' in c} w_i' d(i', i)``, laid out (B, N, K) with +inf where i is not a member of c, so
+    that one ``min`` over N finds every cluster's best member. CUDA builds it with one batched
+    matmul against the one-hot membership (on an H200 this beat a masked (B, N, N) row sum with
+    ``scatter_reduce`` minima, whose atomics took 20 us a call: docs/benchmarks.md); the CPU adds
+    the rows up per cluster with ``index_add_``. The assignment reads the medoids' columns of d with
+    -inf on the diagonal: a medoid always joins its own cluster, even when a duplicate token ties
+    with it. Both reductions run over the contiguous dimension.
     """
     b, n, _ = x.shape
     k = medoids.shape[1]
@@ -143,28 +132,26 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: b
     d = sq_dists(x)  # (B, N, N), symmetric
     if w is None:
         rows, reach = d, d.clone()
-    else:  # d(i, i') w_i' (dense: summed over i' along the last dim) or w_i' d(i', i) (index_add_ rows)
+    else:  # d scaled by the weight of the summed-over token: its column (dense) or row (index_add_)
         rows, reach = d * w.unsqueeze(1 if dense else 2), d
     reach.diagonal(dim1=1, dim2=2).fill_(-torch.inf)
-    if dense:
-        positions = torch.arange(n, device=x.device).expand(b, n)
-    else:
+    if not dense:
         offset, rows = batch_offset(b, k, x.device), rows.view(b * n, n)
-    med = medoids
-    assign = reach.gather(2, med.unsqueeze(1).expand(b, n, k)).argmin(-1)  # (B, N)
+    med = medoids.unsqueeze(1)  # (B, 1, K)
+    assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)  # (B, N)
     for _ in range(iters - 1):
-        if dense:
-            cost = torch.where(assign.unsqueeze(2) == assign.unsqueeze(1), rows, 0.0).sum(-1)  # (B, N)
-            best_cost, best = _segment_argmin(cost, assign, k, positions)  # (B, K)
-            current = cost.gather(1, med)  # the current medoid is a member of its cluster
-        else:  # +inf, zeroed at the members, plus the rows summed in with index_add_; (B, K, N)
+        if dense:  # baddbmm(log(one-hot), rows, one-hot, beta=-1): -log is 0 for members, +inf otherwise
+            member = torch.zeros(b, n, k, device=x.device, dtype=x.dtype).scatter_(2, assign.unsqueeze(-1), 1.0)
+            cost = torch.baddbmm(member.log(), rows, member, beta=-1.0)  # (B, N, K)
+        else:  # +inf, zeroed at the members, plus the rows summed in with index_add_; (B, K, N) seen as (B, N, K)
             cost = x.new_full((b, k, n), torch.inf).scatter_(1, assign.unsqueeze(1), 0.0)
             cost.view(b * k, n).index_add_(0, (assign + offset).view(-1), rows)
-            best_cost, best = cost.min(-1)  # (B, K), ties to the lowest index
-            current = cost.gather(2, med.unsqueeze(-1)).squeeze(-1)
+            cost = cost.transpose(1, 2)
+        best_cost, best = cost.min(1, keepdim=True)  # (B, 1, K), ties to the lowest index
+        current = cost.gather(1, med)  # the current medoid is a member of its cluster
         med = torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, med)
-        assign = reach.gather(2, med.unsqueeze(1).expand(b, n, k)).argmin(-1)
-    return med, assign
+        assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)
+    return med.squeeze(1), assign
 
 
 def _check_options(method: str, init: str, iters: object, init_scores: Tensor | None) -> None:
