@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from pipeline.config import BenchOpsConfig, PoolingConfig
+from pipeline.errors import InputError, JobError, MissingFileError
 from pipeline.methods import METHODS
 from pipeline.models.attention import attend
 from pipeline.pooling import build_downsampler
@@ -61,7 +62,7 @@ def load_tome_reference(path: str) -> Callable[[Tensor, Tensor, int], object]:
     """Loads ``tome/merge.py`` from a ToMe checkout; returns a call (tokens, metric, r) -> merged tokens."""
     source = Path(path) / "tome" / "merge.py"
     if not source.is_file():
-        raise FileNotFoundError(f"bench.tome_reference: no tome/merge.py under {path}; point it at a ToMe checkout")
+        raise MissingFileError(f"bench.tome_reference: no tome/merge.py under {path}; point it at a ToMe checkout")
     spec = importlib.util.spec_from_file_location("tome_reference_merge", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -118,7 +119,7 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
                       log: Callable[[str], None] = print) -> list[Timing]:
     """Times every method row against the block, pair by pair."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("bench.device is 'cuda' but no CUDA device is visible; use --set bench.device=cpu")
+        raise JobError("bench.device is 'cuda' but no CUDA device is visible; use --set bench.device=cpu")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
@@ -127,7 +128,7 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
     n = model.patch_embed.num_patches
     bad = [k for k in cfg.keep if k >= n]
     if bad:
-        raise ValueError(f"bench.keep: every K must be below the {n} tokens of {cfg.model}, got {bad}")
+        raise InputError(f"bench.keep: every K must be below the {n} tokens of {cfg.model}, got {bad}")
     block = model.blocks[0]
     x = torch.randn(cfg.batch, model.num_prefix_tokens + n, model.embed_dim, device=device)
     with torch.inference_mode():

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from pipeline.config import ConfigError, dump_config, load_config, write_resolved
+from pipeline.errors import InputError, MissingFileError, PipelineError
 
 
 def _add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -61,7 +62,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     from pipeline.sparsity import level_keep
 
     if args.level is not None and args.keep is not None:
-        raise ValueError("give --keep or --level, not both")
+        raise InputError("give --keep or --level, not both")
     if args.level is not None:
         keep = level_keep(args.model, args.level)
     else:
@@ -201,7 +202,7 @@ def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
     if run is None:
         found = sorted(base.glob("*/results.csv"), key=lambda p: p.stat().st_mtime)
         if not found:
-            raise FileNotFoundError("no experiment results under runs/experiments; run `python -m pipeline run` first")
+            raise MissingFileError("no experiment results under runs/experiments; run `python -m pipeline run` first")
         return found[-1].parent
     for candidate in (Path(run), base / run):
         if (candidate / "results.csv").is_file():
@@ -212,7 +213,7 @@ def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
     try:
         local = client.download_artifacts(run, "report")
     except Exception as err:  # noqa: BLE001 - MLflow raises several types for an unknown run
-        raise FileNotFoundError(f"{run!r} is neither a folder with results.csv, an experiment under {base}, nor an "
+        raise MissingFileError(f"{run!r} is neither a folder with results.csv, an experiment under {base}, nor an "
                                 f"MLflow run in {tracking_uri} with a report ({err})") from None
     return Path(local)
 
@@ -229,11 +230,7 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-
-
-def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+        raise InputError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
 def cmd_viz_clusters(args: argparse.Namespace) -> int:
@@ -245,7 +242,7 @@ def cmd_viz_clusters(args: argparse.Namespace) -> int:
     methods = args.method.split(",") if args.method else [subject.method] if subject.method else None
     keep = parse_keep(args.keep) if args.keep else subject.keep
     if not methods or keep is None:
-        raise ValueError("--method and --keep are needed (a base checkpoint or a timm model has no method of its own)")
+        raise InputError("--method and --keep are needed (a base checkpoint or a timm model has no method of its own)")
     if args.images:
         pictures, names = read_images(args.images, subject.res), [Path(p).stem for p in args.images]
     elif args.data:
@@ -254,7 +251,7 @@ def cmd_viz_clusters(args: argparse.Namespace) -> int:
         pictures = np.concatenate(list(beton_images(args.data, subject, count=args.count, batch=args.count)))
         names = [f"{Path(args.data).stem}{i:04d}" for i in range(len(pictures))]
     else:
-        raise ValueError("give --images PATH... or --data BETON")
+        raise InputError("give --images PATH... or --data BETON")
     layers = _int_list(args.layers, "--layers") or default_layers(subject.depth)
     files = cluster_maps(subject, pictures, names, methods=methods, keep=keep, layers=layers, out=args.out,
                          sheet_layer=args.sheet_layer, log=_log)
@@ -271,7 +268,7 @@ def cmd_analyze_redundancy(args: argparse.Namespace) -> int:
     try:
         alphas = [float(a) for a in args.qk_norm_alpha.split(",")] if args.qk_norm_alpha else []
     except ValueError:
-        raise ValueError(f"--qk-norm-alpha must be comma-separated numbers, e.g. 5,10; got {args.qk_norm_alpha!r}") \
+        raise InputError(f"--qk-norm-alpha must be comma-separated numbers, e.g. 5,10; got {args.qk_norm_alpha!r}") \
             from None
     print("\n".join(str(f) for f in write_redundancy(subject, data, args.out, qk_alphas=alphas, log=_log)))
     return 0
@@ -464,6 +461,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, OSError, RuntimeError) as err:
+    except PipelineError as err:  # ours, on purpose: one line; anything else keeps its traceback
         print(f"error: {err}", file=sys.stderr)
         return 2

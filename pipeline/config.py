@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.errors import InputError, PipelineError
 from pipeline.methods import METHODS, method_spec
 
 
@@ -48,7 +49,7 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-class ConfigError(ValueError):
+class ConfigError(PipelineError, ValueError):
     """A config that cannot be used; the message names the key, its source and what is allowed."""
 
 
@@ -74,7 +75,7 @@ class PoolingConfig(Section):
     @model_validator(mode="after")
     def _one_keep_source(self) -> PoolingConfig:
         if self.keep is not None and self.level is not None:
-            raise ValueError("set pooling.keep or pooling.level, not both")
+            raise InputError("set pooling.keep or pooling.level, not both")
         return self
 
     def options(self, method: str | None = None) -> dict[str, Any]:
@@ -109,7 +110,7 @@ class BenchOpsConfig(Section):
     @classmethod
     def _keep_positive(cls, keep: list[int]) -> list[int]:
         if any(k < 1 for k in keep):
-            raise ValueError(f"every K must be >= 1, got {keep}")
+            raise InputError(f"every K must be >= 1, got {keep}")
         return keep
 
 
@@ -135,14 +136,15 @@ class BenchThroughputConfig(Section):
     @model_validator(mode="after")
     def _one_keep_source(self) -> BenchThroughputConfig:
         if self.keep is not None and self.level is not None:
-            raise ValueError("set bench_throughput.keep or bench_throughput.level, not both (set level: null)")
+            raise InputError("set bench_throughput.keep or bench_throughput.level, not both (set level: null)")
         if self.compile == "reduce-overhead" and self.device != "cuda":
-            raise ValueError("bench_throughput.compile 'reduce-overhead' captures CUDA graphs: it needs device cuda")
+            raise InputError("bench_throughput.compile 'reduce-overhead' captures CUDA graphs: it needs device cuda")
         return self
 
 
 class ProgressiveConfig(Section):
-    """ffcv-imagenet's progressive resizing: ``start_res`` until ``start_epoch``, linear to ``end_res`` at ``end_epoch``."""
+    """ffcv-imagenet's progressive resizing: ``start_res`` until ``start_epoch``, then linear to ``end_res``
+    at ``end_epoch``."""
 
     start_res: int = Field(ge=8)
     end_res: int = Field(ge=8)
@@ -152,7 +154,7 @@ class ProgressiveConfig(Section):
     @model_validator(mode="after")
     def _ordered(self) -> ProgressiveConfig:
         if self.end_epoch < self.start_epoch:
-            raise ValueError(f"end_epoch ({self.end_epoch}) must be >= start_epoch ({self.start_epoch})")
+            raise InputError(f"end_epoch ({self.end_epoch}) must be >= start_epoch ({self.start_epoch})")
         return self
 
 
@@ -180,7 +182,7 @@ class DataConfig(Section):
     def _scale_range(self) -> DataConfig:
         low, high = self.crop_scale
         if not 0 < low <= high <= 1:
-            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1, got {list(self.crop_scale)}")
+            raise InputError(f"crop_scale must satisfy 0 < low <= high <= 1, got {list(self.crop_scale)}")
         return self
 
 
@@ -208,7 +210,7 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
         if self.embed_dim is not None and self.num_heads is not None and self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} does not split into {self.num_heads} heads")
+            raise InputError(f"embed_dim {self.embed_dim} does not split into {self.num_heads} heads")
         return self
 
 
@@ -284,7 +286,8 @@ class SearchConfig(Section):
     algorithm: Literal["grid", "random"] = Field("grid", description="grid: every trial; random: num_samples of them")
     num_samples: int = Field(1, ge=1, description="random: how many trials to draw")
     max_concurrent: int | None = Field(None, ge=1, description="default: as many as the cluster's resources allow")
-    trial_workers: int = Field(0, ge=0, description="0: single-process trials (cheap); N: a TorchTrainer of N per trial")
+    trial_workers: int = Field(0, ge=0,
+                               description="0: single-process trials (cheap); N: a TorchTrainer of N per trial")
     trial_cpus: float = Field(1.0, gt=0, description="CPUs per trial (per worker with trial_workers > 0)")
     trial_gpus: float = Field(0.0, ge=0, description="GPUs per trial (per worker with trial_workers > 0)")
 
@@ -326,19 +329,19 @@ class ExperimentConfig(Section):
     @model_validator(mode="after")
     def _sweep_is_not_empty(self) -> ExperimentConfig:
         if (self.embed_dims is None) == (self.models is None):
-            raise ValueError("give experiment.embed_dims or experiment.models (exactly one)")
+            raise InputError("give experiment.embed_dims or experiment.models (exactly one)")
         if not (self.embed_dims or self.models):
-            raise ValueError("experiment.embed_dims/models is empty: the sweep would have zero trials")
+            raise InputError("experiment.embed_dims/models is empty: the sweep would have zero trials")
         if (self.lambdas is None) == (self.levels is None):
-            raise ValueError("give experiment.lambdas (K search) or experiment.levels (the paper's), exactly one")
+            raise InputError("give experiment.lambdas (K search) or experiment.levels (the paper's), exactly one")
         if not (self.lambdas or self.levels) and self.methods:
-            raise ValueError("experiment.lambdas/levels is empty: the finetune sweep would have zero trials")
+            raise InputError("experiment.lambdas/levels is empty: the finetune sweep would have zero trials")
         if not self.methods and not self.baseline:
-            raise ValueError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
+            raise InputError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
         if "none" in self.methods:
-            raise ValueError("experiment.methods: 'none' is the baseline; set experiment.baseline: true instead")
+            raise InputError("experiment.methods: 'none' is the baseline; set experiment.baseline: true instead")
         if self.search.algorithm == "grid" and self.search.num_samples != 1:
-            raise ValueError("experiment.search.num_samples applies to algorithm: random")
+            raise InputError("experiment.search.num_samples applies to algorithm: random")
         return self
 
 
@@ -360,7 +363,7 @@ class Config(Section):
         spec = METHODS[self.pooling.method]
         if self.pooling.cluster_on is not None and "cluster_on" not in spec.options:
             takers = sorted(name for name, s in METHODS.items() if "cluster_on" in s.options)
-            raise ValueError(f"pooling.cluster_on applies to {', '.join(takers)}, not {self.pooling.method!r}")
+            raise InputError(f"pooling.cluster_on applies to {', '.join(takers)}, not {self.pooling.method!r}")
         return self
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from pipeline.errors import InputError
+
 CLUSTER_OPTIONS = MappingProxyType({"iters": 5, "init": "topk", "cluster_on": "tokens"})
 
 
@@ -63,7 +65,7 @@ class MethodSpec:
         unknown = sorted(set(given) - set(self.options))
         if unknown:
             accepted = ", ".join(sorted(self.options)) or "none"
-            raise ValueError(f"method {name!r} got options it does not take: {unknown}; it takes: {accepted}")
+            raise InputError(f"method {name!r} got options it does not take: {unknown}; it takes: {accepted}")
         return {**self.options, **given}
 
     def needs_metric(self, options: Mapping[str, Any]) -> bool:
@@ -91,7 +93,7 @@ METHODS: dict[str, MethodSpec] = {
 def register_method(name: str, spec: MethodSpec) -> None:
     """Adds (or replaces) a method; every consumer reads ``METHODS`` when it needs it."""
     if not name.replace("_", "").isalnum():
-        raise ValueError(f"method name must be letters, digits and underscores, got {name!r}")
+        raise InputError(f"method name must be letters, digits and underscores, got {name!r}")
     METHODS[name] = spec
 
 
@@ -99,5 +101,5 @@ def method_spec(name: str) -> MethodSpec:
     """The spec of ``name``; ValueError listing the methods when there is none."""
     spec = METHODS.get(name)
     if spec is None:
-        raise ValueError(f"unknown downsampling method {name!r}; choose one of {sorted(METHODS)}")
+        raise InputError(f"unknown downsampling method {name!r}; choose one of {sorted(METHODS)}")
     return spec

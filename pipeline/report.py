@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pipeline.pareto import Point, best_at_budgets, pareto_front
 

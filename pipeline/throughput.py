@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import BenchThroughputConfig, PoolingConfig
+from pipeline.errors import JobError
 from pipeline.models.compiled import compile_model, step_marker, warm_up
 from pipeline.pooling.common import dense_segments
 from pipeline.profiling import count_launches, count_ops, kernel_table
@@ -158,7 +159,7 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
     from pipeline.models import create_model
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("bench_throughput.device is 'cuda' but no CUDA device is visible")
+        raise JobError("bench_throughput.device is 'cuda' but no CUDA device is visible")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)

@@ -9,17 +9,20 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+
+from pipeline.errors import PipelineError
 
 RUN_KEY_TAG = "pipeline.run_key"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 
 
-class TrackingError(RuntimeError):
+class TrackingError(PipelineError, RuntimeError):
     """The tracking store cannot be used; says which URI and how to fix it."""
 
 

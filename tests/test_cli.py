@@ -76,7 +76,8 @@ def test_bench_ops_prints_the_table(tmp_path):
     rows = re.findall(r"^\| ([\w ().]+?) \| (\d+|-) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", table,
                       flags=re.M)
     labels = [(label, k) for label, k, *_ in rows]
-    assert labels == [("distance matrix (torch.cdist)", "-"), ("Gram matrix (bmm)", "-"), ("wkmedoids", "98"), ("wkmedoids", "49"),
+    assert labels == [("distance matrix (torch.cdist)", "-"), ("Gram matrix (bmm)", "-"), ("wkmedoids", "98"),
+                      ("wkmedoids", "49"),
                       ("wkmedoids on keys", "98"), ("wkmedoids on keys", "49"), ("tome", "98"), ("tome", "49"),
                       ("tome on tokens", "98"), ("tome on tokens", "49"), ("conv", "49")]
     assert all(float(ms) > 0 and float(block) > 0 and float(share) > 0 for _, _, ms, _, block, share in rows)

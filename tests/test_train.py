@@ -12,9 +12,9 @@ from pipeline.config import ConfigError, load_config
 from pipeline.data import WriteSettings, open_source, write_beton, write_folder
 from pipeline.data.loaders import DatasetMismatchError
 from pipeline.pooling import METHODS
+from pipeline.tracking import TrackingError
 from pipeline.train import run_training
 from pipeline.train.checkpoint import CheckpointError, load_checkpoint
-from pipeline.tracking import TrackingError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from pipeline.errors import PipelineError
 from pipeline.models import DownsamplingBlocks, apply_downsampling
 from pipeline.models.downsampling import BlockRecord
 
 
-class AnalysisError(ValueError):
+class AnalysisError(PipelineError, ValueError):
     """Bad input to an analysis: a missing image, an impossible layer, an unusable checkpoint."""
 
 
@@ -71,7 +72,8 @@ def _subject(model: nn.Module, state: dict[str, Any], label: str, **extra: Any) 
     cfg = timm.data.resolve_model_data_config(model)
     grid = tuple(int(g) for g in model.patch_embed.grid_size)
     return Subject(model=model.eval(), state=state, res=int(cfg["input_size"][-1]), mean=tuple(cfg["mean"]),
-                   std=tuple(cfg["std"]), crop_pct=float(cfg["crop_pct"]), grid=grid, patch=int(model.patch_embed.patch_size[0]), label=label, **extra)
+                   std=tuple(cfg["std"]), crop_pct=float(cfg["crop_pct"]), grid=grid,
+                   patch=int(model.patch_embed.patch_size[0]), label=label, **extra)
 
 
 def load_subject(checkpoint: str | Path | None = None, model: str | None = None,

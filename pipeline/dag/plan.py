@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import Config, ExperimentConfig, StageRecipe
+from pipeline.errors import InputError
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
 # Where a stage reads its result from; excluded from the identity.
@@ -131,7 +132,7 @@ def paper_levels(config: Config, arch: Arch) -> dict[str, list[int]]:
 
     name = arch.overrides.get("name", config.model.name)
     if "embed_dim" in arch.overrides:
-        raise ValueError("experiment.levels pins the paper's keep lists of named models; "
+        raise InputError("experiment.levels pins the paper's keep lists of named models; "
                          "use experiment.models (not embed_dims) with it")
     return {f"L{level}": level_keep(name, level) for level in config.experiment.levels or []}
 

@@ -43,7 +43,8 @@ def supersede(client: MlflowClient, exp_id: str, dag_id: str, kinds: list[str]) 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     count = 0
     for kind in kinds:
-        runs = client.search_runs([exp_id], filter_string=f"tags.`{DAG}` = '{dag_id}' and tags.`{STAGE_KIND}` = '{kind}'",
+        query = f"tags.`{DAG}` = '{dag_id}' and tags.`{STAGE_KIND}` = '{kind}'"
+        runs = client.search_runs([exp_id], filter_string=query,
                                   max_results=10000)
         for run in runs:
             tags = {DONE: "superseded"}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.config import Config, ConfigError
 from pipeline.dag.plan import (
@@ -25,6 +26,7 @@ from pipeline.dag.plan import (
 from pipeline.dag.records import open_parent, supersede
 from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_spec
 from pipeline.dag.sweep import run_sweep
+from pipeline.errors import JobError
 from pipeline.train.launch import connect_ray, preflight, resolve_paths
 
 
@@ -110,7 +112,7 @@ def results_of(ctx: Context, stages: list[Stage]) -> dict[str, dict[str, Any]]:
     for stage in stages:
         found = find_done(ctx.client, ctx.exp_id, stage.id)
         if found is None:
-            raise RuntimeError(f"stage {stage.label} ({stage.id}) has no finished record after its sweep")
+            raise JobError(f"stage {stage.label} ({stage.id}) has no finished record after its sweep")
         results[stage.id] = found
     return results
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.config import ExperimentConfig
+from pipeline.errors import JobError
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def run_sweep(specs: list[dict[str, Any]], exp: ExperimentConfig, *, storage: st
     wall = time.perf_counter() - started
     errors = [r.error for r in results if r.error is not None]
     if errors:
-        raise RuntimeError(f"{len(errors)} trial(s) of {name} failed; first: {errors[0]}")
+        raise JobError(f"{len(errors)} trial(s) of {name} failed; first: {errors[0]}")
     train_s = sum(float(r.metrics.get("stage_seconds", 0.0)) for r in results if r.metrics)
     timing = SweepTiming(len(results), wall, train_s, slots)
     log(f"[sweep] {name}: {timing.trials} trials in {wall:.0f} s; Ray/Tune overhead about "

@@ -6,6 +6,7 @@ Normalisation and the validation crop come from the model's data config
 
 from __future__ import annotations
 
+from pipeline.errors import InputError, MissingFileError, PipelineError
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from pipeline.data.write import metadata_path
 
 
-class DatasetMismatchError(ValueError):
+class DatasetMismatchError(PipelineError, ValueError):
     """A dataset file that does not match the config (or has no metadata); says what differs."""
 
 
@@ -46,7 +47,7 @@ def read_metadata(beton: str | Path) -> dict[str, Any]:
     """The JSON written beside a ``.beton`` by ``pipeline data write``."""
     beton = Path(beton)
     if not beton.is_file():
-        raise FileNotFoundError(f"dataset not found: {beton}; write it with "
+        raise MissingFileError(f"dataset not found: {beton}; write it with "
                                 f"`python -m pipeline data write --source ... --out {beton}`")
     meta = metadata_path(beton)
     if not meta.is_file():
@@ -152,7 +153,7 @@ def set_resolution(loader, res: int) -> None:
     ops = [] if spec is None else [spec.decoder, *spec.transforms]
     decoders = [op for op in ops if isinstance(op, RandomResizedCropRGBImageDecoder)]
     if not decoders:
-        raise ValueError("progressive resizing needs an FFCV train loader with a random-resized-crop decoder")
+        raise InputError("progressive resizing needs an FFCV train loader with a random-resized-crop decoder")
     for decoder in decoders:
         decoder.output_size = (res, res)
 
@@ -187,7 +188,7 @@ class _TorchLoader:
             tf = transforms.Compose([transforms.Resize(int(spec.res / spec.crop_pct)), transforms.CenterCrop(spec.res),
                                      transforms.ToTensor(), transforms.Normalize(spec.mean, spec.std)])
         if not Path(spec.path).is_dir():
-            raise FileNotFoundError(f"loader=torch reads an image folder (PATH/<class>/<images>), but {spec.path} is "
+            raise MissingFileError(f"loader=torch reads an image folder (PATH/<class>/<images>), but {spec.path} is "
                                     "not a directory; write one with `python -m pipeline data folder`")
         self.dataset = datasets.ImageFolder(spec.path, transform=tf)
         self.sampler = DistributedSampler(self.dataset, shuffle=spec.train, seed=spec.seed) \
@@ -222,7 +223,7 @@ def build_loader(kind: str, spec: LoaderSpec) -> Iterable:
         return ffcv_loader(spec)
     if kind == "torch":
         return torch_loader(spec)
-    raise ValueError(f"unknown loader {kind!r}; use ffcv or torch")
+    raise InputError(f"unknown loader {kind!r}; use ffcv or torch")
 
 
 _SHARED: dict[tuple[str, LoaderSpec], Any] = {}

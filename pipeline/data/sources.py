@@ -7,6 +7,7 @@ every writer and loader downstream sees RGB.
 
 from __future__ import annotations
 
+from pipeline.errors import PipelineError
 import gzip
 import os
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", 
                          "Bag", "Ankle boot")
 
 
-class SourceError(ValueError):
+class SourceError(PipelineError, ValueError):
     """A source that cannot be read; the message says which path or option and how to fix it."""
 
 

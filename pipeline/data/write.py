@@ -8,6 +8,7 @@ validation cannot foresee, such as a disk that fills up halfway.
 
 from __future__ import annotations
 
+from pipeline.errors import PipelineError
 import _thread
 import hashlib
 import json
@@ -31,7 +32,7 @@ METADATA_VERSION = 1
 WriteMode = Literal["raw", "jpg", "smart"]
 
 
-class DataWriteError(RuntimeError):
+class DataWriteError(PipelineError, RuntimeError):
     """A write that could not finish; nothing was left at the output path."""
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.errors import InputError
 from pipeline.models.significance import attention_significance
 
 
@@ -52,7 +53,7 @@ def attend(
         ((B, T, M) output, AttentionStats, or None when neither statistic was asked for).
     """
     if getattr(attn, "gate", None) is not None:
-        raise ValueError("gated attention is not supported by the downsampling blocks")
+        raise InputError("gated attention is not supported by the downsampling blocks")
     b, t, _ = x.shape
     qkv = attn.qkv(x).reshape(b, t, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)  # (B, H, T, hd)

@@ -14,6 +14,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from pipeline.errors import InputError
+
 CompileMode = Literal["none", "default", "reduce-overhead", "max-autotune"]
 COMPILE_MODES: tuple[str, ...] = ("none", "default", "reduce-overhead", "max-autotune")
 
@@ -21,9 +23,9 @@ COMPILE_MODES: tuple[str, ...] = ("none", "default", "reduce-overhead", "max-aut
 def check_compile(mode: str, device: torch.device | str) -> None:
     """Raises ValueError for a mode this device cannot run, saying what to use instead."""
     if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+        raise InputError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     if mode == "reduce-overhead" and torch.device(device).type != "cuda":
-        raise ValueError("compile mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device; "
+        raise InputError("compile mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device; "
                          "on the CPU use 'default' (or 'none')")
 
 

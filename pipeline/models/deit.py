@@ -12,6 +12,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, _create_vision_transformer
 from torch import nn
 
+from pipeline.errors import InputError, MissingFileError
 from pipeline.models.downsampling import apply_downsampling
 
 DEIT_BASE_ARGS = dict(patch_size=16, depth=12, mlp_ratio=4.0, qkv_bias=True)
@@ -29,13 +30,13 @@ default_cfgs = generate_default_cfgs({
 def deit_width(embed_dim: int, num_heads: int = 6, **kwargs: Any) -> VisionTransformer:
     """A DeiT (patch 16, 224 px, depth 12) of any embedding width M; M must divide into the heads."""
     if embed_dim % num_heads:
-        raise ValueError(f"embed_dim {embed_dim} does not split into {num_heads} heads; pick a multiple of {num_heads}")
+        raise InputError(f"embed_dim {embed_dim} does not split into {num_heads} heads; pick a multiple of {num_heads}")
     return VisionTransformer(**(DEIT_BASE_ARGS | dict(embed_dim=embed_dim, num_heads=num_heads) | kwargs))
 
 
 def _paper_width(variant: str, embed_dim: int, pretrained: bool, **kwargs: Any) -> VisionTransformer:
     if pretrained:
-        raise ValueError(f"no published weights exist for {variant}; load a local file instead (weights=PATH)")
+        raise InputError(f"no published weights exist for {variant}; load a local file instead (weights=PATH)")
     return _create_vision_transformer(variant, **(DEIT_BASE_ARGS | dict(embed_dim=embed_dim, num_heads=6) | kwargs))
 
 
@@ -55,7 +56,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     """Loads a timm state dict (a bare dict, or under 'model' / 'state_dict') with no key renaming."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"weights file not found: {path}")
+        raise MissingFileError(f"weights file not found: {path}")
     state = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and key in state and isinstance(state[key], dict):
@@ -73,7 +74,7 @@ def load_state(model: nn.Module, state: dict[str, Any], source: str | Path) -> N
     missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
     unexpected = [k for k in unexpected if not k.endswith("retention")]
     if missing or unexpected:
-        raise ValueError(f"{source}: state dict does not match the model: missing {missing[:5]}, "
+        raise InputError(f"{source}: state dict does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
 
 
@@ -99,7 +100,7 @@ def create_model(
     """
     if embed_dim is not None:
         if pretrained:
-            raise ValueError("no published weights exist for a DeiT of custom width; pass weights=PATH")
+            raise InputError("no published weights exist for a DeiT of custom width; pass weights=PATH")
         model = deit_width(embed_dim, num_heads or 6, **timm_kwargs)
     else:
         model = timm.create_model(name, pretrained=pretrained, **timm_kwargs)

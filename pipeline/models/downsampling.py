@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipeline.errors import InputError
 from pipeline.methods import METHODS, method_spec
 from pipeline.models.attention import attend
 from pipeline.models.keep import effective_keep
@@ -105,7 +106,7 @@ class DownsamplingBlocks(nn.Sequential):
             try:
                 block.downsample = build(dim, grid=grid, k=k, **self.config.options)
             except ValueError as err:
-                raise ValueError(f"keep[{layer}] is {k}, but {err} (block {layer + 1})") from None
+                raise InputError(f"keep[{layer}] is {k}, but {err} (block {layer + 1})") from None
             grid = getattr(block.downsample, "out_grid", None)
             n = k
 
@@ -194,7 +195,7 @@ def retention_penalty(model: nn.Module, strength: float) -> Tensor:
     """PoWER-BERT's mass penalty: strength * sum over blocks l of l * sum_j retention_l[j] (l from 1)."""
     blocks = [block for block in model.blocks if hasattr(block, "retention")]
     if not blocks:
-        raise ValueError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
+        raise InputError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
     return strength * sum((layer + 1) * unit_interval(block.retention).sum() for layer, block in enumerate(blocks))
 
 
@@ -206,7 +207,7 @@ def retention_keep(model: nn.Module) -> list[int]:
     keep, previous = [], None
     for block in model.blocks:
         if not hasattr(block, "retention"):
-            raise ValueError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
+            raise InputError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
         mass = int(torch.round(block.retention.detach().clamp(0.0, 1.0).sum()).item())
         previous = mass if previous is None else min(previous, mass)
         keep.append(previous)
@@ -242,17 +243,17 @@ def apply_downsampling(
     """
     for attr in ("blocks", "num_prefix_tokens", "patch_embed"):
         if not hasattr(model, attr):
-            raise ValueError(f"apply_downsampling needs a timm VisionTransformer; the model has no {attr!r}")
+            raise InputError(f"apply_downsampling needs a timm VisionTransformer; the model has no {attr!r}")
     if getattr(model, "grad_checkpointing", False):
-        raise ValueError("gradient checkpointing runs timm's blocks one by one and would skip the downsampling; "
+        raise InputError("gradient checkpointing runs timm's blocks one by one and would skip the downsampling; "
                          "call model.set_grad_checkpointing(False) first")
     if isinstance(model.blocks, DownsamplingBlocks):
-        raise ValueError("this model already downsamples; build a fresh model to change the method")
+        raise InputError("this model already downsamples; build a fresh model to change the method")
     options = method_spec(method).resolve(method, options)
     if qk_norm not in (None, *QK_NORM):
-        raise ValueError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
+        raise InputError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
     if soft_extract and (method != "none" or keep is not None):
-        raise ValueError("soft_extract is the K search: use it with method='none' and no keep list")
+        raise InputError("soft_extract is the K search: use it with method='none' and no keep list")
     num_tokens = model.patch_embed.num_patches
     depth = len(model.blocks)
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)

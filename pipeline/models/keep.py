@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+from pipeline.errors import InputError
+
 
 def effective_keep(keep: Sequence[object], *, depth: int, num_tokens: int) -> list[int]:
     """Validates a keep list and returns the tokens actually left after each block.
@@ -21,19 +23,19 @@ def effective_keep(keep: Sequence[object], *, depth: int, num_tokens: int) -> li
         ValueError naming the first bad entry and why.
     """
     if isinstance(keep, (str, bytes)) or not isinstance(keep, Sequence):
-        raise ValueError(f"keep must be a list of {depth} integers, got {type(keep).__name__}")
+        raise InputError(f"keep must be a list of {depth} integers, got {type(keep).__name__}")
     if len(keep) != depth:
-        raise ValueError(f"keep has {len(keep)} entries but the model has {depth} blocks; give one K per block")
+        raise InputError(f"keep has {len(keep)} entries but the model has {depth} blocks; give one K per block")
     out: list[int] = []
     available = num_tokens
     for layer, value in enumerate(keep):
         where = f"keep[{layer}] (block {layer + 1})"
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
+            raise InputError(f"{where} must be an integer, got {value!r}")
         if value < 0:
-            raise ValueError(f"{where} is {value}: a number of tokens cannot be negative")
+            raise InputError(f"{where} is {value}: a number of tokens cannot be negative")
         if value > num_tokens:
-            raise ValueError(f"{where} is {value}, above the model's {num_tokens} patch tokens")
+            raise InputError(f"{where} is {value}, above the model's {num_tokens} patch tokens")
         available = min(available, int(value))
         out.append(available)
     return out
@@ -47,4 +49,5 @@ def parse_keep(text: str) -> list[int] | None:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"keep {text!r}: expected comma-separated integers, one per block, e.g. 196,195,...,0") from None
+        raise InputError(f"keep {text!r}: expected comma-separated integers, one per block, e.g. 196,195,...,0") \
+            from None

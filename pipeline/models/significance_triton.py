@@ -53,18 +53,18 @@ def _row_lse(Q, K, BIAS, LSE, T, H, scale,
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     bias_ptr = BIAS + b * sbb
     m = tl.full([BLOCK], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, T, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         mask_n = offs_n < T
         k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
         s = _logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A row whose logits so far are all -inf (size-0 keys) keeps l = 0 instead of exp(nan).
+        # A row whose logits so far are all -inf (size-0 keys) keeps total = 0 instead of exp(nan).
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp(m - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
+        total = total * tl.exp(m - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
         m = m_new
-    tl.store(LSE + bh * T + offs_m, m + tl.log(l), mask=mask_m)
+    tl.store(LSE + bh * T + offs_m, m + tl.log(total), mask=mask_m)
 
 
 @triton.jit

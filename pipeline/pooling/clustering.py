@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
 from pipeline.pooling.common import (
     Partition,
     PoolResult,
@@ -35,7 +36,6 @@ from pipeline.pooling.common import (
     check_per_token,
     check_tokens,
     identity_result,
-    one_hot,
     pool_segments,
     segment_means,
     use_dense,
@@ -156,13 +156,13 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: b
 
 def _check_options(method: str, init: str, iters: object, init_scores: Tensor | None) -> None:
     if method not in CLUSTER_METHODS:
-        raise ValueError(f"method must be one of {CLUSTER_METHODS}, got {method!r}")
+        raise InputError(f"method must be one of {CLUSTER_METHODS}, got {method!r}")
     if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        raise InputError(f"init must be one of {INITS}, got {init!r}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be a positive integer, got {iters!r}")
+        raise InputError(f"iters must be a positive integer, got {iters!r}")
     if init == "topk" and init_scores is None:
-        raise ValueError(
+        raise InputError(
             "init='topk' needs init_scores or weights (for example the significance scores of eq. 4); "
             "pass one of them, or use init='random'"
         )

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
+
 
 class PoolResult:
     """What every downsampling method returns.
@@ -53,25 +55,25 @@ class PoolResult:
 def check_k(k: object) -> int:
     """Returns ``k`` as an int, or raises ValueError naming ``k``."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise ValueError(f"k must be a positive integer, got {k!r} of type {type(k).__name__}")
+        raise InputError(f"k must be a positive integer, got {k!r} of type {type(k).__name__}")
     if k < 1:
-        raise ValueError(f"k must be a positive integer (>= 1), got {k}")
+        raise InputError(f"k must be a positive integer (>= 1), got {k}")
     return int(k)
 
 
 def check_tokens(tokens: Tensor, *, name: str = "tokens", finite: bool = True) -> None:
     """Checks that ``tokens`` is a (B, N, M) floating tensor, and finite when ``finite``."""
     if not isinstance(tokens, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape (B, N, M), got {type(tokens).__name__}")
+        raise InputError(f"{name} must be a torch.Tensor of shape (B, N, M), got {type(tokens).__name__}")
     if tokens.dim() != 3:
-        raise ValueError(f"{name} must have shape (B, N, M), got shape {tuple(tokens.shape)}")
+        raise InputError(f"{name} must have shape (B, N, M), got shape {tuple(tokens.shape)}")
     if not tokens.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got dtype {tokens.dtype}")
+        raise InputError(f"{name} must be a floating-point tensor, got dtype {tokens.dtype}")
     if tokens.shape[1] < 1:
-        raise ValueError(f"{name} must hold at least one token, got shape {tuple(tokens.shape)}")
+        raise InputError(f"{name} must hold at least one token, got shape {tuple(tokens.shape)}")
     # One host sync at entry, never inside the iterations; callers on a hot path pass validate=False.
     if finite and not bool(torch.isfinite(tokens).all()):
-        raise ValueError(f"{name} contains NaN or inf values; check the upstream layer or the input data")
+        raise InputError(f"{name} contains NaN or inf values; check the upstream layer or the input data")
 
 
 def check_per_token(
@@ -84,16 +86,16 @@ def check_per_token(
     if value is None:
         return
     if not isinstance(value, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape (B, N), got {type(value).__name__}")
+        raise InputError(f"{name} must be a torch.Tensor of shape (B, N), got {type(value).__name__}")
     expected = tuple(tokens.shape[:2])
     if tuple(value.shape) != expected:
-        raise ValueError(f"{name} must have shape (B, N) = {expected} to match tokens, got {tuple(value.shape)}")
+        raise InputError(f"{name} must have shape (B, N) = {expected} to match tokens, got {tuple(value.shape)}")
     if not values:
         return
     if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"{name} contains NaN or inf values")
+        raise InputError(f"{name} contains NaN or inf values")
     if nonnegative and bool((value < 0).any()):
-        raise ValueError(f"{name} must be non-negative; got a minimum of {float(value.min()):.4g}")
+        raise InputError(f"{name} must be non-negative; got a minimum of {float(value.min()):.4g}")
 
 
 def check_metric(metric: Tensor | None, tokens: Tensor, *, finite: bool = True) -> None:
@@ -102,7 +104,7 @@ def check_metric(metric: Tensor | None, tokens: Tensor, *, finite: bool = True) 
         return
     check_tokens(metric, name="metric", finite=finite)
     if tuple(metric.shape[:2]) != tuple(tokens.shape[:2]):
-        raise ValueError(
+        raise InputError(
             f"metric must have shape (B, N, D) with (B, N) = {tuple(tokens.shape[:2])} to match tokens, "
             f"got {tuple(metric.shape)}"
         )

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.errors import InputError
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 
 
@@ -20,11 +21,11 @@ def grid_shape(n: int, grid: tuple[int, int] | None) -> tuple[int, int]:
     if grid is not None:
         h, w = grid
         if h * w != n:
-            raise ValueError(f"grid {grid} holds {h * w} tokens but tokens has N={n}")
+            raise InputError(f"grid {grid} holds {h * w} tokens but tokens has N={n}")
         return h, w
     side = math.isqrt(n)
     if side * side != n:
-        raise ValueError(f"tokens has N={n}, which is no square grid; pass grid=(h, w)")
+        raise InputError(f"tokens has N={n}, which is no square grid; pass grid=(h, w)")
     return side, side
 
 
@@ -41,13 +42,13 @@ class GridConvDownsample(nn.Module):
         """``grid``: the (h, w) it will see; ``k``: the token count it must produce (checked here)."""
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive integer, got {dim!r}")
+            raise InputError(f"dim must be a positive integer, got {dim!r}")
         self.dim = dim
         self.grid = grid
         self.conv = nn.Conv2d(dim, dim, kernel_size=2, stride=2)
         if grid is not None and k is not None and k != pooled_count(grid[0] * grid[1], grid):
             h, w = grid
-            raise ValueError(f"conv downsampling of a {h}x{w} grid gives {pooled_count(h * w, grid)} tokens; use "
+            raise InputError(f"conv downsampling of a {h}x{w} grid gives {pooled_count(h * w, grid)} tokens; use "
                              f"that, or {h * w} to skip the block")
 
     @property
@@ -64,13 +65,13 @@ class GridConvDownsample(nn.Module):
         check_per_token(sizes, tokens, name="sizes", nonnegative=True, values=validate)
         b, n, m = tokens.shape
         if m != self.dim:
-            raise ValueError(f"tokens have M={m} features but this layer was built for dim={self.dim}")
+            raise InputError(f"tokens have M={m} features but this layer was built for dim={self.dim}")
         if k >= n:
             return identity_result(tokens, sizes)
         h, w = grid_shape(n, self.grid)
         expected = pooled_count(n, (h, w))
         if k != expected:
-            raise ValueError(
+            raise InputError(
                 f"conv downsampling maps a {h}x{w} grid to {expected} tokens, so k must be {expected} "
                 f"(or >= {n} to skip this layer), got k={k}"
             )

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from pipeline.methods import METHODS, method_spec
+from pipeline.errors import InputError
+from pipeline.methods import method_spec
 from pipeline.pooling.clustering import INITS, token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 from pipeline.pooling.selection import select_importance, select_random, select_topk
@@ -49,21 +50,21 @@ def _none(tokens: Tensor, k: int, *, sizes: Tensor | None = None, validate: bool
 
 def _check_cluster_on(cluster_on: str) -> None:
     if cluster_on not in CLUSTER_ON:
-        raise ValueError(f"cluster_on must be one of {CLUSTER_ON}, got {cluster_on!r}")
+        raise InputError(f"cluster_on must be one of {CLUSTER_ON}, got {cluster_on!r}")
 
 
 def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_on: str) -> Downsampler:
     if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        raise InputError(f"init must be one of {INITS}, got {init!r}")
     _check_cluster_on(cluster_on)
 
     def step(tokens: Tensor, k: int, *, scores: Tensor | None = None, sizes: Tensor | None = None,
              metric: Tensor | None = None, generator: torch.Generator | None = None,
              validate: bool = True) -> PoolResult:
         if weighted and scores is None:
-            raise ValueError(f"w{method} needs scores (B, N), the significance of eq. 4, as its weights")
+            raise InputError(f"w{method} needs scores (B, N), the significance of eq. 4, as its weights")
         if cluster_on == "metric" and metric is None:
-            raise ValueError("cluster_on='metric' needs metric (B, N, D), for example the keys averaged over heads")
+            raise InputError("cluster_on='metric' needs metric (B, N, D), for example the keys averaged over heads")
         return token_pool(
             tokens, k, method=method, weights=scores if weighted else None, init=init, init_scores=scores,
             iters=iters, sizes=sizes, generator=generator, metric=metric if cluster_on == "metric" else None,
@@ -120,7 +121,7 @@ def tome(*, cluster_on: str) -> Downsampler:
              validate: bool = True, **_: Any) -> PoolResult:
         check_k(k)
         if cluster_on == "metric" and metric is None:
-            raise ValueError("tome with cluster_on='metric' needs metric (B, N, D), the keys averaged over heads")
+            raise InputError("tome with cluster_on='metric' needs metric (B, N, D), the keys averaged over heads")
         return tome_merge(tokens, k, metric=metric if cluster_on == "metric" else None, sizes=sizes,
                           validate=validate)
 
@@ -140,6 +141,6 @@ def build_downsampler(name: str, *, dim: int | None = None, grid: tuple[int, int
     options = spec.resolve(name, options)
     if spec.learnable:
         if dim is None:
-            raise ValueError(f"method {name!r} has learnable weights and needs dim (the token width M)")
+            raise InputError(f"method {name!r} has learnable weights and needs dim (the token width M)")
         return spec.factory()(dim, grid=grid, k=k, **options)
     return spec.factory()(**options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 
 
@@ -23,7 +24,7 @@ def significance(attn: Tensor) -> Tensor:
     """
     if not isinstance(attn, Tensor) or attn.dim() != 4 or attn.shape[-1] != attn.shape[-2]:
         shape = tuple(attn.shape) if isinstance(attn, Tensor) else type(attn).__name__
-        raise ValueError(f"attn must have shape (B, H, N, N), got {shape}")
+        raise InputError(f"attn must have shape (B, H, N, N), got {shape}")
     return attn.float().sum(dim=(1, 2))
 
 
@@ -49,7 +50,7 @@ def _prepare(tokens: Tensor, k: int, scores: Tensor | None, sizes: Tensor | None
     check_tokens(tokens, finite=validate)
     k = check_k(k)
     if need_scores is not None and scores is None:
-        raise ValueError(f"{need_scores} needs scores: pass the significance scores (B, N) of eq. 4")
+        raise InputError(f"{need_scores} needs scores: pass the significance scores (B, N) of eq. 4")
     check_per_token(scores, tokens, name="scores", nonnegative=need_scores == "importance", values=validate)
     check_per_token(sizes, tokens, name="sizes", nonnegative=True, values=validate)
     return k

@@ -15,11 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.errors import PipelineError
+
 CHECKPOINT_FILE = "checkpoint.pt"
 SUMMARY_FILE = "summary.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PipelineError, ValueError):
     """A checkpoint that is missing, unreadable or made for another architecture."""
 
 

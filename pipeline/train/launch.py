@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError
+from pipeline.errors import JobError, MissingFileError
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def check_data(config: Config) -> None:
         if config.data.loader == "ffcv":
             check_dataset(path, config.data.num_classes, full_checksum=config.data.verify_checksum)
         elif not Path(path).is_dir():
-            raise FileNotFoundError(f"data.{split}: {path} is not an image folder (loader: torch)")
+            raise MissingFileError(f"data.{split}: {path} is not an image folder (loader: torch)")
     if config.data.batch_size % 2 and (config.recipe.mixup > 0 or config.recipe.cutmix > 0):
         raise ConfigError(f"data.batch_size={config.data.batch_size}: Mixup/CutMix pair images, use an even batch")
 
@@ -146,7 +147,7 @@ def run_local(config: Config) -> TrainResult:
     train_local(config)
     directory = latest_local_checkpoint(local_checkpoints(config))
     if directory is None:
-        raise RuntimeError(f"training job {config.train.name!r} finished without a checkpoint")
+        raise JobError(f"training job {config.train.name!r} finished without a checkpoint")
     return TrainResult(checkpoint=str(directory), summary=json.loads((directory / "summary.json").read_text()))
 
 
@@ -161,10 +162,10 @@ def run_training(config: Config, address: str | None = None) -> TrainResult:
     try:
         result = make_trainer(config).fit()
     except Exception as err:  # Ray wraps the worker's exception; keep its message, drop Ray's frames
-        raise RuntimeError(f"training job {config.train.name!r} failed after {config.train.max_failures} "
+        raise JobError(f"training job {config.train.name!r} failed after {config.train.max_failures} "
                            f"restart(s): {err}") from err
     if result.checkpoint is None:
-        raise RuntimeError(f"training job {config.train.name!r} finished without a checkpoint")
+        raise JobError(f"training job {config.train.name!r} finished without a checkpoint")
     with result.checkpoint.as_directory() as directory:
         summary = json.loads((Path(directory) / "summary.json").read_text())
     return TrainResult(checkpoint=result.checkpoint.path, summary=summary)

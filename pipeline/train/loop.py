@@ -18,6 +18,7 @@ from torch import nn
 
 from pipeline.config import Config, config_hash
 from pipeline.data.loaders import LoaderSpec, progressive_res, set_resolution, shared_loader
+from pipeline.errors import InputError, JobError
 from pipeline.models import project_retention, retention_keep, retention_penalty
 from pipeline.train.build import arch_signature, build_model, data_config, unwrap
 from pipeline.train.checkpoint import (
@@ -117,7 +118,7 @@ def maybe_fail(config: Config, step: int, worker: Worker) -> None:
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    raise RuntimeError(f"debug_fail_at_step={target}: injected failure (the job restarts from its last checkpoint)")
+    raise JobError(f"debug_fail_at_step={target}: injected failure (the job restarts from its last checkpoint)")
 
 
 def train_one_epoch(model: nn.Module, loader, recipe: Recipe, worker: Worker, epoch: int, step: int,
@@ -386,7 +387,7 @@ def train(config: Config, session) -> None:
     evaluation = val_loader(config, unwrap(model), worker)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
-        raise ValueError(f"data.batch_size={config.data.batch_size} x {worker.world} workers is larger than the "
+        raise InputError(f"data.batch_size={config.data.batch_size} x {worker.world} workers is larger than the "
                          "training set; lower the batch size")
     recipe = build_recipe(unwrap(model), config.recipe, num_classes=config.data.num_classes,
                           global_batch=config.data.batch_size * worker.world, steps_per_epoch=steps_per_epoch,
@@ -416,7 +417,7 @@ def run_epochs(config, session, worker, model, recipe, train_loader, evaluation,
                    "lr": recipe.optimizer.param_groups[0]["lr"], "epoch": epoch + 1,
                    "replica_divergence": replica_divergence(model, worker)}
         if metrics["replica_divergence"] > 0:
-            raise RuntimeError(f"DDP replicas diverged by {metrics['replica_divergence']:.3g} after epoch {epoch + 1}")
+            raise JobError(f"DDP replicas diverged by {metrics['replica_divergence']:.3g} after epoch {epoch + 1}")
         if recipe.ema is not None:
             metrics["val_top1_ema"] = evaluate(recipe.ema.module, evaluation, worker)
         if config.train.mode == "ksearch":
