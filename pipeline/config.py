@@ -260,6 +260,13 @@ class TrainConfig(Section):
     checkpoint_artifact_mb: float = Field(200, ge=0, description="log the final checkpoint to MLflow if smaller")
     debug_fail_at_step: int | None = Field(None, ge=1, description="debug: raise once at this global step")
     progress_bar: bool = Field(True, description="a per-step bar when stdout is a terminal")
+    compile: CompileMode = Field("none", description="torch.compile the model (fullgraph) in this mode")
+
+    @model_validator(mode="after")
+    def _compile_fits_the_device(self) -> TrainConfig:
+        if self.compile == "reduce-overhead" and not self.use_gpu:
+            raise ValueError("train.compile 'reduce-overhead' captures CUDA graphs: it needs train.use_gpu: true")
+        return self
 
 
 class StageRecipe(Section):
@@ -293,10 +300,17 @@ class SearchConfig(Section):
 
 
 class EvalConfig(Section):
+    """How the evaluate stage measures each model: top-1 on the validation set, and images/s in the
+    setting the models would be deployed in (``auto``: the GPU with bf16 and torch.compile where the
+    cluster has one, else the CPU in fp32 eager)."""
+
     batch: int = Field(64, ge=1, description="throughput batch")
     warmup: int = Field(2, ge=0)
     repeats: int = Field(5, ge=1)
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="autocast dtype of the timing")
+    compile: Literal["auto", "none", "default", "reduce-overhead", "max-autotune"] = Field(
+        "auto", description="torch.compile mode of the timing")
     cpus: float = Field(2.0, gt=0, description="CPUs per evaluation task (all of them: clean timings)")
     analysis_images: int = Field(2, ge=0, description="validation images drawn as cluster maps per model (0: none)")
     analysis_batch: int = Field(16, ge=0, description="validation images for the redundancy and reconstruction "

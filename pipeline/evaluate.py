@@ -1,16 +1,21 @@
-"""Evaluating a trained checkpoint: top-1 on the validation set, GFLOPs (fvcore) and measured images/s."""
+"""Evaluating a trained checkpoint: top-1 on the validation set, GFLOPs (fvcore) and measured images/s.
+
+Speed is measured where the model would be deployed: ``experiment.eval.device``, ``dtype`` and
+``compile`` (``auto``: the GPU with bf16 and ``torch.compile`` where there is one, else the CPU in
+fp32 eager), and the result records the setting it was measured in.
+"""
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.config import Config
-from pipeline.train.checkpoint import load_checkpoint, load_model_weights
+from pipeline.config import Config, EvalConfig
+from pipeline.models.execution import autocast, compile_model, resolve_setting, step_marker
+from pipeline.timing import rate
 
 
 @dataclass(frozen=True)
@@ -20,58 +25,62 @@ class Evaluation:
     images_per_s: float
     images_per_s_spread: float
     num_images: int
+    device: str
+    dtype: str
+    compile: str
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def model_from_checkpoint(path: str) -> tuple[nn.Module, Config]:
-    """Rebuilds the network a checkpoint was trained as (its own config) and loads its weights."""
-    from pipeline.train.build import build_model
-
-    state = load_checkpoint(path)
-    config = Config.model_validate(state["config"])
-    model = build_model(config)
-    load_model_weights(model, state, path)
-    return model.eval(), config
-
-
 @torch.no_grad()
-def top1(model: nn.Module, config: Config, device: torch.device) -> tuple[float, int]:
+def top1(model: nn.Module, config: Config, device: torch.device, dtype: str = "fp32") -> tuple[float, int]:
     """Top-1 (%) over the whole validation set with the validation loader of ``config``."""
-    from pipeline.data.loaders import shared_loader
-    from pipeline.train.loop import Worker, loader_spec
+    from pipeline.data.loaders import loader_spec, shared_loader
+    from pipeline.models import data_config
 
-    worker = Worker(0, 1, device, config)
-    loader = shared_loader(config.data.loader, loader_spec(config, model, worker, train=False))
+    spec = loader_spec(config.data, data_config(model), train=False, seed=config.seed, device=str(device))
     correct = total = 0
-    for images, labels in loader:
-        correct += int((model(images.to(device)).argmax(-1) == labels.to(device)).sum())
+    for images, labels in shared_loader(config.data.loader, spec):
+        with autocast(device, dtype):
+            logits = model(images.to(device))
+        correct += int((logits.argmax(-1) == labels.to(device)).sum())
         total += labels.numel()
     return 100.0 * correct / max(total, 1), total
 
 
-@torch.no_grad()
-def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, device: torch.device
-               ) -> tuple[float, float]:
-    """Inference images/s at ``batch``: median over ``repeats`` timed passes, and the spread (max - min)."""
-    from pipeline.benchmark import _timed
+def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, device: torch.device,
+               dtype: str = "fp32", compile: str = "none") -> tuple[float, float]:
+    """Inference images/s at ``batch``: median over ``repeats`` timed passes, and the spread (max - min).
 
+    ``compile`` compiles the model (fullgraph) first; the compiling call is part of the warm-up.
+    """
+    run = compile_model(model, compile, device)
+    mark = step_marker(compile)
     images = torch.randn(batch, 3, *model.patch_embed.img_size, device=device)
-    for _ in range(warmup):
-        _timed(lambda: model(images), device)
-    rates = [batch / _timed(lambda: model(images), device) for _ in range(repeats)]
-    return statistics.median(rates), max(rates) - min(rates)
+
+    def forward() -> object:
+        mark()
+        with torch.inference_mode(), autocast(device, dtype):
+            return run(images)
+
+    return rate(forward, items=batch, warmup=max(warmup, 1 if compile != "none" else 0), repeats=repeats,
+                device=device)
 
 
-def evaluate_checkpoint(path: str, *, batch: int, warmup: int, repeats: int, device: str = "cpu") -> Evaluation:
-    """Everything the select stage needs about one trained model."""
+def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None) -> Evaluation:
+    """Everything the select stage needs about one trained model, measured in ``cfg``'s setting."""
     from pipeline.flops import count_flops
+    from pipeline.train.checkpoint import model_from_checkpoint
 
-    model, config = model_from_checkpoint(path)
+    model, config, _ = model_from_checkpoint(path)
     flops = count_flops(model).total
+    device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,
+                                          torch.cuda.is_available() if cuda is None else cuda)
     target = torch.device(device)
     model = model.to(target)
-    accuracy, count = top1(model, config, target)
-    rate, spread = throughput(model, batch=batch, warmup=warmup, repeats=repeats, device=target)
-    return Evaluation(top1=accuracy, gflops=flops, images_per_s=rate, images_per_s_spread=spread, num_images=count)
+    accuracy, count = top1(model, config, target, dtype)
+    images_s, spread = throughput(model, batch=cfg.batch, warmup=cfg.warmup, repeats=cfg.repeats, device=target,
+                                  dtype=dtype, compile=mode)
+    return Evaluation(top1=accuracy, gflops=flops, images_per_s=images_s, images_per_s_spread=spread,
+                      num_images=count, device=device, dtype=dtype, compile=mode)

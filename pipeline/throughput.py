@@ -23,13 +23,12 @@ from torch import nn
 
 from pipeline.config import BenchThroughputConfig, PoolingConfig
 from pipeline.errors import JobError
-from pipeline.models.compiled import compile_model, step_marker, warm_up
+from pipeline.models.execution import autocast, compile_model, step_marker, warm_up
 from pipeline.pooling.common import dense_segments
 from pipeline.profiling import count_launches, count_ops, kernel_table
 from pipeline.timing import time_paired
 
 CEILING = "ceiling"  # the row label of plain random dropping at the same keep list
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -59,13 +58,6 @@ class ThroughputResult:
     base_launches: int | None
     keep: list[int]
     rows: list[ThroughputRow]
-
-
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    """bf16 / fp16 autocast on ``device``, or nothing for fp32."""
-    if DTYPES[dtype] is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
 def _keep(cfg: BenchThroughputConfig) -> list[int] | None:

@@ -14,7 +14,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from pipeline.methods import METHODS
 from pipeline.models import apply_downsampling
-from pipeline.models.compiled import check_compile, compile_model
+from pipeline.models.execution import check_compile, compile_model
 from pipeline.models.significance import attention_significance, significance_torch
 from pipeline.pooling import significance
 from pipeline.profiling import HOST_SYNC_OPS, count_ops

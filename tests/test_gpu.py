@@ -13,7 +13,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from pipeline.methods import METHODS
 from pipeline.models import apply_downsampling
-from pipeline.models.compiled import compile_model
+from pipeline.models.execution import compile_model
 from pipeline.models.significance import attention_significance, significance_torch
 from pipeline.pooling import build_downsampler, token_pool
 

@@ -161,8 +161,12 @@ def test_registered_widths():
         assert timm.data.resolve_model_data_config(model)["crop_pct"] == 0.875
     model = create_model("deit_small_patch16_224", embed_dim=192, num_heads=3, method="tome")
     assert model.embed_dim == 192
+    # One builder for every architecture field: a custom width, depth and patch size together.
+    model = create_model("deit_tiny_patch16_224", embed_dim=96, depth=3, patch_size=8, img_size=64, num_classes=7)
+    assert (model.embed_dim, len(model.blocks), model.patch_embed.patch_size, model.num_classes) == (96, 3, (8, 8), 7)
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 7)
     with pytest.raises(ValueError, match="does not split into 6 heads"):
-        create_model("x", embed_dim=250)
+        create_model("deit_small_patch16_224", embed_dim=250)
     with pytest.raises(ValueError, match="no published weights exist for deit_e252_patch16_224"):
         timm.create_model("deit_e252_patch16_224", pretrained=True)  # refused before any download
 

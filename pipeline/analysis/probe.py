@@ -36,6 +36,7 @@ class Subject:
         model: the plain timm ViT in eval mode (never modified; ``with_method`` copies it).
         state: its state dict, reloaded after a method adds parameters (alpha, conv weights).
         variant: ``carry``, ``qk_norm`` and ``alpha`` it was trained with (empty for a base model).
+        options: its method's options as trained (``cluster_on``, ``iters``, ...), empty for a base model.
         method, keep: the downsampling it was finetuned with, or ``None`` for a base model.
         res, mean, std, crop_pct: the input size, normalisation and validation crop (timm's data config).
         grid: the patch grid (rows, columns); patch: the patch side in pixels.
@@ -55,6 +56,7 @@ class Subject:
     method: str | None = None
     keep: list[int] | None = None
     variant: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     val: str | None = None
 
     @property
@@ -100,29 +102,19 @@ def load_subject(checkpoint: str | Path | None = None, model: str | None = None,
 
 
 def _checkpoint_subject(path: Path) -> Subject:
-    from pipeline.config import Config
-    from pipeline.train.build import build_model
-    from pipeline.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights
+    from pipeline.train.checkpoint import CheckpointError, model_from_checkpoint
 
     try:
-        state = load_checkpoint(path)
-        config = Config.model_validate(state["config"])
+        net, config, state = model_from_checkpoint(path, plain=True)
     except CheckpointError as err:
         raise AnalysisError(str(err)) from None
-    except (KeyError, TypeError, ValueError) as err:
-        raise AnalysisError(f"{path}: not a `pipeline train` checkpoint (no usable config: {err})") from None
     mode = config.train.mode
-    plain = config.model_copy(update={"train": config.train.model_copy(update={"mode": "base"})})
-    net = build_model(plain)
-    try:
-        load_model_weights(net, state, path)
-    except CheckpointError as err:
-        raise AnalysisError(str(err)) from None
     extra: dict[str, Any] = {}
     if mode == "finetune":
         pool = config.pooling
         extra = {"method": pool.method, "keep": state.get("keep"),
-                 "variant": {"carry": pool.carry, "qk_norm": pool.qk_norm, "alpha": pool.alpha}}
+                 "variant": {"carry": pool.carry, "qk_norm": pool.qk_norm, "alpha": pool.alpha},
+                 "options": pool.options()}
     return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", val=config.data.val, **extra)
 
 
@@ -130,12 +122,15 @@ def with_method(subject: Subject, method: str, keep: Sequence[int] | None, *,
                 variant: dict[str, Any] | None = None, **options: Any) -> nn.Module:
     """A copy of the subject's network with ``method`` at ``keep`` in every block.
 
-    ``variant`` (carry, qk_norm, alpha) defaults to the one the subject was trained with.
+    ``variant`` (carry, qk_norm, alpha) defaults to the one the subject was trained with, and so do
+    the method's options when ``method`` is the subject's own (a ToMe model matched on tokens stays so).
     """
     from pipeline.models.deit import load_state
 
     net = copy.deepcopy(subject.model)
     variant = subject.variant if variant is None else variant
+    if not options and method == subject.method:
+        options = dict(subject.options)
     apply_downsampling(net, method, None if keep is None else list(keep), **variant, **options)
     load_state(net, subject.state, subject.label)  # learned alpha / conv weights, where the method has them
     return net.eval()

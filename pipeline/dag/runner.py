@@ -197,14 +197,16 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
     config = ctx.config
     tracking = {"uri": config.train.tracking_uri, "experiment": config.train.experiment,
                 "artifact_root": config.train.artifact_root, "parent": ctx.parent, "dag": ctx.dag}
+    device = config.experiment.eval.device
+    cuda = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     task = ray.remote(num_cpus=min(config.experiment.eval.cpus, ray.cluster_resources().get("CPU", 1)),
-                      num_gpus=1 if config.experiment.eval.device == "cuda" else 0)(run_evaluation_spec)
+                      num_gpus=1 if cuda else 0)(run_evaluation_spec)
     stages = [evaluate_stage(config, s) for s in ft_stages]
     ctx.log(f"[evaluate] {len(stages)} model(s): top-1, GFLOPs, images/s at batch {config.experiment.eval.batch}")
     futures = {}
     for stage, source in zip(stages, ft_stages):
         spec = {"id": stage.id, "label": stage.label, "meta": stage.meta}
-        futures[source.id] = task.remote(spec, ft_results[source.id]["checkpoint"], tracking)
+        futures[source.id] = task.remote(spec, ft_results[source.id]["checkpoint"], tracking, cuda)
     results = {}
     for index, (source_id, future) in enumerate(futures.items(), 1):
         results[source_id] = ray.get(future)

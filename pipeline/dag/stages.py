@@ -74,8 +74,12 @@ def log_analysis(client: MlflowClient, run_id: str, checkpoint: str, cfg) -> str
     return f"{client.get_run(run_id).info.artifact_uri}/analysis"
 
 
-def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[str, str]) -> dict[str, Any]:
-    """Top-1, GFLOPs and images/s of a finetuned model, recorded as a child run of the DAG."""
+def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[str, str], cuda: bool = False
+                        ) -> dict[str, Any]:
+    """Top-1, GFLOPs and images/s of a finetuned model, recorded as a child run of the DAG.
+
+    ``cuda``: the task was given a GPU (``eval.device`` auto resolves to it).
+    """
     from pipeline.config import EvalConfig
     from pipeline.evaluate import evaluate_checkpoint
 
@@ -87,10 +91,11 @@ def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[st
     cfg = EvalConfig.model_validate(spec["meta"]["eval"])
     run_id = open_child(client, exp_id, tracking["parent"], name=spec["label"], kind="evaluate", stage_id=spec["id"],
                         dag_id=tracking["dag"])
-    result = evaluate_checkpoint(checkpoint, batch=cfg.batch, warmup=cfg.warmup, repeats=cfg.repeats,
-                                 device=cfg.device).as_dict()
-    log_batch(client, run_id, metrics={k: v for k, v in result.items() if k != "num_images"},
-              params={"checkpoint": checkpoint, "method": spec["meta"]["method"], "level": spec["meta"]["level"]})
+    result = evaluate_checkpoint(checkpoint, cfg, cuda=cuda).as_dict()
+    setting = {key: result[key] for key in ("device", "dtype", "compile")}
+    log_batch(client, run_id, metrics={k: v for k, v in result.items() if k != "num_images" and k not in setting},
+              params={"checkpoint": checkpoint, "method": spec["meta"]["method"], "level": spec["meta"]["level"],
+                      **{f"eval_{key}": value for key, value in setting.items()}})
     analysis = log_analysis(client, run_id, checkpoint, cfg)
     result |= {"checkpoint": checkpoint, "mlflow_run_id": run_id, "analysis": analysis}
     mark_done(client, run_id, stage_id=spec["id"], kind="evaluate", result=result)

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from pipeline.config import DataConfig
 from pipeline.data.write import metadata_path
 
 
@@ -41,6 +42,17 @@ class LoaderSpec:
     device: str = "cpu"
     drop_last: bool | None = None
     flip: bool = True
+
+
+def loader_spec(data: DataConfig, model_data: dict[str, Any], *, train: bool, seed: int = 0, world: int = 1,
+                device: str = "cpu") -> LoaderSpec:
+    """The loader of ``data.train`` (a distributed shard reshuffled per epoch when ``world`` > 1) or
+    ``data.val``, at the model's resolution and normalisation (``model_data``: timm's data config)."""
+    return LoaderSpec(path=data.train if train else data.val, train=train, batch_size=data.batch_size,
+                      res=model_data["input_size"][-1], mean=tuple(model_data["mean"]), std=tuple(model_data["std"]),
+                      crop_pct=model_data["crop_pct"], crop_scale=data.crop_scale, workers=data.num_workers,
+                      distributed=train and world > 1, seed=seed, os_cache=data.os_cache, device=device,
+                      flip=data.flip)
 
 
 def read_metadata(beton: str | Path) -> dict[str, Any]:

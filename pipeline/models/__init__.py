@@ -1,7 +1,7 @@
 """timm ViTs with a token-downsampling step in every block."""
 
 from pipeline.models.attention import AttentionStats, attend
-from pipeline.models.deit import create_model, deit_e252_patch16_224, deit_e318_patch16_224, deit_width, load_weights
+from pipeline.models.deit import deit_e252_patch16_224, deit_e318_patch16_224, load_weights
 from pipeline.models.downsampling import (
     DownsamplingBlocks,
     DownsamplingConfig,
@@ -11,6 +11,7 @@ from pipeline.models.downsampling import (
     retention_penalty,
     soft_extract,
 )
+from pipeline.models.factory import create_model, data_config, unwrap
 from pipeline.models.keep import effective_keep, parse_keep
 
 __all__ = [
@@ -22,7 +23,7 @@ __all__ = [
     "create_model",
     "deit_e252_patch16_224",
     "deit_e318_patch16_224",
-    "deit_width",
+    "data_config",
     "effective_keep",
     "load_weights",
     "parse_keep",
@@ -30,4 +31,5 @@ __all__ = [
     "retention_keep",
     "retention_penalty",
     "soft_extract",
+    "unwrap",
 ]

@@ -1,11 +1,10 @@
-"""DeiT models: timm's, the paper's in-between widths registered the timm way, and any other width."""
+"""The paper's in-between DeiT widths, registered the timm way, and loading timm state dicts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import generate_default_cfgs, register_model
@@ -13,7 +12,6 @@ from timm.models.vision_transformer import VisionTransformer, _create_vision_tra
 from torch import nn
 
 from pipeline.errors import InputError, MissingFileError
-from pipeline.models.downsampling import apply_downsampling
 
 DEIT_BASE_ARGS = dict(patch_size=16, depth=12, mlp_ratio=4.0, qkv_bias=True)
 
@@ -25,13 +23,6 @@ default_cfgs = generate_default_cfgs({
     "deit_e252_patch16_224.untrained": dict(_DEIT_CFG),
     "deit_e318_patch16_224.untrained": dict(_DEIT_CFG),
 })
-
-
-def deit_width(embed_dim: int, num_heads: int = 6, **kwargs: Any) -> VisionTransformer:
-    """A DeiT (patch 16, 224 px, depth 12) of any embedding width M; M must divide into the heads."""
-    if embed_dim % num_heads:
-        raise InputError(f"embed_dim {embed_dim} does not split into {num_heads} heads; pick a multiple of {num_heads}")
-    return VisionTransformer(**(DEIT_BASE_ARGS | dict(embed_dim=embed_dim, num_heads=num_heads) | kwargs))
 
 
 def _paper_width(variant: str, embed_dim: int, pretrained: bool, **kwargs: Any) -> VisionTransformer:
@@ -76,35 +67,3 @@ def load_state(model: nn.Module, state: dict[str, Any], source: str | Path) -> N
     if missing or unexpected:
         raise InputError(f"{source}: state dict does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-
-
-def create_model(
-    name: str,
-    *,
-    method: str = "none",
-    keep: list[int] | None = None,
-    embed_dim: int | None = None,
-    num_heads: int | None = None,
-    weights: str | Path | None = None,
-    pretrained: bool = False,
-    carry: bool = False,
-    qk_norm: str | None = None,
-    alpha: float = 1.0,
-    options: dict[str, Any] | None = None,
-    **timm_kwargs: Any,
-) -> VisionTransformer:
-    """Builds a timm ViT by name (or a DeiT of width ``embed_dim``), loads weights, adds downsampling.
-
-    ``weights`` is a local state-dict file; ``pretrained=True`` asks timm for the published weights
-    (from the Hugging Face hub, so only where a network exists). Nothing downloads otherwise.
-    """
-    if embed_dim is not None:
-        if pretrained:
-            raise InputError("no published weights exist for a DeiT of custom width; pass weights=PATH")
-        model = deit_width(embed_dim, num_heads or 6, **timm_kwargs)
-    else:
-        model = timm.create_model(name, pretrained=pretrained, **timm_kwargs)
-    apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha, **(options or {}))
-    if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is
-        load_weights(model, weights)
-    return model

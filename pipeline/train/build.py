@@ -4,26 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import timm
 from torch import nn
 
 from pipeline.config import Config, ConfigError
-from pipeline.models import apply_downsampling
+from pipeline.errors import InputError
+from pipeline.models.factory import ARCH_OVERRIDES, create_model
 
 
-def model_kwargs(config: Config) -> dict[str, Any]:
-    """``timm.create_model`` keyword arguments from the model and data sections."""
+def model_args(config: Config) -> dict[str, Any]:
+    """``create_model`` keyword arguments from the model and data sections (architecture, classes, data)."""
     cfg = config.model
-    kwargs: dict[str, Any] = {"num_classes": config.data.num_classes, "drop_path_rate": cfg.drop_path}
-    for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads"):
-        if getattr(cfg, key) is not None:
-            kwargs[key] = getattr(cfg, key)
+    args: dict[str, Any] = {key: getattr(cfg, key) for key in ARCH_OVERRIDES}
     overlay = {key: getattr(cfg, key) for key in ("mean", "std", "crop_pct") if getattr(cfg, key) is not None}
     if cfg.img_size is not None:
         overlay["input_size"] = (3, cfg.img_size, cfg.img_size)
-    if overlay:
-        kwargs["pretrained_cfg_overlay"] = overlay
-    return kwargs
+    return args | {"num_classes": config.data.num_classes, "drop_path": cfg.drop_path,
+                   "data_overlay": overlay or None, "pretrained": cfg.pretrained}
 
 
 def finetune_keep(config: Config) -> list[int]:
@@ -47,22 +43,19 @@ def build_model(config: Config) -> nn.Module:
     ``pooling.method`` with its keep list. Invalid names, widths and keep lists raise here, before
     any training starts.
     """
-    cfg, mode = config.model, config.train.mode
-    if cfg.name not in timm.list_models() and cfg.name not in timm.list_models(pretrained=True):
-        raise ConfigError(f"model.name: unknown timm model {cfg.name!r}; for example deit_small_patch16_224")
-    try:
-        model = timm.create_model(cfg.name, pretrained=cfg.pretrained, **model_kwargs(config))
-    except (TypeError, AssertionError, RuntimeError) as err:
-        raise ConfigError(f"model: timm cannot build {cfg.name!r} with these overrides: {err}") from None
+    mode, pool = config.train.mode, config.pooling
+    downsampling: dict[str, Any] = {}
     if mode == "ksearch":
-        apply_downsampling(model, "none", soft_extract=True)
+        downsampling = {"soft_extract": True}
     elif mode == "finetune":
-        pool = config.pooling
         if pool.method == "none":
             raise ConfigError("train.mode=finetune with pooling.method=none is the baseline; use train.mode=baseline")
-        apply_downsampling(model, pool.method, finetune_keep(config), carry=pool.carry, qk_norm=pool.qk_norm,
-                           alpha=pool.alpha, **pool.options())
-    return model
+        downsampling = {"method": pool.method, "keep": finetune_keep(config), "carry": pool.carry,
+                        "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.options()}
+    try:
+        return create_model(config.model.name, **model_args(config), **downsampling)
+    except InputError as err:
+        raise ConfigError(f"model: {err}") from None
 
 
 def arch_signature(model: nn.Module) -> dict[str, Any]:
@@ -75,17 +68,3 @@ def arch_signature(model: nn.Module) -> dict[str, Any]:
         "num_prefix_tokens": int(model.num_prefix_tokens),
         "num_classes": int(model.num_classes),
     }
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DDP (or the module itself)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def data_config(model: nn.Module) -> dict[str, Any]:
-    """timm's resolved data config (input size, mean, std, crop_pct) of ``model``."""
-    return timm.data.resolve_model_data_config(unwrap(model))

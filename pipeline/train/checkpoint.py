@@ -85,3 +85,33 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
         load_state(model, state["model"], path)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
+
+
+# The sections that decide what network a checkpoint holds; the rest (benchmarks, the experiment) may
+# come from an older schema and are not needed to rebuild it.
+_MODEL_SECTIONS = ("seed", "pooling", "model", "data", "recipe", "train")
+
+
+def model_from_checkpoint(path: str | Path, *, plain: bool = False):
+    """Rebuilds the network a checkpoint was trained as, from its own config, with its weights.
+
+    ``plain=True`` builds it without its downsampling (its method and keep list stay in the
+    returned config), for the analyses that apply methods off the shelf.
+
+    Returns:
+        (the model in eval mode, its Config, the checkpoint's state dict).
+    """
+    from pipeline.config import Config
+    from pipeline.train.build import build_model
+
+    state = load_checkpoint(path)
+    try:
+        config = Config.model_validate({k: v for k, v in state["config"].items() if k in _MODEL_SECTIONS})
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path}: not a `pipeline train` checkpoint (no usable config: {err})") from None
+    built = config
+    if plain:
+        built = config.model_copy(update={"train": config.train.model_copy(update={"mode": "base"})})
+    model = build_model(built)
+    load_model_weights(model, state, path)
+    return model.eval(), config, state

@@ -137,7 +137,8 @@ def make_trainer(config: Config):
 
 def run_local(config: Config) -> TrainResult:
     """``train.workers: 0``: the loop in this process (Tune trials, quick runs)."""
-    from pipeline.train.loop import latest_local_checkpoint, local_checkpoints, train_local
+    from pipeline.train.loop import train_local
+    from pipeline.train.session import latest_local_checkpoint, local_checkpoints
 
     if config.train.use_gpu:
         import torch

@@ -1,4 +1,6 @@
-"""``torch.compile`` as a setting: ``none | default | reduce-overhead | max-autotune``.
+"""How a model runs: its ``torch.compile`` mode (``none | default | reduce-overhead | max-autotune``)
+and its autocast dtype (``fp32 | bf16 | fp16``), the settings shared by training, evaluation and
+the benchmarks.
 
 Every forward in this package is written for it: static shapes from the keep list, no host syncs,
 no data-dependent Python branches, so ``fullgraph=True`` holds for every method (tested with the
@@ -7,6 +9,7 @@ no data-dependent Python branches, so ``fullgraph=True`` holds for every method 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -60,3 +63,23 @@ def warm_up(fn: Callable[[], object], calls: int = 2, log: Callable[[str], None]
     if log is not None:
         log(f"{label}: first call (compilation included) {seconds:.1f} s")
     return seconds
+
+
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device | str, dtype: str) -> contextlib.AbstractContextManager:
+    """bf16 / fp16 autocast on ``device``, or nothing for fp32."""
+    if DTYPES[dtype] is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=DTYPES[dtype])
+
+
+def resolve_setting(device: str, dtype: str, compile: str, cuda: bool) -> tuple[str, str, str]:
+    """``auto`` values made concrete: the GPU with bf16 and ``default`` compilation where there is
+    one (``cuda``), else the CPU in fp32 eager."""
+    device = ("cuda" if cuda else "cpu") if device == "auto" else device
+    dtype = ("bf16" if device == "cuda" else "fp32") if dtype == "auto" else dtype
+    compile = ("default" if device == "cuda" else "none") if compile == "auto" else compile
+    check_compile(compile, device)
+    return device, dtype, compile

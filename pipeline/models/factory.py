@@ -1,0 +1,88 @@
+"""The one way a model is built: a timm ViT by name, with architecture overrides, weights and downsampling.
+
+``pipeline train`` (``train.build.build_model``), the benchmarks, ``pipeline flops``, the analyses and
+the evaluate stage all build through ``create_model``, so a custom width, depth or patch size means the
+same thing everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import timm
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from pipeline.errors import InputError
+from pipeline.models.deit import load_weights
+from pipeline.models.downsampling import apply_downsampling
+
+ARCH_OVERRIDES = ("img_size", "patch_size", "embed_dim", "depth", "num_heads")
+
+
+def create_model(
+    name: str,
+    *,
+    method: str = "none",
+    keep: list[int] | None = None,
+    num_classes: int | None = None,
+    img_size: int | None = None,
+    patch_size: int | None = None,
+    embed_dim: int | None = None,
+    depth: int | None = None,
+    num_heads: int | None = None,
+    drop_path: float | None = None,
+    data_overlay: dict[str, Any] | None = None,
+    weights: str | Path | None = None,
+    pretrained: bool = False,
+    carry: bool = False,
+    qk_norm: str | None = None,
+    alpha: float = 1.0,
+    soft_extract: bool = False,
+    options: dict[str, Any] | None = None,
+) -> VisionTransformer:
+    """Builds the timm ViT ``name`` (any architecture field overridden), loads weights, adds downsampling.
+
+    ``weights`` is a local state-dict file; ``pretrained=True`` asks timm for the published weights
+    (from the Hugging Face hub, so only where a network exists, and only for the published
+    architecture). ``data_overlay`` overrides the model's data config (mean, std, crop_pct,
+    input_size). The downsampling arguments are ``apply_downsampling``'s.
+    """
+    if name not in timm.list_models() and name not in timm.list_models(pretrained=True):
+        raise InputError(f"unknown timm model {name!r}; for example deit_small_patch16_224")
+    arch = {key: value for key, value in dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim,
+                                               depth=depth, num_heads=num_heads).items() if value is not None}
+    if pretrained and arch:
+        raise InputError(f"no published weights exist for {name} with {arch}; pass weights=PATH instead")
+    kwargs: dict[str, Any] = dict(arch)
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    if drop_path is not None:
+        kwargs["drop_path_rate"] = drop_path
+    if data_overlay:
+        kwargs["pretrained_cfg_overlay"] = data_overlay
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    except AssertionError as err:  # timm's checks, e.g. a width that the heads do not divide
+        heads = f"{num_heads} heads" if num_heads else "the model's heads"
+        detail = f"embed_dim {embed_dim} does not split into {heads}; " if embed_dim else ""
+        raise InputError(f"timm cannot build {name!r} with {arch}: {detail}{err}") from None
+    except (TypeError, RuntimeError) as err:
+        raise InputError(f"timm cannot build {name!r} with {arch}: {err}") from None
+    apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha, soft_extract=soft_extract,
+                       **(options or {}))
+    if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is
+        load_weights(model, weights)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP or ``torch.compile`` (or the module itself)."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def data_config(model: nn.Module) -> dict[str, Any]:
+    """timm's resolved data config (input size, mean, std, crop_pct) of ``model``."""
+    return timm.data.resolve_model_data_config(unwrap(model))

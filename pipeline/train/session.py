@@ -1,0 +1,111 @@
+"""Where a training loop runs: a Ray Train worker, or this process alone (``train.workers: 0``).
+
+Both sessions honour one contract (``Session``): rank 0 writes each epoch's checkpoint into
+``checkpoint_dir(epoch, scratch)``, every rank then calls ``report``, and the session keeps the
+newest ``train.keep_checkpoints`` of them; ``latest`` returns the newest one's state for a resume.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from pipeline.config import Config
+from pipeline.train.checkpoint import SUMMARY_FILE, load_checkpoint
+
+EPOCH_DIR = "epoch_{:05d}"  # named by the epoch it ends, from 1
+
+
+class Session(Protocol):
+    rank: int
+    world: int
+    device: torch.device
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model on this session's device, wrapped for DDP when there are several ranks."""
+
+    def latest(self) -> dict[str, Any] | None:
+        """The state of this job's newest checkpoint, or None for a fresh start."""
+
+    def checkpoint_dir(self, epoch: int, scratch: Path) -> Path:
+        """Where rank 0 writes the checkpoint of ``epoch`` (``scratch``: a temporary folder of this call)."""
+
+    def report(self, metrics: dict[str, float], directory: Path | None) -> None:
+        """Hands over the epoch's metrics and checkpoint (rank 0; None elsewhere) and keeps the newest
+        ``train.keep_checkpoints`` checkpoints."""
+
+
+class RaySession:
+    """A Ray Train worker: rank and device from Ray; ``ray.train.report`` persists the checkpoint to the
+    run's storage and keeps ``train.keep_checkpoints`` of them (``CheckpointConfig.num_to_keep``)."""
+
+    def __init__(self) -> None:
+        import ray.train
+        import ray.train.torch
+
+        context = ray.train.get_context()
+        self.rank, self.world = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if self.world > 1 else None)
+
+    def latest(self) -> dict[str, Any] | None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return load_checkpoint(directory)
+
+    def checkpoint_dir(self, epoch: int, scratch: Path) -> Path:
+        return scratch / EPOCH_DIR.format(epoch + 1)  # Ray copies it into the run's storage
+
+    def report(self, metrics: dict[str, float], directory: Path | None) -> None:
+        import ray.train
+
+        checkpoint = None if directory is None else ray.train.Checkpoint.from_directory(str(directory))
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+class LocalSession:
+    """This process alone: what Tune trials and quick runs use. Checkpoints live in
+    ``STORAGE/NAME/local_checkpoints/epoch_*``."""
+
+    rank, world = 0, 1
+
+    def __init__(self, config: Config) -> None:
+        self.device = torch.device("cuda" if config.train.use_gpu else "cpu")
+        self.folder = local_checkpoints(config)
+        self.keep_last = config.train.keep_checkpoints
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def latest(self) -> dict[str, Any] | None:
+        found = latest_local_checkpoint(self.folder)
+        return None if found is None else load_checkpoint(found)
+
+    def checkpoint_dir(self, epoch: int, scratch: Path) -> Path:
+        return self.folder / EPOCH_DIR.format(epoch + 1)  # written in place: it is the kept copy
+
+    def report(self, metrics: dict[str, float], directory: Path | None) -> None:
+        for old in sorted(self.folder.glob("epoch_*"))[:-self.keep_last]:
+            shutil.rmtree(old)
+
+
+def local_checkpoints(config: Config) -> Path:
+    return Path(config.train.storage_path) / config.train.name / "local_checkpoints"
+
+
+def latest_local_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint directory (one with its summary written last)."""
+    found = sorted(d for d in folder.glob("epoch_*") if (d / SUMMARY_FILE).is_file())
+    return found[-1] if found else None
