@@ -165,7 +165,7 @@ def test_registered_widths():
     model = create_model("deit_tiny_patch16_224", embed_dim=96, depth=3, patch_size=8, img_size=64, num_classes=7)
     assert (model.embed_dim, len(model.blocks), model.patch_embed.patch_size, model.num_classes) == (96, 3, (8, 8), 7)
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 7)
-    with pytest.raises(ValueError, match="does not split into 6 heads"):
+    with pytest.raises(ValueError, match="embed_dim 250 does not split into the model.s heads"):
         create_model("deit_small_patch16_224", embed_dim=250)
     with pytest.raises(ValueError, match="no published weights exist for deit_e252_patch16_224"):
         timm.create_model("deit_e252_patch16_224", pretrained=True)  # refused before any download
