@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ EXCLUDES = [".git", ".venv", "runs", "data", "**/__pycache__", ".pytest_cache", 
 
 
 def submission_base(config_path: str, overrides: list[str]) -> str:
+    """The DAG's identity, from the config alone: pydantic and PyYAML, no torch (a laptop that submits)."""
     sys.path.insert(0, str(ROOT))
     from pipeline.config import load_config
     from pipeline.dag.plan import dag_id
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if existing:
         print(f"attaching to {submission_id} ({client.get_job_status(submission_id)})", flush=True)
     else:
-        entrypoint = " ".join(["python -m pipeline run", args.config, *(f"--set {o}" for o in args.overrides)])
+        overrides = [part for item in args.overrides for part in ("--set", item)]
+        entrypoint = shlex.join(["python", "-m", "pipeline", "run", args.config, *overrides])
         submit(client, entrypoint, submission_id)
         print(f"submitted {submission_id}: {entrypoint}", flush=True)
     if args.no_follow:

@@ -169,7 +169,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import json
 
-    from pipeline.dag import count_plan, run_experiment
+    from pipeline.dag.plan import count_plan
+    from pipeline.dag.runner import run_experiment
 
     overrides = list(args.overrides)
     if args.tracking_uri:

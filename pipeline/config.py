@@ -317,6 +317,13 @@ class EvalConfig(Section):
                                 "analyses per model (0: none)")
 
 
+class SelectConfig(Section):
+    """The select stage: which Pareto front (cost against top-1) goes into the Model Registry."""
+
+    cost: Literal["gflops", "images_per_s"] = Field(
+        "gflops", description="the cost axis: GFLOPs, or the images/s the evaluate stage measured")
+
+
 class ExperimentConfig(Section):
     """``pipeline run``: the stage DAG (base -> ksearch -> finetune sweep -> evaluate -> select)."""
 
@@ -335,6 +342,7 @@ class ExperimentConfig(Section):
     finetune: StageRecipe = Field(default_factory=StageRecipe)
     search: SearchConfig = Field(default_factory=SearchConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    select: SelectConfig = Field(default_factory=SelectConfig)
     budgets: list[float] | None = Field(None, description="GFLOPs budgets of the best-trade-off table")
     register_models: bool = Field(True, description="register Pareto-optimal models in the MLflow Model Registry")
     prepare: list[PrepareItem] = Field(default_factory=list)

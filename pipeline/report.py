@@ -9,22 +9,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline import plots
 from pipeline.pareto import Point, best_at_budgets, pareto_front
 
 COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "train_top1", "checkpoint",
-           "stage_id", "run_id", "analysis"]
-# Distinguishable in grayscale: markers and line styles carry the method as well as the colour.
-STYLES = ["o-", "s--", "^-.", "D:", "v-", "P--", "X-.", "*:", "h-", "<--"]
+           "stage_id", "run_id", "analysis", "speed_setting"]
+# The cost axes of a Pareto front: GFLOPs, or the measured time per image (lower is better for both).
+COSTS = {"gflops": lambda r: r["gflops"], "images_per_s": lambda r: 1.0 / r["images_per_s"]}
+COST_LABELS = {"gflops": "GFLOPs lower", "images_per_s": "measured images/s higher"}
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Sequence[str] = COLUMNS) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(columns), extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
-    return path
+    return plots.write_csv(rows, path, columns)
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
@@ -39,8 +35,8 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def points(rows: Sequence[dict[str, Any]]) -> list[Point]:
-    return [Point(r["stage_id"], r["gflops"], r["top1"]) for r in rows]
+def points(rows: Sequence[dict[str, Any]], cost: str = "gflops") -> list[Point]:
+    return [Point(r["stage_id"], COSTS[cost](r), r["top1"]) for r in rows]
 
 
 def default_budgets(rows: Sequence[dict[str, Any]]) -> list[float]:
@@ -60,72 +56,60 @@ def budget_table(rows: Sequence[dict[str, Any]], budgets: Sequence[float]) -> li
     return table
 
 
-def fronts(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The Pareto front overall (key ``all``) and per method."""
+def fronts(rows: Sequence[dict[str, Any]], cost: str = "gflops") -> dict[str, list[dict[str, Any]]]:
+    """The Pareto front overall (key ``all``) and per method, over (``cost``, top-1), cheapest first."""
     by_id = {r["stage_id"]: r for r in rows}
-    out = {"all": [by_id[p.id] for p in pareto_front(points(rows))]}
+    out = {"all": [by_id[p.id] for p in pareto_front(points(rows, cost))]}
     for method in sorted({r["method"] for r in rows}):
-        out[method] = [by_id[p.id] for p in pareto_front(points([r for r in rows if r["method"] == method]))]
+        out[method] = [by_id[p.id] for p in pareto_front(points([r for r in rows if r["method"] == method], cost))]
     return out
 
 
-def _axes(title: str, xlabel: str, ylabel: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    return fig, ax
-
-
-def _curve(ax, points: Sequence[dict[str, Any]], style: str, label: str, **kw: Any) -> None:
-    ax.plot([p["gflops"] for p in points], [p["top1"] for p in points], style, label=label, **kw)
+def _curve(ax, points: Sequence[dict[str, Any]], style: str, label: str, x: str = "gflops", **kw: Any) -> None:
+    ax.plot([p[x] for p in points], [p["top1"] for p in points], style, label=label, **kw)
 
 
 def _save(fig, ax, path: Path, fontsize: int = 8, ncol: int = 1) -> Path:
-    ax.legend(fontsize=fontsize, ncol=ncol)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return plots.save(fig, path, legend_ax=ax, fontsize=fontsize, ncol=ncol)
 
 
-def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Top-1 vs GFLOPs, one curve per method (its Pareto front), the overall front dashed (Figures 1b, 3)."""
-    fig, ax = _axes("Top-1 vs GFLOPs (each method's Pareto front)", "GFLOPs per image", "top-1 (%)")
-    method_fronts = fronts(rows)
+def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, cost: str = "gflops") -> Path:
+    """Top-1 vs GFLOPs (Figures 1b, 3) or vs measured images/s: one curve per method (its Pareto front),
+    the overall front as a wide grey line."""
+    if cost == "gflops":
+        fig, ax = plots.chart("Top-1 vs GFLOPs (each method's Pareto front)", "GFLOPs per image", "top-1 (%)")
+    else:
+        setting = rows[0].get("speed_setting") or ""
+        fig, ax = plots.chart(f"Top-1 vs measured speed ({setting})".replace(" ()", ""), "images/s", "top-1 (%)")
+    method_fronts = fronts(rows, cost)
     for index, method in enumerate(m for m in method_fronts if m != "all"):
-        _curve(ax, method_fronts[method], STYLES[index % len(STYLES)], method, markersize=5)
-    _curve(ax, method_fronts["all"], "-", "overall front", color="black", alpha=0.35, linewidth=4, zorder=0)
+        _curve(ax, method_fronts[method], plots.style(index), method, x=cost, markersize=5)
+    _curve(ax, method_fronts["all"], "-", "overall front", x=cost, color="black", alpha=0.35, linewidth=4, zorder=0)
     return _save(fig, ax, path)
 
 
 def plot_widths(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Per width: the no-downsampling baselines, and each method's front (Figure 4)."""
-    fig, ax = _axes("Token downsampling vs a narrower model (per width)", "GFLOPs per image", "top-1 (%)")
+    fig, ax = plots.chart("Token downsampling vs a narrower model (per width)", "GFLOPs per image", "top-1 (%)")
     baselines = sorted((r for r in rows if r["method"] == "none"), key=lambda r: r["gflops"])
     _curve(ax, baselines, "k*-", "no downsampling (width sweep)", markersize=10)
     for index, arch in enumerate(sorted({r["arch"] for r in rows})):
         arch_rows = [r for r in rows if r["arch"] == arch and r["method"] != "none"]
         front = fronts(arch_rows)["all"] if arch_rows else []
-        _curve(ax, front, STYLES[index % len(STYLES)], f"{arch}: best downsampling", markersize=5)
+        _curve(ax, front, plots.style(index), f"{arch}: best downsampling", markersize=5)
     return _save(fig, ax, path)
 
 
 def plot_keep_lists(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """The keep list K_l of every (width, level)."""
-    fig, ax = _axes("Keep lists per sparsity level", "block", "tokens kept (K_l)")
+    fig, ax = plots.chart("Keep lists per sparsity level", "block", "tokens kept (K_l)")
     seen = set()
     index = 0
     for r in rows:
         if r["keep"] is None or (r["arch"], r["level"]) in seen:
             continue
         seen.add((r["arch"], r["level"]))
-        ax.plot(range(1, len(r["keep"]) + 1), r["keep"], STYLES[index % len(STYLES)], label=f"{r['arch']} {r['level']}",
+        ax.plot(range(1, len(r["keep"]) + 1), r["keep"], plots.style(index), label=f"{r['arch']} {r['level']}",
                 markersize=4)
         index += 1
     return _save(fig, ax, path, fontsize=7, ncol=2)
@@ -148,23 +132,30 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
     out_dir.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: (r["arch"], r["method"], -r["gflops"]))
     budgets = list(budgets) if budgets else default_budgets(rows)
-    front = fronts(rows)["all"]
+    front, speed_front = fronts(rows, "gflops")["all"], fronts(rows, "images_per_s")["all"]
     table = budget_table(rows, budgets)
     files = {
         "results": write_csv(ordered, out_dir / "results.csv"),
         "pareto": write_csv(front, out_dir / "pareto.csv"),
+        "pareto_speed": write_csv(speed_front, out_dir / "pareto_speed.csv"),
         "budgets": write_csv(table, out_dir / "budgets.csv", ["budget_gflops", "top1", "method", "arch", "level",
                                                               "gflops"]),
         "tradeoff_plot": plot_tradeoff(rows, out_dir / "tradeoff.png"),
+        "speed_plot": plot_tradeoff(rows, out_dir / "tradeoff_speed.png", cost="images_per_s"),
         "width_plot": plot_widths(rows, out_dir / "widths.png"),
         "keep_plot": plot_keep_lists(rows, out_dir / "keep_lists.png"),
     }
     shown = ["arch", "level", "method", "gflops", "top1", "images_per_s"]
+    setting = sorted({r.get("speed_setting") or "" for r in rows} - {""})
+    measured = f" (measured {', '.join(setting)})" if setting else ""
     text = [f"# {title}", "", "## Pareto front (GFLOPs lower, top-1 higher)", "", markdown_table(front, shown), "",
+            f"## Pareto front by measured speed (images/s higher, top-1 higher){measured}", "",
+            markdown_table(speed_front, shown), "",
             "## Best top-1 within a GFLOPs budget", "",
             markdown_table(table, ["budget_gflops", "top1", "method", "arch", "level", "gflops"]), "",
-            "## Plots", "", "![top-1 vs GFLOPs](tradeoff.png)", "", "![per width](widths.png)", "",
-            "![keep lists](keep_lists.png)", "", "## All models", "", markdown_table(ordered, shown + ["keep"]), ""]
+            "## Plots", "", "![top-1 vs GFLOPs](tradeoff.png)", "", "![top-1 vs images/s](tradeoff_speed.png)", "",
+            "![per width](widths.png)", "", "![keep lists](keep_lists.png)", "", "## All models", "",
+            markdown_table(ordered, shown + ["keep"]), ""]
     analysed = [r for r in ordered if r.get("analysis")]
     if analysed:
         text += ["## Analysis artifacts", "",

@@ -230,6 +230,16 @@ def tiny_dag_overrides(data: Path, out: Path, uri: str) -> list[str]:
             "experiment.methods=[powerbert]", "experiment.baseline=false"]
 
 
+BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "timm", "triton", "fvcore", "torchvision"):
+            raise ImportError(f"{name} is not installed here (a laptop that only submits jobs)")
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
 def test_ray_jobs_submit_runs_the_dag_and_a_resubmission_attaches(ray_head, tiny_data, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -237,15 +247,22 @@ def test_ray_jobs_submit_runs_the_dag_and_a_resubmission_attaches(ray_head, tiny
     command = [sys.executable, "jobs/submit.py", "configs/experiments/tiny.yaml", "--address", ray_head]
     for item in tiny_dag_overrides(tiny_data, tmp_path, uri):
         command += ["--set", item]
-    first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    reports = tmp_path / "reports with spaces"  # the entrypoint must quote it (shlex.join)
+    command += ["--set", f"experiment.runs_dir={reports}"]
+    # The submitting process cannot import torch: the launcher needs only pydantic, PyYAML and Ray's client.
+    (tmp_path / "notorch").mkdir()
+    (tmp_path / "notorch" / "sitecustomize.py").write_text(BLOCK_TORCH)
+    env = os.environ | {"PYTHONPATH": str(tmp_path / "notorch")}
+    first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert "SUCCEEDED" in first.stdout and "Pareto front" in first.stdout
+    assert (reports / "tiny" / "report.md").is_file()
     submission = re.search(r"submitted (\S+):", first.stdout).group(1)
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("token-pooling").experiment_id],
                               filter_string="tags.`pipeline.stage` = 'finetune' and tags.`pipeline.done` = '1'")
     assert len(runs) == 1
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and f"attaching to {submission}" in again.stdout  # no duplicate job
 
     from ray.job_submission import JobSubmissionClient

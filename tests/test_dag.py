@@ -14,8 +14,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import ConfigError, load_config
-from pipeline.dag import count_plan, run_experiment
+from pipeline.dag.plan import count_plan
 from pipeline.dag.records import DONE, STAGE_KIND
+from pipeline.dag.runner import run_experiment
 from pipeline.tracking import TrackingError
 from tests.conftest import write_synthetic_pair
 

@@ -15,32 +15,32 @@ def brute_front(points: list[Point]) -> set[str]:
     for p in points:
         if any(dominates(q, p) for q in points):
             continue
-        twins = [q.id for q in points if (q.gflops, q.top1) == (p.gflops, p.top1)]
+        twins = [q.id for q in points if (q.cost, q.top1) == (p.cost, p.top1)]
         if p.id == min(twins):
             keep.add(p.id)
     return keep
 
 
 def brute_budget(points: list[Point], budget: float) -> str | None:
-    """Filter step by step: within the budget, then the best top-1, then the fewest GFLOPs, then the id."""
-    within = [p for p in points if p.gflops <= budget]
+    """Filter step by step: within the budget, then the best top-1, then the lowest cost, then the id."""
+    within = [p for p in points if p.cost <= budget]
     if not within:
         return None
     best_top1 = max(p.top1 for p in within)
     tied = [p for p in within if p.top1 == best_top1]
-    cheapest = min(p.gflops for p in tied)
-    return sorted(p.id for p in tied if p.gflops == cheapest)[0]
+    cheapest = min(p.cost for p in tied)
+    return sorted(p.id for p in tied if p.cost == cheapest)[0]
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_front_matches_brute_force_with_ties_and_duplicates(seed):
     rng = random.Random(seed)
-    # A coarse grid forces equal GFLOPs, equal top-1 and exact duplicates.
+    # A coarse grid forces equal costs, equal top-1 and exact duplicates.
     points = [Point(f"m{i:02d}", rng.choice([0.5, 1.0, 1.5, 2.0]), rng.choice([70.0, 72.5, 75.0, 80.0]))
               for i in range(rng.randint(1, 25))]
     front = pareto_front(points)
     assert {p.id for p in front} == brute_front(points)
-    assert [p.gflops for p in front] == sorted(p.gflops for p in front)
+    assert [p.cost for p in front] == sorted(p.cost for p in front)
 
 
 def test_hand_made_cases():

@@ -13,7 +13,7 @@ from pipeline.analysis.reconstruction import COLUMNS as RECONSTRUCTION_COLUMNS
 from pipeline.analysis.reconstruction import plot_reconstruction, reconstruction_rows
 from pipeline.analysis.redundancy import COLUMNS as REDUNDANCY_COLUMNS
 from pipeline.analysis.redundancy import plot_redundancy, redundancy_rows
-from pipeline.report import write_csv
+from pipeline.plots import write_csv
 
 
 def write_redundancy(subject: Subject, batches: Iterable[np.ndarray], out: Path, *,

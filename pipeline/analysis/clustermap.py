@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline import plots
 from pipeline.analysis.probe import Subject, block_records, check_layers, normalise, with_method
 from pipeline.models.downsampling import BlockRecord
 
@@ -82,13 +83,7 @@ def render_map(image: np.ndarray, groups: np.ndarray, grid: tuple[int, int], *, 
 
 
 def _figure(cols: int, rows: int = 1, cell: float = 2.4):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(rows, cols, figsize=(cell * cols, cell * rows + 0.5), dpi=100, squeeze=False)
-    return fig, axes
+    return plots.figure(rows, cols, width=cell, height=cell + 0.1, grid=False)
 
 
 def _panel(ax, picture: np.ndarray, title: str) -> None:
@@ -111,8 +106,7 @@ def layer_figure(image: np.ndarray, groups: Mapping[int, np.ndarray], grid: tupl
     _panel(axes[0, 0], np.repeat(np.repeat(image, scale, 0), scale, 1), "input")
     for ax, (layer, g) in zip(axes[0, 1:], groups.items()):
         _panel(ax, render_map(image, g, grid, scale=scale), f"after block {layer}\n{_tokens_left(g)}")
-    fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return plots.save(fig, path, title=title, top=0.92)  # room for two-line panel titles
 
 
 def sheet_figure(image: np.ndarray, by_method: Mapping[str, np.ndarray], grid: tuple[int, int], *, layer: int,
@@ -122,18 +116,7 @@ def sheet_figure(image: np.ndarray, by_method: Mapping[str, np.ndarray], grid: t
     _panel(axes[0, 0], np.repeat(np.repeat(image, scale, 0), scale, 1), "input")
     for ax, (method, g) in zip(axes[0, 1:], by_method.items()):
         _panel(ax, render_map(image, g, grid, scale=scale), f"{method}\n{_tokens_left(g)}")
-    fig.suptitle(f"{title}: after block {layer}", fontsize=10)
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))  # room for the title above two-line panel titles
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return plots.save(fig, path, title=f"{title}: after block {layer}", top=0.92)
 
 
 def default_layers(depth: int, most: int = 4) -> list[int]:

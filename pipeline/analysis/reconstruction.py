@@ -126,7 +126,7 @@ def reconstruction_rows(subject: Subject, batches: Iterable[np.ndarray], *, meth
 
 def plot_reconstruction(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Relative error vs block, one curve per method; a column per K, unweighted above, weighted below."""
-    from pipeline.analysis.plots import figure, save, style
+    from pipeline.plots import figure, save, style
 
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -142,4 +142,4 @@ def plot_reconstruction(rows: Sequence[dict[str, Any]], path: Path, *, title: st
             ax.set_xlabel("block")
             ax.set_ylabel(f"{what} / token variance")
             ax.set_xticks(sorted({r["layer"] for r in rows}))
-    return save(fig, axes[0, 0], path, title=title)
+    return save(fig, path, legend_ax=axes[0, 0], title=title)

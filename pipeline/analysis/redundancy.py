@@ -105,7 +105,7 @@ def redundancy_rows(subject: Subject, batches: Iterable[np.ndarray], *, qk_alpha
 
 def plot_redundancy(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Mean cosine similarity, and clusters for 90% and for 99% of the variance, vs block (three panels)."""
-    from pipeline.analysis.plots import figure, save, style
+    from pipeline.plots import figure, save, style
 
     panels = (("mean_cosine", "mean pairwise cosine similarity"),
               ("k90", f"clusters for 90% of the variance (of {rows[0]['tokens']})"),
@@ -121,4 +121,4 @@ def plot_redundancy(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -
         ax.set_xlabel("block")
         ax.set_ylabel(label)
         ax.set_xticks(sorted({r["layer"] for r in rows}))
-    return save(fig, axes[0, 0], path, title=title, below=True)
+    return save(fig, path, legend_ax=axes[0, 0], title=title, below=True)

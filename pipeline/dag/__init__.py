@@ -1,6 +1,5 @@
-"""The stage DAG: base -> K search -> finetune sweep (Ray Tune) -> evaluate -> select, recorded in MLflow."""
+"""The stage DAG: base -> K search -> finetune sweep (Ray Tune) -> evaluate -> select, recorded in MLflow.
 
-from pipeline.dag.plan import count_plan
-from pipeline.dag.runner import run_experiment
-
-__all__ = ["count_plan", "run_experiment"]
+No imports here: `pipeline.dag.plan` (stage identities) must load without torch, Ray or MLflow, for
+`jobs/submit.py`; the runner is `pipeline.dag.runner.run_experiment`.
+"""

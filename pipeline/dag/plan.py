@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import Config, ExperimentConfig, StageRecipe
+from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
@@ -36,11 +37,11 @@ class Stage:
     config: Config | None
     upstream: list[str]
     arch: str
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: StageMeta = field(default_factory=StageMeta)
     id: str = ""
 
     def __post_init__(self) -> None:
-        self.id = stage_id(self.kind, self.config, self.upstream, self.meta)
+        self.id = stage_id(self.kind, self.config, self.upstream, self.meta.identity())
 
     @property
     def name(self) -> str:
@@ -72,21 +73,23 @@ def archs(config: Config) -> list[Arch]:
 
 def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: dict[str, Any],
           pooling: dict[str, Any] | None = None) -> Config:
-    """``config`` with section updates, validated again (a bad width or keep list fails here)."""
-    data = config.model_dump(mode="json")
-    data["model"].update(model)
-    data["recipe"].update({k: v for k, v in recipe.model_dump().items() if v is not None})
-    data["train"].update(train)
-    data["pooling"].update(pooling or {})
-    data["experiment"] = None
-    return Config.model_validate(data)
+    """``config`` with section updates (typed copies), validated again: a bad width or keep list fails here."""
+    stage_recipe = {k: v for k, v in recipe.model_dump().items() if v is not None}
+    updated = config.model_copy(update={
+        "model": config.model.model_copy(update=model),
+        "recipe": config.recipe.model_copy(update=stage_recipe),
+        "train": config.train.model_copy(update=train),
+        "pooling": config.pooling.model_copy(update=pooling or {}),
+        "experiment": None,
+    })
+    return Config.model_validate(updated.model_dump())
 
 
 def base_stage(config: Config, arch: Arch) -> Stage:
     given = config.experiment.base_checkpoints.get(arch.label)
     cfg = _with(config, model=arch.overrides, recipe=config.experiment.base, train={"mode": "base"})
-    meta = {"given": given} if given else {}
-    return Stage("base", f"{config.experiment.name}-base-{arch.label}", cfg, [], arch.label, meta)
+    return Stage("base", f"{config.experiment.name}-base-{arch.label}", cfg, [], arch.label,
+                 StageMeta(given=given or None))
 
 
 def trial_train(exp: ExperimentConfig) -> dict[str, Any]:
@@ -102,7 +105,7 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
         cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
                     train={"mode": "ksearch", "ksearch_lambda": lam, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-lam{lam:g}", cfg, [base.id], arch.label,
-                            {"lambda": lam}))
+                            StageMeta(lam=lam)))
     return stages
 
 
@@ -117,13 +120,14 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},
                     pooling={"method": method, "keep": keep, "level": None})
     label = f"{exp.name}-ft-{arch.label}-{level}-{method}"
-    return Stage("finetune", label, cfg, [base.id, *upstream], arch.label, {"method": method, "level": level})
+    return Stage("finetune", label, cfg, [base.id, *upstream], arch.label, StageMeta(method=method, level=level))
 
 
 def evaluate_stage(config: Config, model_stage: Stage) -> Stage:
     exp = config.experiment
+    meta = StageMeta(method=model_stage.meta.method, level=model_stage.meta.level, eval=exp.eval)
     return Stage("evaluate", model_stage.label.replace("-ft-", "-eval-"), None, [model_stage.id], model_stage.arch,
-                 {**model_stage.meta, "eval": exp.eval.model_dump()})
+                 meta)
 
 
 def paper_levels(config: Config, arch: Arch) -> dict[str, list[int]]:

@@ -23,13 +23,13 @@ RESULT = "pipeline.result"
 DAG = "pipeline.dag"
 
 
-def find_done(client: MlflowClient, exp_id: str, stage_id: str) -> dict[str, Any] | None:
-    """The recorded result of a finished stage, or None."""
+def find_done(client: MlflowClient, exp_id: str, stage_id: str) -> tuple[dict[str, Any], str] | None:
+    """The recorded result of a finished stage and the id of its run, or None."""
     runs = client.search_runs([exp_id], filter_string=f"tags.`{STAGE_ID}` = '{stage_id}' and tags.`{DONE}` = '1'",
                               order_by=["attributes.start_time DESC"], max_results=1)
     if not runs:
         return None
-    return json.loads(runs[0].data.tags[RESULT]) | {"run_id": runs[0].info.run_id}
+    return json.loads(runs[0].data.tags[RESULT]), runs[0].info.run_id
 
 
 def mark_done(client: MlflowClient, run_id: str, *, stage_id: str, kind: str, result: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from pipeline.dag.plan import (
 from pipeline.dag.records import open_parent, supersede
 from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_spec
 from pipeline.dag.sweep import run_sweep
+from pipeline.dag.types import EvalResult, Tracking, TrainedResult
 from pipeline.errors import JobError
 from pipeline.train.launch import connect_ray, preflight, resolve_paths
 
@@ -95,7 +96,7 @@ def retire_storage(ctx: Context, stages: list[Stage]) -> None:
             shutil.move(str(folder), str(storage / f".superseded-{stamp}-{stage.name}"))
 
 
-def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, dict[str, Any]]]:
+def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, TrainedResult]]:
     """One base per width, each a multi-worker TorchTrainer job (or a given checkpoint)."""
     bases = {}
     for arch in arch_list:
@@ -105,25 +106,25 @@ def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, dic
     return bases
 
 
-def results_of(ctx: Context, stages: list[Stage]) -> dict[str, dict[str, Any]]:
-    from pipeline.dag.records import find_done
+def results_of(ctx: Context, stages: list[Stage]) -> dict[str, TrainedResult]:
+    from pipeline.dag.stages import trained_done
 
     results = {}
     for stage in stages:
-        found = find_done(ctx.client, ctx.exp_id, stage.id)
+        found = trained_done(ctx.client, ctx.exp_id, stage.id)
         if found is None:
             raise JobError(f"stage {stage.label} ({stage.id}) has no finished record after its sweep")
         results[stage.id] = found
     return results
 
 
-def sweep(ctx: Context, stages: list[Stage], inits: dict[str, str], name: str) -> dict[str, dict[str, Any]]:
+def sweep(ctx: Context, stages: list[Stage], inits: dict[str, str], name: str) -> dict[str, TrainedResult]:
     specs = [stage_spec(s, init=inits[s.id], parent_id=ctx.parent, dag=ctx.dag) for s in stages]
     run_sweep(specs, ctx.config.experiment, storage=ctx.config.train.storage_path, name=name, log=ctx.log)
     return results_of(ctx, stages)
 
 
-def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, dict[str, Any]],
+def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, TrainedResult],
                     ks_stages: list[Stage]) -> dict[str, tuple[list[int], list[str]]]:
     """``{level: (keep, upstream ids)}``: the K search's lists (deduplicated), or the paper's pinned ones."""
     if ctx.config.experiment.levels is not None:
@@ -131,8 +132,8 @@ def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, dict[str, An
     levels: dict[str, tuple[list[int], list[str]]] = {}
     seen: dict[tuple[int, ...], str] = {}
     for stage in ks_stages:
-        keep = ks_results[stage.id]["keep"]
-        name = f"lam{stage.meta['lambda']:g}"
+        keep = ks_results[stage.id].keep
+        name = f"lam{stage.meta.lam:g}"
         if tuple(keep) in seen:
             ctx.log(f"[ksearch] {arch.label} {name} gave the same keep list as {seen[tuple(keep)]}; one level")
             continue
@@ -171,7 +172,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     all_ks = [s for stages in ks_stages.values() for s in stages]
     if "ksearch" in kinds:
         retire_storage(ctx, all_ks)
-    ks_results = sweep(ctx, all_ks, {s.id: bases[s.arch][1]["checkpoint"] for s in all_ks}, f"{exp.name}-ksearch")
+    ks_results = sweep(ctx, all_ks, {s.id: bases[s.arch][1].checkpoint for s in all_ks}, f"{exp.name}-ksearch")
     ft_stages: list[Stage] = []
     for arch in arch_list:
         base = bases[arch.label][0]
@@ -181,7 +182,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
             ft_stages.append(finetune_stage(config, arch, base, "none", "full", None, []))
     if "finetune" in kinds:
         retire_storage(ctx, ft_stages)
-    ft_results = sweep(ctx, ft_stages, {s.id: bases[s.arch][1]["checkpoint"] for s in ft_stages},
+    ft_results = sweep(ctx, ft_stages, {s.id: bases[s.arch][1].checkpoint for s in ft_stages},
                        f"{exp.name}-finetune")
     evaluations = run_evaluations(ctx, ft_stages, ft_results)
     summary = run_select(ctx, ft_stages, ft_results, evaluations)
@@ -189,14 +190,14 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     return summary
 
 
-def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, dict[str, Any]]
-                    ) -> dict[str, dict[str, Any]]:
+def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
+                    ) -> dict[str, EvalResult]:
     """One Ray task per finetuned model; each takes ``eval.cpus`` so timings do not share cores."""
     import ray
 
     config = ctx.config
-    tracking = {"uri": config.train.tracking_uri, "experiment": config.train.experiment,
-                "artifact_root": config.train.artifact_root, "parent": ctx.parent, "dag": ctx.dag}
+    tracking = Tracking(uri=config.train.tracking_uri, experiment=config.train.experiment,
+                        artifact_root=config.train.artifact_root, parent=ctx.parent, dag=ctx.dag)
     device = config.experiment.eval.device
     cuda = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     task = ray.remote(num_cpus=min(config.experiment.eval.cpus, ray.cluster_resources().get("CPU", 1)),
@@ -205,11 +206,11 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
     ctx.log(f"[evaluate] {len(stages)} model(s): top-1, GFLOPs, images/s at batch {config.experiment.eval.batch}")
     futures = {}
     for stage, source in zip(stages, ft_stages):
-        spec = {"id": stage.id, "label": stage.label, "meta": stage.meta}
-        futures[source.id] = task.remote(spec, ft_results[source.id]["checkpoint"], tracking, cuda)
+        spec = stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag)
+        futures[source.id] = task.remote(spec, ft_results[source.id].checkpoint, tracking, cuda)
     results = {}
     for index, (source_id, future) in enumerate(futures.items(), 1):
-        results[source_id] = ray.get(future)
-        ctx.log(f"[evaluate] {index}/{len(futures)} {results[source_id]['top1']:.2f}% "
-                f"{results[source_id]['gflops']:.4f} GFLOPs {results[source_id]['images_per_s']:.0f} img/s")
+        result = results[source_id] = ray.get(future)
+        ctx.log(f"[evaluate] {index}/{len(futures)} {result.top1:.2f}% {result.gflops:.4f} GFLOPs "
+                f"{result.images_per_s:.0f} img/s ({result.device}, {result.dtype}, compile {result.compile})")
     return results

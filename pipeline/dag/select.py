@@ -5,19 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.dag.plan import Stage
-from pipeline.report import fronts, markdown_table, write_report
+from pipeline.dag.types import EvalResult, TrainedResult
+from pipeline.report import COST_LABELS, fronts, markdown_table, write_report
 
 
-def result_rows(ft_stages: list[Stage], ft_results: dict[str, dict[str, Any]],
-                evaluations: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
+                evaluations: dict[str, EvalResult]) -> list[dict[str, Any]]:
+    """One row per finetuned model: what the report and the registry need (the results.csv columns)."""
     rows = []
     for stage in ft_stages:
         trained, measured = ft_results[stage.id], evaluations[stage.id]
-        rows.append({"arch": stage.arch, "level": stage.meta["level"], "method": stage.meta["method"],
-                     "keep": trained.get("keep"), "gflops": measured["gflops"], "top1": measured["top1"],
-                     "images_per_s": measured["images_per_s"], "train_top1": trained.get("val_top1"),
-                     "checkpoint": trained["checkpoint"], "stage_id": stage.id, "run_id": trained["mlflow_run_id"],
-                     "analysis": measured.get("analysis")})
+        rows.append({"arch": stage.arch, "level": stage.meta.level, "method": stage.meta.method,
+                     "keep": trained.keep, "gflops": measured.gflops, "top1": measured.top1,
+                     "images_per_s": measured.images_per_s, "train_top1": trained.val_top1,
+                     "checkpoint": trained.checkpoint, "stage_id": stage.id, "run_id": trained.run_id,
+                     "analysis": measured.analysis,
+                     "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile}"})
     return rows
 
 
@@ -47,19 +50,20 @@ def register_front(ctx, front: list[dict[str, Any]]) -> list[str]:
     return aliases
 
 
-def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, dict[str, Any]],
-               evaluations: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
+               evaluations: dict[str, EvalResult]) -> dict[str, Any]:
     exp = ctx.config.experiment
     rows = result_rows(ft_stages, ft_results, evaluations)
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}")
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
-    front = fronts(rows)["all"]
+    front = fronts(rows, exp.select.cost)["all"]
     aliases = register_front(ctx, front) if exp.register_models else []
     table = markdown_table(front, ["arch", "level", "method", "gflops", "top1", "images_per_s"])
-    ctx.log("\nPareto front (GFLOPs lower, top-1 higher):\n" + table)
+    ctx.log(f"\nPareto front ({COST_LABELS[exp.select.cost]}, top-1 higher):\n" + table)
     ctx.log(f"\nreport:  {files['report'].resolve()}")
-    ctx.log(f"plots:   {', '.join(str(files[k].resolve()) for k in ('tradeoff_plot', 'width_plot', 'keep_plot'))}")
+    plots = ("tradeoff_plot", "speed_plot", "width_plot", "keep_plot")
+    ctx.log(f"plots:   {', '.join(str(files[k].resolve()) for k in plots)}")
     ctx.log(f"mlflow:  {ctx.config.train.tracking_uri} (experiment {ctx.config.train.experiment!r}, "
             f"parent run {ctx.parent}); `mlflow ui --backend-store-uri {ctx.config.train.tracking_uri}`")
     if aliases:

@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import Config
 from pipeline.dag.plan import Stage
 from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, find_done, mark_done, open_child
+from pipeline.dag.types import EvalResult, StageSpec, Tracking, TrainedResult, from_record
 from pipeline.tracking import experiment_id, log_batch
 
 
-def stage_spec(stage: Stage, *, init: str | None, parent_id: str, dag: str) -> dict[str, Any]:
-    """What a Ray task or Tune trial needs to run ``stage`` (plain data: it crosses process boundaries)."""
-    config = stage.config.model_dump(mode="json")
-    config["train"].update({"name": stage.name, "init": init, "parent_run_id": parent_id,
-                            "tags": {DAG: dag, STAGE_KIND: stage.kind, STAGE_ID: stage.id}})
-    return {"id": stage.id, "kind": stage.kind, "label": stage.label, "config": config, "meta": stage.meta}
+def stage_spec(stage: Stage, *, init: str | None, parent_id: str, dag: str) -> StageSpec:
+    """What a Ray task or Tune trial needs to run ``stage``: its config, pointed at its run and inputs."""
+    config = None
+    if stage.config is not None:
+        train = stage.config.train.model_copy(update={
+            "name": stage.name, "init": init, "parent_run_id": parent_id,
+            "tags": {DAG: dag, STAGE_KIND: stage.kind, STAGE_ID: stage.id}})
+        config = stage.config.model_copy(update={"train": train})
+    return StageSpec(id=stage.id, kind=stage.kind, label=stage.label, meta=stage.meta, config=config)
 
 
 def _client(config: Config) -> tuple[MlflowClient, str]:
@@ -27,32 +30,37 @@ def _client(config: Config) -> tuple[MlflowClient, str]:
     return client, experiment_id(client, config.train.experiment, config.train.artifact_root)
 
 
-def run_training_spec(spec: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
+def trained_done(client: MlflowClient, exp_id: str, stage_id: str) -> TrainedResult | None:
+    """The recorded result of a finished training stage, or None."""
+    found = find_done(client, exp_id, stage_id)
+    return None if found is None else from_record(TrainedResult, *found, skipped=True)
+
+
+def run_training_spec(spec: StageSpec, log: Callable[[str], None] = print) -> TrainedResult:
     """Trains the stage unless MLflow already records it done; returns its result either way."""
     from pipeline.train import run_training
 
-    config = Config.model_validate(spec["config"])
+    config = spec.config
     client, exp_id = _client(config)
-    done = find_done(client, exp_id, spec["id"])
+    done = trained_done(client, exp_id, spec.id)
     if done is not None:
-        log(f"[skip] {spec['label']}: done in MLflow run {done['run_id']}")
-        return done | {"skipped": True}
-    given = spec["meta"].get("given")
-    if given:  # a base checkpoint from the config: recorded as this stage's result, nothing trained
-        run_id = open_child(client, exp_id, config.train.parent_run_id, name=spec["label"], kind=spec["kind"],
-                            stage_id=spec["id"], dag_id=config.train.tags[DAG])
-        result = {"checkpoint": given, "keep": None, "val_top1": None, "mlflow_run_id": run_id}
-        mark_done(client, run_id, stage_id=spec["id"], kind=spec["kind"], result=result)
+        log(f"[skip] {spec.label}: done in MLflow run {done.run_id}")
+        return done
+    if spec.meta.given:  # a base checkpoint from the config: recorded as this stage's result, nothing trained
+        run_id = open_child(client, exp_id, config.train.parent_run_id, name=spec.label, kind=spec.kind,
+                            stage_id=spec.id, dag_id=config.train.tags[DAG])
+        result = TrainedResult(run_id=run_id, checkpoint=spec.meta.given)
+        mark_done(client, run_id, stage_id=spec.id, kind=spec.kind, result=result.as_record())
         client.set_terminated(run_id, "FINISHED")
-        return result | {"run_id": run_id}
+        return result
     started = time.perf_counter()
-    log(f"[run] {spec['label']} ({config.train.mode}, {config.recipe.epochs} epochs)")
+    log(f"[run] {spec.label} ({config.train.mode}, {config.recipe.epochs} epochs)")
     trained = run_training(config)
-    result = {"checkpoint": trained.checkpoint, "keep": trained.keep, "val_top1": trained.summary["val_top1"],
-              "mlflow_run_id": trained.run_id, "seconds": round(time.perf_counter() - started, 1)}
-    mark_done(client, trained.run_id, stage_id=spec["id"], kind=spec["kind"], result=result)
-    log(f"[done] {spec['label']}: val_top1 {result['val_top1']:.2f}% in {result['seconds']:.0f} s")
-    return result | {"run_id": trained.run_id}
+    result = TrainedResult(run_id=trained.run_id, checkpoint=trained.checkpoint, keep=trained.keep,
+                           val_top1=trained.summary["val_top1"], seconds=round(time.perf_counter() - started, 1))
+    mark_done(client, trained.run_id, stage_id=spec.id, kind=spec.kind, result=result.as_record())
+    log(f"[done] {spec.label}: val_top1 {result.val_top1:.2f}% in {result.seconds:.0f} s")
+    return result
 
 
 def log_analysis(client: MlflowClient, run_id: str, checkpoint: str, cfg) -> str | None:
@@ -74,30 +82,30 @@ def log_analysis(client: MlflowClient, run_id: str, checkpoint: str, cfg) -> str
     return f"{client.get_run(run_id).info.artifact_uri}/analysis"
 
 
-def run_evaluation_spec(spec: dict[str, Any], checkpoint: str, tracking: dict[str, str], cuda: bool = False
-                        ) -> dict[str, Any]:
+def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cuda: bool = False) -> EvalResult:
     """Top-1, GFLOPs and images/s of a finetuned model, recorded as a child run of the DAG.
 
     ``cuda``: the task was given a GPU (``eval.device`` auto resolves to it).
     """
-    from pipeline.config import EvalConfig
     from pipeline.evaluate import evaluate_checkpoint
 
-    client = MlflowClient(tracking_uri=tracking["uri"])
-    exp_id = experiment_id(client, tracking["experiment"], tracking["artifact_root"])
-    done = find_done(client, exp_id, spec["id"])
+    client = MlflowClient(tracking_uri=tracking.uri)
+    exp_id = experiment_id(client, tracking.experiment, tracking.artifact_root)
+    done = find_done(client, exp_id, spec.id)
     if done is not None:
-        return done | {"skipped": True}
-    cfg = EvalConfig.model_validate(spec["meta"]["eval"])
-    run_id = open_child(client, exp_id, tracking["parent"], name=spec["label"], kind="evaluate", stage_id=spec["id"],
-                        dag_id=tracking["dag"])
-    result = evaluate_checkpoint(checkpoint, cfg, cuda=cuda).as_dict()
-    setting = {key: result[key] for key in ("device", "dtype", "compile")}
-    log_batch(client, run_id, metrics={k: v for k, v in result.items() if k != "num_images" and k not in setting},
-              params={"checkpoint": checkpoint, "method": spec["meta"]["method"], "level": spec["meta"]["level"],
+        return from_record(EvalResult, *done, skipped=True)
+    cfg = spec.meta.eval
+    run_id = open_child(client, exp_id, tracking.parent, name=spec.label, kind="evaluate", stage_id=spec.id,
+                        dag_id=tracking.dag)
+    measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda)
+    setting = {"device": measured.device, "dtype": measured.dtype, "compile": measured.compile}
+    log_batch(client, run_id, metrics={"top1": measured.top1, "gflops": measured.gflops,
+                                       "images_per_s": measured.images_per_s,
+                                       "images_per_s_spread": measured.images_per_s_spread},
+              params={"checkpoint": checkpoint, "method": spec.meta.method, "level": spec.meta.level,
                       **{f"eval_{key}": value for key, value in setting.items()}})
     analysis = log_analysis(client, run_id, checkpoint, cfg)
-    result |= {"checkpoint": checkpoint, "mlflow_run_id": run_id, "analysis": analysis}
-    mark_done(client, run_id, stage_id=spec["id"], kind="evaluate", result=result)
+    result = EvalResult(run_id=run_id, checkpoint=checkpoint, analysis=analysis, **measured.as_dict())
+    mark_done(client, run_id, stage_id=spec.id, kind="evaluate", result=result.as_record())
     client.set_terminated(run_id, "FINISHED")
-    return result | {"run_id": run_id}
+    return result

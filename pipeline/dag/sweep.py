@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import ExperimentConfig
+from pipeline.dag.types import StageSpec
 from pipeline.errors import JobError
 
 
@@ -31,8 +32,8 @@ def _trial(params: dict[str, Any]) -> None:
     from pipeline.dag.stages import run_training_spec
 
     result = run_training_spec(params["spec"])
-    tune.report({"val_top1": float(result.get("val_top1") or 0.0), "skipped": int(bool(result.get("skipped"))),
-                 "stage_seconds": 0.0 if result.get("skipped") else float(result.get("seconds", 0.0))})
+    tune.report({"val_top1": float(result.val_top1 or 0.0), "skipped": int(result.skipped),
+                 "stage_seconds": 0.0 if result.skipped else float(result.seconds or 0.0)})
 
 
 def concurrency(exp: ExperimentConfig) -> int:
@@ -45,7 +46,7 @@ def concurrency(exp: ExperimentConfig) -> int:
     return min(fit, search.max_concurrent) if search.max_concurrent else fit
 
 
-def run_sweep(specs: list[dict[str, Any]], exp: ExperimentConfig, *, storage: str, name: str,
+def run_sweep(specs: list[StageSpec], exp: ExperimentConfig, *, storage: str, name: str,
               log: Callable[[str], None]) -> SweepTiming:
     """Runs ``specs`` as Tune trials; results are read back from MLflow, not from Tune."""
     from ray import tune

@@ -47,7 +47,8 @@ def create_model(
     ``weights`` is a local state-dict file; ``pretrained=True`` asks timm for the published weights
     (from the Hugging Face hub, so only where a network exists, and only for the published
     architecture). ``data_overlay`` overrides the model's data config (mean, std, crop_pct,
-    input_size). The downsampling arguments are ``apply_downsampling``'s.
+    input_size). The downsampling arguments are ``apply_downsampling``'s; with none of them the
+    result is the unmodified timm model.
     """
     if name not in timm.list_models() and name not in timm.list_models(pretrained=True):
         raise InputError(f"unknown timm model {name!r}; for example deit_small_patch16_224")
@@ -70,8 +71,10 @@ def create_model(
         raise InputError(f"timm cannot build {name!r} with {arch}: {detail}{err}") from None
     except (TypeError, RuntimeError) as err:
         raise InputError(f"timm cannot build {name!r} with {arch}: {err}") from None
-    apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha, soft_extract=soft_extract,
-                       **(options or {}))
+    if method != "none" or keep is not None or carry or qk_norm is not None or soft_extract or options:
+        apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
+                           soft_extract=soft_extract, **(options or {}))
+    # else: the unmodified timm model itself (base and baseline training, the benchmarks' reference)
     if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is
         load_weights(model, weights)
     return model

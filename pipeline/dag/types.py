@@ -1,0 +1,99 @@
+"""What crosses the DAG's process boundaries (Ray tasks, Tune trials, MLflow records), typed.
+
+Ray pickles these dataclasses; MLflow stores a result as the JSON of ``as_record()``. A method name
+travels from the experiment config to the worker inside ``StageSpec.config`` (``pooling.method``)
+and ``StageMeta.method``, never through a string-keyed dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from pipeline.config import Config, EvalConfig
+
+
+@dataclass(frozen=True)
+class StageMeta:
+    """What identifies a stage beyond its config (part of its id), and what the report shows."""
+
+    method: str | None = None  # finetunes: the method, "none" for the baseline
+    level: str | None = None  # finetunes: the sparsity level (lam1e-3, L3, full)
+    lam: float | None = None  # K searches: the penalty strength
+    given: str | None = None  # bases: a checkpoint from the config instead of training
+    eval: EvalConfig | None = None  # evaluations: how the model is measured
+
+    def identity(self) -> dict[str, Any]:
+        """The JSON-able content that enters the stage id (unset fields left out)."""
+        out: dict[str, Any] = {}
+        for key, value in (("method", self.method), ("level", self.level), ("lambda", self.lam),
+                           ("given", self.given)):
+            if value is not None:
+                out[key] = value
+        if self.eval is not None:
+            out["eval"] = self.eval.model_dump()
+        return out
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a Ray task or Tune trial needs to run one stage."""
+
+    id: str
+    kind: str
+    label: str
+    meta: StageMeta
+    config: Config | None = None  # training stages: the job's resolved config
+
+
+@dataclass(frozen=True)
+class TrainedResult:
+    """A finished training stage (base, K search, finetune): its MLflow run and checkpoint."""
+
+    run_id: str
+    checkpoint: str
+    keep: list[int] | None = None
+    val_top1: float | None = None
+    seconds: float | None = None
+    skipped: bool = False  # found done in MLflow; nothing ran
+
+    def as_record(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in ("run_id", "skipped")}
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """A finished evaluation: top-1, cost and speed of one model, and the setting the speed was measured in."""
+
+    run_id: str
+    checkpoint: str
+    top1: float
+    gflops: float
+    images_per_s: float
+    images_per_s_spread: float
+    num_images: int
+    device: str = "cpu"
+    dtype: str = "fp32"
+    compile: str = "none"
+    analysis: str | None = None
+    skipped: bool = False
+
+    def as_record(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in ("run_id", "skipped")}
+
+
+def from_record(cls: type, record: dict[str, Any], run_id: str, **extra: Any) -> Any:
+    """A result dataclass from an MLflow record (unknown keys of older records are ignored)."""
+    names = {f.name for f in fields(cls)}
+    return cls(run_id=run_id, **{k: v for k, v in record.items() if k in names and k != "run_id"}, **extra)
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """Where evaluation tasks record their runs."""
+
+    uri: str
+    experiment: str
+    artifact_root: str | None
+    parent: str
+    dag: str
