@@ -368,7 +368,7 @@ class ExperimentConfig(Section):
 
 
 class Config(Section):
-    """The whole experiment config. Later stages add their sections here."""
+    """The whole config: every command reads the sections it needs (``pipeline config show`` prints them)."""
 
     seed: int = 0
     pooling: PoolingConfig = Field(default_factory=PoolingConfig)

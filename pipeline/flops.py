@@ -4,7 +4,7 @@ fvcore has no handle for two ops this code base runs, so two are added here:
 
 - ``aten::scaled_dot_product_attention`` (timm's fused attention, and ours when no statistics are
   needed): Q K^T plus A V, ``B H T S (d + d_v)`` multiply-adds. Without it fvcore silently drops
-  the attention matmuls (NOTES).
+  the attention matmuls (DeiT-S then counts 0.358 GFLOPs less than the paper's 4.6).
 - ``aten::baddbmm`` (the K-Means distances): the batched matmul part, ``B n m p``.
 
 The downsampling cost is then what the operators really multiply: the K-Medoids Gram matrix
