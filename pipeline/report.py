@@ -52,7 +52,7 @@ def budget_table(rows: Sequence[dict[str, Any]], budgets: Sequence[float]) -> li
     for budget, best in best_at_budgets(points(rows), budgets):
         row = by_id[best.id] if best else {}
         table.append({"budget_gflops": budget, "top1": best.top1 if best else None, "method": row.get("method"),
-                      "arch": row.get("arch"), "level": row.get("level"), "gflops": best.gflops if best else None})
+                      "arch": row.get("arch"), "level": row.get("level"), "gflops": best.cost if best else None})
     return table
 
 

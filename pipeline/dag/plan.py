@@ -50,12 +50,29 @@ class Stage:
 
 
 def stage_id(kind: str, config: Config | None, upstream: list[str], meta: dict[str, Any]) -> str:
-    content = {} if config is None else config.model_dump(mode="json")
-    for section, key in _VOLATILE:
-        content.get(section, {}).pop(key, None)
-    content.pop("experiment", None)
+    content = {} if config is None else identity_content(config)
     canonical = json.dumps({"kind": kind, "config": content, "upstream": upstream, "meta": meta}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def identity_content(config: Config) -> dict[str, Any]:
+    """What decides a training stage's result: the resolved config without where results go, without
+    the benchmark sections and execution-only settings (``train.compile``), and with the pooling section
+    only for finetunes, as the method's resolved options (a changed default that changes nothing
+    changes no identity)."""
+    content = config.model_dump(mode="json")
+    for section, key in _VOLATILE:
+        content.get(section, {}).pop(key, None)
+    for section in ("experiment", "bench", "bench_throughput"):
+        content.pop(section, None)
+    content["train"].pop("compile", None)
+    pool = config.pooling
+    if config.train.mode == "finetune":
+        content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
+                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.options()}
+    else:
+        content.pop("pooling", None)
+    return content
 
 
 def dag_id(config: Config) -> str:
