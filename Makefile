@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 test: setup
+	$(PY) -m ruff check pipeline tests jobs
 	$(PY) -m pytest -q
 
 # The whole protocol on Fashion-MNIST (writes its data subset first); prints the Pareto table.

@@ -1,4 +1,5 @@
-"""``pipeline bench ops``: the cost of each downsampling method as a fraction of one transformer block.
+"""``pipeline bench ops``: the cost of each downsampling method as a fraction of one transformer block,
+and the aten ops (CUDA kernel launches on a GPU) one call of it dispatches.
 
 Protocol (as ToMe's ``utils.benchmark``): warm up, synchronise the device, time ``repeats`` runs and
 report medians with the interquartile range. Every method runs on the same input as the block, and
@@ -26,6 +27,7 @@ from pipeline.errors import InputError, JobError, MissingFileError
 from pipeline.methods import METHODS
 from pipeline.models.attention import attend
 from pipeline.pooling import build_downsampler
+from pipeline.profiling import count_launches, count_ops
 from pipeline.timing import median_iqr, time_paired
 
 
@@ -39,6 +41,8 @@ class Timing:
     iqr_s: float
     share: float  # median over pairs of (method time / block time)
     block_median_s: float
+    ops: int  # aten ops one call dispatches (a proxy for its eager launch overhead)
+    launches: int | None  # CUDA kernel launches of one call (None off CUDA)
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,9 @@ def run_ops_benchmark(cfg: BenchOpsConfig, pooling: PoolingConfig, seed: int = 0
         for i, (label, k, call) in enumerate(rows, 1):
             base, own = time_paired(call, lambda: block(x), warmup=cfg.warmup, repeats=cfg.repeats, device=device)
             share = statistics.median(o / b for o, b in zip(own, base))
-            timings.append(Timing(label, k, *median_iqr(own), share, statistics.median(base)))
+            launches = count_launches(call) if device.type == "cuda" else None
+            timings.append(Timing(label, k, *median_iqr(own), share, statistics.median(base), count_ops(call).total,
+                                  launches))
             log(f"[{i}/{len(rows)}] {label} K={k if k is not None else '-'}: {timings[-1].median_s * 1e3:.2f} ms, "
                 f"{100 * share:.1f}% of the block")
     return timings
@@ -165,11 +171,12 @@ def format_table(timings: list[Timing]) -> str:
     lines = [
         f"block forward: {block_ms:.1f} ms (median over rows of each row's paired block median)",
         "",
-        "| method | K | median ms | IQR ms | block ms | % of block |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | K | median ms | IQR ms | block ms | % of block | aten ops | CUDA launches |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for t in timings:
         keep = "-" if t.keep is None else str(t.keep)
+        launches = "-" if t.launches is None else str(t.launches)
         lines.append(f"| {t.label} | {keep} | {t.median_s * 1e3:.2f} | {t.iqr_s * 1e3:.2f} | "
-                     f"{t.block_median_s * 1e3:.1f} | {100 * t.share:.1f} |")
+                     f"{t.block_median_s * 1e3:.1f} | {100 * t.share:.1f} | {t.ops} | {launches} |")
     return "\n".join(lines)

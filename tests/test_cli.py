@@ -73,14 +73,16 @@ def test_bench_ops_prints_the_table(tmp_path):
                "--out", str(out_file))
     table = proc.stdout
     assert re.search(r"block forward: [\d.]+ ms", table)
-    rows = re.findall(r"^\| ([\w ().]+?) \| (\d+|-) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", table,
-                      flags=re.M)
+    rows = re.findall(r"^\| ([\w ().]+?) \| (\d+|-) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| - \|$",
+                      table, flags=re.M)
     labels = [(label, k) for label, k, *_ in rows]
     assert labels == [("distance matrix (torch.cdist)", "-"), ("Gram matrix (bmm)", "-"), ("wkmedoids", "98"),
                       ("wkmedoids", "49"),
                       ("wkmedoids on keys", "98"), ("wkmedoids on keys", "49"), ("tome", "98"), ("tome", "49"),
                       ("tome on tokens", "98"), ("tome on tokens", "49"), ("conv", "49")]
-    assert all(float(ms) > 0 and float(block) > 0 and float(share) > 0 for _, _, ms, _, block, share in rows)
+    assert all(float(ms) > 0 and float(block) > 0 and float(share) > 0 for _, _, ms, _, block, share, _ in rows)
+    ops = {(label, k): int(n) for label, k, *_, n in rows}
+    assert ops[("Gram matrix (bmm)", "-")] <= 3 < ops[("wkmedoids", "98")]
     assert out_file.read_text().startswith("machine: ")
     assert "[11/11] conv K=49" in proc.stderr, "progress goes to stderr"
 
