@@ -63,6 +63,11 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
     if args.level is not None and args.keep is not None:
         raise InputError("give --keep or --level, not both")
+    if args.level is not None and args.embed_dim is not None:
+        raise InputError(f"--level holds the paper's keep lists of its models, not of {args.model} at width "
+                         f"{args.embed_dim}; name the model (e.g. --model deit_e252_patch16_224) or give --keep")
+    if args.keep is not None and args.method == "none":
+        raise InputError("--keep without --method keeps every token (method none); give --method too")
     if args.level is not None:
         keep = level_keep(args.model, args.level)
     else:
@@ -208,6 +213,10 @@ def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
     for candidate in (Path(run), base / run):
         if (candidate / "results.csv").is_file():
             return candidate
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+        # Reading must not create a store: MLflow would make an empty database at that path.
+        raise MissingFileError(f"{run!r} is neither a folder with results.csv nor an experiment under {base}, and "
+                               f"there is no MLflow store at {tracking_uri} to look the run up in")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)

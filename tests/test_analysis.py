@@ -181,6 +181,11 @@ def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path, caps
                              + ["img0_sheet.png", "img1_sheet.png"])
     assert_picture(tmp_path / "out" / "img0_wkmedoids.png", size=(720, 290))  # 3 panels of 2.4 in at 100 dpi
     assert_picture(tmp_path / "out" / "img1_sheet.png", size=(960, 290))      # input + 3 methods
+    # An unknown method anywhere in the list is refused before any picture is written.
+    proc = run_cli(capsys, "viz", "clusters", "--checkpoint", str(ckpt), "--images", str(images[0]),
+                   "--method", "wkmedoids,kmodes", "--layers", "1,3", "--out", str(tmp_path / "refused"))
+    assert proc.returncode == 2 and "unknown downsampling method 'kmodes'" in proc.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 def test_analyze_cli_writes_plots_and_csvs(tiny_checkpoint, tmp_path, capsys):

@@ -321,3 +321,28 @@ def test_soft_extract_needs_the_plain_model():
 
     with pytest.raises(ValueError, match="no soft-extract layers"):
         retention_keep(apply_downsampling(tiny(), "none"))
+
+
+# ---- K = 0 and the model's head --------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,refused", [
+    (dict(global_pool="token"), False),  # DeiT: the head reads the class token, which is always kept
+    (dict(global_pool="map", pool_include_prefix=True), False),  # attention pooling over the prefix tokens
+    (dict(global_pool="map"), True),  # attention pooling over the patch tokens only: none left
+    (dict(global_pool="avg"), True),  # averages the patch tokens: none left would be NaN
+    (dict(global_pool="avg", class_token=False), True),
+    (dict(global_pool="max", reg_tokens=2), True),
+    (dict(global_pool="map", class_token=False), True),  # no prefix token: nothing of the image left
+])
+def test_keep_zero_against_the_head(kwargs, refused):
+    model = tiny(**kwargs)
+    if refused:
+        with pytest.raises(ValueError, match=r"keep\[3\] \(block 4\) is 0, but this model"):
+            apply_downsampling(model, "tome", [40, 20, 8, 0])
+        pooled = apply_downsampling(tiny(**kwargs), "tome", [40, 20, 8, 1])  # one token left works
+    else:
+        pooled = apply_downsampling(model, "tome", [40, 20, 8, 0])
+    with torch.no_grad():
+        features = pooled.forward_head(pooled.forward_features(images()), pre_logits=True)
+    assert torch.isfinite(features).all()
+    assert not torch.allclose(features[0], features[1]), "what the head sees depends on the image"

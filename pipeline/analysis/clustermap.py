@@ -142,8 +142,9 @@ def cluster_maps(subject: Subject, images: np.ndarray, names: Sequence[str], *, 
     inputs, scale = normalise(subject, images), display_scale(subject.res)
     keep_text = ",".join(map(str, keep))
     written, at_sheet = [], {name: {} for name in names}
-    for method in methods:
-        groups = patch_groups(block_records(with_method(subject, method, keep), inputs), subject.num_tokens).numpy()
+    nets = {method: with_method(subject, method, keep) for method in methods}  # every method checked first
+    for method, net in nets.items():
+        groups = patch_groups(block_records(net, inputs), subject.num_tokens).numpy()
         for i, name in enumerate(names):
             title = f"{subject.label}: {method}, K = {keep_text}"
             chosen = {layer: groups[layer - 1, i] for layer in layers}

@@ -216,6 +216,28 @@ def retention_keep(model: nn.Module) -> list[int]:
     return keep
 
 
+def _check_head_keeps_tokens(model: nn.Module, keep: list[int]) -> None:
+    """Refuses a keep list that leaves the head nothing of the image.
+
+    K = 0 passes only the prefix tokens on (the paper's lists end in 0 for DeiT's class token). A
+    head that pools only the non-prefix tokens (timm's ``global_pool`` avg, max, avgmax, or an
+    attention pool, without ``pool_include_prefix``) would pool zero tokens (NaN logits for the
+    averages, the same logits for every image for an attention pool), and a model without prefix
+    tokens would have no token of the image left at all.
+    """
+    if 0 not in keep:
+        return
+    pool, prefix = getattr(model, "global_pool", "token"), model.num_prefix_tokens
+    patches_only = pool not in ("token", "") and not getattr(model, "pool_include_prefix", False)
+    if patches_only or prefix == 0:
+        layer = keep.index(0)
+        why = (f"this model's head pools only the patch tokens (global_pool={pool!r}) and none would be left"
+               if patches_only else
+               "this model has no prefix (class or register) token, so no token of the image would be left")
+        raise InputError(f"keep[{layer}] (block {layer + 1}) is 0, but {why}; keep at least 1 token in every "
+                         "block (K = 0 suits models whose head reads the class token)")
+
+
 def apply_downsampling(
     model: nn.Module,
     method: str,
@@ -259,6 +281,7 @@ def apply_downsampling(
     num_tokens = model.patch_embed.num_patches
     depth = len(model.blocks)
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
+    _check_head_keeps_tokens(model, keep)
     config = DownsamplingConfig(method=method, keep=keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
                                 soft_extract=soft_extract, options=options)
     grid = tuple(model.patch_embed.grid_size) if hasattr(model.patch_embed, "grid_size") else None
