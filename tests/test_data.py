@@ -197,6 +197,35 @@ def test_metadata_mismatch_is_refused(synthetic_beton, tmp_path):
         check_dataset(tmp_path / "missing.beton", 5)
 
 
+def test_edited_or_broken_metadata_is_refused(synthetic_beton, tmp_path):
+    # data check compares the metadata with the .beton itself, not only with its size.
+    beton, _ = synthetic_beton
+    copy = tmp_path / "copy.beton"
+    copy.write_bytes(beton.read_bytes())
+    meta = json.loads(metadata_path(beton).read_text())
+
+    def with_meta(**changes) -> None:
+        metadata_path(copy).write_text(json.dumps({k: v for k, v in (meta | changes).items() if v is not None}))
+
+    with_meta(num_images=meta["num_images"] + 1)  # a consumer would index past the end
+    with pytest.raises(DatasetMismatchError, match=f"holds {meta['num_images']} images but its metadata says "
+                                                   f"num_images={meta['num_images'] + 1}"):
+        check_dataset(copy, 5)
+    with_meta(classes=meta["classes"][:-1])
+    with pytest.raises(DatasetMismatchError, match="num_classes=5 but lists 4 classes"):
+        check_dataset(copy, 5)
+    with_meta(sha256=None)
+    with pytest.raises(DatasetMismatchError, match="copy.beton.json lacks sha256"):
+        check_dataset(copy, 5)
+    metadata_path(copy).write_text("{not json")
+    with pytest.raises(DatasetMismatchError, match="copy.beton.json: not valid JSON"):
+        check_dataset(copy, 5)
+    with_meta(bytes=10)
+    copy.write_bytes(beton.read_bytes()[:10])  # size agrees with the edited metadata; the header is cut
+    with pytest.raises(DatasetMismatchError, match="no FFCV header: it is truncated"):
+        check_dataset(copy, 5)
+
+
 def awkward_folder(root: Path) -> None:
     """Class ``a``: 3 good JPEGs, a truncated one, a fake one and a text file; class ``b``: odd modes."""
     make_folder(root, {"a": 3})

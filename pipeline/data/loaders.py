@@ -65,7 +65,30 @@ def read_metadata(beton: str | Path) -> dict[str, Any]:
     if not meta.is_file():
         raise DatasetMismatchError(f"{beton} has no metadata file {meta.name} beside it; it was not written by "
                                    "`python -m pipeline data write` or its write did not finish; rewrite it")
-    return json.loads(meta.read_text())
+    try:
+        data = json.loads(meta.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DatasetMismatchError(f"{meta}: not valid JSON ({err}); write {beton} again with "
+                                   "`python -m pipeline data write`") from None
+    missing = [key for key in REQUIRED_METADATA if key not in data] if isinstance(data, dict) else REQUIRED_METADATA
+    if missing:
+        raise DatasetMismatchError(f"{meta} lacks {', '.join(missing)}; it was not written by this version of "
+                                   "`python -m pipeline data write`; write the dataset again")
+    return data
+
+
+REQUIRED_METADATA = ["num_images", "num_classes", "classes", "source", "bytes", "sha256", "settings", "skipped"]
+
+
+def beton_samples(beton: str | Path) -> int:
+    """The number of samples an FFCV ``.beton`` itself holds (its header), for checking the metadata."""
+    from ffcv.reader import CURRENT_VERSION
+    from ffcv.types import HeaderType
+
+    header = np.fromfile(beton, dtype=HeaderType, count=1)
+    if len(header) == 0 or int(header[0]["version"]) != CURRENT_VERSION:
+        raise DatasetMismatchError(f"{beton} has no FFCV header: it is truncated or not a .beton; write it again")
+    return int(header[0]["num_samples"])
 
 
 def check_dataset(beton: str | Path, num_classes: int, full_checksum: bool = False) -> dict[str, Any]:
@@ -80,6 +103,14 @@ def check_dataset(beton: str | Path, num_classes: int, full_checksum: bool = Fal
     if size != meta["bytes"]:
         raise DatasetMismatchError(f"{beton} is {size} bytes but its metadata says {meta['bytes']}: the file was "
                                    "changed or only partly copied; copy or write it again")
+    samples = beton_samples(beton)
+    if samples != meta["num_images"]:
+        raise DatasetMismatchError(f"{beton} holds {samples} images but its metadata says num_images="
+                                   f"{meta['num_images']}; the metadata was edited or belongs to another file; "
+                                   "write the dataset again")
+    if meta["num_classes"] != len(meta["classes"]):
+        raise DatasetMismatchError(f"{beton}: its metadata says num_classes={meta['num_classes']} but lists "
+                                   f"{len(meta['classes'])} classes; write the dataset again")
     if meta["num_classes"] != num_classes:
         raise DatasetMismatchError(f"{beton} holds {meta['num_classes']} classes ({meta['source']}) but the config "
                                    f"says data.num_classes={num_classes}; fix the config or point at the right file")
