@@ -115,7 +115,7 @@ def cmd_data_write(args: argparse.Namespace) -> int:
     source = open_source(args.source, limit=args.limit)
     mode = args.mode or ("jpg" if args.source.startswith("imagefolder:") else "raw")
     settings = WriteSettings(mode=mode, max_res=args.max_res or None, quality=args.quality, workers=args.workers,
-                             strict=args.strict)
+                             strict=args.strict, overwrite=args.overwrite)
     write_beton(source, args.out, settings, log=_log)
     return 0
 
@@ -381,6 +381,7 @@ def _add_data_commands(commands) -> None:
     write.add_argument("--workers", type=int, default=2, help="writer processes")
     write.add_argument("--limit", type=int, default=None, help="write only N images, spread over all classes")
     write.add_argument("--strict", action="store_true", help="fail on the first unreadable file instead of skipping it")
+    write.add_argument("--overwrite", action="store_true", help="replace an existing --out (refused otherwise)")
     write.set_defaults(func=cmd_data_write)
     folder = data_commands.add_parser("folder", help="write a source as a JPEG folder PATH/<class>/*.jpg")
     folder.add_argument("--source", required=True, help="as for data write")

@@ -252,6 +252,30 @@ def test_awkward_files_are_converted_skipped_and_counted(tmp_path):
     assert converted == {(77, 77, 77), (200, 100, 50), (255, 0, 0), (128, 128, 128)}
 
 
+def test_write_refuses_what_would_leave_a_class_empty_or_replace_a_file(tmp_path):
+    awkward_folder(tmp_path / "src")
+    (tmp_path / "src" / "c").mkdir()  # a class whose only image is unreadable
+    (tmp_path / "src" / "c" / "broken.jpg").write_bytes(b"not an image either")
+    out = tmp_path / "out.beton"
+    with pytest.raises(DataWriteError, match="class\\(es\\) c have no readable image left"):
+        write_beton(open_source(f"imagefolder:{tmp_path / 'src'}"), out, RAW, log=lambda _: None)
+    assert not out.exists()
+    with pytest.raises(SourceError, match="--limit 2 is below the 3 classes"):
+        open_source(f"imagefolder:{tmp_path / 'src'}", limit=2)
+    limited = open_source("synthetic:classes=5,count=100,size=8", limit=7)
+    assert len(limited) == 7 and set(limited.labels.tolist()) == set(range(5))  # every class keeps images
+    write_beton(open_source("synthetic:classes=2,count=8,size=8"), out, RAW, log=lambda _: None)
+    with pytest.raises(DataWriteError, match="out.beton exists; pass --overwrite"):
+        write_beton(open_source("synthetic:classes=2,count=8,size=8"), out, RAW, log=lambda _: None)
+    overwrite = WriteSettings(mode="raw", max_res=None, overwrite=True)
+    assert write_beton(open_source("synthetic:classes=2,count=6,size=8"), out, overwrite,
+                       log=lambda _: None)["num_images"] == 6
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataWriteError, match="afile is a file, not a folder"):
+        write_beton(open_source("synthetic:classes=2,count=8,size=8"), tmp_path / "afile" / "x.beton", RAW,
+                    log=lambda _: None)
+
+
 def test_strict_fails_on_the_first_bad_file_and_writes_nothing(tmp_path):
     awkward_folder(tmp_path / "src")
     out = tmp_path / "out.beton"
@@ -276,11 +300,11 @@ def test_bad_sources_name_the_problem(tmp_path):
 
 def test_unwritable_output_is_refused_before_any_work(tmp_path):
     source = open_source("synthetic:count=4,size=8")
-    with pytest.raises(DataWriteError, match="cannot write to"):
+    with pytest.raises(DataWriteError, match="cannot create the folder /proc/no inside /proc"):
         write_beton(source, Path("/proc/no/x.beton"), RAW, log=lambda _: None)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(DataWriteError, match="cannot write to"):
+    with pytest.raises(DataWriteError, match="file is a file, not a folder"):
         write_beton(source, blocker / "x.beton", RAW, log=lambda _: None)
     if os.geteuid() != 0:  # root ignores directory permissions
         locked = tmp_path / "locked"
@@ -300,8 +324,8 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path):
     # 8000 images = 80 chunks of indices queued up front, more than a pipe holds: without
     # write._abandon_queues the failed write hangs at exit on FFCV's queue feeder thread.
     proc = subprocess.run([sys.executable, "-m", "pipeline", "data", "write", "--source",
-                           "synthetic:count=8000,size=64", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, preexec_fn=_limit_file_size)
+                           "synthetic:count=8000,size=64", "--out", str(out), "--overwrite"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size)
     assert proc.returncode == 2, proc.stderr
     assert "writer process failed" in proc.stderr and "Traceback" not in proc.stderr.split("error:")[-1]
     assert out.read_bytes() == b"previous dataset"

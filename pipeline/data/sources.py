@@ -199,11 +199,23 @@ def synthetic_source(options: dict[str, int], limit: int | None, seed: int = 0) 
 def _limit(source: Source, limit: int | None) -> Source:
     if limit is None or limit >= len(source):
         return source
-    if limit < 1:
-        raise SourceError(f"--limit must be >= 1, got {limit}")
-    # Evenly spaced rather than the first N, so a limited ImageNet or Fashion-MNIST keeps every class.
-    keep = np.unique(np.linspace(0, len(source) - 1, limit).round().astype(np.int64))
-    return source.subset(keep)
+    if limit < len(source.classes):
+        raise SourceError(f"--limit {limit} is below the {len(source.classes)} classes of {source.spec}: every "
+                          f"class keeps at least one image, so give --limit {len(source.classes)} or more")
+    # Evenly spaced within each class, in proportion to its size (at least one image per class).
+    counts = np.bincount(source.labels, minlength=len(source.classes))
+    quota = counts * limit / len(source)
+    share = np.minimum(counts, np.maximum(1, np.floor(quota).astype(np.int64)))
+    while share.sum() > limit:  # the floor of one per class can overshoot: trim the largest shares
+        share[np.argmax(share)] -= 1
+    while share.sum() < limit:  # the rest to the largest remainders (a class never gives more than it has)
+        room = np.where(share < counts, quota - share, -np.inf)
+        share[np.argmax(room)] += 1
+    keep = []
+    for label, n in enumerate(share):
+        members = np.flatnonzero(source.labels == label)
+        keep.append(members[np.linspace(0, len(members) - 1, n).round().astype(np.int64)])
+    return source.subset(np.sort(np.concatenate(keep)))
 
 
 def _parse_options(text: str, spec: str) -> dict[str, int]:

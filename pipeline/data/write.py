@@ -45,6 +45,7 @@ class WriteSettings:
     quality: int = 90
     workers: int = 2
     strict: bool = False
+    overwrite: bool = False  # replace an existing .beton (refused otherwise)
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "max_res": self.max_res, "quality": self.quality}
@@ -93,7 +94,12 @@ def validate_files(source: Source, settings: WriteSettings, log=print) -> tuple[
         log(f"skipped {len(bad)} unreadable file(s); they are listed in the metadata under 'skipped'")
     if not keep:
         raise DataWriteError(f"{source.spec}: none of the {len(source)} files could be decoded")
-    return source.subset(np.asarray(keep, dtype=np.int64)), bad
+    kept = source.subset(np.asarray(keep, dtype=np.int64))
+    empty = [name for label, name in enumerate(source.classes) if not (kept.labels == label).any()]
+    if empty:
+        raise DataWriteError(f"{source.spec}: class(es) {', '.join(empty)} have no readable image left (every file "
+                             "was skipped, see above); fix or remove those folders")
+    return kept, bad
 
 
 class _Samples:
@@ -109,16 +115,26 @@ class _Samples:
         return self.source.image(index), int(self.source.labels[index])
 
 
-def _check_output(out: Path) -> None:
+def _check_output(out: Path, overwrite: bool) -> None:
+    if out.is_dir():
+        raise DataWriteError(f"--out {out} is a directory; give a file name such as {out / 'train.beton'}")
+    if out.exists() and not overwrite:
+        raise DataWriteError(f"--out {out} exists; pass --overwrite to replace it (its metadata too), or choose "
+                             "another name")
+    existing = next(p for p in [out.parent, *out.parent.parents] if p.exists())
+    if not existing.is_dir():
+        raise DataWriteError(f"cannot create {out.parent}: {existing} is a file, not a folder; choose another --out")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataWriteError(f"cannot create the folder {out.parent} inside {existing} ({err.strerror or err}); "
+                             "choose a writable --out") from None
+    try:
         probe = out.with_name(f".{out.name}.probe-{os.getpid()}")
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
         raise DataWriteError(f"cannot write to {out.parent}: {err.strerror or err}; choose a writable --out") from None
-    if out.is_dir():
-        raise DataWriteError(f"--out {out} is a directory; give a file name such as {out / 'train.beton'}")
 
 
 def _check_space(out: Path, source: Source, settings: WriteSettings) -> None:
@@ -225,7 +241,7 @@ def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=pr
     from pipeline.config import git_sha
 
     out = Path(out)
-    _check_output(out)
+    _check_output(out, settings.overwrite)
     _remove_stale_partials(out)
     source, skipped = validate_files(source, settings, log)
     _check_space(out, source, settings)
