@@ -96,8 +96,9 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     for kind in ("base", "ksearch", "finetune", "evaluate"):
         assert all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in by_kind[kind]), kind
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
-    assert {"report/results.csv", "report/pareto.csv", "report/budgets.csv", "report/report.md",
-            "report/tradeoff.png", "report/widths.png", "report/keep_lists.png"} <= artifacts
+    assert {"report/results.csv", "report/pareto.csv", "report/pareto_speed.csv", "report/budgets.csv",
+            "report/report.md", "report/tradeoff.png", "report/tradeoff_speed.png", "report/widths.png",
+            "report/keep_lists.png"} <= artifacts
     ksearch = [r for r in by_kind["ksearch"] if r.data.tags.get(DONE) == "1"]
     assert all("keep.json" in {a.path for a in client.list_artifacts(r.info.run_id)} for r in ksearch)
     # Each evaluated model carries its analyses (linked from results.csv): maps for a downsampling model,
@@ -114,7 +115,12 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
         downsamples = row["keep"] is not None and any(0 < k < 16 for k in row["keep"])
         assert ("analysis/reconstruction.csv" in files) == downsamples, (row["keep"], files)
     assert any(0 < k < 16 for row in rows if row["keep"] for k in row["keep"])  # the check above bites somewhere
-    assert "## Analysis artifacts" in (root / "experiments" / "tiny" / "report.md").read_text()
+    report = (root / "experiments" / "tiny" / "report.md").read_text()
+    assert "## Analysis artifacts" in report
+    # Deployment-aware selection: the speed front, measured in the setting the evaluate stage resolved.
+    heading = "## Pareto front by measured speed (images/s higher, top-1 higher) (measured cpu fp32 compile:none)"
+    assert heading in report
+    assert {row["speed_setting"] for row in rows} == {"cpu fp32 compile:none"}
     version = client.get_model_version_by_alias("token-pooling-tiny", "best")
     assert version.run_id in {r.info.run_id for r in finetunes}
 

@@ -170,3 +170,22 @@ for (b, h, t, d), dtype, carry in [((2, 3, 11, 16), torch.float32, False), ((1, 
 def test_torch_path_is_what_the_cpu_runs():
     q, k = _qk()
     torch.testing.assert_close(attention_significance(q, k, 0.25), significance_torch(q, k, None, 0.25))
+
+
+def test_eval_settings_resolve_to_the_device():
+    from pipeline.models.execution import resolve_setting
+
+    assert resolve_setting("auto", "auto", "auto", cuda=True) == ("cuda", "bf16", "default")
+    assert resolve_setting("auto", "auto", "auto", cuda=False) == ("cpu", "fp32", "none")
+    assert resolve_setting("cpu", "bf16", "default", cuda=True) == ("cpu", "bf16", "default")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_setting("cpu", "auto", "reduce-overhead", cuda=True)
+
+
+def test_throughput_is_measured_compiled_and_in_the_dtype():
+    from pipeline.evaluate import throughput
+
+    model = apply_downsampling(tiny(), "tome", KEEP).eval()
+    rate, spread = throughput(model, batch=2, warmup=0, repeats=2, device=torch.device("cpu"), dtype="bf16",
+                              compile="none")
+    assert rate > 0 and spread >= 0
