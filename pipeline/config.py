@@ -94,8 +94,7 @@ class BenchOpsConfig(Section):
     batch: int = Field(64, ge=1)
     keep: list[int] = Field(default_factory=lambda: [147, 98, 49], min_length=1)
     methods: list[MethodName] = Field(
-        default_factory=lambda: ["kmeans", "kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance",
-                                 "tome", "conv"],
+        default_factory=lambda: [name for name in METHODS if name != "none"],  # every registered method
         min_length=1,
     )
     warmup: int = Field(3, ge=0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from pipeline.data.loaders import LoaderSpec, build_loader
 from pipeline.data.sources import open_source

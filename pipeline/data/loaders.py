@@ -6,17 +6,18 @@ Normalisation and the validation crop come from the model's data config
 
 from __future__ import annotations
 
-from pipeline.errors import InputError, MissingFileError, PipelineError
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from pipeline.config import DataConfig
 from pipeline.data.write import metadata_path
+from pipeline.errors import InputError, MissingFileError, PipelineError
 
 
 class DatasetMismatchError(PipelineError, ValueError):

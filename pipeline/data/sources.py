@@ -7,7 +7,6 @@ every writer and loader downstream sees RGB.
 
 from __future__ import annotations
 
-from pipeline.errors import PipelineError
 import gzip
 import os
 from dataclasses import dataclass, field
@@ -16,6 +15,8 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from pipeline.errors import PipelineError
 
 # torchvision's ImageFolder list, so that both loaders see the same files.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

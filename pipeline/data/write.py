@@ -8,7 +8,6 @@ validation cannot foresee, such as a disk that fills up halfway.
 
 from __future__ import annotations
 
-from pipeline.errors import PipelineError
 import _thread
 import hashlib
 import json
@@ -19,7 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.data.sources import Source
+from pipeline.errors import PipelineError
 
 METADATA_VERSION = 1
 WriteMode = Literal["raw", "jpg", "smart"]
@@ -263,7 +263,7 @@ def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=pr
             "non_image_files": source.non_images,
             "bytes": tmp.stat().st_size,
             "sha256": sha256_file(tmp),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "git": git_sha(Path(__file__).parent),
         }
         tmp.replace(out)
