@@ -66,7 +66,8 @@ class PoolingConfig(Section):
     cluster_on: Literal["tokens", "metric"] | None = Field(
         None, description="match on the tokens, or on the cheaper metric (keys averaged over heads); "
         "default: the method's own (tokens for clustering, keys for ToMe)")
-    keep: list[int] | None = Field(None, description="K_1..K_L for finetuning; default: keep all")
+    keep: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="K_1..K_L for finetuning (one per block, each >= 0); default: keep all")
     level: int | None = Field(None, ge=0, le=7, description="or the paper's sparsity level (configs/sparsity/)")
     carry: bool = Field(False, description="carry cluster sizes, proportional attention (Appendix D)")
     qk_norm: Literal["fixed", "learned"] | None = Field(None, description="normalised queries/keys (Appendix F)")
@@ -378,6 +379,16 @@ class Config(Section):
     recipe: RecipeConfig = Field(default_factory=RecipeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     experiment: ExperimentConfig | None = None
+
+    @model_validator(mode="after")
+    def _keep_fits_the_depth(self) -> Config:
+        # The depth is known here when the config sets it; otherwise the model build checks the
+        # length before any compute (the config loads without torch, so it cannot ask timm).
+        keep, depth = self.pooling.keep, self.model.depth
+        if keep is not None and depth is not None and len(keep) != depth:
+            raise ValueError(f"pooling.keep has {len(keep)} entries {keep} but model.depth is {depth}; give one K "
+                             "per block")
+        return self
 
     @model_validator(mode="after")
     def _pooling_options_exist(self) -> Config:

@@ -48,3 +48,26 @@ def test_an_empty_batch_gives_empty_results(method, init):
         options = {"init": init} if method == "wkmedoids" else {}
         out = build_downsampler(method, **options)(tokens, 3, scores=scores, metric=tokens)
     assert out.tokens.shape == (0, 3, 4) and out.sizes.shape == (0, 3) and out.assign.shape == (0, 10)
+
+
+def test_keep_lists_are_checked_when_the_config_loads():
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"pooling.keep.1: Input should be greater than or equal to 0 \(got -1\)"):
+        load_config(None, ["pooling.keep=[4, -1, 2]"])
+    with pytest.raises(ConfigError, match=r"pooling.keep has 2 entries \[4, 2\] but model.depth is 3"):
+        load_config(None, ["model.depth=3", "pooling.keep=[4, 2]"])
+
+
+def test_viz_on_a_truncated_beton_says_so(capsys, tmp_path):
+    from pipeline.data import WriteSettings, open_source, write_beton
+
+    beton = tmp_path / "val.beton"
+    write_beton(open_source("synthetic:classes=4,count=16,size=16"), beton, WriteSettings(mode="raw", max_res=None),
+                log=lambda _: None)
+    beton.write_bytes(beton.read_bytes()[:-500])
+    code, _, err = run(capsys, "viz", "clusters", "--model", "vit_tiny_patch16_224", "--data", str(beton),
+                       "--count", "2", "--method", "tome", "--keep", "98,49,20,10,5,2,1,1,1,1,1,1",
+                       "--out", str(tmp_path / "maps"))
+    assert code == 2 and "only partly copied" in err
+    assert not (tmp_path / "maps").exists()
