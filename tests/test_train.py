@@ -152,7 +152,7 @@ def test_bad_inputs_fail_before_any_compute(base, data, runs, tmp_path):
         run_training(tiny(data, runs, "train.use_gpu=true"))
     with pytest.raises(ConfigError, match="pooling.method"):
         tiny(data, runs, "pooling.method=kmedians")
-    with pytest.raises(ValueError, match="keep has 2 entries but the model has 3 blocks"):
+    with pytest.raises(ValueError, match=r"pooling.keep has 2 entries \[8, 4\] but model.depth is 3"):
         run_training(tiny(data, runs, "train.mode=finetune", f"train.init={base.checkpoint}", "pooling.keep=[8, 4]"))
     with pytest.raises(ConfigError, match="set train.init"):
         run_training(tiny(data, runs, "train.mode=finetune", "pooling.keep=[12, 8, 4]"))
