@@ -130,11 +130,9 @@ def cmd_data_folder(args: argparse.Namespace) -> int:
 def cmd_data_check(args: argparse.Namespace) -> int:
     import json
 
-    from pipeline.data.loaders import check_dataset, read_metadata
+    from pipeline.data.loaders import check_dataset
 
-    meta = read_metadata(args.beton)
-    check_dataset(args.beton, meta["num_classes"] if args.num_classes is None else args.num_classes,
-                  full_checksum=True)
+    meta = check_dataset(args.beton, args.num_classes, full_checksum=True)
     shown = {key: meta[key] for key in ("source", "num_images", "num_classes", "settings", "bytes", "sha256")}
     shown["skipped"] = len(meta["skipped"])
     print(json.dumps(shown, indent=2))

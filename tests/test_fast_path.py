@@ -182,7 +182,7 @@ def test_eval_settings_resolve_to_the_device():
         resolve_setting("cpu", "auto", "reduce-overhead", cuda=True)
 
 
-def test_throughput_is_measured_compiled_and_in_the_dtype():
+def test_throughput_is_measured_in_the_dtype():
     from pipeline.evaluate import throughput
 
     model = apply_downsampling(tiny(), "tome", KEEP).eval()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.pooling import METHODS, build_downsampler, pooled_count, token_pool, tome_merge
-from pipeline.pooling.common import segment_sum
+from pipeline.pooling.common import Partition
 
 SETTINGS = settings(max_examples=25, deadline=None)
 CLUSTERING = ["kmeans", "kmedoids", "wkmeans", "wkmedoids"]
@@ -180,8 +180,8 @@ def test_segment_sum_paths_agree():
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(3, 17, 5, generator=gen)
     assign = torch.randint(0, 6, (3, 17), generator=gen)
-    dense = segment_sum(values, assign, 6, dense=True)
-    scattered = segment_sum(values, assign, 6, dense=False)
+    dense = Partition(assign, 6, dtype=values.dtype, dense=True).sum(values)
+    scattered = Partition(assign, 6, dtype=values.dtype, dense=False).sum(values)
     torch.testing.assert_close(dense, scattered)
     for s in range(3):
         for j in range(6):

@@ -196,11 +196,10 @@ def beton_images(beton: str | Path, subject: Subject, *, count: int | None = Non
     Read through the validation pipeline (centre crop at the subject's resolution) with the
     identity normalisation, so the batches are the pixels the model's validation loader sees.
     """
-    from pipeline.data.loaders import LoaderSpec, check_dataset, ffcv_loader, read_metadata
+    from pipeline.data.loaders import LoaderSpec, check_dataset, ffcv_loader
 
-    meta = read_metadata(beton)  # a clear error for a missing file or metadata
-    check_dataset(beton, meta["num_classes"])  # and for a truncated or edited one, before FFCV reads it
-    total = int(meta["num_images"])
+    # A clear error for a missing, truncated or edited file (or its metadata), before FFCV reads it.
+    total = int(check_dataset(beton)["num_images"])
     if count is not None and not 1 <= count <= total:
         raise AnalysisError(f"{beton} holds {total} images; asked for {count}")
     spec = LoaderSpec(str(beton), train=False, batch_size=batch, res=subject.res, mean=(0.0,) * 3,

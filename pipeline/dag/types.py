@@ -46,6 +46,11 @@ class StageSpec:
     config: Config | None = None  # training stages: the job's resolved config
 
 
+def _record(result) -> dict[str, Any]:
+    """What MLflow stores of a result: everything but the run it is stored on and whether it was found."""
+    return {k: v for k, v in asdict(result).items() if k not in ("run_id", "skipped")}
+
+
 @dataclass(frozen=True)
 class TrainedResult:
     """A finished training stage (base, K search, finetune): its MLflow run and checkpoint."""
@@ -57,8 +62,7 @@ class TrainedResult:
     seconds: float | None = None
     skipped: bool = False  # found done in MLflow; nothing ran
 
-    def as_record(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("run_id", "skipped")}
+    as_record = _record
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,7 @@ class EvalResult:
     analysis: str | None = None
     skipped: bool = False
 
-    def as_record(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("run_id", "skipped")}
+    as_record = _record
 
 
 def from_record(cls: type, record: dict[str, Any], run_id: str, **extra: Any) -> Any:

@@ -92,8 +92,10 @@ def beton_samples(beton: str | Path) -> int:
     return int(header[0]["num_samples"])
 
 
-def check_dataset(beton: str | Path, num_classes: int, full_checksum: bool = False) -> dict[str, Any]:
-    """Refuses a ``.beton`` whose metadata disagrees with the config or with the file itself.
+def check_dataset(beton: str | Path, num_classes: int | None = None, full_checksum: bool = False
+                  ) -> dict[str, Any]:
+    """Refuses a ``.beton`` whose metadata disagrees with the config or with the file itself; returns
+    the metadata. ``num_classes`` None: no class count is required.
 
     The size check is free; the SHA-256 (``full_checksum``) reads the whole file.
     """
@@ -112,7 +114,7 @@ def check_dataset(beton: str | Path, num_classes: int, full_checksum: bool = Fal
     if meta["num_classes"] != len(meta["classes"]):
         raise DatasetMismatchError(f"{beton}: its metadata says num_classes={meta['num_classes']} but lists "
                                    f"{len(meta['classes'])} classes; write the dataset again")
-    if meta["num_classes"] != num_classes:
+    if num_classes is not None and meta["num_classes"] != num_classes:
         raise DatasetMismatchError(f"{beton} holds {meta['num_classes']} classes ({meta['source']}) but the config "
                                    f"says data.num_classes={num_classes}; fix the config or point at the right file")
     if full_checksum and sha256_file(beton) != meta["sha256"]:

@@ -6,8 +6,8 @@ without ever holding the normalised (B, H, T, T) probabilities:
 - on CUDA, two Triton passes (``significance_triton``): row log-sum-exps, then column sums of
   ``exp(logit - lse)``, both recomputing the logits tile by tile;
 - on the CPU (and on CUDA without Triton), the same math in torch: the row-normalised column sum
-  is one matmul of the reciprocal row sums against the unnormalised ``exp(logit - rowmax)``, which
-  on this project's CPUs costs about half of an explicit ``softmax(...).sum(...)``.
+  is one matmul of the reciprocal row sums against the unnormalised ``exp(logit - rowmax)``, so the
+  (B, H, T, T) matrix is never normalised.
 
 It is a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` keeps it as one opaque call
 and autograd uses the backward below (the weighted methods differentiate through their weights).

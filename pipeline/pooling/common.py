@@ -209,11 +209,6 @@ class Partition:
         return self.sum(values if weights is None else values * weights.unsqueeze(-1)) / total, total
 
 
-def segment_sum(values: Tensor, assign: Tensor, k: int, *, dense: bool | None = None) -> Tensor:
-    """Sums rows of ``values`` (B, N, C) into ``k`` segments given by ``assign`` (B, N) -> (B, K, C)."""
-    return Partition(assign, k, dtype=values.dtype, dense=dense).sum(values)
-
-
 def augmented(x: Tensor, w: Tensor | None) -> Tensor:
     """(B, N, D) rows and (B, N) weights -> (B, N, D + P) rows ``[w_i x_i, w_i, ...]`` (w = 1 when None).
 
