@@ -189,3 +189,26 @@ def test_throughput_is_measured_in_the_dtype():
     rate, spread = throughput(model, batch=2, warmup=0, repeats=2, device=torch.device("cpu"), dtype="bf16",
                               compile="none")
     assert rate > 0 and spread >= 0
+
+
+def test_training_with_train_compile(tmp_path):
+    """`train.compile: default` trains the inductor-compiled model (fullgraph) and writes a checkpoint of
+    the plain module, which rebuilds and loads without compilation."""
+    from pipeline.config import load_config
+    from pipeline.train import run_training
+    from pipeline.train.checkpoint import load_checkpoint, model_from_checkpoint
+    from tests.conftest import write_synthetic_pair
+
+    data = write_synthetic_pair(tmp_path, train=64, val=32)
+    result = run_training(load_config(ROOT / "configs" / "train" / "tiny_synthetic.yaml", [
+        f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}", "train.workers=0",
+        f"train.storage_path={tmp_path / 'ray'}", f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"train.artifact_root={tmp_path / 'artifacts'}", "recipe.epochs=1", "train.name=compiled",
+        "train.compile=default"]))
+    assert result.summary["epoch"] == 1 and 0.0 <= result.summary["val_top1"] <= 100.0
+    state = load_checkpoint(result.checkpoint)
+    assert not any(key.startswith("_orig_mod.") for key in state["model"]), "the compiled wrapper leaked in"
+    assert state["config"]["train"]["compile"] == "default"
+    model, _, _ = model_from_checkpoint(result.checkpoint)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randn(2, 3, 16, 16))).all()
