@@ -249,7 +249,10 @@ class TrainConfig(Section):
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     keep_checkpoints: int = Field(2, ge=1)
-    max_failures: int = Field(1, ge=0, description="worker failures survived by restarting from a checkpoint")
+    max_failures: int = Field(1, ge=0, description="worker or node failures survived by restarting the workers "
+                              "from the last checkpoint")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement of the workers: STRICT_SPREAD puts each rank on its own node")
     address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS or a local Ray")
     tracking_uri: str = Field("sqlite:///runs/mlflow.db", description="MLflow tracking URI")
     artifact_root: str | None = Field("runs/mlartifacts", description="artifact store of new MLflow experiments "
@@ -259,6 +262,9 @@ class TrainConfig(Section):
     tags: dict[str, str] = Field(default_factory=dict, description="extra MLflow tags (the DAG's stage records)")
     checkpoint_artifact_mb: float = Field(200, ge=0, description="log the final checkpoint to MLflow if smaller")
     debug_fail_at_step: int | None = Field(None, ge=1, description="debug: raise once at this global step")
+    debug_pause_at_step: int | None = Field(None, ge=1, description="debug: rank 0 pauses once at this global step "
+                                            "(for debug_pause_s) so that a fault can be injected mid-epoch")
+    debug_pause_s: float = Field(120.0, gt=0, description="debug: how long the pause lasts")
     progress_bar: bool = Field(True, description="a per-step bar when stdout is a terminal")
     compile: CompileMode = Field("none", description="torch.compile the model (fullgraph) in this mode")
 

@@ -93,6 +93,10 @@ def check_resources(config: Config) -> None:
     if train.use_gpu and resources.get("GPU", 0) < train.workers:
         raise ConfigError(f"train.workers={train.workers} GPU workers but the cluster has "
                           f"{resources.get('GPU', 0):g} GPUs")
+    nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    if train.placement == "STRICT_SPREAD" and nodes < train.workers:
+        raise ConfigError(f"train.placement=STRICT_SPREAD puts each of the {train.workers} workers on its own node "
+                          f"but the Ray cluster has {nodes} node(s); add nodes or use train.placement=SPREAD")
 
 
 def preflight(config: Config) -> None:
@@ -127,7 +131,7 @@ def make_trainer(config: Config):
         train_worker,
         train_loop_config=config.model_dump(mode="json"),
         scaling_config=ScalingConfig(num_workers=train.workers, use_gpu=train.use_gpu,
-                                     resources_per_worker=resources),
+                                     resources_per_worker=resources, placement_strategy=train.placement),
         torch_config=TorchConfig(backend="nccl" if train.use_gpu else "gloo"),
         run_config=RunConfig(name=train.name, storage_path=train.storage_path,
                              failure_config=FailureConfig(max_failures=train.max_failures),

@@ -26,7 +26,7 @@ from pipeline.train.build import arch_signature, build_model
 from pipeline.train.checkpoint import check_architecture, load_checkpoint, load_model_weights, save_checkpoint
 from pipeline.train.recipe import Recipe, build_recipe
 from pipeline.train.session import LocalSession, RaySession, Session
-from pipeline.train.state import gather_rng, restore, seed_worker, training_state
+from pipeline.train.state import gather, gather_rng, restore, seed_worker, training_state
 
 
 @dataclass
@@ -87,17 +87,23 @@ def init_from(config: Config, model: nn.Module) -> None:
         load_weights(model, config.model.weights)
 
 
-def maybe_fail(config: Config, step: int, lead: bool) -> None:
-    """The documented debug hook: raise once at ``train.debug_fail_at_step`` (marker file in the run folder)."""
-    target = config.train.debug_fail_at_step
-    if target is None or step != target or not lead:
+def debug_hooks(config: Config, step: int, lead: bool) -> None:
+    """The documented fault-injection hooks, on rank 0 and once per job (a marker file in the run folder):
+    ``train.debug_fail_at_step`` raises; ``train.debug_pause_at_step`` sleeps ``train.debug_pause_s``, writing
+    the marker first, so that a test can kill a node or the driver mid-epoch."""
+    train = config.train
+    if not lead or step not in (train.debug_fail_at_step, train.debug_pause_at_step):
         return
-    marker = Path(config.train.storage_path) / config.train.name / f".debug_failed_at_{target}"
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-    raise JobError(f"debug_fail_at_step={target}: injected failure (the job restarts from its last checkpoint)")
+    folder = Path(train.storage_path) / train.name
+    if step == train.debug_pause_at_step and not (folder / f".debug_paused_at_{step}").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f".debug_paused_at_{step}").touch()
+        print(f"[rank 0] debug_pause_at_step={step}: pausing {train.debug_pause_s:g} s", flush=True)
+        time.sleep(train.debug_pause_s)
+    if step == train.debug_fail_at_step and not (folder / f".debug_failed_at_{step}").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f".debug_failed_at_{step}").touch()
+        raise JobError(f"debug_fail_at_step={step}: injected failure (the job restarts from its last checkpoint)")
 
 
 def train_one_epoch(job: Job, epoch: int, step: int) -> tuple[EpochStats, int]:
@@ -108,7 +114,7 @@ def train_one_epoch(job: Job, epoch: int, step: int) -> tuple[EpochStats, int]:
     total, images, penalty_sum, start = 0.0, 0, 0.0, time.perf_counter()
     bar = _progress_bar(job, len(job.train_loader), epoch)
     for inputs, targets in job.train_loader:
-        maybe_fail(config, step + 1, job.lead)
+        debug_hooks(config, step + 1, job.lead)
         inputs, targets = inputs.to(job.device, non_blocking=True), targets.to(job.device, non_blocking=True)
         if recipe.mixup is not None:
             inputs, targets = recipe.mixup(inputs, targets)
@@ -199,7 +205,7 @@ def save_and_report(job: Job, epoch: int, step: int, metrics: dict[str, float], 
         if job.lead:
             directory = job.session.checkpoint_dir(epoch, Path(tmp))
             directory.mkdir(parents=True, exist_ok=True)
-            save_checkpoint(directory, training_state(job, epoch, step, rng, keep),
+            save_checkpoint(directory, training_state(job, epoch, step, rng, keep, metrics),
                             {**metrics, "keep": keep, "mlflow_run_id": job.run_id})
         job.session.report(metrics, directory)
 
@@ -263,9 +269,13 @@ def train(config: Config, session: Session) -> None:
     if state is not None:
         start_epoch, step = restore(state, job)
         job.run_id = state["mlflow_run_id"]
+    nodes = gather(session.node_id, session.world)
     if job.lead:
         job.tracker = JobTracker.open(config, job.run_id)
         job.run_id = job.tracker.run_id
+        job.tracker.record_placement(nodes)
+        if state is not None:
+            job.tracker.backfill(state["epoch"] + 1, state.get("metrics"))
         compiled = "" if config.train.compile == "none" else f", torch.compile {config.train.compile}"
         print(f"[rank 0] {config.train.mode}: {session.world} worker(s) on {session.device}{compiled}, "
               f"{len(job.train_loader)} steps/epoch, lr {job.recipe.lr:.2e}, "
@@ -299,9 +309,11 @@ def run_epochs(job: Job, start_epoch: int, step: int) -> None:
             metrics["keep_total"] = float(sum(keep))
         elif config.train.mode == "finetune":
             keep = list(unwrap(job.model).blocks.config.keep)
+        # Checkpoint first, then MLflow: a job stopped in between logs the epoch from its checkpoint on resume
+        # (``backfill``), so each epoch's metrics land exactly once.
+        save_and_report(job, epoch, step, metrics, keep)
         if job.tracker is not None:
             job.tracker.log_epoch(metrics, epoch + 1)
             print(epoch_line(epoch, config.recipe.epochs, metrics, started, epoch + 1 - start_epoch), flush=True)
-        save_and_report(job, epoch, step, metrics, keep)
     if job.tracker is not None:
         job.tracker.finish(unwrap(job.model), keep)

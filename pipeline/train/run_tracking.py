@@ -48,6 +48,16 @@ class JobTracker:
     def log_epoch(self, metrics: dict[str, float], epoch: int) -> None:
         log_batch(self.client, self.run_id, metrics=metrics, step=epoch)
 
+    def record_placement(self, node_ids: list[str]) -> None:
+        """The Ray node of each rank, in rank order (the latest attempt's, after a restart)."""
+        log_batch(self.client, self.run_id, tags={"ray.node_ids": ",".join(node_ids)})
+
+    def backfill(self, epoch: int, metrics: dict[str, float] | None) -> None:
+        """Logs ``epoch``'s metrics from its checkpoint when the job stopped before MLflow had them."""
+        logged = {m.step for m in self.client.get_metric_history(self.run_id, "epoch")}
+        if metrics is not None and epoch not in logged:
+            self.log_epoch(metrics, epoch)
+
     def finish(self, model: nn.Module, keep: list[int] | None) -> None:
         """Logs the resolved config, the keep list and the weights (or their location), and closes the run."""
         with tempfile.TemporaryDirectory() as tmp:

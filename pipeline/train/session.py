@@ -8,6 +8,7 @@ newest ``train.keep_checkpoints`` of them; ``latest`` returns the newest one's s
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ class Session(Protocol):
     rank: int
     world: int
     device: torch.device
+    node_id: str  # the Ray node this rank runs on ("local" outside Ray)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model on this session's device, wrapped for DDP when there are several ranks."""
@@ -50,6 +52,7 @@ class RaySession:
         context = ray.train.get_context()
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
+        self.node_id = ray_node_id()
 
     def prepare(self, model: nn.Module) -> nn.Module:
         import ray.train.torch
@@ -83,6 +86,7 @@ class LocalSession:
 
     def __init__(self, config: Config) -> None:
         self.device = torch.device("cuda" if config.train.use_gpu else "cpu")
+        self.node_id = ray_node_id()
         self.folder = local_checkpoints(config)
         self.keep_last = config.train.keep_checkpoints
 
@@ -99,6 +103,14 @@ class LocalSession:
     def report(self, metrics: dict[str, float], directory: Path | None) -> None:
         for old in sorted(self.folder.glob("epoch_*"))[:-self.keep_last]:
             shutil.rmtree(old)
+
+
+def ray_node_id() -> str:
+    """The Ray node this process runs on (a Tune trial or a Train worker), or "local" outside Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "local"
+    return ray.get_runtime_context().get_node_id()
 
 
 def local_checkpoints(config: Config) -> Path:

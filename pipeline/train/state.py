@@ -23,16 +23,22 @@ def seed_worker(config: Config, rank: int) -> None:
     torch.manual_seed(seed)
 
 
+def gather(value: Any, world: int) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if world == 1:
+        return [value]
+    values: list[Any] = [None] * world
+    dist.all_gather_object(values, value)
+    return values
+
+
 def gather_rng(world: int) -> list[dict[str, Any]]:
     """Every rank's RNG state, on every rank (rank r restores entry r on resume)."""
-    if world == 1:
-        return [rng_state()]
-    states: list[Any] = [None] * world
-    dist.all_gather_object(states, rng_state())
-    return states
+    return gather(rng_state(), world)
 
 
-def training_state(job, epoch: int, step: int, rng: list, keep: list[int] | None) -> dict[str, Any]:
+def training_state(job, epoch: int, step: int, rng: list, keep: list[int] | None,
+                   metrics: dict[str, float]) -> dict[str, Any]:
     """Everything a resumed job needs to continue exactly where this one stands (``job``: a ``Job``)."""
     config, recipe, model = job.config, job.recipe, unwrap(job.model)
     return {
@@ -52,6 +58,7 @@ def training_state(job, epoch: int, step: int, rng: list, keep: list[int] | None
         "config_hash": config_hash(config),
         "config": config.model_dump(mode="json"),
         "mlflow_run_id": job.run_id,
+        "metrics": metrics,  # the epoch's, for MLflow if the job stopped before logging them
     }
 
 

