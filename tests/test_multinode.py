@@ -4,6 +4,8 @@ DAG driver killed while trials run. Every process is started here and ended by p
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -127,3 +129,73 @@ def test_a_node_killed_mid_epoch_resumes_to_the_uninterrupted_weights(uninterrup
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
     print(f"node killed mid-epoch 2: job finished {recovery_s:.0f} s after the kill")
+
+
+# ---------------------------------------------------------------- the DAG: a sweep over both nodes, driver killed
+
+FINETUNE_EPOCHS = 12
+METHODS = ["powerbert", "random"]
+
+
+def dag_command(cluster: RayCluster, data: Path, out: Path) -> list[str]:
+    settings = [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}",
+                f"train.storage_path={out / 'dag-ray'}", f"train.tracking_uri={tracking_uri(out)}",
+                f"train.artifact_root={out / 'artifacts'}", "train.workers=0", "train.progress_bar=false",
+                f"experiment.runs_dir={out / 'experiments'}", "experiment.embed_dims=[16]",
+                "experiment.lambdas=[0.05]", f"experiment.methods=[{', '.join(METHODS)}]", "experiment.baseline=false",
+                f"experiment.finetune.epochs={FINETUNE_EPOCHS}", "experiment.search.trial_cpus=1",
+                "experiment.eval.cpus=1"]
+    return [sys.executable, "-m", "pipeline", "run", str(ROOT / "configs" / "experiments" / "tiny.yaml"),
+            "--address", cluster.address, *[part for item in settings for part in ("--set", item)]]
+
+
+def finetune_runs(client: MlflowClient) -> list:
+    exp = client.get_experiment_by_name("token-pooling")
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], filter_string="tags.`pipeline.stage` = 'finetune'")
+
+
+def trials_running_on_both_nodes(client: MlflowClient) -> list | None:
+    """The finetune runs when two of them run at once on different nodes, each past its first checkpoint."""
+    running = [r for r in finetune_runs(client) if r.info.status == "RUNNING" and "ray.node_ids" in r.data.tags
+               and epochs_logged(client, r.info.run_id)]
+    return running if len({r.data.tags["ray.node_ids"] for r in running}) == 2 else None
+
+
+def test_dag_sweep_spreads_over_nodes_and_a_killed_driver_resumes_without_duplicates(cluster, data, out, tmp_path):
+    client = MlflowClient(tracking_uri=tracking_uri(out))
+    command = dag_command(cluster, data, out)
+    log = open(tmp_path / "driver.log", "w")
+    driver = subprocess.Popen(command, cwd=ROOT, env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        running = wait_for(lambda: trials_running_on_both_nodes(client), "two finetune trials on two nodes", 600,
+                           every=0.2)
+        killed_at = time.monotonic()
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver only: the Ray nodes are in other process groups
+        driver.wait()
+    finally:
+        stop(driver)
+        log.close()
+    assert {r.data.tags["ray.node_ids"] for r in running} == {n["node_id"] for n in cluster.alive_nodes()}
+    interrupted = {r.info.run_id for r in running}
+    done_before = {r.data.tags["pipeline.stage_id"]: r.info.run_id for r in finetune_runs(client)
+                   if r.data.tags.get("pipeline.done") == "1"}
+    assert len(done_before) < len(METHODS), "both trials finished before the kill; the test proved nothing"
+
+    again = subprocess.run(command, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-3000:]
+    resume_s = time.monotonic() - killed_at
+
+    finals = [r for r in finetune_runs(client) if r.data.tags.get("pipeline.done") == "1"]
+    stage_ids = [r.data.tags["pipeline.stage_id"] for r in finals]
+    assert len(stage_ids) == len(set(stage_ids)) == len(METHODS)  # no duplicate trial, none lost
+    assert {r.info.run_id for r in finals} == interrupted  # each interrupted trial continued its own run
+    for stage, run_id in done_before.items():
+        assert stage in stage_ids and run_id in {r.info.run_id for r in finals}  # finished ones were not rerun
+    for run in finals:
+        assert epochs_logged(client, run.info.run_id) == list(range(1, FINETUNE_EPOCHS + 1))  # each epoch once
+    report = (out / "experiments" / "tiny" / "report.md").read_text()
+    assert all(method in report for method in METHODS)
+    print(f"DAG driver killed during the finetune sweep: the rerun finished {resume_s:.0f} s after the kill")
