@@ -6,6 +6,10 @@ The submission id is derived from the experiment's DAG id, so submitting the sam
 again attaches to the running job (or reports the finished one) instead of starting a duplicate;
 after a failed or stopped attempt it submits the next attempt, and the DAG skips every stage that
 already finished. This file only launches: the work is in pipeline/.
+
+Clusters that this project deploys run Ray with token authentication (``RAY_AUTH_MODE=token``).
+The token is read from ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else
+``~/.ray/auth_token`` (Ray's own lookup order), and sent as a bearer header; it is never printed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,33 @@ ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # The job's working dir is this checkout without bulky local outputs (the data is on shared storage).
 EXCLUDES = [".git", ".venv", "runs", "data", "**/__pycache__", ".pytest_cache", ".hypothesis"]
+
+
+def auth_headers() -> dict[str, str]:
+    """The bearer header for a token-authenticated cluster, or none when no token is set up here."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+        token = path.read_text().strip() if path.is_file() else ""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def connect(address: str):
+    """A job client, or a clear exit when the cluster refuses this machine's token (or its lack of one)."""
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    headers = auth_headers()
+    try:
+        client = JobSubmissionClient(address, headers=headers)
+        client.list_jobs()
+    except AuthenticationError:
+        why = "this token is not the cluster's" if headers else "no authentication token was found here"
+        raise SystemExit(f"error: the Ray cluster at {address} refused the submission: {why}. "
+                         "Set RAY_AUTH_TOKEN, or put the cluster's token in the file "
+                         "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; docs/cluster.md, 'Ray token "
+                         "authentication', says where to get it.") from None
+    return client
 
 
 def submission_base(config_path: str, overrides: list[str]) -> str:
@@ -76,10 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-follow", action="store_true", help="submit and return without waiting")
     args = parser.parse_args(argv)
 
-    from ray.job_submission import JobSubmissionClient
-
     base = submission_base(args.config, args.overrides)
-    client = JobSubmissionClient(args.address)
+    client = connect(args.address)
     submission_id, existing = next_submission(client, base)
     if existing:
         print(f"attaching to {submission_id} ({client.get_job_status(submission_id)})", flush=True)

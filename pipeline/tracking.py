@@ -6,6 +6,7 @@ a local directory; on a cluster, a tracking server URI.
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +37,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         except (urllib.error.URLError, OSError) as err:
             raise TrackingError(f"MLflow tracking server {uri} is not reachable ({err}); start it, or "
                                 "pass another --tracking-uri (the default is a local SQLite store)") from None
+        check_credentials(uri)
     elif uri.startswith("sqlite:///"):
         folder = Path(uri[len("sqlite:///"):]).parent
         try:
@@ -47,6 +49,24 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
     elif uri.startswith(("file:", "./", "/")) or "://" not in uri:
         raise TrackingError(f"tracking URI {uri!r}: MLflow 3.13+ refuses a plain file store; use "
                             "sqlite:///PATH/mlflow.db or an http(s):// tracking server")
+
+
+def check_credentials(uri: str) -> None:
+    """An authenticated read, so that a server with authentication (``mlflow server --app-name basic-auth``)
+    refuses wrong or missing credentials here, before any compute. The password is never printed."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except MlflowException as err:
+        if err.error_code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            raise
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        who = f"user {user!r}" if user else "no user (MLFLOW_TRACKING_USERNAME is not set)"
+        verb = "refused the credentials of" if err.error_code == "UNAUTHENTICATED" else "gives no read access to"
+        raise TrackingError(f"MLflow tracking server {uri} {verb} {who}; set MLFLOW_TRACKING_USERNAME and "
+                            "MLFLOW_TRACKING_PASSWORD (or ~/.mlflow/credentials) to an account of that "
+                            "server") from None
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
