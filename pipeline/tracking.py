@@ -28,7 +28,8 @@ class TrackingError(PipelineError, RuntimeError):
 
 
 def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
-    """Fails fast when a tracking server does not answer, or a SQLite store's folder cannot be written."""
+    """Fails fast when a tracking server does not answer or refuses the credentials, or a SQLite store's
+    folder cannot be created; creates nothing (``create_store`` does, once every check passed)."""
     if uri.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout) as response:
@@ -40,15 +41,24 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         check_credentials(uri)
     elif uri.startswith("sqlite:///"):
         folder = Path(uri[len("sqlite:///"):]).parent
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            raise TrackingError(f"cannot create the MLflow SQLite store {uri}: {existing} is not a writable folder")
+    elif uri.startswith(("file:", "./", "/")) or "://" not in uri:
+        raise TrackingError(f"tracking URI {uri!r}: MLflow 3.13+ refuses a plain file store; use "
+                            "sqlite:///PATH/mlflow.db or an http(s):// tracking server")
+
+
+def create_store(uri: str) -> None:
+    """Creates a SQLite store's folder and schema, once, after every check passed: workers that open a
+    fresh store together race on its migration. Servers need nothing."""
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri[len("sqlite:///"):]).parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise TrackingError(f"cannot create the MLflow SQLite folder {folder}: {err}") from None
-        # Create the schema here, once: workers that open a fresh store together race on its migration.
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-    elif uri.startswith(("file:", "./", "/")) or "://" not in uri:
-        raise TrackingError(f"tracking URI {uri!r}: MLflow 3.13+ refuses a plain file store; use "
-                            "sqlite:///PATH/mlflow.db or an http(s):// tracking server")
 
 
 def check_credentials(uri: str) -> None:

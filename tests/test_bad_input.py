@@ -71,3 +71,67 @@ def test_viz_on_a_truncated_beton_says_so(capsys, tmp_path):
                        "--out", str(tmp_path / "maps"))
     assert code == 2 and "only partly copied" in err
     assert not (tmp_path / "maps").exists()
+
+
+T = "configs/train/tiny_synthetic.yaml"
+E = "configs/experiments/tiny.yaml"
+SYN = "synthetic:classes=4,count=16,size=8"
+KEEP12 = "40,24,16,8,4,0,0,0,0,0,0,0"
+# A catalogue of wrong inputs a new user types, each with the words its one-line error must contain.
+# docs/reliability.md counts them. Paths are relative to a scratch folder holding only `fake.beton`.
+CATALOGUE = [
+    (["config", "show", T, "--set", "train.bogus=1"], "train.bogus: unknown key"),
+    (["config", "show", "nope.yaml"], "config file not found: nope.yaml"),
+    (["config", "show", T, "--set", "pooling.keep=[4,-1,2]"], "pooling.keep.1: Input should be greater than or equal"),
+    (["config", "show", T, "--set", "pooling.keep=[4,2]"], "pooling.keep has 2 entries [4, 2] but model.depth is 3"),
+    (["config", "show", T, "--set", "train.workers"], "expected KEY=VALUE"),
+    (["config", "show", T, "--set", "train.workers=abc"], "train.workers: Input should be a valid integer"),
+    (["config", "show", T, "--set", "pooling.method=kmeanz"], "unknown downsampling method 'kmeanz'"),
+    (["config", "show", E, "--set", "experiment.methods=[]", "--set", "experiment.baseline=false"],
+     "the sweep would have zero trials"),
+    (["config", "show", E, "--set", "experiment.levels=[1]"], "give experiment.lambdas (K search) or"),
+    (["flops", "--model", "nope_model"], "unknown timm model 'nope_model'"),
+    (["flops", "--method", "nope"], "unknown downsampling method 'nope'"),
+    (["flops", "--method", "powerbert", "--keep", "196,200,150,100,80,60,40,30,20,10,5,0"],
+     "keep[1] (block 2) is 200, above the model's 196 patch tokens"),
+    (["flops", "--method", "powerbert", "--keep", "100,50"], "keep has 2 entries but the model has 12 blocks"),
+    (["data", "check", "missing.beton"], "dataset not found: missing.beton"),
+    (["data", "check", "fake.beton"], "fake.beton has no metadata file"),
+    (["data", "write", "--source", "nope:x", "--out", "a.beton"], "unknown source 'nope:x'"),
+    (["data", "write", "--source", SYN, "--out", "fake.beton"], "--out fake.beton exists; pass --overwrite"),
+    (["data", "write", "--source", SYN, "--out", "a.beton", "--limit", "2"], "--limit 2 is below the 4 classes"),
+    (["train", T, "--set", "data.train=missing.beton", "--set", "data.val=missing.beton"], "dataset not found"),
+    (["train", T, "--set", "data.train=fake.beton", "--set", "data.val=fake.beton"], "has no metadata file"),
+    (["run", T], "`pipeline run` needs an experiment section"),
+    (["run", E], "data.train is not set"),
+    (["report", "no-run", "--tracking-uri", "sqlite:///none/m.db"], "there is no MLflow store"),
+    (["viz", "clusters", "--model", "vit_tiny_patch16_224", "--images", "missing.png", "--method", "wkmedoids",
+      "--keep", KEEP12, "--out", "maps"], "image not found: missing.png"),
+    (["viz", "clusters", "--model", "vit_tiny_patch16_224", "--images", "fake.beton", "--out", "maps"],
+     "--method and --keep are needed"),
+    (["analyze", "redundancy", "--checkpoint", "missing.pt", "--data", "fake.beton", "--out", "x"],
+     "checkpoint not found: missing.pt"),
+    (["analyze", "reconstruction", "--checkpoint", "fake.beton", "--data", "fake.beton", "--k", "8", "--out", "x"],
+     "not a readable checkpoint"),
+    (["bench", "throughput", "--methods", "nope"], "unknown downsampling method 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), CATALOGUE, ids=[" ".join(a[:2]) + f" #{i}" for i, (a, _) in
+                                                         enumerate(CATALOGUE)])
+def test_catalogue_of_wrong_inputs_gives_one_clear_line_and_writes_nothing(argv, says, tmp_path, monkeypatch, capsys):
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "fake.beton").write_text("not a beton")
+    monkeypatch.chdir(tmp_path)
+    argv = [str(root / a) if a.startswith("configs/") else a for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err, err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["fake.beton"]  # no store, folder or partial file left behind

@@ -373,5 +373,5 @@ def test_ray_jobs_submit_needs_the_token_runs_the_dag_and_a_resubmission_attache
     assert [j.submission_id for j in jobs] == [submission]
     # The token (the cluster's and the submitter's environments) and the MLflow password (the cluster's): not in
     # MLflow, the reports or any log, Ray's own session logs of the head and the job included.
-    assert_no_secret([token, cluster.env["MLFLOW_TRACKING_PASSWORD"]], tmp_path / "mlflow.db", tmp_path / "artifacts", reports, cluster.temp,
-                     first.stdout + first.stderr + again.stdout + again.stderr)
+    assert_no_secret([token, cluster.env["MLFLOW_TRACKING_PASSWORD"]], tmp_path / "mlflow.db", tmp_path / "artifacts",
+                     reports, cluster.temp, first.stdout + first.stderr + again.stdout + again.stderr)

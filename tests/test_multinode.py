@@ -15,7 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from tests.processes import ROOT, RayCluster, ray_env, stop, wait_for
+from tests.processes import ROOT, RayCluster, get_json, ray_env, stop, wait_for
 
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
 EPOCHS = 3
@@ -95,46 +95,89 @@ def test_ddp_puts_one_rank_on_each_node_and_keeps_them_identical(uninterrupted, 
     assert epochs_logged(client, run.info.run_id) == list(range(1, EPOCHS + 1))
 
 
-def test_a_node_killed_mid_epoch_resumes_to_the_uninterrupted_weights(uninterrupted, cluster, data, out, tmp_path):
-    pause = STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2  # rank 0 waits in the middle of epoch 2
-    command = train_command(cluster, data, out, "nodekill", "train.max_failures=2",
-                            f"train.debug_pause_at_step={pause}", "train.debug_pause_s=300")
-    log = open(tmp_path / "nodekill.log", "w")
+PAUSE = STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2  # rank 0 waits in the middle of epoch 2
+
+
+def train_through_a_fault(cluster, data, out, tmp_path, name: str, inject) -> tuple[str, float]:
+    """Trains ``name`` with rank 0 paused mid-epoch 2, calls ``inject()`` there, waits for the job to end.
+    Returns its output and the seconds from the fault to the job's end (1.5 epochs of training included)."""
+    command = train_command(cluster, data, out, name, "train.max_failures=2", f"train.debug_pause_at_step={PAUSE}",
+                            "train.debug_pause_s=300")
+    log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(command, cwd=ROOT, env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        marker = out / "ray" / "nodekill" / f".debug_paused_at_{pause}"
-        wait_for(marker.exists, "rank 0 reaching the pause in epoch 2", 300)
-        old_node = cluster.workers[-1]
-        killed_at = time.monotonic()
-        cluster.kill_worker()  # the second node's raylet and its rank, by process group
-        assert old_node.poll() is not None
-        new_node = cluster.add_worker(cpus=1)
+        wait_for((out / "ray" / name / f".debug_paused_at_{PAUSE}").exists, "rank 0 pausing in epoch 2", 300)
+        started = time.monotonic()
+        inject()
         proc.wait(timeout=600)
-        recovery_s = time.monotonic() - killed_at
+        seconds = time.monotonic() - started
     finally:
         stop(proc)
         log.close()
-    text = (tmp_path / "nodekill.log").read_text()
+    text = (tmp_path / f"{name}.log").read_text()
     assert proc.returncode == 0, text[-5000:]
-    client, run = the_run(out, "nodekill")
-    assert new_node in run.data.tags["ray.node_ids"].split(",")  # the last attempt ran on the restarted node
+    assert "epochs 2..3" in text  # the restarted workers resumed from epoch 1's checkpoint, not from scratch
+    return text, seconds
+
+
+def assert_same_as_uninterrupted(uninterrupted, out: Path, name: str, tmp_path: Path):
+    """One MLflow run holding each epoch once, and final weights equal to the uninterrupted run's."""
+    client, run = the_run(out, name)
     assert epochs_logged(client, run.info.run_id) == list(range(1, EPOCHS + 1))  # each epoch exactly once
     assert epochs_logged(client, run.info.run_id, "train_loss") == list(range(1, EPOCHS + 1))
-    assert "epochs 2..3" in text  # the restarted workers resumed from epoch 1's checkpoint, not from scratch
     reference, reference_run = uninterrupted
     a = final_weights(reference, reference_run.info.run_id, tmp_path / "a")
     b = final_weights(client, run.info.run_id, tmp_path / "b")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
-    print(f"node killed mid-epoch 2: job finished {recovery_s:.0f} s after the kill")
+    return run
+
+
+def train_worker_pid(cluster: RayCluster, node_id: str) -> int:
+    actors = get_json(f"{cluster.dashboard}/api/v0/actors?limit=1000&detail=1")["data"]["result"]["result"]
+    (pid,) = [a["pid"] for a in actors if a["class_name"] == "RayTrainWorker" and a["state"] == "ALIVE"
+              and a["node_id"] == node_id]
+    return pid
+
+
+def test_a_worker_killed_mid_epoch_resumes_to_the_uninterrupted_weights(uninterrupted, cluster, data, out, tmp_path):
+    second = next(n["node_id"] for n in cluster.alive_nodes() if not n["is_head_node"])
+    killed = []
+
+    def kill_rank_on_the_second_node():
+        killed.append(train_worker_pid(cluster, second))
+        os.kill(killed[0], signal.SIGKILL)  # one training process, by pid; its node stays up
+
+    _, seconds = train_through_a_fault(cluster, data, out, tmp_path, "workerkill", kill_rank_on_the_second_node)
+    run = assert_same_as_uninterrupted(uninterrupted, out, "workerkill", tmp_path)
+    assert second in run.data.tags["ray.node_ids"].split(",")
+    print(f"worker {killed[0]} killed mid-epoch 2: job finished {seconds:.0f} s later")
+
+
+def test_a_node_killed_mid_epoch_resumes_to_the_uninterrupted_weights(uninterrupted, cluster, data, out, tmp_path):
+    replacement = []
+
+    def kill_the_second_node_and_start_another():
+        old = cluster.workers[-1]
+        cluster.kill_worker()  # the second node's raylet, its rank and every other process of it, by process group
+        assert old.poll() is not None
+        replacement.append(cluster.add_worker(cpus=1))
+
+    _, seconds = train_through_a_fault(cluster, data, out, tmp_path, "nodekill", kill_the_second_node_and_start_another)
+    run = assert_same_as_uninterrupted(uninterrupted, out, "nodekill", tmp_path)
+    assert replacement[0] in run.data.tags["ray.node_ids"].split(",")  # the last attempt ran on the new node
+    print(f"node killed mid-epoch 2: job finished {seconds:.0f} s after the kill")
 
 
 # ---------------------------------------------------------------- the DAG: a sweep over both nodes, driver killed
 
-FINETUNE_EPOCHS = 12
+FINETUNE_EPOCHS = 3
 METHODS = ["powerbert", "random"]
+# Each training stage's rank 0 pauses once in its epoch 2 (16 steps an epoch), so that the two finetune trials
+# are seen running at once, each past its first checkpoint; the base (one epoch) never gets there.
+DAG_PAUSE = ["train.debug_pause_at_step=20", "train.debug_pause_s=20"]
 
 
 def dag_command(cluster: RayCluster, data: Path, out: Path) -> list[str]:
@@ -144,7 +187,7 @@ def dag_command(cluster: RayCluster, data: Path, out: Path) -> list[str]:
                 f"experiment.runs_dir={out / 'experiments'}", "experiment.embed_dims=[16]",
                 "experiment.lambdas=[0.05]", f"experiment.methods=[{', '.join(METHODS)}]", "experiment.baseline=false",
                 f"experiment.finetune.epochs={FINETUNE_EPOCHS}", "experiment.search.trial_cpus=1",
-                "experiment.eval.cpus=1"]
+                "experiment.eval.cpus=1", *DAG_PAUSE]
     return [sys.executable, "-m", "pipeline", "run", str(ROOT / "configs" / "experiments" / "tiny.yaml"),
             "--address", cluster.address, *[part for item in settings for part in ("--set", item)]]
 
@@ -156,8 +199,9 @@ def finetune_runs(client: MlflowClient) -> list:
     return client.search_runs([exp.experiment_id], filter_string="tags.`pipeline.stage` = 'finetune'")
 
 
-def trials_running_on_both_nodes(client: MlflowClient) -> list | None:
+def trials_running_on_both_nodes(client: MlflowClient, driver: subprocess.Popen) -> list | None:
     """The finetune runs when two of them run at once on different nodes, each past its first checkpoint."""
+    assert driver.poll() is None, "the DAG ended before two of its trials were seen running at once"
     running = [r for r in finetune_runs(client) if r.info.status == "RUNNING" and "ray.node_ids" in r.data.tags
                and epochs_logged(client, r.info.run_id)]
     return running if len({r.data.tags["ray.node_ids"] for r in running}) == 2 else None
@@ -170,8 +214,8 @@ def test_dag_sweep_spreads_over_nodes_and_a_killed_driver_resumes_without_duplic
     driver = subprocess.Popen(command, cwd=ROOT, env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
-        running = wait_for(lambda: trials_running_on_both_nodes(client), "two finetune trials on two nodes", 600,
-                           every=0.2)
+        running = wait_for(lambda: trials_running_on_both_nodes(client, driver), "two finetune trials on two nodes",
+                           600, every=0.2)
         killed_at = time.monotonic()
         os.killpg(driver.pid, signal.SIGKILL)  # the driver only: the Ray nodes are in other process groups
         driver.wait()

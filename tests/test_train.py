@@ -158,3 +158,45 @@ def test_bad_inputs_fail_before_any_compute(base, data, runs, tmp_path):
         run_training(tiny(data, runs, "train.mode=finetune", "pooling.keep=[12, 8, 4]"))
     with pytest.raises(TrackingError, match="not reachable"):
         run_training(tiny(data, runs, "train.tracking_uri=http://127.0.0.1:9"))
+
+
+def test_a_resumed_job_logs_each_epoch_once_even_when_it_stopped_before_mlflow(tmp_path):
+    """Checkpoint first, MLflow second: a stop in between is made good from the checkpoint, never twice."""
+    from pipeline.train.run_tracking import JobTracker
+
+    config = tiny({"train": tmp_path / "t", "val": tmp_path / "v"}, tmp_path, "train.name=backfill")
+    tracker = JobTracker.open(config)
+    tracker.log_epoch({"epoch": 1, "val_top1": 40.0}, 1)
+    # The job stopped after writing epoch 2's checkpoint, before logging it; the resumed job reopens the run.
+    resumed = JobTracker.open(config, tracker.run_id)
+    resumed.backfill(2, {"epoch": 2, "val_top1": 55.0})
+    resumed.backfill(2, {"epoch": 2, "val_top1": 55.0})  # a second resume changes nothing
+    resumed.backfill(1, {"epoch": 1, "val_top1": 40.0})
+    history = resumed.client.get_metric_history(tracker.run_id, "val_top1")
+    assert sorted((m.step, m.value) for m in history) == [(1, 40.0), (2, 55.0)]
+
+
+def test_a_checkpoint_cut_short_is_never_resumed_from(tmp_path):
+    from pipeline.train.session import latest_local_checkpoint
+
+    for epoch in (1, 2):
+        (tmp_path / f"epoch_{epoch:05d}").mkdir()
+        (tmp_path / f"epoch_{epoch:05d}" / "checkpoint.pt").write_bytes(b"x")
+    (tmp_path / "epoch_00001" / "summary.json").write_text("{}")  # epoch 2 died (disk full, kill) before its summary
+    assert latest_local_checkpoint(tmp_path) == tmp_path / "epoch_00001"
+
+
+def test_a_reported_checkpoint_ray_never_registered_is_found_and_a_torn_one_skipped(tmp_path):
+    from pipeline.train.session import newest_stored_state
+
+    for name, epoch, payload in (("checkpoint_a", 1, {"epoch": 0}), ("checkpoint_b", 2, {"epoch": 1}),
+                                 ("checkpoint_c", 3, None)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "summary.json").write_text(f'{{"epoch": {epoch}}}')
+        if payload is None:
+            (folder / "checkpoint.pt").write_bytes(b"PK\x03\x04 half copied")  # a copy cut short
+        else:
+            torch.save(payload, folder / "checkpoint.pt")
+    assert newest_stored_state(tmp_path, after_epoch=-1) == {"epoch": 1}
+    assert newest_stored_state(tmp_path, after_epoch=1) is None  # Ray's own is as new: use it

@@ -152,7 +152,8 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
         raise ConfigError("`pipeline run` needs an experiment section; see configs/experiments/")
     config = resolve_paths(config)
     exp = config.experiment
-    check_tracking_uri(config.train.tracking_uri)
+    kinds = force_kinds(force)
+    check_tracking_uri(config.train.tracking_uri)  # creates nothing; preflight creates the store after its checks
     prepare_data(config, log)
     check_experiment(config)
     counts = count_plan(config)
@@ -161,7 +162,6 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     client, exp_id, parent = open_parent(config.train.tracking_uri, config.train.experiment,
                                          config.train.artifact_root, dag_id(config), exp.name)
     ctx = Context(config, dag_id(config), parent, client, exp_id, log)
-    kinds = force_kinds(force)
     if kinds:
         log(f"[force] retiring {supersede(client, exp_id, ctx.dag, kinds)} run(s) of {', '.join(kinds)}")
     arch_list = archs(config)

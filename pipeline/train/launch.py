@@ -100,12 +100,14 @@ def check_resources(config: Config) -> None:
 
 
 def preflight(config: Config) -> None:
-    """Every check that can fail before compute starts."""
-    from pipeline.tracking import check_tracking_uri
+    """Every check that can fail before compute starts, then the tracking store: a refused dataset or
+    model leaves no new SQLite store behind."""
+    from pipeline.tracking import check_tracking_uri, create_store
 
-    check_tracking_uri(config.train.tracking_uri)
     check_data(config)
     check_model(config)
+    check_tracking_uri(config.train.tracking_uri)
+    create_store(config.train.tracking_uri)
 
 
 def connect_ray(address: str | None) -> None:

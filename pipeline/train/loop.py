@@ -231,7 +231,7 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], started: floa
 def train_worker(config_dict: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: the typed config first, then pipeline/ does the work."""
     config = Config.model_validate(config_dict)
-    train(config, RaySession())
+    train(config, RaySession(config))
 
 
 def train_local(config: Config) -> None:
@@ -269,6 +269,8 @@ def train(config: Config, session: Session) -> None:
     if state is not None:
         start_epoch, step = restore(state, job)
         job.run_id = state["mlflow_run_id"]
+        if job.lead:
+            print(f"[rank 0] resuming from the checkpoint of epoch {start_epoch}", flush=True)
     nodes = gather(session.node_id, session.world)
     if job.lead:
         job.tracker = JobTracker.open(config, job.run_id)

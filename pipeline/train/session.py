@@ -7,6 +7,7 @@ newest ``train.keep_checkpoints`` of them; ``latest`` returns the newest one's s
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from pipeline.config import Config
-from pipeline.train.checkpoint import SUMMARY_FILE, load_checkpoint
+from pipeline.train.checkpoint import SUMMARY_FILE, CheckpointError, load_checkpoint
 
 EPOCH_DIR = "epoch_{:05d}"  # named by the epoch it ends, from 1
 
@@ -45,7 +46,7 @@ class RaySession:
     """A Ray Train worker: rank and device from Ray; ``ray.train.report`` persists the checkpoint to the
     run's storage and keeps ``train.keep_checkpoints`` of them (``CheckpointConfig.num_to_keep``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: Config) -> None:
         import ray.train
         import ray.train.torch
 
@@ -53,6 +54,8 @@ class RaySession:
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
         self.node_id = ray_node_id()
+        storage = config.train.storage_path
+        self.folder = None if "://" in storage else Path(storage) / config.train.name
 
     def prepare(self, model: nn.Module) -> nn.Module:
         import ray.train.torch
@@ -60,13 +63,24 @@ class RaySession:
         return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if self.world > 1 else None)
 
     def latest(self) -> dict[str, Any] | None:
+        """Ray's registered checkpoint, or a newer one in the run's folder that Ray did not register.
+
+        Ray Train's controller registers a reported checkpoint when it next polls the workers (every
+        ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default); a worker killed in that window would
+        otherwise restart the job from the checkpoint before (seen in tests/test_multinode.py). The
+        folder is searched on a filesystem ``storage_path``; an ``s3://`` one relies on Ray alone.
+        """
         import ray.train
 
+        state = None
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as directory:
-            return load_checkpoint(directory)
+        if checkpoint is not None:
+            with checkpoint.as_directory() as directory:
+                state = load_checkpoint(directory)
+        if self.folder is not None:
+            newer = newest_stored_state(self.folder, after_epoch=-1 if state is None else state["epoch"])
+            state = newer or state
+        return state
 
     def checkpoint_dir(self, epoch: int, scratch: Path) -> Path:
         return scratch / EPOCH_DIR.format(epoch + 1)  # Ray copies it into the run's storage
@@ -111,6 +125,25 @@ def ray_node_id() -> str:
     if ray is None or not ray.is_initialized():
         return "local"
     return ray.get_runtime_context().get_node_id()
+
+
+def newest_stored_state(folder: Path, after_epoch: int) -> dict[str, Any] | None:
+    """The newest readable checkpoint in ``folder``'s ``checkpoint_*`` directories (Ray's names) past
+    ``after_epoch`` (0-based, as checkpoints record it), or None; a half-copied one is passed over."""
+    found = []
+    for directory in folder.glob("checkpoint_*"):
+        try:
+            epoch = int(json.loads((directory / SUMMARY_FILE).read_text())["epoch"]) - 1
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if epoch > after_epoch:
+            found.append((epoch, directory))
+    for _, directory in sorted(found, reverse=True):
+        try:
+            return load_checkpoint(directory)
+        except CheckpointError:
+            continue
+    return None
 
 
 def local_checkpoints(config: Config) -> Path:
