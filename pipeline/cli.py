@@ -200,6 +200,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_select(args: argparse.Namespace) -> int:
+    from pipeline.budget import best_under_budget, candidates, open_store
+
+    models = candidates(open_store(args.tracking_uri), args.experiment)
+    pick = best_under_budget(models, max_gflops=args.max_gflops, min_images_per_s=args.min_images_per_s,
+                             device=args.device)
+    print(f"model: {pick.uri}\ntop1: {pick.top1:.2f}\ngflops: {pick.gflops:.4f}\n"
+          f"images_per_s: {pick.images_per_s:.1f} ({pick.device})\nmethod: {pick.method}\nlevel: {pick.level}")
+    return 0
+
+
 def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
     """RUN: a folder with results.csv, an experiment name under runs/experiments, or an MLflow parent run id."""
     base = Path("runs/experiments")
@@ -355,6 +366,16 @@ def _add_run_commands(commands) -> None:
     report.add_argument("--out", type=Path, default=None, help="write the report here instead")
     report.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
     report.set_defaults(func=cmd_report)
+    select = commands.add_parser("select", help="the best model of an experiment under a GFLOPs or speed budget")
+    select.add_argument("--experiment", required=True, help="experiment.name of a `pipeline run`")
+    budget = select.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--max-gflops", type=float, default=None)
+    budget.add_argument("--min-images-per-s", type=float, default=None,
+                        help="measured images/s, as the evaluate stage timed them")
+    select.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="only models timed on this device (default: any)")
+    select.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
+    select.set_defaults(func=cmd_select)
 
 
 def _add_train_command(commands) -> None:

@@ -8,17 +8,23 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import ConfigError, load_config
 from pipeline.dag.plan import count_plan
 from pipeline.dag.records import DONE, STAGE_KIND
 from pipeline.dag.runner import run_experiment
+from pipeline.serving import example_batch
 from pipeline.tracking import TrackingError
+from pipeline.train.checkpoint import model_from_checkpoint
 from tests.conftest import write_synthetic_pair
+from tests.processes import BIN, free_port, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -188,3 +194,64 @@ def test_cli_plan_prints_counts():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"base": 2, "ksearch": 4, "finetune": 26, "evaluate": 26}
+
+
+LOAD_AND_PREDICT = """
+import json, sys
+import mlflow
+import numpy as np
+model = mlflow.pyfunc.load_model(sys.argv[1])
+np.save(sys.argv[3], model.predict(np.load(sys.argv[2])))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "ray" or m.startswith(("pipeline.train", "pipeline.dag")))
+print(json.dumps({"training_code": loaded, "metadata": model.metadata.metadata}))
+"""
+
+
+def test_registered_best_model_loads_and_serves_in_a_fresh_process(root, tmp_path):
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    config = load_config(TINY, tiny_overrides(root))
+    run_experiment(config, log=lambda _: None)  # finishes the DAG if it is not (finished stages are skipped)
+    client = MlflowClient(tracking_uri=uri)
+    versions = sorted((v.version, v.source) for v in client.search_model_versions("name = 'token-pooling-tiny'"))
+    summary = run_experiment(config, log=lambda _: None)
+    assert sorted((v.version, v.source) for v in client.search_model_versions("name = 'token-pooling-tiny'")) \
+        == versions  # registering again adds nothing
+    assert {"token-pooling-tiny@best", "token-pooling-tiny@pareto-1"} <= set(summary["aliases"])
+    assert any("@fastest-under-" in alias for alias in summary["aliases"])
+    best = client.get_model_version_by_alias("token-pooling-tiny", "best")
+    assert best.source.startswith("models:/")
+    row = next(r for r in summary["rows"] if r["run_id"] == best.run_id)
+    model, _, _ = model_from_checkpoint(row["checkpoint"])
+    images = example_batch(model, images=4)
+    with torch.no_grad():
+        expected = model(images)
+    np_in = tmp_path / "images.npy"
+    np.save(np_in, images.numpy())
+    # A fresh interpreter outside the checkout, without this repository on its path: the model's code travels
+    # with it (code_paths).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MLFLOW_TRACKING_URI": uri}
+    loaded = subprocess.run([sys.executable, "-c", LOAD_AND_PREDICT, "models:/token-pooling-tiny@best", str(np_in),
+                             str(tmp_path / "out.npy")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    facts = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert facts["training_code"] == []
+    assert facts["metadata"]["method"] == row["method"] and facts["metadata"]["keep"] == row["keep"]
+    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "out.npy")), expected)
+
+    port = free_port()
+    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", "models:/token-pooling-tiny@best",
+                               "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", 180)
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations",
+                                         data=json.dumps({"inputs": images.tolist()}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            served = json.loads(response.read())["predictions"]
+    finally:
+        stop(server)
+    torch.testing.assert_close(torch.tensor(served, dtype=torch.float32), expected, rtol=1e-5, atol=1e-5)

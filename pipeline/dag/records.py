@@ -21,6 +21,7 @@ STAGE_KIND = "pipeline.stage"
 DONE = "pipeline.done"
 RESULT = "pipeline.result"
 DAG = "pipeline.dag"
+TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of its model
 
 
 def find_done(client: MlflowClient, exp_id: str, stage_id: str) -> tuple[dict[str, Any], str] | None:

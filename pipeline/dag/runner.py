@@ -207,7 +207,8 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
     futures = {}
     for stage, source in zip(stages, ft_stages):
         spec = stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag)
-        futures[source.id] = task.remote(spec, ft_results[source.id].checkpoint, tracking, cuda)
+        trained = ft_results[source.id]
+        futures[source.id] = task.remote(spec, trained.checkpoint, tracking, cuda, trained.run_id)
     results = {}
     for index, (source_id, future) in enumerate(futures.items(), 1):
         result = results[source_id] = ray.get(future)

@@ -6,7 +6,7 @@ from typing import Any
 
 from pipeline.dag.plan import Stage
 from pipeline.dag.types import EvalResult, TrainedResult
-from pipeline.report import COST_LABELS, fronts, markdown_table, write_report
+from pipeline.report import COST_LABELS, default_budgets, fronts, markdown_table, write_report
 
 
 def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
@@ -24,29 +24,61 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
     return rows
 
 
-def register_front(ctx, front: list[dict[str, Any]]) -> list[str]:
-    """Registers each Pareto-optimal model (its logged weights) with aliases ``pareto-1..n`` and ``best``."""
+def fastest_alias(budget: float) -> str:
+    """``fastest-under-1_5-gflops``: MLflow aliases allow letters, digits, ``_`` and ``-`` only."""
+    return f"fastest-under-{budget:g}-gflops".replace(".", "_")
+
+
+def registry_picks(rows: list[dict[str, Any]], front: list[dict[str, Any]], budgets: list[float]
+                   ) -> list[tuple[str, dict[str, Any]]]:
+    """(alias, row): ``pareto-1..n`` along the front, ``best`` (its top top-1), and for each GFLOPs budget
+    the model with the most measured images/s within it, ``fastest-under-<budget>-gflops``."""
+    picks = [(f"pareto-{index}", row) for index, row in enumerate(front, 1)]
+    picks.append(("best", max(front, key=lambda r: r["top1"])))
+    for budget in budgets:
+        fitting = [r for r in rows if r["gflops"] <= budget]
+        if fitting:
+            picks.append((fastest_alias(budget), max(fitting, key=lambda r: (r["images_per_s"], r["top1"]))))
+    return picks
+
+
+def version_tags(row: dict[str, Any]) -> dict[str, str]:
+    return {"method": row["method"], "level": row["level"], "arch": row["arch"], "gflops": f"{row['gflops']:.4f}",
+            "top1": f"{row['top1']:.2f}", "images_per_s": f"{row['images_per_s']:.1f}",
+            "speed_setting": row["speed_setting"], "keep": ",".join(map(str, row["keep"] or []))}
+
+
+def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Registers each picked model as an MLflow model (``pipeline.serving``) under its aliases.
+
+    Idempotent: a rerun reuses the logged model and the version of each run, and moves aliases.
+    """
+    import mlflow
     from mlflow.exceptions import MlflowException
 
+    from pipeline.serving import log_model
+
     client, name = ctx.client, f"token-pooling-{ctx.config.experiment.name}"
+    mlflow.set_tracking_uri(ctx.config.train.tracking_uri)  # the registry resolves models:/ sources through it
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description="Pareto-optimal models of `pipeline run`")
-    versions = {v.run_id: v.version for v in client.search_model_versions(f"name = '{name}'")}
+        client.create_registered_model(name, description="Pareto-optimal models of `pipeline run` (MLflow models: "
+                                       "mlflow.pyfunc.load_model('models:/NAME@best'))")
+    # Versions of earlier releases pointed at the raw checkpoint file; only MLflow-model versions are reused.
+    versions = {v.run_id: v.version for v in client.search_model_versions(f"name = '{name}'")
+                if v.source.startswith("models:/")}
     aliases = []
-    best = max(front, key=lambda r: r["top1"])
-    for index, row in enumerate(front, 1):
+    for alias, row in picks:
         version = versions.get(row["run_id"])
-        if version is None:  # idempotent: a rerun does not register the same run twice
-            version = client.create_model_version(name, f"runs:/{row['run_id']}/checkpoint", run_id=row["run_id"],
-                                                  tags={"method": row["method"], "level": row["level"],
-                                                        "arch": row["arch"], "gflops": f"{row['gflops']:.4f}",
-                                                        "top1": f"{row['top1']:.2f}"}).version
-        client.set_registered_model_alias(name, f"pareto-{index}", version)
-        aliases.append(f"{name}@pareto-{index}")
-        if row is best:
-            client.set_registered_model_alias(name, "best", version)
+        if version is None:
+            metadata = {k: row[k] for k in ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s",
+                                             "speed_setting")}
+            uri = log_model(ctx.config.train.tracking_uri, row["run_id"], row["checkpoint"], metadata)
+            version = versions[row["run_id"]] = client.create_model_version(
+                name, uri, run_id=row["run_id"], tags=version_tags(row), model_id=uri.rsplit("/", 1)[-1]).version
+        client.set_registered_model_alias(name, alias, version)
+        aliases.append(f"{name}@{alias}")
     return aliases
 
 
@@ -58,7 +90,8 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
     front = fronts(rows, exp.select.cost)["all"]
-    aliases = register_front(ctx, front) if exp.register_models else []
+    budgets = list(exp.budgets) if exp.budgets else default_budgets(rows)
+    aliases = register_models(ctx, registry_picks(rows, front, budgets)) if exp.register_models else []
     table = markdown_table(front, ["arch", "level", "method", "gflops", "top1", "images_per_s"])
     ctx.log(f"\nPareto front ({COST_LABELS[exp.select.cost]}, top-1 higher):\n" + table)
     ctx.log(f"\nreport:  {files['report'].resolve()}")
@@ -67,6 +100,6 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     ctx.log(f"mlflow:  {ctx.config.train.tracking_uri} (experiment {ctx.config.train.experiment!r}, "
             f"parent run {ctx.parent}); `mlflow ui --backend-store-uri {ctx.config.train.tracking_uri}`")
     if aliases:
-        ctx.log(f"registry: {', '.join(aliases)}")
+        ctx.log(f"registry: {', '.join(aliases)} (MLflow models: mlflow.pyfunc.load_model, mlflow models serve)")
     return {"rows": rows, "front": front, "files": {k: str(v) for k, v in files.items()}, "aliases": aliases,
             "parent_run_id": ctx.parent}

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import Config
 from pipeline.dag.plan import Stage
-from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, find_done, mark_done, open_child
+from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, TRAINED_RUN, find_done, mark_done, open_child
 from pipeline.dag.types import EvalResult, StageSpec, Tracking, TrainedResult, from_record
 from pipeline.tracking import experiment_id, log_batch
 
@@ -82,10 +82,12 @@ def log_analysis(client: MlflowClient, run_id: str, checkpoint: str, cfg) -> str
     return f"{client.get_run(run_id).info.artifact_uri}/analysis"
 
 
-def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cuda: bool = False) -> EvalResult:
+def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cuda: bool = False,
+                        trained_run: str | None = None) -> EvalResult:
     """Top-1, GFLOPs and images/s of a finetuned model, recorded as a child run of the DAG.
 
-    ``cuda``: the task was given a GPU (``eval.device`` auto resolves to it).
+    ``cuda``: the task was given a GPU (``eval.device`` auto resolves to it). ``trained_run``: the
+    finetune run that produced the model (tag ``pipeline.trained_run``, what ``pipeline select`` follows).
     """
     from pipeline.evaluate import evaluate_checkpoint
 
@@ -97,6 +99,8 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     cfg = spec.meta.eval
     run_id = open_child(client, exp_id, tracking.parent, name=spec.label, kind="evaluate", stage_id=spec.id,
                         dag_id=tracking.dag)
+    if trained_run is not None:
+        log_batch(client, run_id, tags={TRAINED_RUN: trained_run})
     measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda)
     setting = {"device": measured.device, "dtype": measured.dtype, "compile": measured.compile}
     log_batch(client, run_id, metrics={"top1": measured.top1, "gflops": measured.gflops,

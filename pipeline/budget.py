@@ -1,0 +1,101 @@
+"""``pipeline select``: the best model of an experiment under a cost budget, read from MLflow alone.
+
+An experiment's models are the finished evaluate runs under its newest DAG parent run (tags
+``pipeline.stage = dag``, run name = ``experiment.name``): top-1, GFLOPs and measured images/s
+(with the device they were measured on), and the finetune run that trained each model. The model
+URI is its Model Registry version when it is registered (``models:/token-pooling-NAME/V``), else
+the finetune run's checkpoint artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from pipeline.dag.records import DONE, STAGE_KIND, TRAINED_RUN
+from pipeline.errors import InputError, MissingFileError
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated model of the experiment."""
+
+    uri: str
+    method: str
+    level: str
+    top1: float
+    gflops: float
+    images_per_s: float
+    device: str
+
+    def line(self) -> str:
+        return (f"{self.uri}  top1 {self.top1:.2f}%  {self.gflops:.4f} GFLOPs  {self.images_per_s:.0f} img/s "
+                f"({self.device})  [{self.method}, {self.level}]")
+
+
+def open_store(tracking_uri: str) -> MlflowClient:
+    """A client of an existing store; reading never creates one."""
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+        raise MissingFileError(f"there is no MLflow store at {tracking_uri}; pass --tracking-uri, or run "
+                               "`python -m pipeline run` first")
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def registered_versions(client: MlflowClient, experiment: str) -> dict[str, str]:
+    """{finetune run id: models:/NAME/VERSION} of the experiment's registered MLflow models."""
+    name = f"token-pooling-{experiment}"
+    versions = client.search_model_versions(f"name = '{name}'")
+    return {v.run_id: f"models:/{name}/{v.version}" for v in versions if v.source.startswith("models:/")}
+
+
+def candidates(client: MlflowClient, experiment: str, mlflow_experiment: str = "token-pooling") -> list[Candidate]:
+    """Every evaluated model of the newest DAG run named ``experiment``."""
+    found = client.get_experiment_by_name(mlflow_experiment)
+    parents = [] if found is None else client.search_runs(
+        [found.experiment_id], filter_string=f"tags.`{STAGE_KIND}` = 'dag' and attributes.run_name = '{experiment}'",
+        order_by=["attributes.start_time DESC"], max_results=1)
+    if not parents:
+        raise InputError(f"no experiment {experiment!r} in MLflow experiment {mlflow_experiment!r}; `pipeline run` "
+                         "records one under its experiment.name")
+    evaluations = client.search_runs(
+        [found.experiment_id], max_results=10000,
+        filter_string=f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}' and tags.`{STAGE_KIND}` = 'evaluate' "
+                      f"and tags.`{DONE}` = '1'")
+    registered = registered_versions(client, experiment)
+    out = []
+    for run in evaluations:
+        trained = run.data.tags.get(TRAINED_RUN)
+        uri = registered.get(trained) or (f"runs:/{trained}/checkpoint" if trained else run.data.params["checkpoint"])
+        metrics, params = run.data.metrics, run.data.params
+        out.append(Candidate(uri, params.get("method", "?"), params.get("level", "?"), metrics["top1"],
+                             metrics["gflops"], metrics["images_per_s"], params.get("eval_device", "cpu")))
+    if not out:
+        raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
+    return out
+
+
+def best_under_budget(models: list[Candidate], *, max_gflops: float | None = None,
+                      min_images_per_s: float | None = None, device: str | None = None) -> Candidate:
+    """The highest top-1 among the models within the budget (ties: the cheaper one).
+
+    Raises InputError naming the cheapest model when none fits.
+    """
+    if (max_gflops is None) == (min_images_per_s is None):
+        raise InputError("give exactly one budget: --max-gflops X or --min-images-per-s Y")
+    if device is not None:
+        measured = [m for m in models if m.device == device]
+        if not measured:
+            devices = sorted({m.device for m in models})
+            raise InputError(f"no model of this experiment was timed on {device!r}; measured on: {', '.join(devices)}")
+        models = measured
+    if max_gflops is not None:
+        fits = [m for m in models if m.gflops <= max_gflops]
+        cheapest, budget = min(models, key=lambda m: m.gflops), f"{max_gflops:g} GFLOPs"
+    else:
+        fits = [m for m in models if m.images_per_s >= min_images_per_s]
+        cheapest, budget = max(models, key=lambda m: m.images_per_s), f"{min_images_per_s:g} images/s"
+    if not fits:
+        raise InputError(f"no model fits the budget of {budget}; the cheapest is {cheapest.line()}")
+    return max(fits, key=lambda m: (m.top1, -m.gflops))

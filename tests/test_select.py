@@ -1,0 +1,116 @@
+"""`pipeline select` against a hand-built MLflow store: a DAG parent run, its evaluate runs, one registered model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.cli import main
+
+# (method, level, top1, gflops, images/s, device): the models the hand-built experiment evaluated.
+MODELS = [
+    ("none", "full", 80.0, 4.6, 1000.0, "cuda"),
+    ("wkmedoids", "L3", 79.5, 2.3, 1500.0, "cuda"),
+    ("powerbert", "L3", 78.0, 2.2, 1900.0, "cuda"),
+    ("powerbert", "L6", 70.0, 1.1, 2600.0, "cuda"),
+    ("kmedoids", "L3", 79.0, 2.3, 40.0, "cpu"),
+]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """The store's URI and {method/level/device: the finetune run id} of each model."""
+    root = tmp_path_factory.mktemp("select")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("token-pooling", artifact_location=(root / "artifacts").as_uri())
+    client.create_run(exp, run_name="other", tags={"pipeline.stage": "dag"})  # another experiment's DAG
+    parent = client.create_run(exp, run_name="hand", tags={"pipeline.stage": "dag"}).info.run_id
+    trained = {}
+    for method, level, top1, gflops, speed, device in MODELS:
+        finetune = client.create_run(exp, run_name=f"ft-{method}-{level}").info.run_id
+        trained[f"{method}/{level}/{device}"] = finetune
+        run = client.create_run(exp, run_name=f"eval-{method}-{level}", tags={
+            "mlflow.parentRunId": parent, "pipeline.stage": "evaluate", "pipeline.done": "1",
+            "pipeline.trained_run": finetune}).info.run_id
+        client.log_param(run, "method", method)
+        client.log_param(run, "level", level)
+        client.log_param(run, "eval_device", device)
+        for key, value in (("top1", top1), ("gflops", gflops), ("images_per_s", speed)):
+            client.log_metric(run, key, value)
+    unfinished = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate"})
+    client.log_metric(unfinished.info.run_id, "top1", 99.0)  # not done: never a candidate
+    # The wkmedoids model (timed on the GPU) is registered as an MLflow model.
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)  # the registry looks the logged model up through the global tracking URI
+    try:
+        model = client.create_logged_model(exp, name="model", source_run_id=trained["wkmedoids/L3/cuda"])
+        client.create_registered_model("token-pooling-hand")
+        client.create_model_version("token-pooling-hand", f"models:/{model.model_id}",
+                                    run_id=trained["wkmedoids/L3/cuda"], model_id=model.model_id)
+    finally:
+        mlflow.set_tracking_uri(previous)
+    return uri, trained
+
+
+def select(capsys, uri: str, *budget: str) -> tuple[int, str, str]:
+    code = main(["select", "--experiment", "hand", "--tracking-uri", uri, *budget])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def field(out: str, name: str) -> str:
+    return next(line.split(": ", 1)[1] for line in out.splitlines() if line.startswith(f"{name}: "))
+
+
+def test_gflops_budget_picks_the_best_top1_that_fits(store, capsys):
+    uri, trained = store
+    code, out, _ = select(capsys, uri, "--max-gflops", "2.5")
+    assert code == 0 and field(out, "model") == "models:/token-pooling-hand/1"  # wkmedoids L3, registered
+    assert field(out, "top1") == "79.50" and field(out, "gflops") == "2.3000"
+    code, out, _ = select(capsys, uri, "--max-gflops", "2.25")
+    assert code == 0 and field(out, "model") == f"runs:/{trained['powerbert/L3/cuda']}/checkpoint"  # not registered
+    code, out, _ = select(capsys, uri, "--max-gflops", "100")
+    assert field(out, "method") == "none" and field(out, "top1") == "80.00"
+
+
+def test_speed_budget_counts_only_the_device_asked_for(store, capsys):
+    uri, _ = store
+    code, out, _ = select(capsys, uri, "--min-images-per-s", "1800", "--device", "cuda")
+    assert code == 0 and field(out, "method") == "powerbert" and field(out, "level") == "L3"
+    code, out, _ = select(capsys, uri, "--min-images-per-s", "30", "--device", "cpu")
+    assert code == 0 and field(out, "images_per_s") == "40.0 (cpu)"
+
+
+def test_nothing_fits_names_the_cheapest_model(store, capsys):
+    uri, trained = store
+    code, _, err = select(capsys, uri, "--max-gflops", "1.0")
+    assert code == 2 and "no model fits the budget of 1 GFLOPs" in err
+    assert f"runs:/{trained['powerbert/L6/cuda']}/checkpoint" in err and "1.1000 GFLOPs" in err
+    code, _, err = select(capsys, uri, "--min-images-per-s", "5000", "--device", "cuda")
+    assert code == 2 and "2600 img/s" in err
+
+
+def test_unknown_experiment_store_or_device_is_refused(store, capsys, tmp_path):
+    uri, _ = store
+    code = main(["select", "--experiment", "nope", "--tracking-uri", uri, "--max-gflops", "1"])
+    assert code == 2 and "no experiment 'nope'" in capsys.readouterr().err
+    missing = tmp_path / "none" / "mlflow.db"
+    code = main(["select", "--experiment", "hand", "--tracking-uri", f"sqlite:///{missing}", "--max-gflops", "1"])
+    assert code == 2 and "there is no MLflow store" in capsys.readouterr().err and not missing.parent.exists()
+    from pipeline.budget import best_under_budget, candidates
+
+    models = candidates(MlflowClient(tracking_uri=uri), "hand")
+    assert len(models) == len(MODELS)  # the unfinished evaluation is not a candidate
+    with pytest.raises(ValueError, match="no model of this experiment was timed on 'cuda'"):
+        best_under_budget([m for m in models if m.device == "cpu"], max_gflops=9, device="cuda")
+
+
+def test_select_needs_exactly_one_budget(store, capsys):
+    uri, _ = store
+    with pytest.raises(SystemExit):
+        main(["select", "--experiment", "hand", "--tracking-uri", uri])
+    assert Path(uri.removeprefix("sqlite:///")).is_file()
