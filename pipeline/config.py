@@ -172,6 +172,9 @@ class DataConfig(Section):
     crop_scale: tuple[float, float] = Field((0.08, 1.0), description="random-resized-crop area range")
     progressive: ProgressiveConfig | None = None
     verify_checksum: bool = Field(False, description="SHA-256 the .beton before training (reads the whole file)")
+    holdout: float = Field(0.0, ge=0, lt=1, description="fraction of data.train held out (stratified, seeded) to "
+                           "validate and rank on; data.val is then the test set, measured once at the end")
+    holdout_seed: int = Field(0, description="seed of the held-out split")
 
     @field_validator("crop_scale", mode="before")
     @classmethod
@@ -183,6 +186,8 @@ class DataConfig(Section):
         low, high = self.crop_scale
         if not 0 < low <= high <= 1:
             raise InputError(f"crop_scale must satisfy 0 < low <= high <= 1, got {list(self.crop_scale)}")
+        if self.holdout > 0 and self.loader != "ffcv":
+            raise InputError("data.holdout splits a .beton: it needs data.loader: ffcv")
         return self
 
 

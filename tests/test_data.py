@@ -24,6 +24,7 @@ from pipeline.data.loaders import (
     build_loader,
     check_dataset,
     ffcv_loader,
+    loader_spec,
     progressive_res,
 )
 from pipeline.data.sources import FASHION_MNIST_DIR, read_image
@@ -382,3 +383,49 @@ def test_cli_write_and_check(tmp_path):
     assert "wrote" in proc.stderr and "img/s" in proc.stderr
     check = subprocess.run([sys.executable, "-m", "pipeline", "data", "check", str(out), "--num-classes", "3"], **run)
     assert check.returncode == 2 and "holds 10 classes" in check.stderr
+
+
+def test_holdout_split_is_stratified_disjoint_seeded_and_written_once(tmp_path):
+    from pipeline.data.split import holdout_split, split_key, stratified_holdout
+
+    source = open_source("synthetic:classes=5,count=60,size=8")
+    out = tmp_path / "train.beton"
+    write_beton(source, out, RAW, log=lambda _: None)
+    labels = np.asarray(source.labels)
+    split = holdout_split(out, 0.25, seed=3)
+    assert len(np.intersect1d(split.train, split.val)) == 0  # nothing fitted on is ranked on
+    assert sorted(np.concatenate([split.train, split.val]).tolist()) == list(range(60))
+    assert np.bincount(labels[split.val]).tolist() == [3] * 5  # a quarter of each class's 12
+    stored = json.loads(metadata_path(out).read_text())["holdout"][split_key(0.25, 3)]
+    assert stored == split.val.tolist()
+    written = metadata_path(out).stat().st_mtime_ns
+    assert np.array_equal(holdout_split(out, 0.25, seed=3).val, split.val)  # read back, not drawn again
+    assert metadata_path(out).stat().st_mtime_ns == written
+    assert not np.array_equal(stratified_holdout(labels, 0.25, seed=4), split.val)  # the seed matters
+    check_dataset(out, 5)  # the metadata stays valid
+
+
+def test_holdout_loaders_read_only_their_part_and_the_test_set_stays_whole(tmp_path):
+    import dataclasses
+
+    from pipeline.config import DataConfig
+    from pipeline.data.split import holdout_split
+
+    source = open_source("synthetic:classes=4,count=40,size=8")
+    write_beton(source, tmp_path / "train.beton", RAW, log=lambda _: None)
+    write_beton(open_source("synthetic:classes=4,count=12,size=8,seed=1"), tmp_path / "test.beton", RAW,
+                log=lambda _: None)
+    data = DataConfig(train=str(tmp_path / "train.beton"), val=str(tmp_path / "test.beton"), num_classes=4,
+                      batch_size=4, num_workers=1, holdout=0.2, flip=False, crop_scale=(1.0, 1.0))
+    model_data = {"input_size": (3, 8, 8), "mean": IDENTITY["mean"], "std": IDENTITY["std"], "crop_pct": 1.0}
+    split = holdout_split(tmp_path / "train.beton", 0.2, 0)
+    labels = np.asarray(source.labels)
+    fit = dataclasses.replace(loader_spec(data, model_data, train=True), drop_last=False)
+    held = loader_spec(data, model_data, train=False, holdout=True)
+    test = loader_spec(data, model_data, train=False)
+    _, fit_labels = read_all(ffcv_loader(fit))
+    _, held_labels = read_all(ffcv_loader(held))
+    _, test_labels = read_all(ffcv_loader(test))
+    assert sorted(fit_labels.tolist()) == sorted(labels[split.train].tolist()) and len(fit_labels) == 32
+    assert held_labels.tolist() == labels[split.val].tolist() and len(held_labels) == 8
+    assert len(test_labels) == 12

@@ -43,17 +43,25 @@ class LoaderSpec:
     device: str = "cpu"
     drop_last: bool | None = None
     flip: bool = True
+    part: str = "all"  # "fit" / "holdout": that part of the file's validation split (pipeline.data.split)
+    holdout: tuple[float, int] = (0.0, 0)  # (fraction, seed) of that split
 
 
 def loader_spec(data: DataConfig, model_data: dict[str, Any], *, train: bool, seed: int = 0, world: int = 1,
-                device: str = "cpu") -> LoaderSpec:
+                device: str = "cpu", holdout: bool = False) -> LoaderSpec:
     """The loader of ``data.train`` (a distributed shard reshuffled per epoch when ``world`` > 1) or
-    ``data.val``, at the model's resolution and normalisation (``model_data``: timm's data config)."""
-    return LoaderSpec(path=data.train if train else data.val, train=train, batch_size=data.batch_size,
+    ``data.val``, at the model's resolution and normalisation (``model_data``: timm's data config).
+
+    With ``data.holdout`` > 0 the training loader reads only the fitting part of ``data.train``, and
+    ``holdout=True`` gives the (unaugmented) loader of its held-out validation part.
+    """
+    split = data.holdout > 0
+    part = "fit" if split and train else "holdout" if holdout else "all"
+    return LoaderSpec(path=data.train if train or holdout else data.val, train=train, batch_size=data.batch_size,
                       res=model_data["input_size"][-1], mean=tuple(model_data["mean"]), std=tuple(model_data["std"]),
                       crop_pct=model_data["crop_pct"], crop_scale=data.crop_scale, workers=data.num_workers,
                       distributed=train and world > 1, seed=seed, os_cache=data.os_cache, device=device,
-                      flip=data.flip)
+                      flip=data.flip, part=part, holdout=(data.holdout, data.holdout_seed))
 
 
 def read_metadata(beton: str | Path) -> dict[str, Any]:
@@ -179,10 +187,16 @@ def label_pipeline(spec: LoaderSpec) -> list:
 def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
     """An ``ffcv.loader.Loader``; under DDP (``distributed``) each rank reads a disjoint shard, reshuffled per epoch.
 
-    ``indices`` restricts it to those samples (a rank's validation slice, the first images of a file).
+    ``indices`` restricts it to those samples (a rank's validation slice, the first images of a file);
+    without them, ``spec.part`` picks the fitting or held-out part of the file's validation split.
     """
     from ffcv.loader import Loader, OrderOption
 
+    if indices is None and spec.part != "all":
+        from pipeline.data.split import holdout_split
+
+        split = holdout_split(spec.path, *spec.holdout)
+        indices = split.train if spec.part == "fit" else split.val
     # QUASI_RANDOM is not implemented with distributed=True in FFCV 1.0.2; RANDOM reseeds with seed + epoch.
     order = OrderOption.RANDOM if spec.train else OrderOption.SEQUENTIAL
     pipelines = {"image": train_pipeline(spec) if spec.train else val_pipeline(spec), "label": label_pipeline(spec)}

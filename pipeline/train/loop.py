@@ -40,6 +40,7 @@ class Job:
     recipe: Recipe
     train_loader: Any
     val_loader: Any
+    test_loader: Any = None  # data.val when data.holdout > 0: the test set, measured once after the last epoch
     tracker: Any = None  # run_tracking.JobTracker on rank 0
     run_id: str | None = None  # the MLflow run, kept across resumes
 
@@ -64,15 +65,23 @@ class EpochStats:
     penalty: float = 0.0
 
 
-def val_loader(config: Config, model: nn.Module, session: Session):
-    """Each rank reads every ``world``-th validation image, so the ranks' counts add up to the set exactly."""
-    spec = loader_spec(config.data, data_config(model), train=False, seed=config.seed, device=str(session.device))
+def val_loader(config: Config, model: nn.Module, session: Session, *, test: bool = False):
+    """The validation loader: the held-out part of ``data.train`` when ``data.holdout`` > 0, else (and for
+    ``test``) ``data.val``. Each rank reads every ``world``-th image, so the ranks' counts add up to the set."""
+    holdout = config.data.holdout > 0 and not test
+    spec = loader_spec(config.data, data_config(model), train=False, seed=config.seed, device=str(session.device),
+                       holdout=holdout)
     if config.data.loader == "torch" or session.world == 1:
         return shared_loader(config.data.loader, spec)
     from pipeline.data.loaders import ffcv_loader, read_metadata
 
-    count = int(read_metadata(spec.path)["num_images"])
-    return ffcv_loader(spec, indices=np.arange(session.rank, count, session.world))
+    if holdout:
+        from pipeline.data.split import holdout_split
+
+        indices = holdout_split(spec.path, config.data.holdout, config.data.holdout_seed).val
+    else:
+        indices = np.arange(int(read_metadata(spec.path)["num_images"]))
+    return ffcv_loader(spec, indices=indices[session.rank::session.world])
 
 
 def init_from(config: Config, model: nn.Module) -> None:
@@ -161,12 +170,13 @@ def _progress_bar(job: Job, total: int, epoch: int):
 
 
 @torch.no_grad()
-def evaluate(job: Job, model: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]) -> float:
-    """Top-1 (%) of ``run`` (``model``, or its compiled form) over the whole validation set, summed across ranks."""
+def evaluate(job: Job, model: nn.Module, run: Callable[[torch.Tensor], torch.Tensor], loader=None) -> float:
+    """Top-1 (%) of ``run`` (``model``, or its compiled form) over the whole validation set (or ``loader``),
+    summed across ranks."""
     model.eval()
     mark = step_marker(job.config.train.compile) if run is not model else (lambda: None)
     counts = torch.zeros(2, dtype=torch.float64, device=job.device)
-    for inputs, targets in job.val_loader:
+    for inputs, targets in job.val_loader if loader is None else loader:
         inputs, targets = inputs.to(job.device, non_blocking=True), targets.to(job.device, non_blocking=True)
         mark()
         with autocast(job.device, job.dtype):
@@ -224,6 +234,7 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], started: floa
     eta = elapsed / max(done, 1) * (epochs - epoch - 1)
     extra = f" val_top1_ema {metrics['val_top1_ema']:.2f}%" if "val_top1_ema" in metrics else ""
     keep = f" keep {metrics['keep_total']:.0f}" if "keep_total" in metrics else ""
+    extra += f" test_top1 {metrics['test_top1']:.2f}%" if "test_top1" in metrics else ""
     return (f"epoch {epoch + 1}/{epochs} loss {metrics['train_loss']:.4f} val_top1 {metrics['val_top1']:.2f}%"
             f"{extra}{keep} | {metrics['images_per_s']:.0f} img/s | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
 
@@ -255,7 +266,8 @@ def build_job(config: Config, session: Session) -> Job:
                           global_batch=config.data.batch_size * session.world, steps_per_epoch=steps_per_epoch,
                           retention_lr_scale=config.train.ksearch_lr_scale)
     run = compile_model(model, config.train.compile, session.device)
-    return Job(config, session, model, run, recipe, train_loader, val_loader(config, model, session))
+    test_loader = val_loader(config, model, session, test=True) if config.data.holdout > 0 else None
+    return Job(config, session, model, run, recipe, train_loader, val_loader(config, model, session), test_loader)
 
 
 def train(config: Config, session: Session) -> None:
@@ -294,6 +306,8 @@ def epoch_metrics(job: Job, epoch: int, stats: EpochStats) -> dict[str, float]:
         raise JobError(f"DDP replicas diverged by {metrics['replica_divergence']:.3g} after epoch {epoch + 1}")
     if job.recipe.ema is not None:
         metrics["val_top1_ema"] = evaluate(job, job.recipe.ema.module, job.recipe.ema.module)
+    if job.test_loader is not None and epoch + 1 == job.config.recipe.epochs:  # the test set, once, at the end
+        metrics["test_top1"] = evaluate(job, job.model, job.run, job.test_loader)
     return metrics
 
 
