@@ -280,12 +280,84 @@ class TrainConfig(Section):
         return self
 
 
+class ParamRange(Section):
+    """One swept setting: exactly one of ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``, ``randint: [lo, hi]``
+    (hi excluded) or ``choice: [a, b, ...]``."""
+
+    uniform: list[float] | None = None
+    loguniform: list[float] | None = None
+    randint: list[int] | None = None
+    choice: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_range(self) -> ParamRange:
+        given = {k: v for k, v in self.model_dump().items() if v is not None}
+        if len(given) != 1:
+            raise InputError("give exactly one of uniform, loguniform, randint, choice "
+                             f"(got {sorted(given) or 'none'})")
+        kind, values = next(iter(given.items()))
+        if kind == "choice":
+            if not values:
+                raise InputError("choice: give at least one value")
+        elif len(values) != 2 or not values[0] < values[1]:
+            raise InputError(f"{kind}: give [low, high] with low < high, got {values}")
+        elif kind == "loguniform" and values[0] <= 0:
+            raise InputError(f"loguniform: the low end must be positive, got {values[0]}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k, v in self.model_dump().items() if v is not None)
+
+    def values(self) -> list[Any]:
+        """The settings a config must accept: both ends of a range, every choice."""
+        return list(getattr(self, self.kind))
+
+
+# What a sweep may set: the recipe, the model's regularisation and the pooling options (sections of Config).
+SWEEPABLE_SECTIONS = ("recipe", "model", "pooling", "data")
+
+
+class SweepConfig(Section):
+    """A hyperparameter search over one training stage (Ray Tune): every trial trains the stage with the
+    sampled settings and reports each epoch; the best trial on ``metric`` becomes the stage's result."""
+
+    space: dict[str, ParamRange] = Field(description="dotted config keys (recipe.lr, model.drop_path, "
+                                         "pooling.iters, ...) -> their range")
+    search: Literal["grid", "random", "optuna"] = Field("optuna", description="grid: every combination of "
+                                                        "choices; random; optuna: Ray Tune's OptunaSearch (TPE)")
+    scheduler: Literal["none", "asha"] = Field("asha", description="asha: stop the worse trials early")
+    grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it may be stopped")
+    reduction_factor: float = Field(2.0, gt=1, description="ASHA: 1/reduction_factor of trials go on at each rung")
+    num_samples: int = Field(8, ge=1, description="trials (grid: repeats of the whole grid)")
+    max_concurrent: int | None = Field(None, ge=1, description="default: as many as the cluster's CPUs allow")
+    metric: Literal["val_top1", "train_loss"] = Field("val_top1", description="ranked on the validation split "
+                                                      "(data.holdout), never on the test set")
+    mode: Literal["max", "min"] = "max"
+
+    @model_validator(mode="after")
+    def _space_fits_the_search(self) -> SweepConfig:
+        if not self.space:
+            raise InputError("sweep.space is empty: give at least one setting to search over")
+        for key, param in self.space.items():
+            section, _, field = key.partition(".")
+            if section not in SWEEPABLE_SECTIONS or not field or "." in field:
+                raise InputError(f"sweep.space.{key}: give SECTION.FIELD with SECTION one of "
+                                 f"{', '.join(SWEEPABLE_SECTIONS)}")
+            if key == "recipe.epochs":
+                raise InputError("sweep.space.recipe.epochs: the epochs are the ASHA budget; set the stage's epochs")
+            if self.search == "grid" and param.kind != "choice":
+                raise InputError(f"sweep.space.{key}: search grid takes choice lists only (got {param.kind})")
+        return self
+
+
 class StageRecipe(Section):
     """Per-stage overrides of the recipe (the rest comes from the ``recipe`` section)."""
 
     epochs: int | None = Field(None, ge=1)
     lr: float | None = Field(None, gt=0)
     warmup_epochs: float | None = Field(None, ge=0)
+    sweep: SweepConfig | None = Field(None, description="base stage only: a hyperparameter search (Ray Tune)")
 
 
 class PrepareItem(Section):
@@ -375,6 +447,12 @@ class ExperimentConfig(Section):
             raise InputError("experiment.methods: 'none' is the baseline; set experiment.baseline: true instead")
         if self.search.algorithm == "grid" and self.search.num_samples != 1:
             raise InputError("experiment.search.num_samples applies to algorithm: random")
+        for stage in ("ksearch", "finetune"):
+            if getattr(self, stage).sweep is not None:
+                raise InputError(f"experiment.{stage}.sweep: hyperparameter sweeps run on the base stage; the K "
+                                 "search and the finetunes are sweeps over lambdas and methods already")
+        if self.base.sweep is not None and self.search.trial_workers:
+            raise InputError("experiment.base.sweep runs single-process trials: set experiment.search.trial_workers: 0")
         return self
 
 
@@ -402,12 +480,39 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _sweep_values_fit(self) -> Config:
+        sweep = None if self.experiment is None else self.experiment.base.sweep
+        if sweep is None:
+            return self
+        plain = self.model_copy(update={"experiment": None})
+        for key, param in sweep.space.items():
+            section, _, field = key.partition(".")
+            if field not in type(getattr(self, section)).model_fields:
+                raise InputError(f"experiment.base.sweep.space.{key}: {section} has no field {field!r}")
+            for value in param.values():
+                try:
+                    with_setting(plain, key, value)
+                except (ValidationError, ValueError) as err:
+                    why = err.errors()[0]["msg"] if isinstance(err, ValidationError) else str(err)
+                    raise InputError(f"experiment.base.sweep.space.{key}: the value {value!r} is not valid there "
+                                     f"({why})") from None
+        return self
+
+    @model_validator(mode="after")
     def _pooling_options_exist(self) -> Config:
         spec = METHODS[self.pooling.method]
         if self.pooling.cluster_on is not None and "cluster_on" not in spec.options:
             takers = sorted(name for name, s in METHODS.items() if "cluster_on" in s.options)
             raise InputError(f"pooling.cluster_on applies to {', '.join(takers)}, not {self.pooling.method!r}")
         return self
+
+
+def with_setting(config: Config, key: str, value: Any) -> Config:
+    """``config`` with the dotted ``key`` (``SECTION.FIELD``) set to ``value``, validated again."""
+    section, field = key.split(".", 1)
+    data = config.model_dump(mode="json")
+    data[section][field] = value
+    return Config.model_validate(data)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

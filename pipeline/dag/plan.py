@@ -91,7 +91,7 @@ def archs(config: Config) -> list[Arch]:
 def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: dict[str, Any],
           pooling: dict[str, Any] | None = None) -> Config:
     """``config`` with section updates (typed copies), validated again: a bad width or keep list fails here."""
-    stage_recipe = {k: v for k, v in recipe.model_dump().items() if v is not None}
+    stage_recipe = {k: v for k, v in recipe.model_dump(exclude={"sweep"}).items() if v is not None}
     updated = config.model_copy(update={
         "model": config.model.model_copy(update=model),
         "recipe": config.recipe.model_copy(update=stage_recipe),
@@ -103,10 +103,13 @@ def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: 
 
 
 def base_stage(config: Config, arch: Arch) -> Stage:
-    given = config.experiment.base_checkpoints.get(arch.label)
-    cfg = _with(config, model=arch.overrides, recipe=config.experiment.base, train={"mode": "base"})
-    return Stage("base", f"{config.experiment.name}-base-{arch.label}", cfg, [], arch.label,
-                 StageMeta(given=given or None))
+    exp = config.experiment
+    given = exp.base_checkpoints.get(arch.label)
+    train = {"mode": "base"} if exp.base.sweep is None else {"mode": "base", **trial_train(exp)}
+    cfg = _with(config, model=arch.overrides, recipe=exp.base, train=train)
+    sweep = None if exp.base.sweep is None or given else exp.base.sweep.model_dump(mode="json")
+    return Stage("base", f"{exp.name}-base-{arch.label}", cfg, [], arch.label, StageMeta(given=given or None,
+                                                                                       sweep=sweep))
 
 
 def trial_train(exp: ExperimentConfig) -> dict[str, Any]:

@@ -97,13 +97,34 @@ def retire_storage(ctx: Context, stages: list[Stage]) -> None:
 
 
 def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, TrainedResult]]:
-    """One base per width, each a multi-worker TorchTrainer job (or a given checkpoint)."""
+    """One base per width: a multi-worker TorchTrainer job, a given checkpoint, or the best trial of a
+    hyperparameter sweep (``experiment.base.sweep``)."""
     bases = {}
+    sweep = ctx.config.experiment.base.sweep
     for arch in arch_list:
         stage = base_stage(ctx.config, arch)
-        bases[arch.label] = (stage, run_training_spec(stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag),
-                                                      log=ctx.log))
+        spec = stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag)
+        if sweep is None or stage.meta.given:
+            bases[arch.label] = (stage, run_training_spec(spec, log=ctx.log))
+        else:
+            bases[arch.label] = (stage, run_swept_base(ctx, spec, sweep))
     return bases
+
+
+def run_swept_base(ctx: Context, spec, sweep) -> TrainedResult:
+    import ray
+
+    from pipeline.dag.hpo import run_base_sweep
+    from pipeline.dag.stages import trained_done
+
+    done = trained_done(ctx.client, ctx.exp_id, spec.id)
+    if done is not None:
+        ctx.log(f"[skip] {spec.label} sweep: done in MLflow run {done.run_id}")
+        return done
+    slots = max(int(ray.cluster_resources().get("CPU", 1)), 1)
+    slots = min(slots, sweep.max_concurrent) if sweep.max_concurrent else slots
+    return run_base_sweep(spec, sweep, client=ctx.client, exp_id=ctx.exp_id, slots=slots, out_dir=ctx.out_dir,
+                          parent=ctx.parent, log=ctx.log)
 
 
 def results_of(ctx: Context, stages: list[Stage]) -> dict[str, TrainedResult]:

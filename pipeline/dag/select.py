@@ -33,13 +33,13 @@ def registry_picks(rows: list[dict[str, Any]], front: list[dict[str, Any]], budg
                    ) -> list[tuple[str, dict[str, Any]]]:
     """(alias, row): ``pareto-1..n`` along the front, ``best`` (its top top-1), and for each GFLOPs budget
     the model with the most measured images/s within it, ``fastest-under-<budget>-gflops``."""
-    picks = [(f"pareto-{index}", row) for index, row in enumerate(front, 1)]
-    picks.append(("best", max(front, key=lambda r: r["top1"])))
-    for budget in budgets:
+    picks = {f"pareto-{index}": row for index, row in enumerate(front, 1)}
+    picks["best"] = max(front, key=lambda r: r["top1"])
+    for budget in budgets:  # budgets that print alike (close default ones) give one alias
         fitting = [r for r in rows if r["gflops"] <= budget]
         if fitting:
-            picks.append((fastest_alias(budget), max(fitting, key=lambda r: (r["images_per_s"], r["top1"]))))
-    return picks
+            picks[fastest_alias(budget)] = max(fitting, key=lambda r: (r["images_per_s"], r["top1"]))
+    return list(picks.items())
 
 
 def version_tags(row: dict[str, Any]) -> dict[str, str]:

@@ -57,7 +57,8 @@ def run_training_spec(spec: StageSpec, log: Callable[[str], None] = print) -> Tr
     log(f"[run] {spec.label} ({config.train.mode}, {config.recipe.epochs} epochs)")
     trained = run_training(config)
     result = TrainedResult(run_id=trained.run_id, checkpoint=trained.checkpoint, keep=trained.keep,
-                           val_top1=trained.summary["val_top1"], seconds=round(time.perf_counter() - started, 1))
+                           val_top1=trained.summary["val_top1"], seconds=round(time.perf_counter() - started, 1),
+                           test_top1=trained.summary.get("test_top1"))
     mark_done(client, trained.run_id, stage_id=spec.id, kind=spec.kind, result=result.as_record())
     log(f"[done] {spec.label}: val_top1 {result.val_top1:.2f}% in {result.seconds:.0f} s")
     return result

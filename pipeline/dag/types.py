@@ -22,6 +22,7 @@ class StageMeta:
     lam: float | None = None  # K searches: the penalty strength
     given: str | None = None  # bases: a checkpoint from the config instead of training
     eval: EvalConfig | None = None  # evaluations: how the model is measured
+    sweep: dict[str, Any] | None = None  # bases: the hyperparameter search (SweepConfig as JSON)
 
     def identity(self) -> dict[str, Any]:
         """The JSON-able content that enters the stage id (unset fields left out)."""
@@ -32,6 +33,8 @@ class StageMeta:
                 out[key] = value
         if self.eval is not None:
             out["eval"] = self.eval.model_dump()
+        if self.sweep is not None:
+            out["sweep"] = self.sweep
         return out
 
 
@@ -58,8 +61,9 @@ class TrainedResult:
     run_id: str
     checkpoint: str
     keep: list[int] | None = None
-    val_top1: float | None = None
+    val_top1: float | None = None  # on the validation split (data.holdout), else on data.val
     seconds: float | None = None
+    test_top1: float | None = None  # with data.holdout: data.val, measured once after the last epoch
     skipped: bool = False  # found done in MLflow; nothing ran
 
     as_record = _record

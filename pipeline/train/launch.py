@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ def make_trainer(config: Config):
     )
 
 
-def run_local(config: Config) -> TrainResult:
+def run_local(config: Config, on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
     """``train.workers: 0``: the loop in this process (Tune trials, quick runs)."""
     from pipeline.train.loop import train_local
     from pipeline.train.session import latest_local_checkpoint, local_checkpoints
@@ -151,19 +152,25 @@ def run_local(config: Config) -> TrainResult:
 
         if not torch.cuda.is_available():
             raise ConfigError("train.use_gpu is true but this machine has no CUDA device")
-    train_local(config)
+    train_local(config, on_epoch)
     directory = latest_local_checkpoint(local_checkpoints(config))
     if directory is None:
         raise JobError(f"training job {config.train.name!r} finished without a checkpoint")
     return TrainResult(checkpoint=str(directory), summary=json.loads((directory / "summary.json").read_text()))
 
 
-def run_training(config: Config, address: str | None = None) -> TrainResult:
-    """Runs (or resumes: same ``train.name`` and ``train.storage_path``) one training job."""
+def run_training(config: Config, address: str | None = None,
+                 on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
+    """Runs (or resumes: same ``train.name`` and ``train.storage_path``) one training job.
+
+    ``on_epoch`` (single-process jobs only) gets each epoch's metrics once its checkpoint is written.
+    """
     config = resolve_paths(config)
     preflight(config)
     if config.train.workers == 0:
-        return run_local(config)
+        return run_local(config, on_epoch)
+    if on_epoch is not None:
+        raise ConfigError("per-epoch reports (a sweep trial) need a single-process job: train.workers: 0")
     connect_ray(address or config.train.address)
     check_resources(config)
     try:

@@ -245,9 +245,10 @@ def train_worker(config_dict: dict[str, Any]) -> None:
     train(config, RaySession(config))
 
 
-def train_local(config: Config) -> None:
-    """The same loop in this process, without Ray Train (``train.workers: 0``)."""
-    train(config, LocalSession(config))
+def train_local(config: Config, on_epoch: Callable[[dict[str, float]], None] | None = None) -> None:
+    """The same loop in this process, without Ray Train (``train.workers: 0``); ``on_epoch`` gets each
+    epoch's metrics once its checkpoint is written (a sweep trial's report to Ray Tune)."""
+    train(config, LocalSession(config, on_epoch))
 
 
 def build_job(config: Config, session: Session) -> Job:

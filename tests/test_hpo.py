@@ -1,0 +1,124 @@
+"""The base stage's hyperparameter sweep (``experiment.base.sweep``): Optuna + ASHA on Ray Tune inside
+`pipeline run`, its driver killed mid-sweep and the sweep restored; plus the sweep config's refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import ConfigError, load_config
+from pipeline.dag.hpo import TRIAL_TAG
+from tests.conftest import write_synthetic_pair
+from tests.processes import ROOT, stop, wait_for
+
+TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
+TRIALS, EPOCHS = 6, 4
+# Train loss as the metric: on this separable synthetic data every trial's validation top-1 is 100%, and ASHA
+# cannot rank ties; the loss still orders the learning rates. Optuna draws them; ASHA stops the worse ones.
+SWEEP = (f"{{epochs: {EPOCHS}, sweep: {{space: {{recipe.lr: {{loguniform: [1.0e-4, 1.0e-2]}}, recipe.weight_decay: "
+         "{uniform: [0.0, 0.1]}}, search: optuna, scheduler: asha, grace_period: 1, reduction_factor: 2, "
+         f"num_samples: {TRIALS}, max_concurrent: 2, metric: train_loss, mode: min}}}}")
+
+
+def overrides(root: Path) -> list[str]:
+    return [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}", "data.holdout=0.25",
+            f"train.storage_path={root / 'ray'}", f"train.tracking_uri=sqlite:///{root / 'mlflow.db'}",
+            f"train.artifact_root={root / 'artifacts'}", f"experiment.runs_dir={root / 'experiments'}",
+            "train.workers=0", "train.progress_bar=false", "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]",
+            "experiment.methods=[powerbert]", "experiment.baseline=false", f"experiment.base={SWEEP}",
+            "experiment.eval.analysis_images=0", "experiment.eval.analysis_batch=0"]
+
+
+def trial_runs(client: MlflowClient) -> list:
+    exp = client.get_experiment_by_name("token-pooling")
+    if exp is None:
+        return []
+    return [r for r in client.search_runs([exp.experiment_id], max_results=1000) if TRIAL_TAG in r.data.tags]
+
+
+def epochs_of(client: MlflowClient, run_id: str, key: str = "train_loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun_finished_ones(tmp_path):
+    root = write_synthetic_pair(tmp_path, 192, 48)
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    client.search_experiments()  # the schema first: the driver and this test must not race on creating it
+    command = [sys.executable, "-m", "pipeline", "run", str(TINY)]
+    command += [part for item in overrides(root) for part in ("--set", item)]
+    log = open(root / "first.log", "w")
+    driver = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def two_trials_done():
+            assert driver.poll() is None, (root / "first.log").read_text()[-3000:]
+            return len([r for r in trial_runs(client) if r.info.status == "FINISHED"]) >= 2
+
+        wait_for(two_trials_done, "two finished trials", 600, every=0.5)
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and its local Ray, mid-sweep
+        driver.wait()
+    finally:
+        stop(driver)
+        log.close()
+    finished = {r.data.tags[TRIAL_TAG]: (r.info.run_id, epochs_of(client, r.info.run_id))
+                for r in trial_runs(client) if r.info.status == "FINISHED"}
+    assert 2 <= len(finished) < TRIALS
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-3000:]
+    assert "[sweep] tiny-base-M16: restoring" in again.stdout
+
+    live = [r for r in trial_runs(client) if r.info.status != "FAILED"]  # FAILED: retired, killed before a checkpoint
+    names = [r.data.tags[TRIAL_TAG] for r in live]
+    assert len(names) == len(set(names)) == TRIALS  # every trial once
+    for run in live:
+        name = run.data.tags[TRIAL_TAG]
+        if name in finished:  # finished before the kill: the same run, not trained again
+            assert (run.info.run_id, epochs_of(client, run.info.run_id)) == finished[name]
+        steps = epochs_of(client, run.info.run_id)
+        assert steps == list(range(1, len(steps) + 1))  # each epoch once
+    stopped = [r for r in live if r.data.tags.get("pipeline.stopped_early") == "1"]
+    assert stopped and all(r.info.status == "KILLED" and len(epochs_of(client, r.info.run_id)) < EPOCHS
+                           for r in stopped)
+
+    (chosen,) = [r for r in live if r.data.tags.get("pipeline.done") == "1"]
+    assert epochs_of(client, chosen.info.run_id) == list(range(1, EPOCHS + 1))
+    assert [m.step for m in client.get_metric_history(chosen.info.run_id, "test_top1")] == [EPOCHS]  # once
+    record = json.loads(chosen.data.tags["pipeline.result"])
+    assert record["test_top1"] is not None and record["val_top1"] is not None
+    final_loss = {r.info.run_id: client.get_metric_history(r.info.run_id, "train_loss") for r in live}
+    complete = {run: max(h, key=lambda m: m.step).value for run, h in final_loss.items() if len(h) == EPOCHS}
+    assert chosen.info.run_id == min(complete, key=complete.get)  # the lowest final loss among complete trials
+    table = (root / "experiments" / "tiny" / "sweep-tiny-base-M16.csv").read_text().splitlines()
+    assert len(table) == TRIALS + 1 and "stopped_early" in table[0]
+    assert "ASHA saved about" in again.stdout
+
+
+@pytest.mark.parametrize(("sweep", "says"), [
+    ("{space: {recipe.bogus: {choice: [1]}}}", "recipe has no field 'bogus'"),
+    ("{space: {train.lr: {choice: [1]}}}", "SECTION one of recipe, model, pooling, data"),
+    ("{space: {recipe.lr: {uniform: [1.0, 0.1]}}}", "low < high"),
+    ("{space: {recipe.lr: {loguniform: [0.0, 0.1]}}}", "the low end must be positive"),
+    ("{space: {recipe.lr: {uniform: [0.1, 1.0], choice: [1]}}}", "exactly one of"),
+    ("{space: {recipe.epochs: {choice: [1, 2]}}}", "the epochs are the ASHA budget"),
+    ("{space: {recipe.lr: {uniform: [0.1, 1.0]}}, search: grid}", "search grid takes choice lists only"),
+    ("{space: {recipe.lr: {choice: [-1.0]}}}", "the value -1.0 is not valid there"),
+    ("{space: {}}", "sweep.space is empty"),
+])
+def test_bad_sweeps_are_refused_when_the_config_loads(sweep, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
+        load_config(TINY, [f"experiment.base.sweep={sweep}"])
+
+
+def test_sweeps_are_for_the_base_stage_with_single_process_trials():
+    good = "{space: {recipe.lr: {choice: [0.001]}}}"
+    with pytest.raises(ConfigError, match="experiment.finetune.sweep: hyperparameter sweeps run on the base stage"):
+        load_config(TINY, [f"experiment.finetune.sweep={good}"])
+    with pytest.raises(ConfigError, match="set experiment.search.trial_workers: 0"):
+        load_config(TINY, [f"experiment.base.sweep={good}", "experiment.search.trial_workers=2"])
