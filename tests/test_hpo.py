@@ -56,11 +56,12 @@ def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun
     log = open(root / "first.log", "w")
     driver = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        def two_trials_done():
+        def a_trial_done_and_some_not_started():
             assert driver.poll() is None, (root / "first.log").read_text()[-3000:]
-            return len([r for r in trial_runs(client) if r.info.status == "FINISHED"]) >= 2
+            runs = trial_runs(client)
+            return any(r.info.status == "FINISHED" for r in runs) and len(runs) < TRIALS
 
-        wait_for(two_trials_done, "two finished trials", 600, every=0.5)
+        wait_for(a_trial_done_and_some_not_started, "a finished trial while others wait", 600, every=0.5)
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and its local Ray, mid-sweep
         driver.wait()
     finally:
@@ -68,7 +69,7 @@ def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun
         log.close()
     finished = {r.data.tags[TRIAL_TAG]: (r.info.run_id, epochs_of(client, r.info.run_id))
                 for r in trial_runs(client) if r.info.status == "FINISHED"}
-    assert 2 <= len(finished) < TRIALS
+    assert 1 <= len(finished) < TRIALS
 
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-3000:]

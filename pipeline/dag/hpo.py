@@ -71,15 +71,15 @@ def _trial(settings: dict[str, Any], spec: StageSpec) -> None:
         config = with_setting(config, key, value)
     name = trial_name(config.train.name, settings)
     train = config.train.model_copy(update={"name": name, "tags": {**config.train.tags, TRIAL_TAG: name}})
-    reported = []
 
     def report(metrics: dict[str, float]) -> None:
-        reported.append(metrics["epoch"])
-        tune.report(metrics)
+        # The last epoch is reported after the run is closed: ASHA stops a trial that reaches max_t at once.
+        if metrics["epoch"] < config.recipe.epochs:
+            tune.report(metrics)
 
     result = run_training(config.model_copy(update={"train": train}), on_epoch=report)
-    if not reported:  # it had finished in an earlier attempt (a killed driver): hand Tune its final metrics
-        tune.report({k: v for k, v in result.summary.items() if isinstance(v, int | float)})
+    # Also when it had finished in an earlier attempt (a killed driver): Tune gets its final metrics.
+    tune.report({k: v for k, v in result.summary.items() if isinstance(v, int | float)})
 
 
 def make_tuner(spec: StageSpec, sweep: SweepConfig, path: Path, slots: int):

@@ -42,6 +42,7 @@ class Job:
     val_loader: Any
     test_loader: Any = None  # data.val when data.holdout > 0: the test set, measured once after the last epoch
     tracker: Any = None  # run_tracking.JobTracker on rank 0
+    on_epoch: Callable[[dict[str, float]], None] | None = None  # after each epoch is checkpointed and in MLflow
     run_id: str | None = None  # the MLflow run, kept across resumes
 
     @property
@@ -248,7 +249,7 @@ def train_worker(config_dict: dict[str, Any]) -> None:
 def train_local(config: Config, on_epoch: Callable[[dict[str, float]], None] | None = None) -> None:
     """The same loop in this process, without Ray Train (``train.workers: 0``); ``on_epoch`` gets each
     epoch's metrics once its checkpoint is written (a sweep trial's report to Ray Tune)."""
-    train(config, LocalSession(config, on_epoch))
+    train(config, LocalSession(config), on_epoch)
 
 
 def build_job(config: Config, session: Session) -> Job:
@@ -271,12 +272,14 @@ def build_job(config: Config, session: Session) -> Job:
     return Job(config, session, model, run, recipe, train_loader, val_loader(config, model, session), test_loader)
 
 
-def train(config: Config, session: Session) -> None:
-    """Builds everything, resumes from the session's latest checkpoint, and trains to ``recipe.epochs``."""
+def train(config: Config, session: Session, on_epoch: Callable[[dict[str, float]], None] | None = None) -> None:
+    """Builds everything, resumes from the session's latest checkpoint, and trains to ``recipe.epochs``;
+    ``on_epoch`` (rank 0) gets each epoch's metrics once they are checkpointed and in MLflow."""
     from pipeline.train.run_tracking import JobTracker
 
     seed_worker(config, session.rank)
     job = build_job(config, session)
+    job.on_epoch = on_epoch if session.rank == 0 else None
     start_epoch, step = 0, 0
     state = session.latest()
     if state is not None:
@@ -332,5 +335,7 @@ def run_epochs(job: Job, start_epoch: int, step: int) -> None:
         if job.tracker is not None:
             job.tracker.log_epoch(metrics, epoch + 1)
             print(epoch_line(epoch, config.recipe.epochs, metrics, started, epoch + 1 - start_epoch), flush=True)
+        if job.on_epoch is not None:
+            job.on_epoch(metrics)
     if job.tracker is not None:
         job.tracker.finish(unwrap(job.model), keep)

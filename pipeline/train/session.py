@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -99,12 +98,11 @@ class LocalSession:
 
     rank, world = 0, 1
 
-    def __init__(self, config: Config, on_epoch: Callable[[dict[str, float]], None] | None = None) -> None:
+    def __init__(self, config: Config) -> None:
         self.device = torch.device("cuda" if config.train.use_gpu else "cpu")
         self.node_id = ray_node_id()
         self.folder = local_checkpoints(config)
         self.keep_last = config.train.keep_checkpoints
-        self.on_epoch = on_epoch  # a hyperparameter sweep's per-epoch report to Ray Tune (ASHA decides on it)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
@@ -119,8 +117,6 @@ class LocalSession:
     def report(self, metrics: dict[str, float], directory: Path | None) -> None:
         for old in sorted(self.folder.glob("epoch_*"))[:-self.keep_last]:
             shutil.rmtree(old)
-        if self.on_epoch is not None:
-            self.on_epoch(metrics)
 
 
 def ray_node_id() -> str:
