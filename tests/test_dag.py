@@ -230,7 +230,9 @@ def test_registered_best_model_loads_and_serves_in_a_fresh_process(root, tmp_pat
     np.save(np_in, images.numpy())
     # A fresh interpreter outside the checkout, without this repository on its path: the model's code travels
     # with it (code_paths).
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MLFLOW_TRACKING_URI": uri}
+    # The venv's bin first on PATH, as an activated venv has it: `mlflow models serve` starts its `uvicorn`.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
+        "MLFLOW_TRACKING_URI": uri, "PATH": f"{BIN}:{os.environ['PATH']}"}
     loaded = subprocess.run([sys.executable, "-c", LOAD_AND_PREDICT, "models:/token-pooling-tiny@best", str(np_in),
                              str(tmp_path / "out.npy")], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
