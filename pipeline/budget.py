@@ -10,12 +10,12 @@ the finetune run's checkpoint artifact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from pipeline.dag.records import DONE, STAGE_KIND, TRAINED_RUN
 from pipeline.errors import InputError, MissingFileError
+from pipeline.tracking import store_missing
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Candidate:
 
 def open_store(tracking_uri: str) -> MlflowClient:
     """A client of an existing store; reading never creates one."""
-    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+    if store_missing(tracking_uri):
         raise MissingFileError(f"there is no MLflow store at {tracking_uri}; pass --tracking-uri, or run "
                                "`python -m pipeline run` first")
     return MlflowClient(tracking_uri=tracking_uri)

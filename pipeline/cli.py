@@ -222,8 +222,9 @@ def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
     for candidate in (Path(run), base / run):
         if (candidate / "results.csv").is_file():
             return candidate
-    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
-        # Reading must not create a store: MLflow would make an empty database at that path.
+    from pipeline.tracking import store_missing
+
+    if store_missing(tracking_uri):  # reading must not create a store: MLflow would make an empty database there
         raise MissingFileError(f"{run!r} is neither a folder with results.csv nor an experiment under {base}, and "
                                f"there is no MLflow store at {tracking_uri} to look the run up in")
     from mlflow.tracking import MlflowClient

@@ -49,6 +49,11 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
                             "sqlite:///PATH/mlflow.db or an http(s):// tracking server")
 
 
+def store_missing(uri: str) -> bool:
+    """A SQLite store that does not exist (reading it must not create it); servers count as present."""
+    return uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()
+
+
 def create_store(uri: str) -> None:
     """Creates a SQLite store's folder and schema, once, after every check passed: workers that open a
     fresh store together race on its migration. Servers need nothing."""
