@@ -127,8 +127,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
 
 
 def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequence[float] | None = None,
-                 title: str = "Experiment report") -> dict[str, Path]:
-    """Writes results.csv, pareto.csv, budgets.csv, three plots and report.md into ``out_dir``."""
+                 title: str = "Experiment report", bases: Sequence[dict[str, Any]] = ()) -> dict[str, Path]:
+    """Writes results.csv, pareto.csv, budgets.csv, three plots and report.md into ``out_dir``.
+
+    ``bases``: one row per base model (arch, val_top1, test_top1, run_id), shown with both numbers.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: (r["arch"], r["method"], -r["gflops"]))
     budgets = list(budgets) if budgets else default_budgets(rows)
@@ -155,7 +158,13 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
             markdown_table(table, ["budget_gflops", "top1", "method", "arch", "level", "gflops"]), "",
             "## Plots", "", "![top-1 vs GFLOPs](tradeoff.png)", "", "![top-1 vs images/s](tradeoff_speed.png)", "",
             "![per width](widths.png)", "", "![keep lists](keep_lists.png)", "", "## All models", "",
-            markdown_table(ordered, shown + ["keep"]), ""]
+            "`top1`: the evaluate stage on `data.val` (the test set when `data.holdout` > 0); `train_top1`: the "
+            "finetune's last validation top-1 (on the held-out split when `data.holdout` > 0).", "",
+            markdown_table(ordered, shown + ["train_top1", "keep"]), ""]
+    if bases:
+        text += ["## Base models", "", "`val_top1` ranks (the held-out split when `data.holdout` > 0); `test_top1` "
+                 "is `data.val`, measured once after the last epoch (empty without a held-out split).", "",
+                 markdown_table(list(bases), ["arch", "val_top1", "test_top1", "run_id"]), ""]
     analysed = [r for r in ordered if r.get("analysis")]
     if analysed:
         text += ["## Analysis artifacts", "",

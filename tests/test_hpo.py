@@ -99,6 +99,9 @@ def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun
     table = (root / "experiments" / "tiny" / "sweep-tiny-base-M16.csv").read_text().splitlines()
     assert len(table) == TRIALS + 1 and "stopped_early" in table[0]
     assert "ASHA saved about" in again.stdout
+    report = (root / "experiments" / "tiny" / "report.md").read_text()
+    base_rows = report.split("## Base models", 1)[1]
+    assert f"| M16 | {record['val_top1']:.2f} | {record['test_top1']:.2f} | {chosen.info.run_id} |" in base_rows
 
 
 @pytest.mark.parametrize(("sweep", "says"), [

@@ -206,7 +206,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     ft_results = sweep(ctx, ft_stages, {s.id: bases[s.arch][1].checkpoint for s in ft_stages},
                        f"{exp.name}-finetune")
     evaluations = run_evaluations(ctx, ft_stages, ft_results)
-    summary = run_select(ctx, ft_stages, ft_results, evaluations)
+    summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()})
     client.set_terminated(parent, "FINISHED")
     return summary
 

@@ -83,10 +83,12 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
-               evaluations: dict[str, EvalResult]) -> dict[str, Any]:
+               evaluations: dict[str, EvalResult], bases: dict[str, TrainedResult] | None = None) -> dict[str, Any]:
     exp = ctx.config.experiment
     rows = result_rows(ft_stages, ft_results, evaluations)
-    files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}")
+    base_rows = [{"arch": arch, "val_top1": base.val_top1, "test_top1": base.test_top1, "run_id": base.run_id}
+                 for arch, base in (bases or {}).items()]
+    files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows)
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
     front = fronts(rows, exp.select.cost)["all"]
