@@ -128,3 +128,16 @@ def test_sweeps_are_for_the_base_stage_with_single_process_trials():
         load_config(TINY, [f"experiment.finetune.sweep={good}"])
     with pytest.raises(ConfigError, match="set experiment.search.trial_workers: 0"):
         load_config(TINY, [f"experiment.base.sweep={good}", "experiment.search.trial_workers=2"])
+
+
+def test_trials_hold_the_search_resources():
+    from pipeline.dag.hpo import trial_resources
+    from pipeline.dag.plan import archs, base_stage
+    from pipeline.dag.stages import stage_spec
+
+    def resources(*extra: str) -> dict[str, float]:
+        config = load_config(ROOT / "configs" / "experiments" / "fmnist_hpo.yaml", list(extra))
+        return trial_resources(stage_spec(base_stage(config, archs(config)[0]), init=None, parent_id="p", dag="d"))
+
+    assert resources() == {"CPU": 1.0, "GPU": 0.0}
+    assert resources("experiment.search.trial_cpus=4", "experiment.search.trial_gpus=1") == {"CPU": 4.0, "GPU": 1.0}

@@ -82,12 +82,18 @@ def _trial(settings: dict[str, Any], spec: StageSpec) -> None:
     tune.report({k: v for k, v in result.summary.items() if isinstance(v, int | float)})
 
 
+def trial_resources(spec: StageSpec) -> dict[str, float]:
+    """What one trial holds: ``experiment.search.trial_cpus``, and a GPU when ``trial_gpus`` > 0."""
+    train = spec.config.train
+    return {"CPU": train.cpus_per_worker, "GPU": 1.0 if train.use_gpu else 0.0}
+
+
 def make_tuner(spec: StageSpec, sweep: SweepConfig, path: Path, slots: int):
     """A new Tune experiment at ``path``, or the one a killed driver left there (restored)."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    trainable = tune.with_resources(tune.with_parameters(_trial, spec=spec), {"CPU": 1})
+    trainable = tune.with_resources(tune.with_parameters(_trial, spec=spec), trial_resources(spec))
     if tune.Tuner.can_restore(str(path)):
         return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True), True
     epochs = spec.config.recipe.epochs

@@ -114,14 +114,15 @@ def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, Tra
 def run_swept_base(ctx: Context, spec, sweep) -> TrainedResult:
     import ray
 
-    from pipeline.dag.hpo import run_base_sweep
+    from pipeline.dag.hpo import run_base_sweep, trial_resources
     from pipeline.dag.stages import trained_done
 
     done = trained_done(ctx.client, ctx.exp_id, spec.id)
     if done is not None:
         ctx.log(f"[skip] {spec.label} sweep: done in MLflow run {done.run_id}")
         return done
-    slots = max(int(ray.cluster_resources().get("CPU", 1)), 1)
+    need, have = trial_resources(spec), ray.cluster_resources()
+    slots = max(min(int(have.get(kind, 0) // amount) for kind, amount in need.items() if amount > 0), 1)
     slots = min(slots, sweep.max_concurrent) if sweep.max_concurrent else slots
     return run_base_sweep(spec, sweep, client=ctx.client, exp_id=ctx.exp_id, slots=slots, out_dir=ctx.out_dir,
                           parent=ctx.parent, log=ctx.log)
