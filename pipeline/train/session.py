@@ -63,24 +63,25 @@ class RaySession:
         return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if self.world > 1 else None)
 
     def latest(self) -> dict[str, Any] | None:
-        """Ray's registered checkpoint, or a newer one in the run's folder that Ray did not register.
+        """The newest readable checkpoint of the run: on a filesystem ``storage_path`` read from the run's
+        folder, which holds Ray's registered checkpoints and any it has not registered yet; on ``s3://``,
+        Ray's registered one.
 
         Ray Train's controller registers a reported checkpoint when it next polls the workers (every
         ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default); a worker killed in that window would
-        otherwise restart the job from the checkpoint before (seen in tests/test_multinode.py). The
-        folder is searched on a filesystem ``storage_path``; an ``s3://`` one relies on Ray alone.
+        otherwise restart the job from the checkpoint before (seen in tests/test_multinode.py).
         """
         import ray.train
 
-        state = None
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
-            with checkpoint.as_directory() as directory:
-                state = load_checkpoint(directory)
         if self.folder is not None:
-            newer = newest_stored_state(self.folder, after_epoch=-1 if state is None else state["epoch"])
-            state = newer or state
-        return state
+            found = newest_stored_state(self.folder, after_epoch=-1)
+            if found is not None:
+                return found
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as directory:
+            return load_checkpoint(directory)
 
     def checkpoint_dir(self, epoch: int, scratch: Path) -> Path:
         return scratch / EPOCH_DIR.format(epoch + 1)  # Ray copies it into the run's storage
