@@ -50,18 +50,20 @@ def registered_versions(client: MlflowClient, experiment: str) -> dict[str, str]
     return {v.run_id: f"models:/{name}/{v.version}" for v in versions if v.source.startswith("models:/")}
 
 
-def candidates(client: MlflowClient, experiment: str, mlflow_experiment: str = "token-pooling") -> list[Candidate]:
-    """Every evaluated model of the newest DAG run named ``experiment``."""
-    found = client.get_experiment_by_name(mlflow_experiment)
-    parents = [] if found is None else client.search_runs(
-        [found.experiment_id], filter_string=f"tags.`{STAGE_KIND}` = 'dag' and attributes.run_name = '{experiment}'",
-        order_by=["attributes.start_time DESC"], max_results=1)
+def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
+    """Every evaluated model of the newest DAG run named ``experiment``, in whichever MLflow experiment
+    (``train.experiment``) it was recorded."""
+    ids = [e.experiment_id for e in client.search_experiments()]
+    parents = client.search_runs(
+        ids, filter_string=f"tags.`{STAGE_KIND}` = 'dag' and attributes.run_name = '{experiment}'",
+        order_by=["attributes.start_time DESC"], max_results=1) if ids else []
     if not parents:
-        raise InputError(f"no experiment {experiment!r} in MLflow experiment {mlflow_experiment!r}; `pipeline run` "
-                         "records one under its experiment.name")
+        raise InputError(f"no experiment {experiment!r} in this MLflow store; `pipeline run` records one under its "
+                         "experiment.name (pass --tracking-uri for another store)")
+    parent = parents[0]
     evaluations = client.search_runs(
-        [found.experiment_id], max_results=10000,
-        filter_string=f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}' and tags.`{STAGE_KIND}` = 'evaluate' "
+        [parent.info.experiment_id], max_results=10000,
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and tags.`{STAGE_KIND}` = 'evaluate' "
                       f"and tags.`{DONE}` = '1'")
     registered = registered_versions(client, experiment)
     out = []

@@ -97,7 +97,7 @@ def test_nothing_fits_names_the_cheapest_model(store, capsys):
 def test_unknown_experiment_store_or_device_is_refused(store, capsys, tmp_path):
     uri, _ = store
     code = main(["select", "--experiment", "nope", "--tracking-uri", uri, "--max-gflops", "1"])
-    assert code == 2 and "no experiment 'nope'" in capsys.readouterr().err
+    assert code == 2 and "no experiment 'nope' in this MLflow store" in capsys.readouterr().err
     missing = tmp_path / "none" / "mlflow.db"
     code = main(["select", "--experiment", "hand", "--tracking-uri", f"sqlite:///{missing}", "--max-gflops", "1"])
     assert code == 2 and "there is no MLflow store" in capsys.readouterr().err and not missing.parent.exists()
@@ -114,3 +114,18 @@ def test_select_needs_exactly_one_budget(store, capsys):
     with pytest.raises(SystemExit):
         main(["select", "--experiment", "hand", "--tracking-uri", uri])
     assert Path(uri.removeprefix("sqlite:///")).is_file()
+
+
+def test_the_dag_is_found_in_any_mlflow_experiment(tmp_path, capsys):
+    # configs/experiments/demo.yaml records under train.experiment: demo, not token-pooling
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("demo", artifact_location=(tmp_path / "a").as_uri())
+    parent = client.create_run(exp, run_name="demo", tags={"pipeline.stage": "dag"}).info.run_id
+    run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
+                                       "pipeline.done": "1"}).info.run_id
+    client.log_param(run, "checkpoint", "/ckpt/a")
+    for key, value in (("top1", 70.0), ("gflops", 0.002), ("images_per_s", 500.0)):
+        client.log_metric(run, key, value)
+    assert main(["select", "--experiment", "demo", "--tracking-uri", uri, "--max-gflops", "0.005"]) == 0
+    assert "model: /ckpt/a" in capsys.readouterr().out
