@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipeline.config import Config, EvalConfig
-from pipeline.models.execution import autocast, compile_model, resolve_setting, step_marker
+from pipeline.models.execution import autocast, compile_model, cuda_settings, resolve_setting, step_marker
 from pipeline.timing import rate
 
 
@@ -79,8 +79,9 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None)
                                           torch.cuda.is_available() if cuda is None else cuda)
     target = torch.device(device)
     model = model.to(target)
-    accuracy, count = top1(model, config, target, dtype)
-    images_s, spread = throughput(model, batch=cfg.batch, warmup=cfg.warmup, repeats=cfg.repeats, device=target,
-                                  dtype=dtype, compile=mode)
+    with cuda_settings(target):
+        accuracy, count = top1(model, config, target, dtype)
+        images_s, spread = throughput(model, batch=cfg.batch, warmup=cfg.warmup, repeats=cfg.repeats,
+                                      device=target, dtype=dtype, compile=mode)
     return Evaluation(top1=accuracy, gflops=flops, images_per_s=images_s, images_per_s_spread=spread,
                       num_images=count, device=device, dtype=dtype, compile=mode)

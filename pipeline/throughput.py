@@ -11,10 +11,9 @@ CPU, for the CPU path and for the one-hot path that CUDA runs) and, on CUDA, ker
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 from pipeline.config import BenchThroughputConfig, PoolingConfig
 from pipeline.errors import JobError
-from pipeline.models.execution import autocast, compile_model, step_marker, warm_up
+from pipeline.models.execution import autocast, compile_model, cuda_settings, step_marker, warm_up
 from pipeline.pooling.common import dense_segments
 from pipeline.profiling import count_launches, count_ops, kernel_table
 from pipeline.timing import time_paired
@@ -90,7 +89,8 @@ def _runner(model: nn.Module, cfg: BenchThroughputConfig, device: torch.device, 
             with torch.inference_mode(), autocast(device, cfg.dtype):
                 return fn(x)
         return forward
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # The fused (one-kernel) AdamW on CUDA, for both models alike; the host launches per parameter otherwise.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
     def step() -> object:
         mark()
@@ -101,18 +101,6 @@ def _runner(model: nn.Module, cfg: BenchThroughputConfig, device: torch.device, 
         optimizer.step()
         return loss
     return step
-
-
-@contextlib.contextmanager
-def _matmul_precision(device: torch.device) -> Iterator[None]:
-    """TF32 for float32 matmuls on CUDA during the benchmark (the distances of the clustering steps)."""
-    previous = torch.get_float32_matmul_precision()
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[], object], base_gflops: float,
@@ -166,7 +154,7 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
     base = base.to(device).train(cfg.train)
     methods = list(cfg.methods) + ([CEILING] if cfg.ceiling else [])
     rows = []
-    with _matmul_precision(device):
+    with cuda_settings(device):
         run_base = _runner(base, cfg, device, x, labels)
         warm_up(run_base, log=log, label=f"unmodified {cfg.model} ({cfg.compile})")
         base_launches = count_launches(run_base) if device.type == "cuda" else None

@@ -111,6 +111,21 @@ def test_every_method_compiles_with_fullgraph(method, carry):
     assert model.patch_embed.proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("method", ["kmedoids", "wkmedoids"])
+def test_the_cuda_kmedoids_op_compiles_with_fullgraph_and_syncs_nothing(method):
+    """With the one-hot segment path (what CUDA runs), K-Medoids' iterations are one custom op
+    (``tokenpool::kmedoids``, one Triton kernel on CUDA): it compiles with fullgraph, forward and
+    backward, and its torch kernel issues no host sync."""
+    from pipeline.pooling.common import dense_segments
+
+    model = apply_downsampling(tiny(), method, KEEP).train()
+    with dense_segments(True):
+        compile_model(model, "default", "cpu", backend="aot_eager")(images()).sum().backward()
+        counter = count_ops(lambda: model.eval()(images()))
+    assert counter.ops.get("tokenpool.kmedoids.default") == 4  # one per block: every block of KEEP drops tokens
+    assert counter.host_syncs() == {}
+
+
 def test_the_k_search_model_compiles_with_fullgraph():
     model = apply_downsampling(tiny(), "none", soft_extract=True).train()
     compile_model(model, "default", "cpu", backend="aot_eager")(images()).sum().backward()
@@ -161,10 +176,44 @@ for (b, h, t, d), dtype, carry in [((2, 3, 11, 16), torch.float32, False), ((1, 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     print("ok", b, h, t, d, dtype, carry)
 """
+    assert _interpret(code).count("ok") == 4
+
+
+def test_triton_kmedoids_under_the_interpreter():
+    """The fused K-Medoids kernel gives the brute-force reference's medoids and assignment, and the
+    torch paths' (the CPU's ``index_add_`` rows and the one-hot matmuls), on random inputs."""
+    pytest.importorskip("triton")
+    code = """
+import numpy as np, torch
+from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, _kmedoids_rows, sq_dists
+from pipeline.pooling.kmedoids_triton import kmedoids_triton
+from tests import reference as ref
+cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), True, 1),
+         ((1, 64, 5, 20), False, 5), ((2, 70, 8, 40), True, 4), ((1, 196, 16, 147), True, 5)]
+for (b, n, m, k), weighted, iters in cases:
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(b, n, m, generator=g), torch.rand(b, n, generator=g) + 0.1
+    start, d = w.topk(k, dim=-1).indices, sq_dists(x)
+    w = w / w.amax(-1, keepdim=True) if weighted else None
+    med, assign = kmedoids_triton(d, w, start, iters, _SWAP_RTOL)
+    for other in (_kmedoids_dense(d, w, start, iters), _kmedoids_rows(d, w, start, iters)):
+        assert torch.equal(med, other[0]) and torch.equal(assign, other[1])
+    for s in range(b):
+        ws = w[s].double().numpy() if weighted else np.ones(n)
+        want = ref.kmedoids(x[s].double().numpy(), ws, start[s].tolist(), iters)
+        assert (med[s].tolist(), assign[s].tolist()) == want, (s, want)
+    print("ok", b, n, m, k, weighted, iters)
+"""
+    assert _interpret(code).count("ok") == 6
+
+
+def _interpret(code: str) -> str:
+    """Runs ``code`` in a fresh process with TRITON_INTERPRET=1 (it must be set before triton is
+    imported); returns its stdout, failing the test on a non-zero exit."""
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == 4
+    return proc.stdout
 
 
 def test_torch_path_is_what_the_cpu_runs():

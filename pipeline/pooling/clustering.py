@@ -42,6 +42,11 @@ from pipeline.pooling.common import (
     work_dtype,
 )
 
+try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
+    from pipeline.pooling.kmedoids_triton import kmedoids_triton
+except ImportError:  # pragma: no cover - depends on the install
+    kmedoids_triton = None
+
 CLUSTER_METHODS = ("kmeans", "kmedoids")
 INITS = ("topk", "random")
 # Floor for normalised weights: keeps every weighted mean defined (an all-zero-weight cluster
@@ -118,40 +123,90 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: b
     -> (medoids (B, K), last assignment (B, N)). ``dense`` forces the CUDA or the CPU path (tests).
 
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
-    ``sum_{i' in c} w_i' d(i', i)``, laid out (B, N, K) with +inf where i is not a member of c, so
-    that one ``min`` over N finds every cluster's best member. CUDA builds it with one batched
-    matmul against the one-hot membership (on an H200 this beat a masked (B, N, N) row sum with
-    ``scatter_reduce`` minima, whose atomics took 20 us a call: docs/benchmarks.md); the CPU adds
-    the rows up per cluster with ``index_add_``. The assignment reads the medoids' columns of d with
-    -inf on the diagonal: a medoid always joins its own cluster, even when a duplicate token ties
-    with it. Both reductions run over the contiguous dimension.
+    ``sum_{i' in c} w_i' d(i', i)``. CUDA runs every iteration in one Triton kernel
+    (``kmedoids_triton``, through the custom op ``tokenpool::kmedoids``); the CPU adds the rows up
+    per cluster with ``index_add_`` (``_kmedoids_rows``).
     """
-    b, n, _ = x.shape
-    k = medoids.shape[1]
     dense = use_dense(x) if dense is None else dense
     d = sq_dists(x)  # (B, N, N), symmetric
-    if w is None:
-        rows, reach = d, d.clone()
-    else:  # d scaled by the weight of the summed-over token: its column (dense) or row (index_add_)
-        rows, reach = d * w.unsqueeze(1 if dense else 2), d
+    if dense:
+        return _kmedoids_op(d, w, medoids, iters)
+    return _kmedoids_rows(d, w, medoids, iters)
+
+
+def _reach(d: Tensor) -> Tensor:
+    """d with -inf on the diagonal: in the assignment a medoid always joins its own cluster, even when a
+    duplicate token ties with it."""
+    reach = d.clone()
     reach.diagonal(dim1=1, dim2=2).fill_(-torch.inf)
-    if not dense:
-        offset, rows = batch_offset(b, k, x.device), rows.view(b * n, n)
+    return reach
+
+
+def _kmedoids_rows(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    """The CPU path: each cluster's costs laid out (B, K, N), +inf off its members, with the rows of d
+    (scaled by the weight of the summed-over token) added up per cluster by ``index_add_``.
+
+    d (B, N, N), w (B, N) or None, medoids (B, K) -> (medoids (B, K), last assignment (B, N)).
+    """
+    b, n, _ = d.shape
+    k = medoids.shape[1]
+    reach = _reach(d)
+    rows = (d if w is None else d * w.unsqueeze(2)).view(b * n, n)
+    offset = batch_offset(b, k, d.device)
     med = medoids.unsqueeze(1)  # (B, 1, K)
     assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)  # (B, N)
     for _ in range(iters - 1):
-        if dense:  # baddbmm(log(one-hot), rows, one-hot, beta=-1): -log is 0 for members, +inf otherwise
-            member = torch.zeros(b, n, k, device=x.device, dtype=x.dtype).scatter_(2, assign.unsqueeze(-1), 1.0)
-            cost = torch.baddbmm(member.log(), rows, member, beta=-1.0)  # (B, N, K)
-        else:  # +inf, zeroed at the members, plus the rows summed in with index_add_; (B, K, N) seen as (B, N, K)
-            cost = x.new_full((b, k, n), torch.inf).scatter_(1, assign.unsqueeze(1), 0.0)
-            cost.view(b * k, n).index_add_(0, (assign + offset).view(-1), rows)
-            cost = cost.transpose(1, 2)
-        best_cost, best = cost.min(1, keepdim=True)  # (B, 1, K), ties to the lowest index
-        current = cost.gather(1, med)  # the current medoid is a member of its cluster
-        med = torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, med)
+        cost = d.new_full((b, k, n), torch.inf).scatter_(1, assign.unsqueeze(1), 0.0)
+        cost.view(b * k, n).index_add_(0, (assign + offset).view(-1), rows)
+        med = _swap(cost.transpose(1, 2), med)
         assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)
     return med.squeeze(1), assign
+
+
+def _kmedoids_dense(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    """The same iterations in dense torch ops: the (B, N, K) costs are one batched matmul of the
+    column-weighted d against the one-hot membership, ``log(one-hot)`` putting +inf off the members.
+    What CUDA runs without Triton, and what ``dense_segments(True)`` runs on the CPU."""
+    b, n, _ = d.shape
+    k = medoids.shape[1]
+    reach = _reach(d)
+    rows = d if w is None else d * w.unsqueeze(1)
+    med = medoids.unsqueeze(1)  # (B, 1, K)
+    assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)  # (B, N)
+    for _ in range(iters - 1):
+        member = torch.zeros(b, n, k, device=d.device, dtype=d.dtype).scatter_(2, assign.unsqueeze(-1), 1.0)
+        med = _swap(torch.baddbmm(member.log(), rows, member, beta=-1.0), med)
+        assign = reach.gather(2, med.expand(b, n, k)).argmin(-1)
+    return med.squeeze(1), assign
+
+
+def _swap(cost: Tensor, med: Tensor) -> Tensor:
+    """Each cluster's cheapest member from costs (B, N, K) (+inf off the members), taken where it beats
+    the current medoid (B, 1, K) by the relative margin; ties to the lowest index. -> (B, 1, K)."""
+    best_cost, best = cost.min(1, keepdim=True)
+    current = cost.gather(1, med)  # the current medoid is a member of its cluster
+    return torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, med)
+
+
+@torch.library.custom_op("tokenpool::kmedoids", mutates_args=())
+def _kmedoids_op(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    """K-Medoids iterations on distances d (B, N, N): one opaque op for ``torch.compile``."""
+    med, assign = _kmedoids_dense(d, w, medoids, iters)
+    return med.contiguous(), assign
+
+
+@_kmedoids_op.register_kernel("cuda")
+def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    if kmedoids_triton is None:
+        med, assign = _kmedoids_dense(d, w, medoids, iters)
+        return med.contiguous(), assign
+    return kmedoids_triton(d, w, medoids, iters, _SWAP_RTOL)
+
+
+@_kmedoids_op.register_fake
+def _kmedoids_fake(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    b, n, _ = d.shape
+    return medoids.new_empty(b, medoids.shape[1]), medoids.new_empty(b, n)
 
 
 def _check_options(method: str, init: str, iters: object, init_scores: Tensor | None) -> None:

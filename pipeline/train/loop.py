@@ -21,7 +21,7 @@ from pipeline.config import Config
 from pipeline.data.loaders import loader_spec, progressive_res, set_resolution, shared_loader
 from pipeline.errors import JobError
 from pipeline.models import data_config, project_retention, retention_keep, retention_penalty, unwrap
-from pipeline.models.execution import autocast, compile_model, step_marker
+from pipeline.models.execution import autocast, compile_model, cuda_settings, step_marker
 from pipeline.train.build import arch_signature, build_model
 from pipeline.train.checkpoint import check_architecture, load_checkpoint, load_model_weights, save_checkpoint
 from pipeline.train.recipe import Recipe, build_recipe
@@ -316,6 +316,11 @@ def epoch_metrics(job: Job, epoch: int, stats: EpochStats) -> dict[str, float]:
 
 
 def run_epochs(job: Job, start_epoch: int, step: int) -> None:
+    with cuda_settings(job.device):  # TF32 and cuDNN autotuning on CUDA; nothing on the CPU
+        _run_epochs(job, start_epoch, step)
+
+
+def _run_epochs(job: Job, start_epoch: int, step: int) -> None:
     config = job.config
     patch = unwrap(job.model).patch_embed.patch_size[0]
     started, keep = time.perf_counter(), None
