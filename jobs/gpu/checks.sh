@@ -4,10 +4,11 @@
 # On a bare CUDA image (no network, no ray/mlflow/ffcv) carry the pure-Python wheels first
 # (../shared/gpu/README.md), then:  OUT=DIR bash jobs/gpu/checks.sh PART...
 # Parts (each under its own time limit, so one slow part cannot take the others' results):
-#   tests     tests/test_gpu.py
+#   tests     tests/test_gpu.py (TESTS selects with pytest -k)
+#   kernels   jobs/gpu/kernels.py: fused K-Medoids kernel against the torch iterations, patch embedding
 #   eager     bench throughput, bf16, batch 256, DeiT-S level 3, every method + ceiling, eager
-#   compiled  the same with torch.compile (default mode) on both models
-#   train     training step, bf16, batch 128, compiled, every method
+#   compiled  the same with torch.compile (COMPILE: default mode unless set) on both models
+#   train     training step, bf16, batch 128, compiled (COMPILE), every method (TRAIN_METHODS)
 #   fp32      inference, fp32, batch 256, eager
 # Outputs: OUT/card.txt, OUT/PART.md (stdout) and OUT/PART.log (stderr, progress).
 set -uo pipefail
@@ -15,6 +16,7 @@ out=${OUT:-runs/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 methods=${METHODS:-powerbert,kmedoids,wkmedoids,kmeans,tome}
+mode=${COMPILE:-default}  # the compile mode of the compiled and train parts
 extra=${PROFILE:+--profile}  # PROFILE=1: kernel tables of one call of each model in PART.log
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
@@ -30,11 +32,15 @@ bench() {  # bench NAME LIMIT_S ARGS...
 for part in "$@"; do
   case $part in
     tests) echo "== tests ($(date +%T))"
-           timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$out/tests.log" 2>&1
+           timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ${TESTS:+-k "$TESTS"} \
+             > "$out/tests.log" 2>&1
            echo "   exit $?"; tail -3 "$out/tests.log" ;;
+    kernels) echo "== kernels ($(date +%T))"
+           timeout "${KERNELS_S:-90}" python3 jobs/gpu/kernels.py > "$out/kernels.md" 2> "$out/kernels.log"
+           echo "   exit $?"; cat "$out/kernels.md" ;;
     eager) bench eager "${EAGER_S:-180}" --methods $methods --dtype bf16 --batch 256 ;;
-    compiled) bench compiled "${COMPILED_S:-330}" --methods $methods --dtype bf16 --batch 256 --compile default ;;
-    train) bench train "${TRAIN_S:-330}" --methods ${TRAIN_METHODS:-$methods} --dtype bf16 --batch 128 --compile default --train \
+    compiled) bench "compiled-$mode" "${COMPILED_S:-330}" --methods $methods --dtype bf16 --batch 256 --compile "$mode" ;;
+    train) bench "train-$mode" "${TRAIN_S:-330}" --methods ${TRAIN_METHODS:-$methods} --dtype bf16 --batch 128 --compile "$mode" --train \
              --set bench_throughput.ceiling=false ;;
     fp32) bench fp32 "${FP32_S:-120}" --methods $methods --dtype fp32 --batch 256 ;;
     *) echo "unknown part $part (tests eager compiled train fp32)"; exit 2 ;;

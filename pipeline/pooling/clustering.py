@@ -197,7 +197,7 @@ def _kmedoids_op(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tu
 
 @_kmedoids_op.register_kernel("cuda")
 def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    if kmedoids_triton is None:
+    if kmedoids_triton is None or d.dtype != torch.float32:  # the kernel sums in float32
         med, assign = _kmedoids_dense(d, w, medoids, iters)
         return med.contiguous(), assign
     return kmedoids_triton(d, w, medoids, iters, _SWAP_RTOL)
