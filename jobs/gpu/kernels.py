@@ -1,8 +1,8 @@
 """Kernel-level timings on CUDA, for docs/benchmarks.md: run by ``jobs/gpu/checks.sh kernels``.
 
 1. K-Medoids' iterations (5 assignments, 4 updates) at DeiT-S size (B=256, N=196, 384 dims):
-   the fused Triton kernel at several launch settings against the one-hot torch iterations, on the
-   same distances, next to one bf16 DeiT-S block at the same batch.
+   the Triton kernels at several tilings against the one-hot torch iterations, on the same
+   distances, and the whole weighted ``token_pool`` call, next to one bf16 DeiT-S block.
 2. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
    and on, channels-last, and as a reshape + matmul.
 
@@ -18,10 +18,10 @@ from collections.abc import Callable
 import timm
 import torch
 import torch.nn.functional as F
-import triton
 
+from pipeline.pooling import kmedoids_triton as kt
+from pipeline.pooling import token_pool
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
-from pipeline.pooling.kmedoids_triton import _BLOCK_J, _kmedoids_kernel, kmedoids_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run under TRITON_INTERPRET=1
 B = 256 if DEVICE == "cuda" else 2
@@ -45,19 +45,14 @@ def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def kmedoids_ms(d: torch.Tensor, w: torch.Tensor, start: torch.Tensor, warps: int, block_n: int) -> float:
-    """The fused kernel's time at one launch setting: d (B, N, N), w (B, N), start (B, K) medoids."""
-    b, n, _ = d.shape
-    k = start.shape[1]
-    med = start.clone()
-    assign = torch.empty(b, n, device=d.device, dtype=torch.int64)
-    cost = torch.empty(b, n, device=d.device)
-
-    def run() -> None:
-        med.copy_(start)
-        _kmedoids_kernel[(b,)](d, w, med, assign, cost, n, k, 5, 1.0 - _SWAP_RTOL, HAS_W=True, BLOCK_N=block_n,
-                               BLOCK_J=_BLOCK_J, BLOCK_K=triton.next_power_of_2(k), num_warps=warps)
-    return median_ms(run)
+def kmedoids_ms(d: torch.Tensor, w: torch.Tensor, start: torch.Tensor, block_n: int, block_j: int) -> float:
+    """The Triton iterations' time at one tiling: d (B, N, N), w (B, N), start (B, K) medoids."""
+    saved = kt._BLOCK_N, kt._BLOCK_J
+    kt._BLOCK_N, kt._BLOCK_J = block_n, block_j
+    try:
+        return median_ms(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL))
+    finally:
+        kt._BLOCK_N, kt._BLOCK_J = saved
 
 
 def kmedoids_table() -> None:
@@ -73,17 +68,17 @@ def kmedoids_table() -> None:
         block_ms = median_ms(lambda: block(tokens))
     print(f"one DeiT-S block, bf16, batch {B}: {block_ms:.3f} ms; distance matrix (sq_dists, TF32): "
           f"{median_ms(lambda: sq_dists(x)):.3f} ms\n")
-    print("| K | torch one-hot iterations ms | Triton (num_warps, BLOCK_N) ms ... | same result |")
-    print("|---:|---:|---|---|")
+    print("| K | torch one-hot iterations ms | Triton (BLOCK_N, BLOCK_J) ms ... | whole token_pool ms | same result |")
+    print("|---:|---:|---|---:|---|")
     for k in (147, 98, 49):
         start = w.topk(k, dim=-1).indices
         torch_ms = median_ms(lambda: _kmedoids_dense(d, w, start, 5))  # noqa: B023 (called at once)
-        cells = [f"({warps}, {block_n}) {kmedoids_ms(d, w, start, warps, block_n):.3f}"
-                 for warps in (2, 4, 8) for block_n in (32, 64)]
-        med_t, assign_t = kmedoids_triton(d, w, start, 5, _SWAP_RTOL)
+        cells = [f"({bn}, {bj}) {kmedoids_ms(d, w, start, bn, bj):.3f}" for bn in (16, 32) for bj in (64, 128)]
+        pool_ms = median_ms(lambda: token_pool(x, k, weights=w, validate=False))  # noqa: B023
+        med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL)
         med_d, assign_d = _kmedoids_dense(d, w, start, 5)
         same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
-        print(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {same} |")
+        print(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {pool_ms:.3f} | {same} |")
 
 
 def patch_embed_table() -> None:
