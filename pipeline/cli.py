@@ -105,6 +105,13 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from pipeline.kernel_bench import run_kernel_bench
+
+    print(run_kernel_bench(args.device, args.batch))
+    return 0
+
+
 def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -415,6 +422,15 @@ def _add_data_commands(commands) -> None:
     check.set_defaults(func=cmd_data_check)
 
 
+def _add_bench_kernels(bench_commands) -> None:
+    kernels = bench_commands.add_parser("kernels", help="K-Medoids' Triton kernels against torch, and the patch "
+                                        "embedding's variants, at DeiT-S size (CUDA)")
+    kernels.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                         help="cpu: a dry run of the code under TRITON_INTERPRET=1 (no meaningful times)")
+    kernels.add_argument("--batch", type=int, default=256)
+    kernels.set_defaults(func=cmd_bench_kernels)
+
+
 def _add_bench_loader(bench_commands) -> None:
     loader = bench_commands.add_parser("loader", help="FFCV against torchvision's DataLoader on one JPEG folder")
     loader.add_argument("--folder", type=Path, default=None,
@@ -479,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="also log torch.profiler's kernel table of one call of each model (stderr)")
     throughput.set_defaults(func=cmd_bench_throughput)
     _add_bench_loader(bench_commands)
+    _add_bench_kernels(bench_commands)
     _add_data_commands(commands)
     _add_train_command(commands)
     _add_run_commands(commands)

@@ -261,3 +261,19 @@ def test_training_with_train_compile(tmp_path):
     model, _, _ = model_from_checkpoint(result.checkpoint)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randn(2, 3, 16, 16))).all()
+
+
+def test_bench_kernels_dry_run_under_the_interpreter():
+    """`bench kernels` runs its code on the CPU under Triton's interpreter (the GPU figures come from CUDA):
+    every K row agrees with the torch iterations, and without the interpreter the CPU is refused."""
+    pytest.importorskip("triton")
+    command = [sys.executable, "-m", "pipeline", "bench", "kernels", "--device", "cpu", "--batch", "2"]
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 147 ", "| 98 ", "| 49 "))]
+    assert len(rows) == 3 and all(row.endswith("medoids 1.0000, assign 1.0000 |") for row in rows), proc.stdout
+    assert "| reshape + matmul |" in proc.stdout
+    env.pop("TRITON_INTERPRET")
+    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "TRITON_INTERPRET=1" in refused.stderr

@@ -5,7 +5,7 @@
 # (../shared/gpu/README.md), then:  OUT=DIR bash jobs/gpu/checks.sh PART...
 # Parts (each under its own time limit, so one slow part cannot take the others' results):
 #   tests     tests/test_gpu.py (TESTS selects with pytest -k)
-#   kernels   jobs/gpu/kernels.py: fused K-Medoids kernel against the torch iterations, patch embedding
+#   kernels   bench kernels: K-Medoids Triton kernels against the torch iterations, patch embedding
 #   eager     bench throughput, bf16, batch 256, DeiT-S level 3, every method + ceiling, eager
 #   compiled  the same with torch.compile (COMPILE: default mode unless set) on both models
 #   train     training step, bf16, batch 128, compiled (COMPILE), every method (TRAIN_METHODS)
@@ -36,7 +36,7 @@ for part in "$@"; do
              > "$out/tests.log" 2>&1
            echo "   exit $?"; tail -3 "$out/tests.log" ;;
     kernels) echo "== kernels ($(date +%T))"
-           timeout "${KERNELS_S:-90}" python3 jobs/gpu/kernels.py > "$out/kernels.md" 2> "$out/kernels.log"
+           timeout "${KERNELS_S:-90}" python3 -m pipeline bench kernels > "$out/kernels.md" 2> "$out/kernels.log"
            echo "   exit $?"; cat "$out/kernels.md" ;;
     eager) bench eager "${EAGER_S:-180}" --methods $methods --dtype bf16 --batch 256 ;;
     compiled) bench "compiled-$mode" "${COMPILED_S:-330}" --methods $methods --dtype bf16 --batch 256 --compile "$mode" ;;

@@ -1,0 +1,134 @@
+"""``pipeline bench kernels``: kernel-level timings on CUDA, for docs/benchmarks.md.
+
+1. K-Medoids' iterations (5 assignments, 4 updates) at DeiT-S size (B=256, N=196, 384 dims):
+   the Triton kernels at several tilings against the one-hot torch iterations, on the same
+   distances, and the whole weighted ``token_pool`` call, next to one bf16 DeiT-S block.
+2. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
+   and on, channels-last, and as a reshape + matmul.
+
+A markdown table per part; each figure is the median of 20 timed calls (CUDA events).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pipeline.errors import JobError
+from pipeline.models.execution import cuda_settings
+from pipeline.pooling import kmedoids_triton as kt
+from pipeline.pooling import token_pool
+from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
+
+Timer = Callable[[Callable[[], object]], float]
+
+
+def _timer(device: str) -> Timer:
+    """The median milliseconds of 20 timed calls (CUDA events, after 3 warm-up calls) on CUDA; one
+    wall-clock call on the CPU, where this is a dry run of the code under Triton's interpreter."""
+    if device == "cpu":
+        def once(fn: Callable[[], object]) -> float:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        return once
+
+    def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    return median_ms
+
+
+def _kmedoids_ms(timer: Timer, d: Tensor, w: Tensor, start: Tensor, block_n: int, block_j: int) -> float:
+    """The Triton iterations' time at one tiling: d (B, N, N), w (B, N), start (B, K) medoids."""
+    saved = kt._BLOCK_N, kt._BLOCK_J
+    kt._BLOCK_N, kt._BLOCK_J = block_n, block_j
+    try:
+        return timer(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL))
+    finally:
+        kt._BLOCK_N, kt._BLOCK_J = saved
+
+
+def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
+    """K-Medoids' iterations at DeiT-S size (N=196, 384 dims), Triton against torch, per K."""
+    timer = _timer(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(batch, 196, 384, device=device, generator=gen)
+    w = torch.rand(batch, 196, device=device, generator=gen) + 0.1
+    w = w / w.amax(-1, keepdim=True)
+    d = sq_dists(x)
+    block = timm.create_model("deit_small_patch16_224").blocks[0].to(device).eval()
+    tokens = torch.randn(batch, 197, 384, device=device)
+    with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        block_ms = timer(lambda: block(tokens))
+    lines = [f"one DeiT-S block, bf16, batch {batch}: {block_ms:.3f} ms; distance matrix (sq_dists, TF32): "
+             f"{timer(lambda: sq_dists(x)):.3f} ms", "",
+             "| K | torch one-hot iterations ms | Triton (BLOCK_N, BLOCK_J) ms | whole token_pool ms | same result |",
+             "|---:|---:|---|---:|---|"]
+    for k in ks:
+        start = w.topk(k, dim=-1).indices
+        torch_ms = timer(lambda: _kmedoids_dense(d, w, start, 5))  # noqa: B023 (called at once)
+        cells = [f"({bn}, {bj}) {_kmedoids_ms(timer, d, w, start, bn, bj):.3f}" for bn in (16, 32) for bj in (64, 128)]
+        pool_ms = timer(lambda: token_pool(x, k, weights=w, validate=False))  # noqa: B023
+        med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL)
+        med_d, assign_d = _kmedoids_dense(d, w, start, 5)
+        same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
+        lines.append(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {pool_ms:.3f} | {same} |")
+    return "\n".join(lines)
+
+
+def patch_embed_table(device: str, batch: int) -> str:
+    """DeiT-S's patch embedding in bf16: cuDNN autotuning off and on, channels-last, reshape + matmul."""
+    timer = _timer(device)
+    conv = timm.create_model("deit_small_patch16_224").patch_embed.proj.to(device).eval()
+    x = torch.randn(batch, 3, 224, 224, device=device)
+    w = conv.weight.reshape(384, -1)
+
+    def unfold_matmul() -> Tensor:  # (B, 3, 14, 16, 14, 16) -> (B, 196, 768) @ W^T
+        p = x.to(torch.bfloat16).reshape(batch, 3, 14, 16, 14, 16).permute(0, 2, 4, 1, 3, 5).reshape(batch, 196, 768)
+        return F.linear(p, w.to(torch.bfloat16), conv.bias.to(torch.bfloat16))
+
+    rows = []
+    previous = torch.backends.cudnn.benchmark
+    try:
+        with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            for bench in (False, True):
+                torch.backends.cudnn.benchmark = bench
+                rows.append((f"conv, cudnn.benchmark={bench}", timer(lambda: conv(x))))
+            xl = x.contiguous(memory_format=torch.channels_last)
+            conv_l = conv.to(memory_format=torch.channels_last)
+            rows.append(("conv, channels-last input and weight, benchmark=True", timer(lambda: conv_l(xl))))
+            rows.append(("reshape + matmul", timer(unfold_matmul)))
+    finally:
+        torch.backends.cudnn.benchmark = previous
+    return "\n".join([f"| patch embedding, bf16, batch {batch} | ms |", "|---|---:|",
+                      *(f"| {name} | {ms:.3f} |" for name, ms in rows)])
+
+
+def run_kernel_bench(device: str, batch: int) -> str:
+    """Both tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
+    figure, which times the interpreter, not a kernel)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise JobError("bench kernels --device cuda: no CUDA device is visible")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise JobError("bench kernels times Triton kernels on CUDA; on the CPU only a dry run under Triton's "
+                       "interpreter exists: TRITON_INTERPRET=1 python -m pipeline bench kernels --device cpu --batch 2")
+    title = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run under TRITON_INTERPRET=1"
+    with cuda_settings(device):
+        return f"{title}\n\n{kmedoids_table(device, batch)}\n\n{patch_embed_table(device, batch)}"
