@@ -2,7 +2,8 @@
 
 1. K-Medoids' iterations (5 assignments, 4 updates) at DeiT-S size (B=256, N=196, 384 dims):
    the Triton kernels at several tilings against the one-hot torch iterations, on the same
-   distances, and the whole weighted ``token_pool`` call, next to one bf16 DeiT-S block.
+   distances, both also replayed from a CUDA graph (GPU time without launch cost), and the whole
+   weighted ``token_pool`` call, next to one bf16 DeiT-S block.
 2. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
    and on, channels-last, and as a reshape + matmul.
 
@@ -55,6 +56,23 @@ def _timer(device: str) -> Timer:
     return median_ms
 
 
+def _graphed(fn: Callable[[], object], device: str) -> Callable[[], object] | None:
+    """``fn`` captured in a CUDA graph (its replay), or None off CUDA: the replay times the GPU work
+    alone, without the host's launch cost (Triton launches cost the host tens of us each)."""
+    if device != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _kmedoids_ms(timer: Timer, d: Tensor, w: Tensor, start: Tensor, block_n: int, block_j: int) -> float:
     """The Triton iterations' time at one tiling: d (B, N, N), w (B, N), start (B, K) medoids."""
     saved = kt._BLOCK_N, kt._BLOCK_J
@@ -79,17 +97,21 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
         block_ms = timer(lambda: block(tokens))
     lines = [f"one DeiT-S block, bf16, batch {batch}: {block_ms:.3f} ms; distance matrix (sq_dists, TF32): "
              f"{timer(lambda: sq_dists(x)):.3f} ms", "",
-             "| K | torch one-hot iterations ms | Triton (BLOCK_N, BLOCK_J) ms | whole token_pool ms | same result |",
-             "|---:|---:|---|---:|---|"]
+             "| K | torch one-hot iterations ms | Triton (BLOCK_N, BLOCK_J) ms | CUDA graph: torch / Triton ms "
+             "| whole token_pool ms | same result |",
+             "|---:|---:|---|---|---:|---|"]
     for k in ks:
         start = w.topk(k, dim=-1).indices
         torch_ms = timer(lambda: _kmedoids_dense(d, w, start, 5))  # noqa: B023 (called at once)
         cells = [f"({bn}, {bj}) {_kmedoids_ms(timer, d, w, start, bn, bj):.3f}" for bn in (16, 32) for bj in (64, 128)]
+        graphs = [_graphed(lambda: _kmedoids_dense(d, w, start, 5), device),  # noqa: B023
+                  _graphed(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL), device)]  # noqa: B023
+        graphed = " / ".join("-" if g is None else f"{timer(g):.3f}" for g in graphs)
         pool_ms = timer(lambda: token_pool(x, k, weights=w, validate=False))  # noqa: B023
         med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL)
         med_d, assign_d = _kmedoids_dense(d, w, start, 5)
         same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
-        lines.append(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {pool_ms:.3f} | {same} |")
+        lines.append(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {graphed} | {pool_ms:.3f} | {same} |")
     return "\n".join(lines)
 
 
