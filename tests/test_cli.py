@@ -36,7 +36,7 @@ def test_help_lists_only_working_commands(capsys):
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
     assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "viz",
                       "analyze"}
-    subcommands = {"bench": {"ops", "throughput", "loader"}, "analyze": {"redundancy", "reconstruction"},
+    subcommands = {"bench": {"ops", "throughput", "loader", "kernels"}, "analyze": {"redundancy", "reconstruction"},
                    "viz": {"clusters"}, "data": {"write", "folder", "check"}, "config": {"show"}}
     for command, expected in subcommands.items():
         assert set(re.findall(r"^    (\w+)\s", parser_help(capsys, command), flags=re.M)) == expected, command
