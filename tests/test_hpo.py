@@ -141,3 +141,14 @@ def test_trials_hold_the_search_resources():
 
     assert resources() == {"CPU": 1.0, "GPU": 0.0}
     assert resources("experiment.search.trial_cpus=4", "experiment.search.trial_gpus=1") == {"CPU": 4.0, "GPU": 1.0}
+
+
+@pytest.mark.parametrize("trials,concurrency,wall,train,per_trial", [
+    (1, 2, 211.0, 208.0, 3.0),      # one trial, two slots: the idle slot is not overhead
+    (4, 2, 100.0, 180.0, 5.0),      # 200 slot-seconds, 180 of them in the trials
+    (3, 2, 10.0, 30.0, 0.0),        # never negative
+])
+def test_sweep_overhead_counts_only_the_slots_the_trials_can_fill(trials, concurrency, wall, train, per_trial):
+    from pipeline.dag.sweep import SweepTiming
+
+    assert SweepTiming(trials, wall, train, concurrency).overhead_per_trial_s == pytest.approx(per_trial)
