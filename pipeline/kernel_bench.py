@@ -7,14 +7,13 @@
 2. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
    and on, channels-last, and as a reshape + matmul.
 
-A markdown table per part; each figure is the median of 20 timed calls (CUDA events).
+A markdown table per part; each figure is the median of 20 timed calls.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import timm
@@ -27,32 +26,21 @@ from pipeline.models.execution import cuda_settings
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
+from pipeline.timing import timed
 
 Timer = Callable[[Callable[[], object]], float]
 
 
 def _timer(device: str) -> Timer:
-    """The median milliseconds of 20 timed calls (CUDA events, after 3 warm-up calls) on CUDA; one
-    wall-clock call on the CPU, where this is a dry run of the code under Triton's interpreter."""
-    if device == "cpu":
-        def once(fn: Callable[[], object]) -> float:
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        return once
+    """Median milliseconds of 20 calls timed by ``timing.timed`` (device synchronised around each), after
+    3 warm-up calls, on CUDA; one call on the CPU, where this is a dry run under Triton's interpreter."""
+    dev = torch.device(device)
+    calls, warmup = (20, 3) if dev.type == "cuda" else (1, 0)
 
-    def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-        for _ in range(3):
+    def median_ms(fn: Callable[[], object]) -> float:
+        for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return statistics.median(timed(fn, dev) for _ in range(calls)) * 1e3
     return median_ms
 
 
@@ -71,16 +59,6 @@ def _graphed(fn: Callable[[], object], device: str) -> Callable[[], object] | No
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
-
-
-def _kmedoids_ms(timer: Timer, d: Tensor, w: Tensor, start: Tensor, block_n: int, block_j: int) -> float:
-    """The Triton iterations' time at one tiling: d (B, N, N), w (B, N), start (B, K) medoids."""
-    saved = kt._BLOCK_N, kt._BLOCK_J
-    kt._BLOCK_N, kt._BLOCK_J = block_n, block_j
-    try:
-        return timer(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL))
-    finally:
-        kt._BLOCK_N, kt._BLOCK_J = saved
 
 
 def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
@@ -103,7 +81,9 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
     for k in ks:
         start = w.topk(k, dim=-1).indices
         torch_ms = timer(lambda: _kmedoids_dense(d, w, start, 5))  # noqa: B023 (called at once)
-        cells = [f"({bn}, {bj}) {_kmedoids_ms(timer, d, w, start, bn, bj):.3f}" for bn in (16, 32) for bj in (64, 128)]
+        cells = [f"({bn}, {bj}) "
+                 f"{timer(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL, block_n=bn, block_j=bj)):.3f}"  # noqa: B023
+                 for bn in (16, 32) for bj in (64, 128)]
         graphs = [_graphed(lambda: _kmedoids_dense(d, w, start, 5), device),  # noqa: B023
                   _graphed(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL), device)]  # noqa: B023
         graphed = " / ".join("-" if g is None else f"{timer(g):.3f}" for g in graphs)

@@ -277,3 +277,17 @@ def test_bench_kernels_dry_run_under_the_interpreter():
     env.pop("TRITON_INTERPRET")
     refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "TRITON_INTERPRET=1" in refused.stderr
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_the_cuda_kmedoids_op_equals_the_cpu_path(iters):
+    """The custom op (one-hot torch iterations off CUDA) against the CPU's ``index_add_`` path, one
+    iteration included (its medoids are then the starting ones, which the op must copy, not return)."""
+    from pipeline.pooling.clustering import _kmedoids_op, _kmedoids_rows, sq_dists
+
+    gen = torch.Generator().manual_seed(iters)
+    x, w = torch.randn(3, 30, 8, generator=gen), torch.rand(3, 30, generator=gen) + 0.1
+    start, d = w.topk(7, dim=-1).indices, sq_dists(x)
+    med, assign = _kmedoids_op(d, w, start, iters)
+    want = _kmedoids_rows(d, w, start, iters)
+    assert torch.equal(med, want[0]) and torch.equal(assign, want[1])

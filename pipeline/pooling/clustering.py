@@ -191,16 +191,21 @@ def _swap(cost: Tensor, med: Tensor) -> Tensor:
 @torch.library.custom_op("tokenpool::kmedoids", mutates_args=())
 def _kmedoids_op(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
     """K-Medoids iterations on distances d (B, N, N): one opaque op for ``torch.compile``."""
-    med, assign = _kmedoids_dense(d, w, medoids, iters)
-    return med.contiguous(), assign
+    return _kmedoids_dense_owned(d, w, medoids, iters)
 
 
 @_kmedoids_op.register_kernel("cuda")
 def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
     if kmedoids_triton is None or d.dtype != torch.float32:  # the kernel sums in float32
-        med, assign = _kmedoids_dense(d, w, medoids, iters)
-        return med.contiguous(), assign
+        return _kmedoids_dense_owned(d, w, medoids, iters)
     return kmedoids_triton(d, w, medoids, iters, _SWAP_RTOL)
+
+
+def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    """``_kmedoids_dense`` with medoids the op owns: with iters=1 they are a view of the input, which a
+    custom op may not return."""
+    med, assign = _kmedoids_dense(d, w, medoids, iters)
+    return med.clone(), assign
 
 
 @_kmedoids_op.register_fake

@@ -93,9 +93,11 @@ def _update_kernel(ASSIGN, COST, MED, N, K, keep, BLOCK_C: tl.constexpr, BLOCK_T
     tl.store(MED + b * K + offs_k, tl.where(best_cost < current * keep, best, med), mask=mask_k)
 
 
-def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float) -> tuple[Tensor, Tensor]:
+def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float, *,
+                    block_n: int = _BLOCK_N, block_j: int = _BLOCK_J) -> tuple[Tensor, Tensor]:
     """K-Medoids iterations: d (B, N, N) float32 distances, w (B, N) float32 or None, medoids (B, K) int64
-    starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64).
+    starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64). ``block_n`` and ``block_j``
+    tile the assignment and cost kernels (``bench kernels`` compares tilings).
 
     Three kernels an iteration (assignment, costs, update), each on a (B, tiles) grid: one program per
     image for all iterations left the GPU nearly idle (2 programs an SM) and took 0.55-0.65 ms at
@@ -109,12 +111,12 @@ def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rt
     cost = torch.empty(b, n, device=d.device, dtype=torch.float32)
     has_w = w is not None
     w_arg = w.contiguous() if has_w else cost  # never read without HAS_W
-    rows = (b, triton.cdiv(n, _BLOCK_N))
+    rows = (b, triton.cdiv(n, block_n))
     block_k = max(16, triton.next_power_of_2(k))
-    _assign_kernel[rows](d, med, assign, n, k, BLOCK_N=_BLOCK_N, BLOCK_K=block_k)
+    _assign_kernel[rows](d, med, assign, n, k, BLOCK_N=block_n, BLOCK_K=block_k)
     for _ in range(iters - 1):
-        _cost_kernel[rows](d, w_arg, assign, cost, n, HAS_W=has_w, BLOCK_N=_BLOCK_N, BLOCK_J=_BLOCK_J)
+        _cost_kernel[rows](d, w_arg, assign, cost, n, HAS_W=has_w, BLOCK_N=block_n, BLOCK_J=block_j)
         _update_kernel[(b, triton.cdiv(k, _BLOCK_C))](assign, cost, med, n, k, 1.0 - rtol, BLOCK_C=_BLOCK_C,
                                                        BLOCK_T=_BLOCK_T)
-        _assign_kernel[rows](d, med, assign, n, k, BLOCK_N=_BLOCK_N, BLOCK_K=block_k)
+        _assign_kernel[rows](d, med, assign, n, k, BLOCK_N=block_n, BLOCK_K=block_k)
     return med, assign
