@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.errors import JobError
+from pipeline.errors import InputError, JobError
 from pipeline.models.execution import cuda_settings
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
@@ -126,6 +126,8 @@ def patch_embed_table(device: str, batch: int) -> str:
 def run_kernel_bench(device: str, batch: int) -> str:
     """Both tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
     figure, which times the interpreter, not a kernel)."""
+    if batch < 1:
+        raise InputError(f"bench kernels --batch must be a positive number of images, got {batch}")
     if device == "cuda" and not torch.cuda.is_available():
         raise JobError("bench kernels --device cuda: no CUDA device is visible")
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

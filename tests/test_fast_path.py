@@ -291,3 +291,10 @@ def test_the_cuda_kmedoids_op_equals_the_cpu_path(iters):
     med, assign = _kmedoids_op(d, w, start, iters)
     want = _kmedoids_rows(d, w, start, iters)
     assert torch.equal(med, want[0]) and torch.equal(assign, want[1])
+
+
+def test_bench_kernels_refuses_an_empty_batch():
+    from pipeline.kernel_bench import run_kernel_bench
+
+    with pytest.raises(ValueError, match="--batch must be a positive number of images, got 0"):
+        run_kernel_bench("cpu", 0)
