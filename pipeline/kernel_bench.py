@@ -18,11 +18,10 @@ from collections.abc import Callable
 
 import timm
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
 from pipeline.errors import InputError, JobError
 from pipeline.models.execution import cuda_settings
+from pipeline.models.patch_embed import use_patch_embed
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
@@ -98,13 +97,11 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
 def patch_embed_table(device: str, batch: int) -> str:
     """DeiT-S's patch embedding in bf16: cuDNN autotuning off and on, channels-last, reshape + matmul."""
     timer = _timer(device)
-    conv = timm.create_model("deit_small_patch16_224").patch_embed.proj.to(device).eval()
+    model = timm.create_model("deit_small_patch16_224")
+    conv = model.patch_embed.proj.to(device).eval()
+    use_patch_embed(model, "matmul")
+    matmul = model.patch_embed.proj  # the same parameters
     x = torch.randn(batch, 3, 224, 224, device=device)
-    w = conv.weight.reshape(384, -1)
-
-    def unfold_matmul() -> Tensor:  # (B, 3, 14, 16, 14, 16) -> (B, 196, 768) @ W^T
-        p = x.to(torch.bfloat16).reshape(batch, 3, 14, 16, 14, 16).permute(0, 2, 4, 1, 3, 5).reshape(batch, 196, 768)
-        return F.linear(p, w.to(torch.bfloat16), conv.bias.to(torch.bfloat16))
 
     rows = []
     previous = torch.backends.cudnn.benchmark
@@ -113,10 +110,10 @@ def patch_embed_table(device: str, batch: int) -> str:
             for bench in (False, True):
                 torch.backends.cudnn.benchmark = bench
                 rows.append((f"conv, cudnn.benchmark={bench}", timer(lambda: conv(x))))
-            xl = x.contiguous(memory_format=torch.channels_last)
+            rows.append(("reshape + matmul (PatchMatmul, patch_embed: matmul)", timer(lambda: matmul(x))))
+            xl = x.contiguous(memory_format=torch.channels_last)  # converts the shared weight: last
             conv_l = conv.to(memory_format=torch.channels_last)
             rows.append(("conv, channels-last input and weight, benchmark=True", timer(lambda: conv_l(xl))))
-            rows.append(("reshape + matmul", timer(unfold_matmul)))
     finally:
         torch.backends.cudnn.benchmark = previous
     return "\n".join([f"| patch embedding, bf16, batch {batch} | ms |", "|---|---:|",

@@ -53,7 +53,7 @@ def count_launches(fn: Callable[[], object]) -> int:
     return sum(event.count for event in prof.key_averages() if event.key in _LAUNCH_EVENTS)
 
 
-def kernel_table(fn: Callable[[], object], rows: int = 15) -> str:
+def kernel_table(fn: Callable[[], object], rows: int = 30) -> str:
     """torch.profiler's table of one call of ``fn``, sorted by device time (self CUDA time on CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 

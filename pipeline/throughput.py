@@ -109,7 +109,8 @@ def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[]
     from pipeline.flops import count_flops
     from pipeline.models import create_model
 
-    pooled = create_model(cfg.model, method=method, keep=keep, options=pooling.options(method))
+    pooled = create_model(cfg.model, method=method, keep=keep, options=pooling.options(method),
+                          patch_embed=cfg.patch_embed)
     pooled.load_state_dict(base.state_dict(), strict=False)
     gflops = count_flops(pooled).total
     ops_cpu, ops_dense = _op_counts(pooled, x.shape[-1])
@@ -145,7 +146,7 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
     device = torch.device(cfg.device)
     keep = _keep(cfg)
     torch.manual_seed(0)
-    base = create_model(cfg.model)
+    base = create_model(cfg.model, patch_embed=cfg.patch_embed)
     base_gflops = count_flops(base).total
     size = base.patch_embed.img_size[0]
     base_ops = _op_counts(base, size)[0]
@@ -175,7 +176,7 @@ def format_throughput(cfg: BenchThroughputConfig, r: ThroughputResult) -> str:
     launches = lambda n: "-" if n is None else str(n)  # noqa: E731
     lines = [
         f"model {cfg.model}, {kind}, batch {cfg.batch}, {cfg.dtype}, compile {cfg.compile}, "
-        f"keep {','.join(map(str, r.keep)) or 'all'}",
+        f"keep {','.join(map(str, r.keep)) or 'all'}, patch embedding {cfg.patch_embed} (every model)",
         "",
         "| model | GFLOPs | images/s | speed-up | GFLOPs ratio | realised | aten ops (CPU path / CUDA path) "
         "| CUDA launches |",

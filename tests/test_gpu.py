@@ -129,3 +129,25 @@ def test_inductor_fullgraph_on_gpu(method):
     logits.float().sum().backward()
     assert torch.isfinite(logits).all()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patch_matmul_matches_the_convolution_on_gpu(dtype, monkeypatch):
+    """``patch_embed: matmul`` on CUDA against timm's convolution (the same parameters), fp32 and bf16 autocast."""
+    import timm
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # an exact fp32 convolution to compare with
+    from pipeline.models.patch_embed import use_patch_embed
+
+    torch.manual_seed(0)
+    ref = timm.create_model("deit_small_patch16_224").patch_embed.cuda().eval()
+    fast = copy.deepcopy(ref)
+    holder = torch.nn.Module()
+    holder.patch_embed = fast
+    use_patch_embed(holder, "matmul")
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        out, expected = fast(x), ref(x)
+    assert out.shape == expected.shape == (8, 196, 384)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)

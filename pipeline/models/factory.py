@@ -17,6 +17,7 @@ from torch import nn
 from pipeline.errors import InputError
 from pipeline.models.deit import load_weights
 from pipeline.models.downsampling import apply_downsampling
+from pipeline.models.patch_embed import use_patch_embed
 
 ARCH_OVERRIDES = ("img_size", "patch_size", "embed_dim", "depth", "num_heads")
 
@@ -41,6 +42,7 @@ def create_model(
     alpha: float = 1.0,
     soft_extract: bool = False,
     options: dict[str, Any] | None = None,
+    patch_embed: str = "conv",
 ) -> VisionTransformer:
     """Builds the timm ViT ``name`` (any architecture field overridden), loads weights, adds downsampling.
 
@@ -48,7 +50,8 @@ def create_model(
     (from the Hugging Face hub, so only where a network exists, and only for the published
     architecture). ``data_overlay`` overrides the model's data config (mean, std, crop_pct,
     input_size). The downsampling arguments are ``apply_downsampling``'s; with none of them the
-    result is the unmodified timm model.
+    result is the unmodified timm model. ``patch_embed="matmul"`` computes the patch embedding as one
+    matmul (``models.patch_embed``: the same function and parameters, much faster on CUDA).
     """
     if name not in timm.list_models() and name not in timm.list_models(pretrained=True):
         raise InputError(f"unknown timm model {name!r}; for example deit_small_patch16_224")
@@ -74,6 +77,7 @@ def create_model(
     if method != "none" or keep is not None or carry or qk_norm is not None or soft_extract or options:
         apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
                            soft_extract=soft_extract, **(options or {}))
+    use_patch_embed(model, patch_embed)
     # else: the unmodified timm model itself (base and baseline training, the benchmarks' reference)
     if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is
         load_weights(model, weights)

@@ -19,7 +19,7 @@ def model_args(config: Config) -> dict[str, Any]:
     if cfg.img_size is not None:
         overlay["input_size"] = (3, cfg.img_size, cfg.img_size)
     return args | {"num_classes": config.data.num_classes, "drop_path": cfg.drop_path,
-                   "data_overlay": overlay or None, "pretrained": cfg.pretrained}
+                   "data_overlay": overlay or None, "pretrained": cfg.pretrained, "patch_embed": cfg.patch_embed}
 
 
 def finetune_keep(config: Config) -> list[int]:

@@ -1,0 +1,62 @@
+"""The patch embedding as one matmul: the same function and parameters as timm's stride-p convolution.
+
+Why: on CUDA, cuDNN runs the 16x16, stride-16 convolution of a ViT's patch embedding as a slow
+implicit GEMM. On an H100 in bf16 at batch 256 it took 1.9 ms, 1.8 ms with ``cudnn.benchmark``,
+and 0.27 ms as a reshape + matmul (``bench kernels``, docs/benchmarks.md). That is about a sixth of a
+compiled DeiT-S forward, paid alike by the unmodified and the downsampled models. timm has no
+switch for it, so ``PatchMatmul`` replaces the convolution module and keeps its parameters
+(``patch_embed.proj.weight`` and ``.bias``), so every state dict still loads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.errors import InputError
+
+PatchEmbedKind = Literal["conv", "matmul"]
+PATCH_EMBEDS: tuple[str, ...] = ("conv", "matmul")
+
+
+class PatchMatmul(nn.Conv2d):
+    """A non-overlapping patch convolution (kernel = stride, no padding) computed as one matmul."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, E, H // p, W // q): the convolution's output (as a channels-last view).
+
+        Rows and columns past the last whole patch are dropped, as the convolution drops them. Under
+        autocast the image is cast before the reshape, so the copy moves half the bytes.
+        """
+        b, c, h, w = x.shape
+        p, q = self.kernel_size
+        gh, gw = h // p, w // q
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        patches = x[:, :, :gh * p, :gw * q].reshape(b, c, gh, p, gw, q).permute(0, 2, 4, 1, 3, 5)
+        out = F.linear(patches.reshape(b, gh, gw, c * p * q), self.weight.reshape(self.out_channels, -1), self.bias)
+        return out.permute(0, 3, 1, 2)  # (B, E, gh, gw), strides of channels-last: flatten(2) needs no copy
+
+
+def use_patch_embed(model: nn.Module, kind: str) -> None:
+    """Makes ``model.patch_embed.proj`` compute as ``kind`` (``conv``: timm's own; ``matmul``: ``PatchMatmul``)."""
+    if kind not in PATCH_EMBEDS:
+        raise InputError(f"patch_embed must be one of {PATCH_EMBEDS}, got {kind!r}")
+    proj = getattr(getattr(model, "patch_embed", None), "proj", None)
+    if not isinstance(proj, nn.Conv2d):
+        raise InputError(f"patch_embed={kind!r} needs a ViT whose patch_embed.proj is a convolution, "
+                         f"got {type(proj).__name__}")
+    if kind == "conv" and type(proj) is nn.Conv2d:
+        return
+    if kind == "matmul" and (proj.kernel_size != proj.stride or proj.padding not in ((0, 0), "valid")
+                             or proj.dilation != (1, 1) or proj.groups != 1):
+        raise InputError(f"patch_embed='matmul' needs non-overlapping patches (kernel = stride, no padding, "
+                         f"one group); this model's projection is {proj}: use patch_embed='conv'")
+    cls = PatchMatmul if kind == "matmul" else nn.Conv2d
+    new = cls(proj.in_channels, proj.out_channels, proj.kernel_size, stride=proj.stride,
+              bias=proj.bias is not None, device=proj.weight.device, dtype=proj.weight.dtype)
+    new.weight, new.bias = proj.weight, proj.bias  # the same Parameters: optimiser state and state dicts carry over
+    model.patch_embed.proj = new
