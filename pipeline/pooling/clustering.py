@@ -123,7 +123,7 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: b
     -> (medoids (B, K), last assignment (B, N)). ``dense`` forces the CUDA or the CPU path (tests).
 
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
-    ``sum_{i' in c} w_i' d(i', i)``. CUDA runs every iteration in one Triton kernel
+    ``sum_{i' in c} w_i' d(i', i)``. CUDA runs the iterations as Triton kernels, two an iteration
     (``kmedoids_triton``, through the custom op ``tokenpool::kmedoids``); the CPU adds the rows up
     per cluster with ``index_add_`` (``_kmedoids_rows``).
     """

@@ -3,8 +3,18 @@
 Why our own kernel: no library runs K-Medoids on a batch of small (N <= ~1k) problems on a GPU, and
 the torch formulation (one-hot matmuls, gathers and minima per iteration) launches about eight
 kernels an iteration and reads and writes (B, N, K) tensors each time: on an H200 that made K-Medoids
-slower than the transformer block it shrinks (docs/benchmarks.md). Here an iteration is three
-kernels that read the distances (which stay in the L2 cache) and write only (B, N) and (B, K).
+slower than the transformer block it shrinks (docs/benchmarks.md). Here an iteration is two
+kernels that read the distances and write only (B, N) and (B, K) buffers:
+
+1. ``_cost_kernel``: each token's cost as the medoid of its own cluster, and each cluster's cheapest
+   member by an atomic minimum of ``(cost, token)`` packed in one int64 (``_pack``), so that the
+   minimum is the lowest cost and, on ties, the lowest token index, in any order of arrival;
+2. ``_assign_kernel``: every program first applies the swap rule to all K clusters of its image
+   (from the packed minima and the current medoids' costs), then assigns its tokens.
+
+A profile on an H100 (docs/benchmarks.md) showed the earlier third kernel, which scanned every
+token for every cluster, taking half the GPU time of the iterations (52-70 us a call of 24-25 us
+for the others); the packed minimum folds it into the cost kernel.
 
 Semantics are those of ``clustering._kmedoids`` (and of the brute-force reference in ``tests/``):
 
@@ -26,20 +36,44 @@ from torch import Tensor
 
 _BLOCK_N = 16  # token rows per program in the assignment and cost kernels
 _BLOCK_J = 64  # columns of the distance matrix per step of the cost kernel
-_BLOCK_C = 32  # clusters per program in the update kernel
-_BLOCK_T = 64  # tokens per step of the update kernel
+_EMPTY = 2**63 - 1  # an unwritten packed minimum: decodes to a NaN cost, which never replaces a medoid
 
 
 @triton.jit
-def _assign_kernel(D, MED, ASSIGN, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Nearest medoid of BLOCK_N tokens: d[n, med_k], -inf where n is med_k (a medoid joins its own
-    cluster), +inf off the K clusters; ties to the lowest cluster index."""
+def _pack(cost, index):
+    """(float32 cost, int token index) -> int64 ordered as (cost, index): the float's bits, made monotone
+    for negative values (rounding can give -1e-7), above the index."""
+    bits = (cost + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0, as min() treats them alike
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (bits.to(tl.int64) << 32) + index.to(tl.int64)
+
+
+@triton.jit
+def _unpack(key):
+    """The inverse of ``_pack``: int64 -> (float32 cost, int64 index)."""
+    high = (key >> 32).to(tl.int32)
+    bits = high ^ ((high >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True), key - (high.to(tl.int64) << 32)
+
+
+@triton.jit
+def _assign_kernel(D, MED_IN, MED_OUT, BEST, COST, ASSIGN, N, K, keep, SWAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """With SWAP, first the update: each cluster's cheapest member (BEST, packed) replaces its medoid when
+    its cost is below ``keep`` times the medoid's (every program of an image computes the same K medoids
+    and writes them to MED_OUT). Then the nearest medoid of BLOCK_N tokens: d[n, med_k], -inf where n is
+    med_k (a medoid joins its own cluster), +inf off the K clusters; ties to the lowest cluster index."""
     b = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
-    med = tl.load(MED + b * K + offs_k, mask=mask_k, other=0)
+    med = tl.load(MED_IN + b * K + offs_k, mask=mask_k, other=0)
+    if SWAP:
+        best_cost, best = _unpack(tl.load(BEST + b * K + offs_k, mask=mask_k, other=_EMPTY))
+        current = tl.load(COST + b * N + med, mask=mask_k, other=0.0)
+        med = tl.where(best_cost < current * keep, best, med)
+        tl.store(MED_OUT + b * K + offs_k, med, mask=mask_k)
     vals = tl.load(D + b * N * N + offs_n[:, None] * N + med[None, :], mask=mask_n[:, None] & mask_k[None, :],
                    other=float("inf"))
     vals = tl.where(offs_n[:, None] == med[None, :], float("-inf"), vals)
@@ -48,8 +82,10 @@ def _assign_kernel(D, MED, ASSIGN, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _cost_kernel(D, W, ASSIGN, COST, N, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Cost of BLOCK_N tokens as the medoid of their own cluster: sum_{j in cluster} w_j d[n, j]."""
+def _cost_kernel(D, W, ASSIGN, COST, BEST, N, K, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_J: tl.constexpr):
+    """Cost of BLOCK_N tokens as the medoid of their own cluster, sum_{j in cluster} w_j d[n, j], and
+    each one's bid for its cluster's cheapest member: an atomic minimum of the packed (cost, n)."""
     b = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -65,58 +101,38 @@ def _cost_kernel(D, W, ASSIGN, COST, N, HAS_W: tl.constexpr, BLOCK_N: tl.constex
             dist = dist * tl.load(W + b * N + offs_j, mask=mask_j, other=0.0)[None, :]
         acc += tl.sum(tl.where(a_n[:, None] == a_j[None, :], dist, 0.0), axis=1)
     tl.store(COST + b * N + offs_n, acc, mask=mask_n)
-
-
-@triton.jit
-def _update_kernel(ASSIGN, COST, MED, N, K, keep, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Each of BLOCK_C clusters' cheapest member, scanning tokens in order (the first minimum wins
-    ties); it replaces the medoid when its cost is below ``keep`` times the medoid's."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_k = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_k = offs_k < K
-    med = tl.load(MED + b * K + offs_k, mask=mask_k, other=-1)
-    best_cost = tl.full([BLOCK_C], float("inf"), tl.float32)
-    best = med
-    current = tl.zeros([BLOCK_C], tl.float32)
-    for n0 in range(0, N, BLOCK_T):
-        offs_n = n0 + tl.arange(0, BLOCK_T)
-        mask_n = offs_n < N
-        a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
-        c_n = tl.load(COST + b * N + offs_n, mask=mask_n, other=float("inf"))
-        vals = tl.where(a_n[None, :] == offs_k[:, None], c_n[None, :], float("inf"))  # (BLOCK_C, BLOCK_T)
-        tile_cost = tl.min(vals, axis=1)
-        tile_best = tl.argmin(vals, axis=1, tie_break_left=True) + n0
-        better = tile_cost < best_cost
-        best = tl.where(better, tile_best, best)
-        best_cost = tl.where(better, tile_cost, best_cost)
-        current += tl.sum(tl.where(offs_n[None, :] == med[:, None], c_n[None, :], 0.0), axis=1)
-    tl.store(MED + b * K + offs_k, tl.where(best_cost < current * keep, best, med), mask=mask_k)
+    tl.atomic_min(BEST + b * K + a_n, _pack(acc, offs_n), mask=mask_n)
 
 
 def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float, *,
                     block_n: int = _BLOCK_N, block_j: int = _BLOCK_J) -> tuple[Tensor, Tensor]:
     """K-Medoids iterations: d (B, N, N) float32 distances, w (B, N) float32 or None, medoids (B, K) int64
     starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64). ``block_n`` and ``block_j``
-    tile the assignment and cost kernels (``bench kernels`` compares tilings).
+    tile both kernels (``bench kernels`` compares tilings).
 
-    Three kernels an iteration (assignment, costs, update), each on a (B, tiles) grid: one program per
-    image for all iterations left the GPU nearly idle (2 programs an SM) and took 0.55-0.65 ms at
-    DeiT-S size on an H100, half a transformer block (docs/benchmarks.md).
+    An assignment, then per further iteration a cost kernel and an assignment that first swaps the
+    medoids; each on a (B, tiles) grid. One program per image for all iterations left the GPU nearly
+    idle (2 programs an SM) and took 0.55-0.65 ms at DeiT-S size on an H100 (docs/benchmarks.md).
+    Each iteration writes its own medoids and packed minima (``meds[i]``, ``best[i]``), so no program
+    reads what another program of the same launch writes.
     """
     b, n, _ = d.shape
     k = medoids.shape[1]
     d = d.contiguous()
-    med = medoids.to(torch.int64).contiguous().clone()  # updated in place by the update kernel
+    meds = torch.empty(iters, b, k, device=d.device, dtype=torch.int64)
+    meds[0] = medoids
+    best = torch.full((max(iters - 1, 1), b, k), _EMPTY, device=d.device, dtype=torch.int64)
     assign = torch.empty(b, n, device=d.device, dtype=torch.int64)
     cost = torch.empty(b, n, device=d.device, dtype=torch.float32)
     has_w = w is not None
     w_arg = w.contiguous() if has_w else cost  # never read without HAS_W
     rows = (b, triton.cdiv(n, block_n))
     block_k = max(16, triton.next_power_of_2(k))
-    _assign_kernel[rows](d, med, assign, n, k, BLOCK_N=block_n, BLOCK_K=block_k)
-    for _ in range(iters - 1):
-        _cost_kernel[rows](d, w_arg, assign, cost, n, HAS_W=has_w, BLOCK_N=block_n, BLOCK_J=block_j)
-        _update_kernel[(b, triton.cdiv(k, _BLOCK_C))](assign, cost, med, n, k, 1.0 - rtol, BLOCK_C=_BLOCK_C,
-                                                       BLOCK_T=_BLOCK_T)
-        _assign_kernel[rows](d, med, assign, n, k, BLOCK_N=block_n, BLOCK_K=block_k)
-    return med, assign
+    keep = 1.0 - rtol
+    _assign_kernel[rows](d, meds[0], meds[0], best[0], cost, assign, n, k, keep, SWAP=False, BLOCK_N=block_n,
+                         BLOCK_K=block_k)
+    for i in range(1, iters):
+        _cost_kernel[rows](d, w_arg, assign, cost, best[i - 1], n, k, HAS_W=has_w, BLOCK_N=block_n, BLOCK_J=block_j)
+        _assign_kernel[rows](d, meds[i - 1], meds[i], best[i - 1], cost, assign, n, k, keep, SWAP=True,
+                             BLOCK_N=block_n, BLOCK_K=block_k)
+    return meds[iters - 1], assign
