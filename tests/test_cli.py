@@ -149,3 +149,15 @@ def test_bench_throughput_level_and_bad_keep():
     assert proc.returncode == 2 and "no sparsity levels for 'deit_tiny_patch16_224'" in proc.stderr
     proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--keep", "196,300", check=False)
     assert proc.returncode == 2 and "keep has 2 entries" in proc.stderr
+
+
+def test_bench_throughput_patch_embed_matmul_times_every_model_with_it():
+    proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--methods", "random",
+               "--keep", "196,150,120,100,80,60,50,40,30,20,10,5", "--batch", "2", "--patch-embed", "matmul",
+               "--set", "bench_throughput.repeats=1", "--set", "bench_throughput.warmup=0",
+               "--set", "bench_throughput.ceiling=false")
+    assert "patch embedding matmul (every model)" in proc.stdout
+    # the same GFLOPs as timm's convolution (fvcore counts the matmul as the convolution's MACs)
+    assert re.search(r"^\| unmodified \| 1\.258 \|", proc.stdout, flags=re.M), proc.stdout
+    bad = run("bench", "throughput", "--patch-embed", "unfold", check=False)
+    assert bad.returncode == 2 and "--patch-embed" in bad.stderr
