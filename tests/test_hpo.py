@@ -98,6 +98,16 @@ def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun
     final_loss = {r.info.run_id: client.get_metric_history(r.info.run_id, "train_loss") for r in live}
     complete = {run: max(h, key=lambda m: m.step).value for run, h in final_loss.items() if len(h) == EPOCHS}
     assert chosen.info.run_id == min(complete, key=complete.get)  # the lowest final loss among complete trials
+    # the K search and the finetune train at the chosen trial's recipe, not the YAML's
+    swept, params = ("recipe.lr", "recipe.weight_decay"), chosen.data.params
+    assert record["settings"] == {key: pytest.approx(float(params[key])) for key in swept}
+    exp_id = client.get_experiment_by_name("token-pooling").experiment_id
+    downstream = [r for r in client.search_runs([exp_id]) if r.data.tags.get("mode") in ("ksearch", "finetune")]
+    assert {r.data.tags["mode"] for r in downstream} == {"ksearch", "finetune"}
+    for run in downstream:
+        for key in ("recipe.lr", "recipe.weight_decay"):
+            assert run.data.params[key] == chosen.data.params[key], (run.data.tags["mode"], key)
+    assert "the K search and finetunes use the chosen settings" in again.stdout
     table = (root / "experiments" / "tiny" / "sweep-tiny-base-M16.csv").read_text().splitlines()
     assert len(table) == TRIALS + 1 and "stopped_early" in table[0]
     assert "ASHA saved about" in again.stdout
@@ -152,3 +162,29 @@ def test_sweep_overhead_counts_only_the_slots_the_trials_can_fill(trials, concur
     from pipeline.dag.sweep import SweepTiming
 
     assert SweepTiming(trials, wall, train, concurrency).overhead_per_trial_s == pytest.approx(per_trial)
+
+
+def test_a_base_recorded_without_its_settings_gets_them_from_the_chosen_runs_params(tmp_path):
+    """Bases recorded before results kept their settings: the swept keys are read back from the chosen
+    trial's MLflow params (typed), and a run without them is refused with what to do."""
+    from pipeline.dag.hpo import chosen_config, recorded_settings
+    from pipeline.errors import JobError
+
+    config = load_config(ROOT / "configs" / "experiments" / "fmnist_hpo.yaml")
+    sweep = config.experiment.base.sweep
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp_id = client.create_experiment("x", artifact_location=str(tmp_path / "artifacts"))
+    logged = {"recipe.lr": "0.00128", "recipe.weight_decay": "0.057", "recipe.warmup_epochs": "0.5",
+              "recipe.label_smoothing": "0.1", "model.drop_path": "0.05", "recipe.epochs": "12"}
+    run = client.create_run(exp_id)
+    for key, value in logged.items():
+        client.log_param(run.info.run_id, key, value)
+    settings = recorded_settings(client, run.info.run_id, sweep)
+    assert settings == {"recipe.lr": 0.00128, "recipe.weight_decay": 0.057, "recipe.warmup_epochs": 0.5,
+                        "recipe.label_smoothing": 0.1, "model.drop_path": 0.05}
+    chosen = chosen_config(config, settings)
+    assert (chosen.recipe.lr, chosen.recipe.warmup_epochs, chosen.model.drop_path) == (0.00128, 0.5, 0.05)
+    assert chosen.recipe.epochs == config.recipe.epochs  # only the swept keys change
+    bare = client.create_run(exp_id)
+    with pytest.raises(JobError, match="has no params .*--force base"):
+        recorded_settings(client, bare.info.run_id, sweep)

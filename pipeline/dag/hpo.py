@@ -7,7 +7,8 @@ checkpoints and MLflow run instead of training again. The Tune experiment has a 
 rerun restores it (``Tuner.restore``) and runs only the trials that had not finished.
 
 The best trial on the validation split (``metric``; use ``data.holdout``) among those that ran all
-their epochs becomes the base; its test top-1 was measured once, after its last epoch.
+their epochs becomes the base; its test top-1 was measured once, after its last epoch. Its settings
+are recorded with it, and the stages downstream of the base train with them (``chosen_config``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import SweepConfig, with_setting
+from pipeline.config import Config, SweepConfig, with_setting
 from pipeline.dag.records import mark_done
 from pipeline.dag.types import StageSpec, TrainedResult
 from pipeline.errors import JobError
@@ -66,9 +67,7 @@ def _trial(settings: dict[str, Any], spec: StageSpec) -> None:
 
     from pipeline.train import run_training
 
-    config = spec.config
-    for key, value in settings.items():
-        config = with_setting(config, key, value)
+    config = chosen_config(spec.config, settings)
     name = trial_name(config.train.name, settings)
     train = config.train.model_copy(update={"name": name, "tags": {**config.train.tags, TRIAL_TAG: name}})
 
@@ -80,6 +79,27 @@ def _trial(settings: dict[str, Any], spec: StageSpec) -> None:
     result = run_training(config.model_copy(update={"train": train}), on_epoch=report)
     # Also when it had finished in an earlier attempt (a killed driver): Tune gets its final metrics.
     tune.report({k: v for k, v in result.summary.items() if isinstance(v, int | float)})
+
+
+def chosen_config(config: Config, settings: dict[str, Any] | None) -> Config:
+    """``config`` with a sweep's chosen settings applied (``recipe.lr``, ``model.drop_path``, ...): what the
+    K search and the finetunes of that base start from. Each stage's own recipe (``experiment.ksearch``,
+    ``experiment.finetune``) still overrides the fields it sets."""
+    for key, value in (settings or {}).items():
+        config = with_setting(config, key, value)
+    return config
+
+
+def recorded_settings(client, run_id: str, sweep: SweepConfig) -> dict[str, Any]:
+    """The swept settings of a finished trial, from its MLflow params (logged as strings, read as YAML)."""
+    import yaml
+
+    params = client.get_run(run_id).data.params
+    missing = [key for key in sweep.space if key not in params]
+    if missing:
+        raise JobError(f"the chosen trial's MLflow run {run_id} has no params {missing}; rerun the sweep "
+                       "(--force base)")
+    return {key: yaml.safe_load(params[key]) for key in sweep.space}
 
 
 def trial_resources(spec: StageSpec) -> dict[str, float]:
@@ -186,8 +206,10 @@ def run_base_sweep(spec: StageSpec, sweep: SweepConfig, *, client, exp_id: str, 
     chosen = config.model_copy(update={"train": config.train.model_copy(update={"name": best.name})})
     checkpoint = latest_local_checkpoint(local_checkpoints(chosen))
     summary = json.loads((checkpoint / "summary.json").read_text())
+    settings = json.loads(json.dumps(best.settings, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
     result = TrainedResult(run_id=best.run_id, checkpoint=str(checkpoint), keep=None,
-                           val_top1=summary.get("val_top1"), seconds=round(ran, 1), test_top1=summary.get("test_top1"))
+                           val_top1=summary.get("val_top1"), seconds=round(ran, 1), test_top1=summary.get("test_top1"),
+                           settings=settings)
     mark_done(client, best.run_id, stage_id=spec.id, kind=spec.kind, result=result.as_record())
     test = "" if result.test_top1 is None else f", test top-1 {result.test_top1:.2f}% (measured once)"
     log(f"[sweep] {spec.label}: chose {best.name} {best.settings}: {sweep.metric} {best.val:.2f}{test}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +114,31 @@ def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, Tra
 def run_swept_base(ctx: Context, spec, sweep) -> TrainedResult:
     import ray
 
-    from pipeline.dag.hpo import run_base_sweep, trial_resources
+    from pipeline.dag.hpo import recorded_settings, run_base_sweep, trial_resources
     from pipeline.dag.stages import trained_done
 
     done = trained_done(ctx.client, ctx.exp_id, spec.id)
     if done is not None:
         ctx.log(f"[skip] {spec.label} sweep: done in MLflow run {done.run_id}")
+        if done.settings is None:  # recorded before bases kept their settings: read them from the run's params
+            done = replace(done, settings=recorded_settings(ctx.client, done.run_id, sweep))
         return done
     need, have = trial_resources(spec), ray.cluster_resources()
     slots = max(min(int(have.get(kind, 0) // amount) for kind, amount in need.items() if amount > 0), 1)
     slots = min(slots, sweep.max_concurrent) if sweep.max_concurrent else slots
     return run_base_sweep(spec, sweep, client=ctx.client, exp_id=ctx.exp_id, slots=slots, out_dir=ctx.out_dir,
                           parent=ctx.parent, log=ctx.log)
+
+
+def downstream_config(ctx: Context, arch: Arch, base: TrainedResult) -> Config:
+    """The config the K search and finetunes of ``arch`` plan from: with a swept base, the chosen trial's
+    settings applied (its recipe, not the YAML's, is "the best recipe" they continue)."""
+    from pipeline.dag.hpo import chosen_config
+
+    if not base.settings:
+        return ctx.config
+    ctx.log(f"[sweep] {arch.label}: the K search and finetunes use the chosen settings {base.settings}")
+    return chosen_config(ctx.config, base.settings)
 
 
 def results_of(ctx: Context, stages: list[Stage]) -> dict[str, TrainedResult]:
@@ -190,7 +203,8 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     if "base" in kinds:
         retire_storage(ctx, [base_stage(config, a) for a in arch_list])
     bases = run_bases(ctx, arch_list)
-    ks_stages = {a.label: ksearch_stages(config, a, bases[a.label][0]) for a in arch_list}
+    downstream = {a.label: downstream_config(ctx, a, bases[a.label][1]) for a in arch_list}
+    ks_stages = {a.label: ksearch_stages(downstream[a.label], a, bases[a.label][0]) for a in arch_list}
     all_ks = [s for stages in ks_stages.values() for s in stages]
     if "ksearch" in kinds:
         retire_storage(ctx, all_ks)
@@ -199,9 +213,10 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     for arch in arch_list:
         base = bases[arch.label][0]
         for level, (keep, upstream) in sparsity_levels(ctx, arch, ks_results, ks_stages[arch.label]).items():
-            ft_stages += [finetune_stage(config, arch, base, m, level, keep, upstream) for m in exp.methods]
+            ft_stages += [finetune_stage(downstream[arch.label], arch, base, m, level, keep, upstream)
+                          for m in exp.methods]
         if exp.baseline:
-            ft_stages.append(finetune_stage(config, arch, base, "none", "full", None, []))
+            ft_stages.append(finetune_stage(downstream[arch.label], arch, base, "none", "full", None, []))
     if "finetune" in kinds:
         retire_storage(ctx, ft_stages)
     ft_results = sweep(ctx, ft_stages, {s.id: bases[s.arch][1].checkpoint for s in ft_stages},

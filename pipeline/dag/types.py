@@ -64,6 +64,7 @@ class TrainedResult:
     val_top1: float | None = None  # on the validation split (data.holdout), else on data.val
     seconds: float | None = None
     test_top1: float | None = None  # with data.holdout: data.val, measured once after the last epoch
+    settings: dict[str, Any] | None = None  # a swept base: the chosen trial's settings ({"recipe.lr": ...})
     skipped: bool = False  # found done in MLflow; nothing ran
 
     as_record = _record
