@@ -163,6 +163,10 @@ def test_stage_ids_change_downstream_of_any_change(root):
     assert ksearch_stages(a, archs(a)[0], base_a)[0].id != ksearch_stages(b, archs(b)[0], base_b)[0].id
     moved = load_config(TINY, [*tiny_overrides(root), "experiment.runs_dir=/elsewhere"])
     assert base_stage(moved, archs(moved)[0]).id == base_a.id  # where results go is not part of the identity
+    # nor how the same function runs: compilation, and the patch embedding as a convolution or a matmul
+    fast = load_config(TINY, [*tiny_overrides(root), "train.compile=default", "model.patch_embed=matmul"])
+    assert base_stage(fast, archs(fast)[0]).id == base_a.id
+    assert ksearch_stages(fast, archs(fast)[0], base_a)[0].id == ksearch_stages(a, archs(a)[0], base_a)[0].id
 
 
 def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):

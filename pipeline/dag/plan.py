@@ -57,15 +57,16 @@ def stage_id(kind: str, config: Config | None, upstream: list[str], meta: dict[s
 
 def identity_content(config: Config) -> dict[str, Any]:
     """What decides a training stage's result: the resolved config without where results go, without
-    the benchmark sections and execution-only settings (``train.compile``), and with the pooling section
-    only for finetunes, as the method's resolved options (a changed default that changes nothing
-    changes no identity)."""
+    the benchmark sections and execution-only settings (``train.compile``, ``model.patch_embed``), and
+    with the pooling section only for finetunes, as the method's resolved options (a changed default
+    that changes nothing changes no identity)."""
     content = config.model_dump(mode="json")
     for section, key in _VOLATILE:
         content.get(section, {}).pop(key, None)
     for section in ("experiment", "bench", "bench_throughput"):
         content.pop(section, None)
     content["train"].pop("compile", None)
+    content["model"].pop("patch_embed", None)  # the same function either way: how it runs, not what it learns
     pool = config.pooling
     if config.train.mode == "finetune":
         content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
