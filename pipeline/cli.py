@@ -6,8 +6,9 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
+from typing import get_args
 
-from pipeline.config import ConfigError, dump_config, load_config, write_resolved
+from pipeline.config import ConfigError, PatchEmbed, dump_config, load_config, write_resolved
 from pipeline.errors import InputError, MissingFileError, PipelineError
 
 
@@ -489,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--compile", choices=("none", "default", "reduce-overhead", "max-autotune"),
                             default=None, help="torch.compile both models in this mode (default none)")
     throughput.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
-    throughput.add_argument("--patch-embed", choices=("conv", "matmul"), default=None,
+    throughput.add_argument("--patch-embed", choices=get_args(PatchEmbed), default=None,
                             help="every model's patch embedding: timm's convolution (default) or the same "
                             "function as one matmul")
     throughput.add_argument("--train", action="store_true",

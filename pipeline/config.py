@@ -29,6 +29,7 @@ def _known_method(name: str) -> str:
 # A registered downsampling method (pipeline.methods.METHODS, read when a config is validated).
 MethodName = Annotated[str, AfterValidator(_known_method)]
 CompileMode = Literal["none", "default", "reduce-overhead", "max-autotune"]
+PatchEmbed = Literal["conv", "matmul"]  # models.patch_embed: timm's convolution, or the same function as a matmul
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -128,7 +129,7 @@ class BenchThroughputConfig(Section):
     train: bool = Field(False, description="time an optimizer step (forward, backward, AdamW), not inference")
     ceiling: bool = Field(True, description="add a row of plain random token dropping at the same keep list")
     profile: bool = Field(False, description="log torch.profiler's kernel table of one call of each model")
-    patch_embed: Literal["conv", "matmul"] = Field("conv", description="the patch embedding of every model timed")
+    patch_embed: PatchEmbed = Field("conv", description="the patch embedding of every model timed")
     warmup: int = Field(2, ge=0)
     repeats: int = Field(10, ge=1)
     threads: int | None = Field(None, ge=1)
@@ -207,7 +208,7 @@ class ModelConfig(Section):
     mean: tuple[float, float, float] | None = Field(None, description="overrides the model's data config")
     std: tuple[float, float, float] | None = Field(None, description="overrides the model's data config")
     crop_pct: float | None = Field(None, gt=0, le=1, description="overrides the model's data config")
-    patch_embed: Literal["conv", "matmul"] = Field(
+    patch_embed: PatchEmbed = Field(
         "conv", description="the patch embedding as timm's convolution, or as the same function in one matmul "
         "(much faster on CUDA; same parameters)")
 

@@ -138,7 +138,8 @@ def trial_records(results, spec: StageSpec, sweep: SweepConfig, client, exp_id: 
     for result in results:
         settings, metrics = dict(result.config), result.metrics or {}
         reached = int(metrics.get("epoch", 0))
-        name = trial_name(spec.config.train.name, settings)
+        name = trial_name(spec.config.train.name, settings)  # from Tune's values, as the trial named itself
+        settings = json.loads(json.dumps(settings, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
         runs = client.search_runs([exp_id], filter_string=f"tags.`{TRIAL_TAG}` = '{name}'",
                                   order_by=["attributes.start_time DESC"], max_results=1)
         run_id = runs[0].info.run_id if runs else None
@@ -206,10 +207,9 @@ def run_base_sweep(spec: StageSpec, sweep: SweepConfig, *, client, exp_id: str, 
     chosen = config.model_copy(update={"train": config.train.model_copy(update={"name": best.name})})
     checkpoint = latest_local_checkpoint(local_checkpoints(chosen))
     summary = json.loads((checkpoint / "summary.json").read_text())
-    settings = json.loads(json.dumps(best.settings, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
     result = TrainedResult(run_id=best.run_id, checkpoint=str(checkpoint), keep=None,
                            val_top1=summary.get("val_top1"), seconds=round(ran, 1), test_top1=summary.get("test_top1"),
-                           settings=settings)
+                           settings=best.settings)
     mark_done(client, best.run_id, stage_id=spec.id, kind=spec.kind, result=result.as_record())
     test = "" if result.test_top1 is None else f", test top-1 {result.test_top1:.2f}% (measured once)"
     log(f"[sweep] {spec.label}: chose {best.name} {best.settings}: {sweep.metric} {best.val:.2f}{test}")

@@ -20,6 +20,8 @@ KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
 _VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
              ("train", "tracking_uri"), ("train", "address"), ("train", "storage_path"), ("train", "artifact_root"),
              ("train", "progress_bar")}
+# How a stage runs, not what it learns: the same function either way; excluded from the identity too.
+_EXECUTION_ONLY = {("train", "compile"), ("model", "patch_embed")}
 
 
 @dataclass(frozen=True)
@@ -61,12 +63,10 @@ def identity_content(config: Config) -> dict[str, Any]:
     with the pooling section only for finetunes, as the method's resolved options (a changed default
     that changes nothing changes no identity)."""
     content = config.model_dump(mode="json")
-    for section, key in _VOLATILE:
+    for section, key in _VOLATILE | _EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)
     for section in ("experiment", "bench", "bench_throughput"):
         content.pop(section, None)
-    content["train"].pop("compile", None)
-    content["model"].pop("patch_embed", None)  # the same function either way: how it runs, not what it learns
     pool = config.pooling
     if config.train.mode == "finetune":
         content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,

@@ -10,15 +10,13 @@ switch for it, so ``PatchMatmul`` replaces the convolution module and keeps its 
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
 
-PatchEmbedKind = Literal["conv", "matmul"]
+# config.PatchEmbed lists the same choices; models do not import the config layer (as COMPILE_MODES)
 PATCH_EMBEDS: tuple[str, ...] = ("conv", "matmul")
 
 
@@ -42,21 +40,22 @@ class PatchMatmul(nn.Conv2d):
 
 
 def use_patch_embed(model: nn.Module, kind: str) -> None:
-    """Makes ``model.patch_embed.proj`` compute as ``kind`` (``conv``: timm's own; ``matmul``: ``PatchMatmul``)."""
+    """Makes a timm ViT's ``patch_embed.proj`` compute as ``kind``: ``conv`` leaves timm's module as it is,
+    ``matmul`` replaces the convolution by a ``PatchMatmul`` holding the same Parameters (so optimiser
+    state and state dicts carry over)."""
     if kind not in PATCH_EMBEDS:
         raise InputError(f"patch_embed must be one of {PATCH_EMBEDS}, got {kind!r}")
+    if kind == "conv":
+        return
     proj = getattr(getattr(model, "patch_embed", None), "proj", None)
     if not isinstance(proj, nn.Conv2d):
-        raise InputError(f"patch_embed={kind!r} needs a ViT whose patch_embed.proj is a convolution, "
-                         f"got {type(proj).__name__}")
-    if kind == "conv" and type(proj) is nn.Conv2d:
-        return
-    if kind == "matmul" and (proj.kernel_size != proj.stride or proj.padding not in ((0, 0), "valid")
-                             or proj.dilation != (1, 1) or proj.groups != 1):
+        raise InputError(f"patch_embed='matmul' needs a ViT whose patch_embed.proj is a convolution, "
+                         f"got {type(proj).__name__}; use patch_embed='conv'")
+    if proj.kernel_size != proj.stride or proj.padding not in ((0, 0), "valid") or proj.dilation != (1, 1) \
+            or proj.groups != 1:
         raise InputError(f"patch_embed='matmul' needs non-overlapping patches (kernel = stride, no padding, "
                          f"one group); this model's projection is {proj}: use patch_embed='conv'")
-    cls = PatchMatmul if kind == "matmul" else nn.Conv2d
-    new = cls(proj.in_channels, proj.out_channels, proj.kernel_size, stride=proj.stride,
-              bias=proj.bias is not None, device=proj.weight.device, dtype=proj.weight.dtype)
-    new.weight, new.bias = proj.weight, proj.bias  # the same Parameters: optimiser state and state dicts carry over
+    new = PatchMatmul(proj.in_channels, proj.out_channels, proj.kernel_size, stride=proj.stride,
+                      bias=proj.bias is not None, device=proj.weight.device, dtype=proj.weight.dtype)
+    new.weight, new.bias = proj.weight, proj.bias
     model.patch_embed.proj = new

@@ -121,7 +121,7 @@ def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rt
     d = d.contiguous()
     meds = torch.empty(iters, b, k, device=d.device, dtype=torch.int64)
     meds[0] = medoids
-    best = torch.full((max(iters - 1, 1), b, k), _EMPTY, device=d.device, dtype=torch.int64)
+    best = torch.full((iters - 1, b, k), _EMPTY, device=d.device, dtype=torch.int64)
     assign = torch.empty(b, n, device=d.device, dtype=torch.int64)
     cost = torch.empty(b, n, device=d.device, dtype=torch.float32)
     has_w = w is not None
@@ -129,7 +129,8 @@ def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rt
     rows = (b, triton.cdiv(n, block_n))
     block_k = max(16, triton.next_power_of_2(k))
     keep = 1.0 - rtol
-    _assign_kernel[rows](d, meds[0], meds[0], best[0], cost, assign, n, k, keep, SWAP=False, BLOCK_N=block_n,
+    # without SWAP the kernel reads neither medoids out, minima nor costs: meds[0] and cost stand in
+    _assign_kernel[rows](d, meds[0], meds[0], meds[0], cost, assign, n, k, keep, SWAP=False, BLOCK_N=block_n,
                          BLOCK_K=block_k)
     for i in range(1, iters):
         _cost_kernel[rows](d, w_arg, assign, cost, best[i - 1], n, k, HAS_W=has_w, BLOCK_N=block_n, BLOCK_J=block_j)
