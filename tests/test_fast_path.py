@@ -143,6 +143,52 @@ def test_no_host_sync_in_the_forward(method, carry):
     assert counter.host_syncs() == {}, f"host syncs: {counter.host_syncs()}"
 
 
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "conv"] + ["soft_extract"])
+def test_the_cuda_path_never_sorts(method):
+    """Inductor compiles a sort into a Triton sorting network that took minutes to build on an H100
+    (pipeline/pooling/common.py): the CUDA path ranks by comparisons instead. The counter sees a sort
+    on the CPU path of ToMe, so it would see one here."""
+    from pipeline.pooling.common import dense_segments
+
+    if method == "soft_extract":
+        model = apply_downsampling(tiny(), "none", soft_extract=True)
+    else:
+        model = apply_downsampling(tiny(), method, KEEP)
+    with dense_segments(True):
+        counter = count_ops(lambda: model.eval()(images()))
+    sorts = {name: n for name, n in counter.ops.items() if "sort" in name}
+    assert counter.total > 100 and sorts == {}, f"sorts on the CUDA path: {sorts}"
+
+
+def test_the_counter_sees_the_cpu_path_sort():
+    counter = count_ops(lambda: apply_downsampling(tiny(), "tome", KEEP).eval()(images()))
+    assert any("sort" in name for name in counter.ops), sorted(counter.ops)
+
+
+@pytest.mark.parametrize("descending", [True, False])
+def test_stable_ranks_equal_torch_sort(descending):
+    from pipeline.pooling.common import dense_segments, stable_ranks
+
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 2, 37, 196):
+        values = torch.randint(0, 6, (3, n), generator=gen).float()  # many exact ties
+        values[0, : min(n, 3)] = torch.tensor([torch.inf, -torch.inf, -0.0])[: min(n, 3)]
+        want = values.argsort(dim=-1, descending=descending, stable=True).argsort(dim=-1)
+        with dense_segments(True):
+            got = stable_ranks(values, descending=descending)
+        assert torch.equal(got, want), (n, got, want)
+
+
+def test_sorted_indices_equal_torch_sort():
+    from pipeline.pooling.common import dense_segments, sorted_indices
+
+    gen = torch.Generator().manual_seed(4)
+    index = torch.rand(4, 196, generator=gen).topk(147, dim=-1).indices  # distinct, in score order
+    with dense_segments(True):
+        got = sorted_indices(index)
+    assert torch.equal(got, index.sort(dim=-1).values)
+
+
 def test_the_counter_sees_a_host_sync():
     counter = count_ops(lambda: (torch.arange(5) > 2).nonzero().sum().item())
     assert set(counter.host_syncs()) == {"aten.nonzero.default", "aten._local_scalar_dense.default"}

@@ -27,6 +27,7 @@ from pipeline.methods import METHODS, method_spec
 from pipeline.models.attention import attend
 from pipeline.models.keep import effective_keep
 from pipeline.pooling import build_downsampler
+from pipeline.pooling.common import stable_ranks
 from pipeline.pooling.conv import grid_shape
 
 QK_NORM = ("fixed", "learned")
@@ -187,9 +188,7 @@ def soft_extract(tokens: Tensor, scores: Tensor, retention: Tensor) -> Tensor:
 
     tokens (B, N, M), scores (B, N), retention (N,) clamped to [0, 1] -> (B, N, M).
     """
-    b, n = scores.shape
-    order = scores.argsort(dim=-1, descending=True, stable=True)  # token index at each rank
-    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=order.device).expand(b, n))
+    ranks = stable_ranks(scores, descending=True)  # (B, N), equal scores keep the token order
     return tokens * unit_interval(retention)[ranks].unsqueeze(-1).to(tokens.dtype)
 
 

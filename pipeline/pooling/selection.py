@@ -10,7 +10,14 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
+from pipeline.pooling.common import (
+    PoolResult,
+    check_k,
+    check_per_token,
+    check_tokens,
+    identity_result,
+    sorted_indices,
+)
 
 
 def significance(attn: Tensor) -> Tensor:
@@ -32,7 +39,7 @@ def keep_indices(tokens: Tensor, index: Tensor, sizes: Tensor | None) -> PoolRes
     """Keeps the tokens at ``index`` (B, K), in their original order, and drops the others."""
     b, n, m = tokens.shape
     k = index.shape[1]
-    index = index.sort(dim=-1).values  # (B, K)
+    index = sorted_indices(index)  # (B, K)
     kept = tokens.gather(1, index.unsqueeze(-1).expand(b, k, m))  # (B, K, M)
 
     def out_sizes() -> Tensor:

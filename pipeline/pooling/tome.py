@@ -23,6 +23,7 @@ from pipeline.pooling.common import (
     check_per_token,
     check_tokens,
     identity_result,
+    stable_ranks,
     work_dtype,
 )
 
@@ -39,8 +40,7 @@ def match_round(metric: Tensor, r: int) -> Tensor:
     unit = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     sim = torch.bmm(unit[:, ::2], unit[:, 1::2].transpose(1, 2))  # (B, Na, Nb)
     best_sim, partner = sim.max(dim=-1)  # (B, Na)
-    order = best_sim.argsort(dim=-1, descending=True, stable=True)  # equal similarities keep A's order
-    merged = order.argsort(dim=-1) < r  # each A token's rank in that order, (B, Na)
+    merged = stable_ranks(best_sim, descending=True) < r  # equal similarities keep A's order, (B, Na)
     first_b = n_a - r  # B tokens follow the n_a - r unmerged A tokens
     kept_pos = torch.arange(n_a, device=metric.device) - merged.cumsum(-1)  # position among the kept A tokens
     a_assign = torch.where(merged, partner + first_b, kept_pos)  # (B, Na)
