@@ -10,6 +10,10 @@
 #   compiled  the same with torch.compile (COMPILE: default mode unless set) on both models
 #   train     training step, bf16, batch 128, compiled (COMPILE), every method (TRAIN_METHODS)
 #   fp32      inference, fp32, batch 256, eager
+# SPLIT=1 runs eager, compiled, train and fp32 once per method (OUT/PART-METHOD.*), each under the
+# part's limit, so that one method's slow compilation cannot take the later methods' results; each
+# run times the unmodified model again (inductor's cache makes its second compilation short) and
+# leaves out the ceiling row.
 # Outputs: OUT/card.txt, OUT/PART.md (stdout) and OUT/PART.log (stderr, progress).
 set -uo pipefail
 out=${OUT:-runs/gpu}
@@ -22,12 +26,23 @@ extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED}"  # PROF
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
 
-bench() {  # bench NAME LIMIT_S ARGS...
+bench_one() {  # bench_one NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
   echo "== $name ($(date +%T))"
   timeout "$limit" python3 -m pipeline bench throughput --device cuda --model deit_small_patch16_224 --level 3 \
     $extra "$@" > "$out/$name.md" 2> "$out/$name.log"
   echo "   exit $? ($(date +%T))"; cat "$out/$name.md"
+}
+
+bench() {  # bench NAME LIMIT_S METHODS ARGS...: one run for all methods, or one a method with SPLIT=1
+  local name=$1 limit=$2 list=$3; shift 3
+  if [ -n "${SPLIT:-}" ]; then
+    for m in ${list//,/ }; do
+      bench_one "$name-$m" "$limit" --methods "$m" "$@" --set bench_throughput.ceiling=false
+    done
+  else
+    bench_one "$name" "$limit" --methods "$list" "$@"
+  fi
 }
 
 for part in "$@"; do
@@ -39,11 +54,11 @@ for part in "$@"; do
     kernels) echo "== kernels ($(date +%T))"
            timeout "${KERNELS_S:-90}" python3 -m pipeline bench kernels > "$out/kernels.md" 2> "$out/kernels.log"
            echo "   exit $?"; cat "$out/kernels.md" ;;
-    eager) bench eager "${EAGER_S:-180}" --methods $methods --dtype bf16 --batch 256 ;;
-    compiled) bench "compiled-$mode" "${COMPILED_S:-330}" --methods $methods --dtype bf16 --batch 256 --compile "$mode" ;;
-    train) bench "train-$mode" "${TRAIN_S:-330}" --methods ${TRAIN_METHODS:-$methods} --dtype bf16 --batch 128 --compile "$mode" --train \
-             --set bench_throughput.ceiling=false ;;
-    fp32) bench fp32 "${FP32_S:-120}" --methods $methods --dtype fp32 --batch 256 ;;
+    eager) bench eager "${EAGER_S:-180}" "$methods" --dtype bf16 --batch 256 ;;
+    compiled) bench "compiled-$mode" "${COMPILED_S:-330}" "$methods" --dtype bf16 --batch 256 --compile "$mode" ;;
+    train) bench "train-$mode" "${TRAIN_S:-330}" "${TRAIN_METHODS:-$methods}" --dtype bf16 --batch 128 --compile "$mode" \
+             --train --set bench_throughput.ceiling=false ;;
+    fp32) bench fp32 "${FP32_S:-120}" "$methods" --dtype fp32 --batch 256 ;;
     *) echo "unknown part $part (tests eager compiled train fp32)"; exit 2 ;;
   esac
 done
