@@ -424,8 +424,9 @@ def _add_data_commands(commands) -> None:
 
 
 def _add_bench_kernels(bench_commands) -> None:
-    kernels = bench_commands.add_parser("kernels", help="K-Medoids' Triton kernels against torch, and the patch "
-                                        "embedding's variants, at DeiT-S size (CUDA)")
+    kernels = bench_commands.add_parser("kernels", help="K-Medoids' Triton kernels against torch, the patch "
+                                        "embedding's variants, and the clustering step's products in float32 and "
+                                        "bf16, at DeiT-S size (CUDA)")
     kernels.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                          help="cpu: a dry run of the code under TRITON_INTERPRET=1 (no meaningful times)")
     kernels.add_argument("--batch", type=int, default=256)

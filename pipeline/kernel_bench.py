@@ -6,6 +6,9 @@
    weighted ``token_pool`` call, next to one bf16 DeiT-S block.
 2. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
    and on, channels-last, and as a reshape + matmul.
+3. The clustering step's two dense products (the distance matrix and the weighted segment means)
+   in the float32 the pooling code uses (TF32 where enabled) against bf16 inputs with float32
+   accumulation and output, with each variant's error: the data for choosing their precision.
 
 A markdown table per part; each figure is the median of 20 timed calls.
 """
@@ -18,6 +21,7 @@ from collections.abc import Callable
 
 import timm
 import torch
+from torch import Tensor
 
 from pipeline.errors import InputError, JobError
 from pipeline.models.execution import cuda_settings
@@ -25,6 +29,7 @@ from pipeline.models.patch_embed import use_patch_embed
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
+from pipeline.pooling.common import dense_segments, one_hot, pool_segments
 from pipeline.timing import timed
 
 Timer = Callable[[Callable[[], object]], float]
@@ -120,8 +125,80 @@ def patch_embed_table(device: str, batch: int) -> str:
                       *(f"| {name} | {ms:.3f} |" for name, ms in rows)])
 
 
+def _bf16_product(a: Tensor, b: Tensor) -> Tensor | None:
+    """a @ b (batched) from bf16-rounded inputs, accumulated and returned in float32; None where this
+    torch has no such kernel (``bmm`` with ``out_dtype`` exists on CUDA only)."""
+    try:
+        return torch.bmm(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _bf16_distances(x: Tensor) -> Tensor | None:
+    """``sq_dists`` with the Gram matrix from bf16-rounded tokens (norms from the same rounded tokens)."""
+    gram = _bf16_product(x, x.transpose(1, 2))
+    if gram is None:
+        return None
+    norms = x.bfloat16().float().square().sum(-1)
+    return norms.unsqueeze(1) + norms.unsqueeze(2) - 2.0 * gram
+
+
+def _bf16_means(x: Tensor, w: Tensor, assign: Tensor, k: int) -> Tensor | None:
+    """Weighted segment means with the weighted one-hot matrix and the tokens rounded to bf16."""
+    mw = (one_hot(assign, k, torch.float32) * w.unsqueeze(1)).bfloat16()
+    sums = _bf16_product(mw, x)
+    return None if sums is None else sums / mw.float().sum(-1, keepdim=True)
+
+
+def precision_table(device: str, batch: int, k: int = 147) -> str:
+    """The distance matrix and the weighted segment means at DeiT-S size (N=196, 384 dims, K=147),
+    float32 (what the pooling code runs; TF32 where enabled) against bf16 inputs with float32 output.
+
+    Errors are against float64: the distances' largest error relative to their mean, the means'
+    largest absolute error (tokens of unit variance); for the distances also how many medoids and
+    assignments K-Medoids (5 iterations) gives alike on both.
+    """
+    timer = _timer(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(batch, 196, 384, device=device, generator=gen)
+    w = torch.rand(batch, 196, device=device, generator=gen) + 0.1
+    w = w / w.amax(-1, keepdim=True)
+    start = w.topk(k, dim=-1).indices
+    d64 = sq_dists(x.double())
+    d32 = sq_dists(x)
+    med32, assign = _kmedoids_dense(d32, w, start, 5)
+    means64 = pool_segments(x.double(), w.double(), None, assign, k, None)[0]
+    rows = []
+
+    def row(name: str, fn: Callable[[], Tensor | None], error: Callable[[Tensor], str]) -> None:
+        out = fn()
+        rows.append(f"| {name} | no such kernel on {device} in this torch | - |" if out is None
+                    else f"| {name} | {timer(fn):.3f} | {error(out)} |")
+
+    def distance_error(d: Tensor) -> str:
+        med, assign_d = _kmedoids_dense(d, w, start, 5)
+        return (f"max error / mean distance {((d.double() - d64).abs().amax() / d64.mean()):.2e}; K-Medoids alike: "
+                f"medoids {(med == med32).float().mean():.4f}, assign {(assign_d == assign).float().mean():.4f}")
+
+    def means_error(m: Tensor) -> str:
+        return f"max abs error {(m.double() - means64).abs().amax():.2e}"
+
+    row("distances (B, N, N), float32 (sq_dists)", lambda: sq_dists(x), distance_error)
+    row("distances, bf16 tokens, float32 accumulation and output", lambda: _bf16_distances(x), distance_error)
+    with dense_segments(True):
+        row("segment means (B, K, 384), one-hot bmm, float32", lambda: pool_segments(x, w, None, assign, k, None)[0],
+            means_error)
+    row("segment means, one-hot bmm, bf16 inputs, float32 output", lambda: _bf16_means(x, w, assign, k), means_error)
+    with dense_segments(False):
+        row("segment means, index_add_ (atomic adds, order not fixed)",
+            lambda: pool_segments(x, w, None, assign, k, None)[0], means_error)
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if device == "cuda" else False
+    return "\n".join([f"clustering step's dense products, batch {batch}, K {k} (float32 matmuls in TF32: {tf32})", "",
+                      "| part | ms | error against float64 |", "|---|---:|---|", *rows])
+
+
 def run_kernel_bench(device: str, batch: int) -> str:
-    """Both tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
+    """The three tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
     figure, which times the interpreter, not a kernel)."""
     if batch < 1:
         raise InputError(f"bench kernels --batch must be a positive number of images, got {batch}")
@@ -132,4 +209,5 @@ def run_kernel_bench(device: str, batch: int) -> str:
                        "interpreter exists: TRITON_INTERPRET=1 python -m pipeline bench kernels --device cpu --batch 2")
     title = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run under TRITON_INTERPRET=1"
     with cuda_settings(device):
-        return f"{title}\n\n{kmedoids_table(device, batch)}\n\n{patch_embed_table(device, batch)}"
+        return (f"{title}\n\n{kmedoids_table(device, batch)}\n\n{patch_embed_table(device, batch)}\n\n"
+                f"{precision_table(device, batch)}")

@@ -329,6 +329,9 @@ def test_bench_kernels_dry_run_under_the_interpreter():
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 147 ", "| 98 ", "| 49 "))]
     assert len(rows) == 3 and all(row.endswith("medoids 1.0000, assign 1.0000 |") for row in rows), proc.stdout
     assert "| reshape + matmul (PatchMatmul, patch_embed: matmul) |" in proc.stdout
+    precision = [line for line in proc.stdout.splitlines() if line.startswith(("| distances", "| segment means"))]
+    assert len(precision) == 5, proc.stdout
+    assert "K-Medoids alike: medoids 1.0000, assign 1.0000 |" in precision[0], "float32 against itself"
     env.pop("TRITON_INTERPRET")
     refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "TRITON_INTERPRET=1" in refused.stderr
