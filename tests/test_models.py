@@ -267,17 +267,18 @@ def test_soft_extract_starts_as_the_timm_model():
         torch.testing.assert_close(searched(images()), reference(images()))
 
 
-@pytest.mark.parametrize("cuda_path", [False, True])
-def test_soft_extract_scales_by_significance_rank(cuda_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_soft_extract_scales_by_significance_rank(compiled):
     from pipeline.models import soft_extract
     from pipeline.pooling import select_topk
-    from pipeline.pooling.common import dense_segments
 
     tokens = torch.randn(2, 10, 4)
     scores = torch.rand(2, 10)
     retention = torch.tensor([1.0] * 4 + [0.0] * 6)  # keep the 4 most significant tokens
-    with dense_segments(cuda_path):  # the CUDA path ranks without a sort
-        out = soft_extract(tokens, scores, retention)
+    if compiled:  # the graph torch.compile traces ranks by comparisons, not by sorting
+        torch._dynamo.reset()
+        soft_extract = torch.compile(soft_extract, backend="eager", fullgraph=True, dynamic=False)
+    out = soft_extract(tokens, scores, retention)
     kept = select_topk(tokens, 4, scores=scores)
     for s in range(2):
         nonzero = out[s].abs().sum(-1) > 0

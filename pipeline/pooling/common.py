@@ -132,16 +132,15 @@ def one_hot(assign: Tensor, k: int, dtype: torch.dtype) -> Tensor:
     return torch.zeros(b, k, n, device=assign.device, dtype=dtype).scatter_(1, assign.unsqueeze(1), 1.0)
 
 
-_DENSE: bool | None = None  # None: the CUDA path (one-hot matmuls, no sorts) on CUDA, the CPU path on the CPU
+_DENSE: bool | None = None  # None: the one-hot path on CUDA, index_add_ on the CPU
 
 
 @contextlib.contextmanager
 def dense_segments(enabled: bool | None) -> Iterator[None]:
-    """Forces the CUDA path (True) or the CPU path (False) of every operator inside the block (None: by
-    device): segment sums as one-hot matmuls or ``index_add_``, ranks by comparisons or by sorting.
+    """Forces the segment-sum path of every operator inside the block (None: by device).
 
     ``True`` runs the CUDA path on any device: ``bench throughput`` uses it to count on the CPU the
-    ops that a GPU launches, and the tests use it to check that path against the references.
+    ops that a GPU launches.
     """
     global _DENSE
     previous, _DENSE = _DENSE, enabled
@@ -152,26 +151,36 @@ def dense_segments(enabled: bool | None) -> Iterator[None]:
 
 
 def use_dense(t: Tensor) -> bool:
-    """Whether operators on ``t``'s device take the CUDA path (see ``dense_segments``)."""
+    """Whether segment sums over ``t``'s device take the one-hot matmul path."""
     return t.is_cuda if _DENSE is None else _DENSE
 
 
-# Why the CUDA path never sorts: inductor lowers ``sort`` / ``argsort`` to a Triton sorting network
+# Why compiled graphs never sort: inductor lowers ``sort`` / ``argsort`` to a Triton sorting network
 # whose first compilation can take minutes (pytorch/pytorch#182060); on an H100, ToMe (two argsorts a
 # round) did not finish compiling in 170 s, and PoWER-BERT (one sort a block) took 101 s against 26 s
 # for K-Medoids (docs/benchmarks.md). At the N of a ViT (<= a few hundred tokens) counting pairwise
-# comparisons costs (B, N, N) elementwise work, which inductor fuses into one reduction.
+# comparisons is (B, N, N) elementwise work that inductor fuses into one reduction. Eager code keeps
+# the sort: one kernel launch where the comparisons take five or six, and eager GPU forwards of the
+# downsampled models are bound by the host's launch rate.
 
 
 def stable_ranks(values: Tensor, *, descending: bool) -> Tensor:
     """Each entry's position in a stable sort of ``values`` (B, N) along the last dim -> (B, N) int64.
 
-    Equal values keep their order (the lower index ranks first). The CPU path sorts twice; the CUDA
-    path counts the entries that sort before each one. Ranks are a permutation for values without
-    NaN (a NaN compares false with everything on the CUDA path; the models' values have none).
+    Equal values keep their order (the lower index ranks first). Sorts twice when run eagerly;
+    counts comparisons when traced by ``torch.compile`` (``compared_ranks``).
     """
-    if not use_dense(values):
-        return values.argsort(dim=-1, descending=descending, stable=True).argsort(dim=-1)
+    if torch.compiler.is_compiling():
+        return compared_ranks(values, descending=descending)
+    return values.argsort(dim=-1, descending=descending, stable=True).argsort(dim=-1)
+
+
+def compared_ranks(values: Tensor, *, descending: bool) -> Tensor:
+    """``stable_ranks`` without a sort: the number of entries that sort before each one, (B, N) int64.
+
+    A permutation for values without NaN (a NaN compares false with everything here, while torch's
+    sort puts it last; the models' values have none).
+    """
     n = values.shape[-1]
     mine, other = values.unsqueeze(-1), values.unsqueeze(-2)  # [.., i, j]: entry i against entry j
     earlier = torch.ones(n, n, dtype=torch.bool, device=values.device).tril_(-1)  # j < i
@@ -183,10 +192,15 @@ def stable_ranks(values: Tensor, *, descending: bool) -> Tensor:
 
 
 def sorted_indices(index: Tensor) -> Tensor:
-    """Distinct indices (B, K) in ascending order, (B, K); the CUDA path places each at the number of
-    smaller ones instead of sorting."""
-    if not use_dense(index):
-        return index.sort(dim=-1).values
+    """Distinct indices (B, K) in ascending order, (B, K). Sorts when run eagerly; when traced by
+    ``torch.compile``, places each index at the number of smaller ones (``compared_order``)."""
+    if torch.compiler.is_compiling():
+        return compared_order(index)
+    return index.sort(dim=-1).values
+
+
+def compared_order(index: Tensor) -> Tensor:
+    """``sorted_indices`` without a sort, for distinct indices (B, K)."""
     smaller = (index.unsqueeze(-2) < index.unsqueeze(-1)).sum(-1)  # (B, K)
     return torch.empty_like(index).scatter_(1, smaller, index)
 
