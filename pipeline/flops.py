@@ -7,6 +7,10 @@ fvcore has no handle for two ops this code base runs, so two are added here:
   the attention matmuls (DeiT-S then counts 0.358 GFLOPs less than the paper's 4.6).
 - ``aten::baddbmm`` (the K-Means distances): the batched matmul part, ``B n m p``.
 
+and ``tokenpool::attention_with_significance`` (the CPU's attention of a block that also needs the
+significance scores) counts as the fused attention it replaces, so the count is the same on any
+device; like the paper, no count includes the scores' column sums.
+
 The downsampling cost is then what the operators really multiply: the K-Medoids Gram matrix
 (N^2 M per layer), the K-Means token-to-centre distances (N K M per assignment), the ToMe
 similarity matrix, or the strided convolution.
@@ -70,6 +74,7 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
     analysis = FlopCountAnalysis(model, torch.zeros(1, 3, size, size))
     analysis.set_op_handle("aten::scaled_dot_product_attention", _sdpa_flops)
     analysis.set_op_handle("aten::baddbmm", _baddbmm_flops)
+    analysis.set_op_handle("tokenpool::attention_with_significance", _sdpa_flops)
     analysis.unsupported_ops_warnings(False)
     analysis.uncalled_modules_warnings(False)
     logger = logging.getLogger("fvcore")
@@ -86,7 +91,8 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
     parts = {
         "patch_embed": by_module.get("patch_embed", 0),
         "qkv": _sum_modules(by_module, ["attn.qkv"]),
-        "attention": by_op.get("scaled_dot_product_attention", 0) + by_op.get("matmul", 0),
+        "attention": sum(by_op.get(op, 0) for op in ("scaled_dot_product_attention", "attention_with_significance",
+                                                        "matmul")),
         "proj": _sum_modules(by_module, ["attn.proj"]),
         "mlp": _sum_modules(by_module, ["mlp"]),
         "downsampling": by_op.get("bmm", 0) + by_op.get("baddbmm", 0) + _sum_modules(by_module, ["downsample"]),

@@ -84,6 +84,69 @@ def test_fast_significance_gradient_matches_autograd_through_the_softmax():
     torch.testing.assert_close(k1.grad, k2.grad)
 
 
+def explicit_attention(q, k, v, bias, scale):
+    """The reference attention output: softmax of the logits, formed in full, times v."""
+    logits = (q.double() * scale) @ k.double().transpose(-2, -1)
+    if bias is not None:
+        logits = logits + bias.double()[:, None, None, :]
+    return logits.softmax(-1) @ v.double()
+
+
+@pytest.mark.parametrize("carry", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joint_attention_and_significance_equal_the_explicit_softmax(carry, dtype):
+    from pipeline.models.significance import attention_and_significance
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 23, 16, generator=gen).to(dtype) for _ in range(3))
+    sizes = torch.randint(0, 4, (2, 23), generator=gen).float()
+    sizes[:, 0] = 1
+    bias = sizes.log() if carry else None
+    out, scores = attention_and_significance(q, k, v, 0.25, bias)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert out.dtype == dtype and scores.dtype == torch.float32
+    torch.testing.assert_close(out.double(), explicit_attention(q, k, v, bias, 0.25), **tol)
+    torch.testing.assert_close(scores, explicit(q, k, bias, 0.25).float(), **tol)
+
+
+@pytest.mark.parametrize("outputs", ["both", "out", "scores"])
+def test_joint_attention_gradient_matches_autograd_through_the_softmax(outputs):
+    from pipeline.models.significance import attention_and_significance
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 13, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    bias = (torch.rand(2, 13, generator=gen, dtype=torch.float64) + 0.1).log()
+    g_out, g_s = torch.randn(2, 3, 13, 8, generator=gen, dtype=torch.float64), torch.randn(2, 13, generator=gen,
+                                                                                           dtype=torch.float64)
+
+    def loss(out, scores):
+        return (out * g_out).sum() * (outputs != "scores") + (scores * g_s).sum() * (outputs != "out")
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    loss(*attention_and_significance(*leaves[:3], 0.3, leaves[3])).backward()
+    refs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    loss(explicit_attention(*refs[:3], refs[3], 0.3), explicit(refs[0], refs[1], refs[3], 0.3)).backward()
+    for got, want in zip(leaves, refs):  # the op works in float32, the reference in float64
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_blocks_take_attention_and_scores_from_one_set_of_logits():
+    """On the CPU a block that needs scores runs the joint op; with dropout, or on the CUDA path, the
+    fused attention and the separate scores."""
+    from pipeline.pooling.common import dense_segments
+
+    model = apply_downsampling(tiny(), "wkmedoids", KEEP).eval()
+    cpu = count_ops(lambda: model(images())).ops
+    with dense_segments(True):
+        cuda = count_ops(lambda: model(images())).ops
+    joint, scores = "tokenpool.attention_with_significance.default", "tokenpool.attention_significance.default"
+    assert cpu.get(joint) == 4 and scores not in cpu, cpu  # every block of KEEP pools
+    assert joint not in cuda and cuda.get(scores) == 4, cuda
+    dropping = apply_downsampling(tiny(attn_drop_rate=0.1), "wkmedoids", KEEP).train()
+    with torch.no_grad():
+        assert joint not in count_ops(lambda: dropping(images())).ops
+
+
 def test_models_use_the_fast_scores():
     # The scores a downsampling block hands its method equal eq. 4 from the explicit probabilities.
     from pipeline.models import attend

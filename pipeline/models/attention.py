@@ -1,10 +1,12 @@
 """Self-attention of a timm ``Attention`` module that also returns what the downsampling step needs.
 
 It reads the module's own layers (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``), so a timm
-state dict loads unchanged. The output always comes from the fused kernel
+state dict loads unchanged. On CUDA the output always comes from the fused kernel
 (``F.scaled_dot_product_attention``), with proportional attention as an additive bias and normalised
 queries and keys as pre-scaled queries; the significance scores of eq. 4 come from
-``attention_significance``, which never forms the normalised probabilities.
+``attention_significance``, which never forms the normalised probabilities. On the CPU a block that
+needs the scores takes both from one set of logits (``attention_and_significance``), unless
+attention dropout is active; ``dense_segments(True)`` gives it the CUDA path (op counts).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.models.significance import attention_significance
+from pipeline.models.significance import attention_and_significance, attention_significance
+from pipeline.pooling.common import use_dense
 
 
 @dataclass(frozen=True)
@@ -62,13 +65,19 @@ def attend(
     if qk_alpha is not None:  # alpha * q^ . k^ as a fused attention with pre-scaled queries
         q, k = F.normalize(q, dim=-1) * qk_alpha.to(q.dtype), F.normalize(k, dim=-1)
         scale = 1.0
-    bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
-                                         dropout_p=attn.attn_drop.p if attn.training else 0.0)
+    dropout = attn.attn_drop.p if attn.training else 0.0
+    significance = None
+    if scores and dropout == 0.0 and not use_dense(q):  # the CPU: one set of logits for both
+        out, significance = attention_and_significance(q, k, v, scale, log_sizes)
+    else:
+        bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout)
+        if scores:
+            significance = attention_significance(q, k, scale, log_sizes)
     stats = None
     if scores or keys:
         stats = AttentionStats(
-            scores=attention_significance(q, k, scale, log_sizes)[:, num_prefix:] if scores else None,
+            scores=significance[:, num_prefix:] if scores else None,
             keys=k.mean(dim=1)[:, num_prefix:] if keys else None,
         )
     out = out.transpose(1, 2).reshape(b, t, -1)

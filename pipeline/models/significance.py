@@ -11,6 +11,11 @@ without ever holding the normalised (B, H, T, T) probabilities:
 
 It is a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` keeps it as one opaque call
 and autograd uses the backward below (the weighted methods differentiate through their weights).
+
+On the CPU a block that needs the scores gets its attention output from the same exponentials
+(``attention_and_significance``, custom op ``tokenpool::attention_with_significance``): there the
+fused kernel is no faster than the explicit product, and computing the logits once instead of twice
+made a DeiT-S attention with scores 1.3x faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,6 +43,56 @@ def significance_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) 
     e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (B, H, T, T)
     inv = e.sum(-1, keepdim=True).reciprocal_()  # (B, H, T, 1): 1 / row sums
     return torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)  # (B, 1, T) per head, summed
+
+
+def attention_and_significance_torch(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
+                                     ) -> tuple[Tensor, Tensor]:
+    """Softmax attention and eq. 4 from one unnormalised exponential: (B, H, T, D) q, k, v
+    -> ((B, H, T, D) output in v's dtype, (B, T) float32 scores). The rows are normalised on the
+    (T, D) output and in the column sum, never on the (T, T) matrix."""
+    e = _logits(q, k, bias, scale)
+    e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (B, H, T, T)
+    inv = e.sum(-1, keepdim=True).reciprocal_()  # (B, H, T, 1)
+    scores = torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)
+    return torch.matmul(e, v.float()).mul_(inv).to(v.dtype), scores
+
+
+@torch.library.custom_op("tokenpool::attention_with_significance", mutates_args=())
+def _joint_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    return attention_and_significance_torch(q, k, v, bias, scale)
+
+
+@_joint_op.register_fake
+def _joint_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    return v.new_empty(v.shape), q.new_empty(q.shape[0], q.shape[2], dtype=torch.float32)
+
+
+def _joint_setup_context(ctx, inputs, output) -> None:
+    q, k, v, bias, scale = inputs
+    ctx.save_for_backward(q, k, v, bias)
+    ctx.scale = scale
+
+
+def _joint_backward(ctx, grad_out: Tensor | None, grad_scores: Tensor | None):
+    """Through P = softmax(logits) (B, H, T, T), recomputed once: out = P v and s_j = sum_h sum_i P_ij,
+    so dP = dout v^T + g_j, dlogits = P (dP - rowsum(P dP)), dv = P^T dout."""
+    q, k, v, bias = ctx.saved_tensors
+    probs = _logits(q, k, bias, ctx.scale).softmax(-1)
+    if grad_out is None:
+        dprobs = torch.zeros_like(probs)
+    else:
+        dprobs = torch.matmul(grad_out.float(), v.float().transpose(-2, -1))
+    if grad_scores is not None:
+        dprobs = dprobs + grad_scores.float()[:, None, None, :]
+    dlogits = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+    dq = torch.matmul(dlogits, k.float()) * ctx.scale
+    dk = torch.matmul(dlogits.transpose(-2, -1), q.float()) * ctx.scale
+    dv = torch.zeros_like(v) if grad_out is None else torch.matmul(probs.transpose(-2, -1), grad_out.float())
+    dbias = dlogits.sum((1, 2)).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None
+
+
+_joint_op.register_autograd(_joint_backward, setup_context=_joint_setup_context)
 
 
 @torch.library.custom_op("tokenpool::attention_significance", mutates_args=())
@@ -90,3 +145,17 @@ def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | No
         (B, T) float32 scores; each sample's scores add up to H * T.
     """
     return _significance_op(q, k, bias, float(scale))
+
+
+def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None
+                               ) -> tuple[Tensor, Tensor]:
+    """Softmax attention (no dropout) and eq. 4 from one set of logits, for the CPU.
+
+    Args:
+        q, k, v: (B, H, T, D).
+        scale, bias: as for ``attention_significance``; the bias is also the attention's.
+
+    Returns:
+        ((B, H, T, D) attention output in v's dtype, (B, T) float32 scores).
+    """
+    return _joint_op(q, k, v, bias, float(scale))
