@@ -94,12 +94,16 @@ def explicit_attention(q, k, v, bias, scale):
 
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_joint_attention_and_significance_equal_the_explicit_softmax(carry, dtype):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_joint_attention_and_significance_equal_the_explicit_softmax(carry, dtype, chunked, monkeypatch):
+    from pipeline.models import significance as module
     from pipeline.models.significance import attention_and_significance
 
+    if chunked:  # two images a chunk: 3 chunks, the last one short
+        monkeypatch.setattr(module, "_CHUNK_BYTES", 2 * 3 * 23 * 23 * 4)
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(2, 3, 23, 16, generator=gen).to(dtype) for _ in range(3))
-    sizes = torch.randint(0, 4, (2, 23), generator=gen).float()
+    q, k, v = (torch.randn(5, 3, 23, 16, generator=gen).to(dtype) for _ in range(3))
+    sizes = torch.randint(0, 4, (5, 23), generator=gen).float()
     sizes[:, 0] = 1
     bias = sizes.log() if carry else None
     out, scores = attention_and_significance(q, k, v, 0.25, bias)

@@ -45,16 +45,30 @@ def significance_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) 
     return torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)  # (B, 1, T) per head, summed
 
 
+# Images per chunk of the joint CPU op: their (H, T, T) float32 exponentials stay in cache across the
+# five passes over them (max, exp, row sums, the two products). At DeiT-S size (T = 197, 6 heads, 4
+# images) this took one attention with scores at batch 64 from 53-71 ms to 34-36 ms on this
+# machine's 2 cores, against 28 ms for the fused attention alone (docs/benchmarks.md).
+_CHUNK_BYTES = 4 << 20
+
+
 def attention_and_significance_torch(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
                                      ) -> tuple[Tensor, Tensor]:
     """Softmax attention and eq. 4 from one unnormalised exponential: (B, H, T, D) q, k, v
     -> ((B, H, T, D) output in v's dtype, (B, T) float32 scores). The rows are normalised on the
-    (T, D) output and in the column sum, never on the (T, T) matrix."""
-    e = _logits(q, k, bias, scale)
-    e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (B, H, T, T)
-    inv = e.sum(-1, keepdim=True).reciprocal_()  # (B, H, T, 1)
-    scores = torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)
-    return torch.matmul(e, v.float()).mul_(inv).to(v.dtype), scores
+    (T, D) output and in the column sum, never on the (T, T) matrix; the batch goes in chunks."""
+    b, h, t, _ = q.shape
+    step = max(1, _CHUNK_BYTES // (h * t * t * 4))
+    out = v.new_empty(v.shape)
+    scores = q.new_empty(b, t, dtype=torch.float32)
+    for i in range(0, b, step):
+        part = slice(i, i + step)
+        e = _logits(q[part], k[part], None if bias is None else bias[part], scale)
+        e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (b, H, T, T)
+        inv = e.sum(-1, keepdim=True).reciprocal_()  # (b, H, T, 1)
+        scores[part] = torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)
+        out[part] = torch.matmul(e, v[part].float()).mul_(inv)
+    return out, scores
 
 
 @torch.library.custom_op("tokenpool::attention_with_significance", mutates_args=())
