@@ -87,16 +87,28 @@ def test_triton_significance_matches_the_torch_path(dtype, shape, carry):
     torch.testing.assert_close(got.sum(-1).cpu(), torch.full((b,), float(h * t)), rtol=1e-4, atol=1e-2)
 
 
-def test_significance_backward_on_gpu_matches_cpu():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 2, 40, 16), (3, 6, 197, 64)])
+@pytest.mark.parametrize("carry", [False, True])
+def test_significance_backward_on_gpu_matches_cpu(dtype, shape, carry):
+    """The Triton backward (CUDA) against the torch backward (CPU), on the same inputs."""
+    b, h, t, d = shape
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 2, 3, 40, 16, generator=gen).unbind(0)  # (B, H, T, D) each
-    g = torch.randn(2, 40, generator=gen)
+    q, k = torch.randn(2, b, h, t, d, generator=gen).to(dtype).unbind(0)  # (B, H, T, D) each
+    g = torch.randn(b, t, generator=gen)
+    sizes = torch.randint(0, 3, (b, t), generator=gen).float()
+    sizes[:, 0] = 1
+    bias = sizes.log() if carry else None
     grads = []
     for device in ("cpu", "cuda"):
-        qd, kd = q.to(device).requires_grad_(), k.to(device).requires_grad_()
-        (attention_significance(qd, kd, 0.25) * g.to(device)).sum().backward()
-        grads.append((qd.grad.cpu(), kd.grad.cpu()))
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+        leaves = [q.to(device).requires_grad_(), k.to(device).requires_grad_()]
+        if carry:
+            leaves.append(bias.to(device).requires_grad_())
+        scores = attention_significance(leaves[0], leaves[1], 0.25, leaves[2] if carry else None)
+        (scores * g.to(device)).sum().backward()
+        grads.append([leaf.grad.float().cpu() for leaf in leaves])
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grads[0], grads[1], **tol)
 
 
 def _tiny() -> VisionTransformer:

@@ -10,7 +10,8 @@ without ever holding the normalised (B, H, T, T) probabilities:
   (B, H, T, T) matrix is never normalised.
 
 It is a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` keeps it as one opaque call
-and autograd uses the backward below (the weighted methods differentiate through their weights).
+and autograd uses the backward below (the weighted methods differentiate through their weights):
+Triton kernels on CUDA (``significance_backward_triton``), torch elsewhere.
 
 On the CPU a block that needs the scores gets its attention output from the same exponentials
 (``attention_and_significance``, custom op ``tokenpool::attention_with_significance``): there the
@@ -24,9 +25,9 @@ import torch
 from torch import Tensor
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
-    from pipeline.models.significance_triton import significance_triton
+    from pipeline.models.significance_triton import significance_backward_triton, significance_triton
 except ImportError:  # pragma: no cover - depends on the install
-    significance_triton = None
+    significance_triton = significance_backward_triton = None
 
 
 def _logits(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
@@ -133,8 +134,13 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad: Tensor):
-    """d s_j / d logit_ij = P_ij (g_j - sum_j' P_ij' g_j'), recomputing P (B, H, T, T) once."""
+    """d s_j / d logit_ij = P_ij (g_j - sum_j' P_ij' g_j'): on CUDA the Triton kernels, which recompute
+    the logits tile by tile; elsewhere torch, recomputing P (B, H, T, T) once."""
     q, k, bias = ctx.saved_tensors
+    if q.is_cuda and significance_backward_triton is not None:
+        dq, dk, dbias = significance_backward_triton(q, k, bias, ctx.scale, grad)
+        keep_bias = bias is not None and ctx.needs_input_grad[2]
+        return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None
     probs = _logits(q, k, bias, ctx.scale).softmax(-1)
     g = grad.float()[:, None, None, :]  # (B, 1, 1, T)
     dlogits = probs * (g - (probs * g).sum(-1, keepdim=True))

@@ -11,6 +11,12 @@ row, with the online-softmax recurrence over key blocks. Pass 2 (``_column_sums`
 writes anything of size T x T; both recompute the logits with ``tl.dot``. Each program writes its own
 outputs, so the result is deterministic (no atomics).
 
+The backward (``significance_backward_triton``) follows the same route. With g the (B, T) gradient
+of the scores and P_ij = exp(logit_ij - lse_i), d s / d logit_ij = P_ij (g_j - c_i), c_i = sum_j P_ij g_j:
+``_row_lse`` again, then ``_row_grad`` per query block (c_i in one sweep over the keys, dq in a
+second), then ``_column_grad`` per key block (dk and the bias gradient in one sweep over the
+queries). The torch backward it replaces on CUDA forms four (B, H, T, T) float32 tensors a block.
+
 The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests).
 """
 
@@ -95,21 +101,123 @@ def _column_sums(Q, K, BIAS, LSE, OUT, T, H, scale,
     tl.store(OUT + bh * T + offs_n, acc, mask=mask_n)
 
 
-def significance_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    """Eq. 4 from queries and keys: q, k (B, H, T, D), bias (B, T) added to every logit row -> (B, T) float32."""
+@triton.jit
+def _row_grad(Q, K, BIAS, G, LSE, C, DQ, T, H, scale,
+              sqb, sqh, sqt, sqd, skb, skh, skt, skd, sbb, sbt,
+              HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, BLOCK: tl.constexpr,
+              BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Per query block: c_i = sum_j P_ij g_j, then dq_i = scale sum_j P_ij (g_j - c_i) k_j (float32)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < T
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    lse = tl.load(LSE + bh * T + offs_m, mask=mask_m, other=0.0)
+    bias_ptr = BIAS + b * sbb
+    c = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, T, BLOCK):
+        offs_n = start + tl.arange(0, BLOCK)
+        mask_n = offs_n < T
+        k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
+        p = tl.exp(_logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
+                   - lse[:, None])
+        g = tl.load(G + b * T + offs_n, mask=mask_n, other=0.0)
+        c += tl.sum(p * g[None, :], axis=1)
+    dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    for start in range(0, T, BLOCK):
+        offs_n = start + tl.arange(0, BLOCK)
+        mask_n = offs_n < T
+        k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
+        p = tl.exp(_logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
+                   - lse[:, None])
+        g = tl.load(G + b * T + offs_n, mask=mask_n, other=0.0)
+        k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        dq += tl.dot(p * (g[None, :] - c[:, None]), k, input_precision=GRAD_PRECISION)
+    tl.store(C + bh * T + offs_m, c, mask=mask_m)
+    tl.store(DQ + bh * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq * scale,
+             mask=mask_m[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _column_grad(Q, K, BIAS, G, LSE, C, DK, DBIAS, T, H, scale,
+                 sqb, sqh, sqt, sqd, skb, skh, skt, skd, sbb, sbt,
+                 HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Per key block: dk_j = scale sum_i P_ij (g_j - c_i) q_i and the bias gradient sum_i P_ij (g_j - c_i)."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < T
+    mask_d = offs_d < HEAD_DIM
+    k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
+    bias_ptr = BIAS + b * sbb
+    g = tl.load(G + b * T + offs_n, mask=mask_n, other=0.0)
+    dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    dbias = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, T, BLOCK):
+        offs_m = start + tl.arange(0, BLOCK)
+        mask_m = offs_m < T
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        s = _logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
+        lse = tl.load(LSE + bh * T + offs_m, mask=mask_m, other=0.0)
+        c = tl.load(C + bh * T + offs_m, mask=mask_m, other=0.0)
+        ds = tl.where(mask_m[:, None], tl.exp(s - lse[:, None]) * (g[None, :] - c[:, None]), 0.0)
+        dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision=GRAD_PRECISION)
+        dbias += tl.sum(ds, axis=0)
+    tl.store(DK + bh * T * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], dk * scale,
+             mask=mask_n[:, None] & mask_d[None, :])
+    tl.store(DBIAS + bh * T + offs_n, dbias, mask=mask_n)
+
+
+def _launch_setup(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> tuple[tuple, dict, tuple, Tensor]:
+    """The kernels' shared arguments: (scalar and stride args, meta-parameters, grid, row lse (B*H, T))."""
     b, h, t, d = q.shape
     block_d = max(16, 1 << math.ceil(math.log2(d)))
     lse = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
-    per_head = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
     has_bias = bias is not None
-    bias_arg = bias if has_bias else lse  # never read without HAS_BIAS
     bias_strides = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
     precision = None  # half-precision inputs: the default (fp32 accumulation)
     if q.dtype == torch.float32:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     args = (t, h, float(scale), *q.stride(), *k.stride(), *bias_strides)
     meta = dict(HAS_BIAS=has_bias, PRECISION=precision, BLOCK=_BLOCK, BLOCK_D=block_d, HEAD_DIM=d)
-    grid = (triton.cdiv(t, _BLOCK), b * h)
+    return args, meta, (triton.cdiv(t, _BLOCK), b * h), lse
+
+
+def significance_backward_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor
+                                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The gradients of ``significance_triton`` for the score gradient ``grad`` (B, T): (dq, dk) in q's
+    and k's dtypes, (B, H, T, D), and the bias gradient (B, T) float32 (None without a bias)."""
+    b, h, t, d = q.shape
+    args, meta, grid, lse = _launch_setup(q, k, bias, scale)
+    bias_arg = bias if bias is not None else lse  # never read without HAS_BIAS
+    grad = grad.float().contiguous()
+    c = torch.empty_like(lse)
+    dq = torch.empty(b, h, t, d, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dbias = torch.empty_like(lse)
+    grad_precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 or q.dtype != torch.float32 else "ieee"
+    _row_lse[grid](q, k, bias_arg, lse, *args, **meta)
+    _row_grad[grid](q, k, bias_arg, grad, lse, c, dq, *args, GRAD_PRECISION=grad_precision, **meta)
+    _column_grad[grid](q, k, bias_arg, grad, lse, c, dk, dbias, *args, GRAD_PRECISION=grad_precision, **meta)
+    return dq.to(q.dtype), dk.to(k.dtype), None if bias is None else dbias.view(b, h, t).sum(1)
+
+
+def significance_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """Eq. 4 from queries and keys: q, k (B, H, T, D), bias (B, T) added to every logit row -> (B, T) float32."""
+    b, h, t, _ = q.shape
+    args, meta, grid, lse = _launch_setup(q, k, bias, scale)
+    bias_arg = bias if bias is not None else lse  # never read without HAS_BIAS
+    per_head = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
     _row_lse[grid](q, k, bias_arg, lse, *args, **meta)
     _column_sums[grid](q, k, bias_arg, lse, per_head, *args, **meta)
     return per_head.view(b, h, t).sum(1)
