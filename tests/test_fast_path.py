@@ -276,21 +276,26 @@ def test_compile_modes_on_the_cpu():
         check_compile("fast", "cpu")
 
 
-def test_triton_kernels_under_the_interpreter():
-    # TRITON_INTERPRET must be set before triton is imported, hence a fresh process. bf16 is left to
-    # tests/test_gpu.py: the interpreter's tl.dot on bf16 returns garbage here (triton 3.8) even for a
-    # bare 16x16 product, while fp16 and fp32 match.
-    pytest.importorskip("triton")
-    code = """
+# The significance kernels' cases for the interpreter: strided q and k as the models make them, fp32
+# and fp16 (bf16 is left to tests/test_gpu.py: the interpreter's tl.dot on bf16 returns garbage here,
+# triton 3.8, even for a bare 16x16 product), with and without sizes (size-0 keys included).
+_SIGNIFICANCE_CASES = """
 import torch
-from pipeline.models.significance import significance_torch
-from pipeline.models.significance_triton import significance_triton
 for (b, h, t, d), dtype, carry in [((2, 3, 11, 16), torch.float32, False), ((1, 6, 197, 64), torch.float32, True),
                                    ((2, 2, 70, 42), torch.float16, True), ((2, 1, 5, 53), torch.float16, False)]:
-    g = torch.Generator().manual_seed(t)
-    q, k, _ = torch.randn(b, t, 3, h, d, generator=g).permute(2, 0, 3, 1, 4).to(dtype).unbind(0)
-    sizes = torch.randint(0, 3, (b, t), generator=g).float(); sizes[:, 0] = 1
-    bias = sizes.log() if carry else None
+    gen = torch.Generator().manual_seed(t)
+    q, k, _ = torch.randn(b, t, 3, h, d, generator=gen).permute(2, 0, 3, 1, 4).to(dtype).unbind(0)
+    sizes = torch.randint(0, 3, (b, t), generator=gen).float(); sizes[:, 0] = 1
+    bias = sizes.log() if carry else None"""
+
+
+def test_triton_kernels_under_the_interpreter():
+    # TRITON_INTERPRET must be set before triton is imported, hence a fresh process.
+    pytest.importorskip("triton")
+    code = """
+from pipeline.models.significance import significance_torch
+from pipeline.models.significance_triton import significance_triton
+""" + _SIGNIFICANCE_CASES + """
     got, want = significance_triton(q, k, bias, d ** -0.5), significance_torch(q, k, bias, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     print("ok", b, h, t, d, dtype, carry)
@@ -299,18 +304,11 @@ for (b, h, t, d), dtype, carry in [((2, 3, 11, 16), torch.float32, False), ((1, 
 
 
 def test_triton_significance_backward_under_the_interpreter():
-    """The backward kernels against autograd through the explicit softmax in float64 (size-0 keys
-    included), in fp32 and fp16 (the interpreter's bf16 tl.dot is wrong, see above)."""
+    """The backward kernels against autograd through the explicit softmax in float64."""
     pytest.importorskip("triton")
     code = """
-import torch
 from pipeline.models.significance_triton import significance_backward_triton
-for (b, h, t, d), dtype, carry in [((2, 3, 11, 16), torch.float32, False), ((1, 6, 197, 64), torch.float32, True),
-                                   ((2, 2, 70, 42), torch.float16, True), ((2, 1, 5, 53), torch.float16, False)]:
-    gen = torch.Generator().manual_seed(t)
-    q, k, _ = torch.randn(b, t, 3, h, d, generator=gen).permute(2, 0, 3, 1, 4).to(dtype).unbind(0)
-    sizes = torch.randint(0, 3, (b, t), generator=gen).float(); sizes[:, 0] = 1
-    bias = sizes.log() if carry else None
+""" + _SIGNIFICANCE_CASES + """
     grad = torch.randn(b, t, generator=gen)
     leaves = [q.double().requires_grad_(), k.double().requires_grad_()]
     logits = (leaves[0] * d ** -0.5) @ leaves[1].transpose(-2, -1)

@@ -33,6 +33,22 @@ _BLOCK = 64  # query and key tile; tl.dot needs at least 16
 
 
 @triton.jit
+def _program(T, H, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's batch, head and batch x head index, its BLOCK positions (axis 0 of the grid)
+    and the head dims, with their masks."""
+    bh = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    return bh // H, bh % H, bh, offs, offs < T, offs_d, offs_d < HEAD_DIM
+
+
+@triton.jit
+def _ptrs(X, b, h, offs, offs_d, sb, sh, st, sd):
+    """Pointers to the (BLOCK, BLOCK_D) tile of positions ``offs`` of x[b, h]."""
+    return X + b * sb + h * sh + offs[:, None] * st + offs_d[None, :] * sd
+
+
+@triton.jit
 def _logits(q, k_ptrs, bias_ptrs, mask_n, mask_d, scale, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
     """Scaled logits of a (BLOCK, D) query tile against the key tile at k_ptrs, -inf off the end."""
     k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
@@ -43,28 +59,32 @@ def _logits(q, k_ptrs, bias_ptrs, mask_n, mask_d, scale, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
+def _column_probs(Q, k_ptrs, bias_ptrs, LSE_ROW, start, b, h, mask_n, offs_d, mask_d, T, scale, sqb, sqh, sqt, sqd,
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr):
+    """For the key tile at k_ptrs and the query tile from ``start``: (the queries, P = exp(logit - lse),
+    0 on rows past the end, the query positions)."""
+    offs_m = start + tl.arange(0, BLOCK)
+    mask_m = offs_m < T
+    q = tl.load(_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd), mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    s = _logits(q, k_ptrs, bias_ptrs, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
+    lse = tl.load(LSE_ROW + offs_m, mask=mask_m, other=0.0)
+    return q, tl.where(mask_m[:, None], tl.exp(s - lse[:, None]), 0.0), offs_m
+
+
+@triton.jit
 def _row_lse(Q, K, BIAS, LSE, T, H, scale,
              sqb, sqh, sqt, sqd, skb, skh, skt, skd, sbb, sbt,
              HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
              HEAD_DIM: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < T
-    mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    bias_ptr = BIAS + b * sbb
+    b, h, bh, offs_m, mask_m, offs_d, mask_d = _program(T, H, BLOCK, BLOCK_D, HEAD_DIM)
+    q = tl.load(_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd), mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, T, BLOCK):
         offs_n = start + tl.arange(0, BLOCK)
         mask_n = offs_n < T
-        k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
-        s = _logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
+        s = _logits(q, _ptrs(K, b, h, offs_n, offs_d, skb, skh, skt, skd), BIAS + b * sbb + offs_n * sbt, mask_n,
+                    mask_d, scale, HAS_BIAS, PRECISION)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # A row whose logits so far are all -inf (size-0 keys) keeps total = 0 instead of exp(nan).
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -78,26 +98,13 @@ def _column_sums(Q, K, BIAS, LSE, OUT, T, H, scale,
                  sqb, sqh, sqt, sqd, skb, skh, skt, skd, sbb, sbt,
                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                  HEAD_DIM: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_n = offs_n < T
-    mask_d = offs_d < HEAD_DIM
-    k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
-    bias_ptr = BIAS + b * sbb
+    b, h, bh, offs_n, mask_n, offs_d, mask_d = _program(T, H, BLOCK, BLOCK_D, HEAD_DIM)
+    k_ptrs = _ptrs(K, b, h, offs_n, offs_d, skb, skh, skt, skd)
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, T, BLOCK):
-        offs_m = start + tl.arange(0, BLOCK)
-        mask_m = offs_m < T
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        s = _logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
-        lse = tl.load(LSE + bh * T + offs_m, mask=mask_m, other=0.0)
-        p = tl.exp(s - lse[:, None])
-        acc += tl.sum(tl.where(mask_m[:, None], p, 0.0), axis=0)
+        _, p, _ = _column_probs(Q, k_ptrs, BIAS + b * sbb + offs_n * sbt, LSE + bh * T, start, b, h, mask_n, offs_d,
+                                mask_d, T, scale, sqb, sqh, sqt, sqd, HAS_BIAS, PRECISION, BLOCK)
+        acc += tl.sum(p, axis=0)
     tl.store(OUT + bh * T + offs_n, acc, mask=mask_n)
 
 
@@ -106,38 +113,26 @@ def _row_grad(Q, K, BIAS, G, LSE, C, DQ, T, H, scale,
               sqb, sqh, sqt, sqd, skb, skh, skt, skd, sbb, sbt,
               HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, BLOCK: tl.constexpr,
               BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Per query block: c_i = sum_j P_ij g_j, then dq_i = scale sum_j P_ij (g_j - c_i) k_j (float32)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < T
-    mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    """Per query block: c_i = sum_j P_ij g_j in a first sweep over the keys, then in a second
+    dq_i = scale sum_j P_ij (g_j - c_i) k_j (float32)."""
+    b, h, bh, offs_m, mask_m, offs_d, mask_d = _program(T, H, BLOCK, BLOCK_D, HEAD_DIM)
+    q = tl.load(_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd), mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     lse = tl.load(LSE + bh * T + offs_m, mask=mask_m, other=0.0)
-    bias_ptr = BIAS + b * sbb
     c = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, T, BLOCK):
-        offs_n = start + tl.arange(0, BLOCK)
-        mask_n = offs_n < T
-        k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
-        p = tl.exp(_logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
-                   - lse[:, None])
-        g = tl.load(G + b * T + offs_n, mask=mask_n, other=0.0)
-        c += tl.sum(p * g[None, :], axis=1)
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    for start in range(0, T, BLOCK):
-        offs_n = start + tl.arange(0, BLOCK)
-        mask_n = offs_n < T
-        k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
-        p = tl.exp(_logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
-                   - lse[:, None])
-        g = tl.load(G + b * T + offs_n, mask=mask_n, other=0.0)
-        k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        dq += tl.dot(p * (g[None, :] - c[:, None]), k, input_precision=GRAD_PRECISION)
+    for sweep in tl.static_range(2):
+        for start in range(0, T, BLOCK):
+            offs_n = start + tl.arange(0, BLOCK)
+            mask_n = offs_n < T
+            k_ptrs = _ptrs(K, b, h, offs_n, offs_d, skb, skh, skt, skd)
+            p = tl.exp(_logits(q, k_ptrs, BIAS + b * sbb + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
+                       - lse[:, None])
+            g = tl.load(G + b * T + offs_n, mask=mask_n, other=0.0)
+            if sweep == 0:
+                c += tl.sum(p * g[None, :], axis=1)
+            else:
+                k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                dq += tl.dot(p * (g[None, :] - c[:, None]), k, input_precision=GRAD_PRECISION)
     tl.store(C + bh * T + offs_m, c, mask=mask_m)
     tl.store(DQ + bh * T * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq * scale,
              mask=mask_m[:, None] & mask_d[None, :])
@@ -149,28 +144,16 @@ def _column_grad(Q, K, BIAS, G, LSE, C, DK, DBIAS, T, H, scale,
                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Per key block: dk_j = scale sum_i P_ij (g_j - c_i) q_i and the bias gradient sum_i P_ij (g_j - c_i)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_n = offs_n < T
-    mask_d = offs_d < HEAD_DIM
-    k_ptrs = K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd
-    bias_ptr = BIAS + b * sbb
+    b, h, bh, offs_n, mask_n, offs_d, mask_d = _program(T, H, BLOCK, BLOCK_D, HEAD_DIM)
+    k_ptrs = _ptrs(K, b, h, offs_n, offs_d, skb, skh, skt, skd)
     g = tl.load(G + b * T + offs_n, mask=mask_n, other=0.0)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dbias = tl.zeros([BLOCK], tl.float32)
     for start in range(0, T, BLOCK):
-        offs_m = start + tl.arange(0, BLOCK)
-        mask_m = offs_m < T
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        s = _logits(q, k_ptrs, bias_ptr + offs_n * sbt, mask_n, mask_d, scale, HAS_BIAS, PRECISION)
-        lse = tl.load(LSE + bh * T + offs_m, mask=mask_m, other=0.0)
-        c = tl.load(C + bh * T + offs_m, mask=mask_m, other=0.0)
-        ds = tl.where(mask_m[:, None], tl.exp(s - lse[:, None]) * (g[None, :] - c[:, None]), 0.0)
+        q, p, offs_m = _column_probs(Q, k_ptrs, BIAS + b * sbb + offs_n * sbt, LSE + bh * T, start, b, h, mask_n,
+                                     offs_d, mask_d, T, scale, sqb, sqh, sqt, sqd, HAS_BIAS, PRECISION, BLOCK)
+        c = tl.load(C + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        ds = p * (g[None, :] - c[:, None])
         dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision=GRAD_PRECISION)
         dbias += tl.sum(ds, axis=0)
     tl.store(DK + bh * T * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], dk * scale,
