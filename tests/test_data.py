@@ -429,3 +429,21 @@ def test_holdout_loaders_read_only_their_part_and_the_test_set_stays_whole(tmp_p
     assert sorted(fit_labels.tolist()) == sorted(labels[split.train].tolist()) and len(fit_labels) == 32
     assert held_labels.tolist() == labels[split.val].tolist() and len(held_labels) == 8
     assert len(test_labels) == 12
+
+
+def test_evaluation_loaders_of_different_recipes_share_one_spec():
+    """The seed, crop scale and flip change only training loaders: evaluation specs leave them out, so
+    models trained with different recipes share one FFCV loader (``shared_loader``)."""
+    from pipeline.config import DataConfig
+
+    model_data = {"input_size": (3, 8, 8), "mean": IDENTITY["mean"], "std": IDENTITY["std"], "crop_pct": 1.0}
+    plain = DataConfig(train="a.beton", val="b.beton", num_classes=4)
+    other = DataConfig(train="a.beton", val="b.beton", num_classes=4, flip=False, crop_scale=(0.5, 1.0))
+    for holdout in (False, True):
+        specs = {loader_spec(d, model_data, train=False, seed=seed, holdout=holdout)
+                 for d in (plain, other) for seed in (0, 7)}
+        assert len(specs) == 1, specs
+    trains = {loader_spec(d, model_data, train=True, seed=seed) for d in (plain, other) for seed in (0, 7)}
+    assert len(trains) == 4
+    (trained,) = {loader_spec(other, model_data, train=True, seed=7)}
+    assert (trained.seed, trained.flip, trained.crop_scale) == (7, False, (0.5, 1.0))

@@ -57,11 +57,15 @@ def loader_spec(data: DataConfig, model_data: dict[str, Any], *, train: bool, se
     """
     split = data.holdout > 0
     part = "fit" if split and train else "holdout" if holdout else "all"
+    augment = {"seed": seed, "crop_scale": data.crop_scale, "flip": data.flip} if train else {}
+    # An evaluation loader reads in order without augmentation, so the seed, crop scale and flip leave
+    # it out: equal evaluation loaders then share one FFCV build (``shared_loader``), where each new
+    # spec cost a numba compilation and evicted an older loader.
     return LoaderSpec(path=data.train if train or holdout else data.val, train=train, batch_size=data.batch_size,
                       res=model_data["input_size"][-1], mean=tuple(model_data["mean"]), std=tuple(model_data["std"]),
-                      crop_pct=model_data["crop_pct"], crop_scale=data.crop_scale, workers=data.num_workers,
-                      distributed=train and world > 1, seed=seed, os_cache=data.os_cache, device=device,
-                      flip=data.flip, part=part, holdout=(data.holdout, data.holdout_seed))
+                      crop_pct=model_data["crop_pct"], workers=data.num_workers, distributed=train and world > 1,
+                      os_cache=data.os_cache, device=device, part=part, holdout=(data.holdout, data.holdout_seed),
+                      **augment)
 
 
 def read_metadata(beton: str | Path) -> dict[str, Any]:
