@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -447,3 +448,33 @@ def test_evaluation_loaders_of_different_recipes_share_one_spec():
     assert len(trains) == 4
     (trained,) = {loader_spec(other, model_data, train=True, seed=7)}
     assert (trained.seed, trained.flip, trained.crop_scale) == (7, False, (0.5, 1.0))
+
+
+def test_the_numba_finalizer_keyerror_is_dropped_and_nothing_else(monkeypatch, capsys):
+    """Garbage-collecting FFCV loaders that were built and iterated one after another makes numba's
+    Dispatcher finalizer raise a KeyError that Python ignores (seen with a fresh numba cache: `make
+    demo`'s evaluate stage printed it about 20 times). The hook drops exactly that traceback: a
+    KeyError raised elsewhere, or another error from that finalizer, still reaches the previous hook."""
+    from pipeline.data import loaders
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
+    loaders._quiet_numba_finalizer()
+    loaders._quiet_numba_finalizer()  # idempotent: one hook, wrapping the previous one once
+
+    def unraisable(filename: str, error: type[Exception]):
+        code = compile(f"def finalizer():\n    raise {error.__name__}('x')\n", filename, "exec")
+        scope = {}
+        exec(code, scope)
+        try:
+            scope["finalizer"]()
+        except error as err:
+            return types.SimpleNamespace(exc_type=error, exc_value=err, exc_traceback=err.__traceback__,
+                                         err_msg=None, object=None)
+
+    numba_file = str(Path("site-packages") / "numba" / "core" / "dispatcher.py")
+    sys.unraisablehook(unraisable(numba_file, KeyError))
+    assert seen == []
+    sys.unraisablehook(unraisable(str(Path("elsewhere") / "dispatcher.py"), KeyError))
+    sys.unraisablehook(unraisable(numba_file, ValueError))
+    assert seen == [KeyError, ValueError]

@@ -7,9 +7,11 @@ Normalisation and the validation crop come from the model's data config
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -188,6 +190,38 @@ def label_pipeline(spec: LoaderSpec) -> list:
     return ops
 
 
+def _from_numba_finalizer(traceback: TracebackType | None) -> bool:
+    """Whether a traceback passes through numba's ``Dispatcher`` finalizer."""
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if code.co_name == "finalizer" and Path(code.co_filename).parts[-3:] == ("numba", "core", "dispatcher.py"):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def _quiet_numba_finalizer() -> None:
+    """Drops one known, harmless traceback from the output.
+
+    When an FFCV loader is garbage-collected in a process that has built more than one (FFCV 1.0.2,
+    numba 0.68: build two, drop them, ``gc.collect()``), numba's ``Dispatcher`` finalizer raises
+    ``KeyError`` while it unloads the compiled pipeline. Python ignores the exception anyway
+    ("Exception ignored in: <finalize object ...>"), but the evaluate stage printed its traceback
+    about 20 times a demo. Every other unraisable exception still reaches the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_numba_finalizer", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is KeyError and _from_numba_finalizer(unraisable.exc_traceback):
+            return
+        previous(unraisable)
+
+    hook.quiets_numba_finalizer = True
+    sys.unraisablehook = hook
+
+
 def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
     """An ``ffcv.loader.Loader``; under DDP (``distributed``) each rank reads a disjoint shard, reshuffled per epoch.
 
@@ -195,6 +229,8 @@ def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
     without them, ``spec.part`` picks the fitting or held-out part of the file's validation split.
     """
     from ffcv.loader import Loader, OrderOption
+
+    _quiet_numba_finalizer()
 
     if indices is None and spec.part != "all":
         from pipeline.data.split import holdout_split
