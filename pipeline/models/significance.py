@@ -15,8 +15,8 @@ Triton kernels on CUDA (``significance_backward_triton``), torch elsewhere.
 
 On the CPU a block that needs the scores gets its attention output from the same exponentials
 (``attention_and_significance``, custom op ``tokenpool::attention_with_significance``): there the
-fused kernel is no faster than the explicit product, and computing the logits once instead of twice
-made a DeiT-S attention with scores 1.3x faster (docs/benchmarks.md).
+fused kernel is no faster than the explicit product, and one set of logits, worked in chunks of
+images, made a DeiT-S attention with scores 2.2x faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def significance_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) 
 
 # Images per chunk of the joint CPU op: their (H, T, T) float32 exponentials stay in cache across the
 # five passes over them (max, exp, row sums, the two products). At DeiT-S size (T = 197, 6 heads, 4
-# images) this took one attention with scores at batch 64 from 53-71 ms to 34-36 ms on this
-# machine's 2 cores, against 28 ms for the fused attention alone (docs/benchmarks.md).
+# images) one attention with scores at batch 64 took 34.3 ms chunked against 74.3 ms in one piece
+# on this machine's 2 cores, 28.3 ms for the fused attention alone (docs/benchmarks.md).
 _CHUNK_BYTES = 4 << 20
 
 
@@ -82,6 +82,18 @@ def _joint_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: flo
     return v.new_empty(v.shape), q.new_empty(q.shape[0], q.shape[2], dtype=torch.float32)
 
 
+def _through_softmax(probs: Tensor, dprobs: Tensor, q: Tensor, k: Tensor, bias: Tensor | None, scale: float,
+                     bias_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """From P = softmax(scale q k^T + bias) (B, H, T, T) and the gradient dP (broadcastable to it):
+    dlogits = P (dP - rowsum(P dP)), then (dq, dk) in q's and k's dtypes and the bias gradient
+    (None unless ``bias_grad`` and there is a bias)."""
+    dlogits = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+    dq = torch.matmul(dlogits, k.float()) * scale
+    dk = torch.matmul(dlogits.transpose(-2, -1), q.float()) * scale
+    dbias = dlogits.sum((1, 2)).to(bias.dtype) if bias is not None and bias_grad else None
+    return dq.to(q.dtype), dk.to(k.dtype), dbias
+
+
 def _joint_setup_context(ctx, inputs, output) -> None:
     q, k, v, bias, scale = inputs
     ctx.save_for_backward(q, k, v, bias)
@@ -99,12 +111,9 @@ def _joint_backward(ctx, grad_out: Tensor | None, grad_scores: Tensor | None):
         dprobs = torch.matmul(grad_out.float(), v.float().transpose(-2, -1))
     if grad_scores is not None:
         dprobs = dprobs + grad_scores.float()[:, None, None, :]
-    dlogits = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
-    dq = torch.matmul(dlogits, k.float()) * ctx.scale
-    dk = torch.matmul(dlogits.transpose(-2, -1), q.float()) * ctx.scale
+    dq, dk, dbias = _through_softmax(probs, dprobs, q, k, bias, ctx.scale, ctx.needs_input_grad[3])
     dv = torch.zeros_like(v) if grad_out is None else torch.matmul(probs.transpose(-2, -1), grad_out.float())
-    dbias = dlogits.sum((1, 2)).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None
+    return dq, dk, dv.to(v.dtype), dbias, None
 
 
 _joint_op.register_autograd(_joint_backward, setup_context=_joint_setup_context)
@@ -142,12 +151,8 @@ def _backward(ctx, grad: Tensor):
         keep_bias = bias is not None and ctx.needs_input_grad[2]
         return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None
     probs = _logits(q, k, bias, ctx.scale).softmax(-1)
-    g = grad.float()[:, None, None, :]  # (B, 1, 1, T)
-    dlogits = probs * (g - (probs * g).sum(-1, keepdim=True))
-    dq = torch.matmul(dlogits, k.float()) * ctx.scale
-    dk = torch.matmul(dlogits.transpose(-2, -1), q.float()) * ctx.scale
-    dbias = dlogits.sum((1, 2)).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-    return dq.to(q.dtype), dk.to(k.dtype), dbias, None
+    g = grad.float()[:, None, None, :]  # (B, 1, 1, T): d s_j / d P_ij = g_j
+    return (*_through_softmax(probs, g, q, k, bias, ctx.scale, ctx.needs_input_grad[2]), None)
 
 
 _significance_op.register_autograd(_backward, setup_context=_setup_context)

@@ -161,19 +161,22 @@ def _column_grad(Q, K, BIAS, G, LSE, C, DK, DBIAS, T, H, scale,
     tl.store(DBIAS + bh * T + offs_n, dbias, mask=mask_n)
 
 
-def _launch_setup(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> tuple[tuple, dict, tuple, Tensor]:
-    """The kernels' shared arguments: (scalar and stride args, meta-parameters, grid, row lse (B*H, T))."""
+def _launch_setup(q: Tensor, k: Tensor, bias: Tensor | None, scale: float
+                  ) -> tuple[Tensor, tuple, dict, tuple, Tensor]:
+    """The kernels' shared arguments: (the bias argument, scalar and stride args, meta-parameters,
+    grid, an empty row-lse buffer (B*H, T))."""
     b, h, t, d = q.shape
     block_d = max(16, 1 << math.ceil(math.log2(d)))
     lse = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
     has_bias = bias is not None
+    bias_arg = bias if has_bias else lse  # never read without HAS_BIAS
     bias_strides = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
     precision = None  # half-precision inputs: the default (fp32 accumulation)
     if q.dtype == torch.float32:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     args = (t, h, float(scale), *q.stride(), *k.stride(), *bias_strides)
     meta = dict(HAS_BIAS=has_bias, PRECISION=precision, BLOCK=_BLOCK, BLOCK_D=block_d, HEAD_DIM=d)
-    return args, meta, (triton.cdiv(t, _BLOCK), b * h), lse
+    return bias_arg, args, meta, (triton.cdiv(t, _BLOCK), b * h), lse
 
 
 def significance_backward_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor
@@ -181,8 +184,7 @@ def significance_backward_triton(q: Tensor, k: Tensor, bias: Tensor | None, scal
     """The gradients of ``significance_triton`` for the score gradient ``grad`` (B, T): (dq, dk) in q's
     and k's dtypes, (B, H, T, D), and the bias gradient (B, T) float32 (None without a bias)."""
     b, h, t, d = q.shape
-    args, meta, grid, lse = _launch_setup(q, k, bias, scale)
-    bias_arg = bias if bias is not None else lse  # never read without HAS_BIAS
+    bias_arg, args, meta, grid, lse = _launch_setup(q, k, bias, scale)
     grad = grad.float().contiguous()
     c = torch.empty_like(lse)
     dq = torch.empty(b, h, t, d, device=q.device, dtype=torch.float32)
@@ -198,8 +200,7 @@ def significance_backward_triton(q: Tensor, k: Tensor, bias: Tensor | None, scal
 def significance_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
     """Eq. 4 from queries and keys: q, k (B, H, T, D), bias (B, T) added to every logit row -> (B, T) float32."""
     b, h, t, _ = q.shape
-    args, meta, grid, lse = _launch_setup(q, k, bias, scale)
-    bias_arg = bias if bias is not None else lse  # never read without HAS_BIAS
+    bias_arg, args, meta, grid, lse = _launch_setup(q, k, bias, scale)
     per_head = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
     _row_lse[grid](q, k, bias_arg, lse, *args, **meta)
     _column_sums[grid](q, k, bias_arg, lse, per_head, *args, **meta)
