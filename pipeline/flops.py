@@ -8,8 +8,9 @@ fvcore has no handle for two ops this code base runs, so two are added here:
 - ``aten::baddbmm`` (the K-Means distances): the batched matmul part, ``B n m p``.
 
 and ``tokenpool::attention_with_significance`` (the CPU's attention of a block that also needs the
-significance scores) counts as the fused attention it replaces, so the count is the same on any
-device; like the paper, no count includes the scores' column sums.
+significance scores) and the flash kernels that such a block calls by name for their row
+log-sum-exps (``models.attention.fused_attention_lse``) count as the fused attention, so the count is
+the same on any path; like the paper, no count includes the scores' column sums.
 
 The downsampling cost is then what the operators really multiply: the K-Medoids Gram matrix
 (N^2 M per layer), the K-Means token-to-centre distances (N K M per assignment), the ToMe
@@ -30,6 +31,11 @@ from fvcore.nn.jit_handles import get_shape
 from torch import nn
 
 PARTS = ("patch_embed", "qkv", "attention", "proj", "mlp", "downsampling", "other")
+
+
+# Every op that is one fused attention: Q K^T plus A V (``_sdpa_flops``).
+_FUSED_ATTENTION = ("aten::scaled_dot_product_attention", "tokenpool::attention_with_significance",
+                    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _sdpa_flops(inputs: list[Any], outputs: list[Any]) -> int:
@@ -72,9 +78,9 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
     was_training = model.training
     model.eval()
     analysis = FlopCountAnalysis(model, torch.zeros(1, 3, size, size))
-    analysis.set_op_handle("aten::scaled_dot_product_attention", _sdpa_flops)
     analysis.set_op_handle("aten::baddbmm", _baddbmm_flops)
-    analysis.set_op_handle("tokenpool::attention_with_significance", _sdpa_flops)
+    for op in _FUSED_ATTENTION:
+        analysis.set_op_handle(op, _sdpa_flops)
     analysis.unsupported_ops_warnings(False)
     analysis.uncalled_modules_warnings(False)
     logger = logging.getLogger("fvcore")
@@ -91,8 +97,7 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
     parts = {
         "patch_embed": by_module.get("patch_embed", 0),
         "qkv": _sum_modules(by_module, ["attn.qkv"]),
-        "attention": sum(by_op.get(op, 0) for op in ("scaled_dot_product_attention", "attention_with_significance",
-                                                        "matmul")),
+        "attention": sum(by_op.get(op.split("::")[1], 0) for op in (*_FUSED_ATTENTION, "aten::matmul")),
         "proj": _sum_modules(by_module, ["attn.proj"]),
         "mlp": _sum_modules(by_module, ["mlp"]),
         "downsampling": by_op.get("bmm", 0) + by_op.get("baddbmm", 0) + _sum_modules(by_module, ["downsample"]),

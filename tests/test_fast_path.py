@@ -84,6 +84,31 @@ def test_fast_significance_gradient_matches_autograd_through_the_softmax():
     torch.testing.assert_close(k1.grad, k2.grad)
 
 
+@pytest.mark.parametrize("carry", [False, True])
+def test_fast_significance_from_a_given_log_sum_exp(carry):
+    """With the row log-sum-exps a flash kernel returns (the CPU's here), the scores and their gradient
+    equal eq. 4 and autograd through the explicit float64 softmax, where the log-sum-exps depend on q
+    and k: the op gives the whole derivative through them."""
+    q, k = _qk(2, 3, 29, 16, dtype=torch.float64, seed=3)
+    v = torch.randn_like(q)
+    sizes = torch.randint(0, 3, (2, 29), generator=torch.Generator().manual_seed(4)).double()
+    sizes[:, 0] = 1
+    bias = sizes.log() if carry else None
+    weights = torch.randn(2, 29, dtype=torch.float64)
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    mask = None if bias is None else bias[:, None, None, :]
+    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q1, k1, v, 0.0, attn_mask=mask, scale=0.3)
+    # The kernel's lse carries no gradient; the reference below differentiates it as a function of q and k.
+    got = attention_significance(q1, k1, 0.3, bias, lse=lse)
+    (got * weights).sum().backward()
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    want = explicit(q2, k2, bias, 0.3)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q1.grad, q2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k1.grad, k2.grad, rtol=1e-5, atol=1e-6)
+
+
 def explicit_attention(q, k, v, bias, scale):
     """The reference attention output: softmax of the logits, formed in full, times v."""
     logits = (q.double() * scale) @ k.double().transpose(-2, -1)
@@ -149,6 +174,33 @@ def test_cpu_blocks_take_attention_and_scores_from_one_set_of_logits():
     dropping = apply_downsampling(tiny(attn_drop_rate=0.1), "wkmedoids", KEEP).train()
     with torch.no_grad():
         assert joint not in count_ops(lambda: dropping(images())).ops
+
+
+@pytest.mark.parametrize("method,carry", [("wkmedoids", False), ("wkmedoids", True), ("powerbert", False)])
+def test_the_flash_path_equals_the_joint_op(method, carry, monkeypatch):
+    """The CUDA path (here with the CPU's flash kernel) hands the scores the kernel's row log-sum-exps,
+    and gives the CPU path's output and gradients."""
+    from pipeline.models import attention
+    from pipeline.pooling.common import dense_segments
+
+    given = []
+
+    def spy(q, k, scale, bias=None, lse=None):
+        given.append(lse is not None)
+        return attention_significance(q, k, scale, bias, lse=lse)
+
+    monkeypatch.setattr(attention, "attention_significance", spy)
+    runs = []
+    for dense in (False, True):
+        model = apply_downsampling(tiny(), method, KEEP, carry=carry).train()
+        with dense_segments(dense):
+            loss = model(images()).square().mean()
+        loss.backward()
+        runs.append((loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]))
+    assert given == [True] * 4, given  # every block of KEEP pools; the CPU path never calls the op
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
+    assert len(runs[1][1]) == len(runs[0][1])
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-6)
 
 
 def test_models_use_the_fast_scores():
@@ -286,7 +338,9 @@ for (b, h, t, d), dtype, carry in [((2, 3, 11, 16), torch.float32, False), ((1, 
     gen = torch.Generator().manual_seed(t)
     q, k, _ = torch.randn(b, t, 3, h, d, generator=gen).permute(2, 0, 3, 1, 4).to(dtype).unbind(0)
     sizes = torch.randint(0, 3, (b, t), generator=gen).float(); sizes[:, 0] = 1
-    bias = sizes.log() if carry else None"""
+    bias = sizes.log() if carry else None
+    logits = (q.double() * d ** -0.5) @ k.double().transpose(-2, -1)
+    lse = (logits + (bias.double()[:, None, None, :] if carry else 0)).logsumexp(-1).float()  # (B, H, T)"""
 
 
 def test_triton_kernels_under_the_interpreter():
@@ -298,6 +352,11 @@ from pipeline.models.significance_triton import significance_triton
 """ + _SIGNIFICANCE_CASES + """
     got, want = significance_triton(q, k, bias, d ** -0.5), significance_torch(q, k, bias, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # Given the row log-sum-exps (as flash attention returns them), only the column pass runs, and it
+    # reads them: shifted by log 2 they halve every probability.
+    torch.testing.assert_close(significance_triton(q, k, bias, d ** -0.5, lse=lse), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(significance_triton(q, k, bias, d ** -0.5, lse=lse + 0.6931472), want / 2,
+                               rtol=1e-4, atol=1e-4)
     print("ok", b, h, t, d, dtype, carry)
 """
     assert _interpret(code).count("ok") == 4
@@ -321,6 +380,11 @@ from pipeline.models.significance_triton import significance_backward_triton
     assert got[0].dtype == dtype and got[1].dtype == dtype and (got[2] is None) == (not carry)
     for g, leaf in zip(got, leaves):
         torch.testing.assert_close(g.double(), leaf.grad, **tol)
+    # With the forward's row log-sum-exps the first pass is skipped; a wrong lse must show.
+    for g, leaf in zip(significance_backward_triton(q, k, bias, d ** -0.5, grad, lse), leaves):
+        torch.testing.assert_close(g.double(), leaf.grad, **tol)
+    shifted = significance_backward_triton(q, k, bias, d ** -0.5, grad, lse + 0.6931472)
+    assert not torch.allclose(shifted[0].double(), leaves[0].grad, **tol)
     print("ok", b, h, t, d, dtype, carry)
 """
     assert _interpret(code).count("ok") == 4

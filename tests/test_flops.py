@@ -121,3 +121,20 @@ def test_flops_cli_level_and_bad_input():
     assert "effective keep: 196,194,181,147,111,75,48,36,5,5,2,0" in proc.stdout
     bad = subprocess.run(run + ["--keep", "196,195"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "keep has 2 entries but the model has 12 blocks" in bad.stderr
+
+
+def test_attention_counts_the_same_on_every_path():
+    """The attention of a block that needs scores counts as one fused attention whichever op runs it:
+    the CPU's joint op, or (the CUDA path) the flash kernel called for its row log-sum-exps; and it is
+    2 T^2 M multiply-adds a block, what SDPA counts for T tokens."""
+    from pipeline.pooling.common import dense_segments
+
+    keep = [196, 150, 120] + [120] * 9
+    model = create_model("deit_small_patch16_224", method="wkmedoids", keep=keep)
+    cpu = count_flops(model)
+    with dense_segments(True):
+        cuda = count_flops(model)
+    assert cuda.attention == pytest.approx(cpu.attention, rel=1e-12)
+    # Q K^T and A V of every block at its token count (+1 CLS): sum of 2 T^2 M
+    tokens = [197, 197, 151] + [121] * 9
+    assert cpu.attention == pytest.approx(sum(2 * t * t * 384 for t in tokens) / 1e9, rel=1e-9)

@@ -111,6 +111,36 @@ def test_significance_backward_on_gpu_matches_cpu(dtype, shape, carry):
     torch.testing.assert_close(grads[0], grads[1], **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_lse_significance_matches_the_sdpa_path_on_gpu(dtype):
+    """Flash attention's row log-sum-exps feed the scores: the output, the scores and the gradients of
+    both equal SDPA's output and the scores computed from scratch. A bias (carried sizes) or float32
+    has no flash path."""
+    from pipeline.models.attention import fused_attention_lse
+
+    b, h, t, d = 4, 6, 197, 64
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(b, t, 3, h, d, generator=gen).permute(2, 0, 3, 1, 4).to(dtype).cuda()
+    g_out, g_s = torch.randn(b, h, t, d, generator=gen).cuda(), torch.randn(b, t, generator=gen).cuda()
+    assert fused_attention_lse(*qkv.unbind(0), 0.125, torch.zeros(b, 1, 1, t, device="cuda", dtype=dtype), 0.0) is None
+    assert fused_attention_lse(*qkv.float().unbind(0), 0.125, None, 0.0) is None
+    results = []
+    for flash in (True, False):
+        q, k, v = (x.detach().requires_grad_() for x in qkv.unbind(0))
+        if flash:
+            out, lse = fused_attention_lse(q, k, v, 0.125, None, 0.0)
+            assert lse.shape == (b, h, t) and lse.dtype == torch.float32
+            scores = attention_significance(q, k, 0.125, lse=lse)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125)
+            scores = attention_significance(q, k, 0.125)
+        ((out.float() * g_out).sum() + (scores * g_s).sum()).backward()
+        results.append([out.float(), scores, q.grad.float(), k.grad.float(), v.grad.float()])
+    torch.testing.assert_close(results[0], results[1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(results[0][1].sum(-1), torch.full((b,), float(h * t), device="cuda"), rtol=1e-3,
+                               atol=0.5)
+
+
 def _tiny() -> VisionTransformer:
     torch.manual_seed(0)
     return VisionTransformer(img_size=64, patch_size=8, embed_dim=48, depth=4, num_heads=3, num_classes=10).eval()

@@ -4,15 +4,18 @@ It reads the module's own layers (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``p
 state dict loads unchanged. On CUDA the output always comes from the fused kernel
 (``F.scaled_dot_product_attention``), with proportional attention as an additive bias and normalised
 queries and keys as pre-scaled queries; the significance scores of eq. 4 come from
-``attention_significance``, which never forms the normalised probabilities. On the CPU a block that
-needs the scores takes both from one set of logits (``attention_and_significance``), unless
-attention dropout is active; ``dense_segments(True)`` gives it the CUDA path (op counts).
+``attention_significance``, which never forms the normalised probabilities. Where the fused kernel
+is flash attention (``fused_attention_lse``), it also hands the scores its row log-sum-exps, so they
+cost one pass over the logits instead of two. On the CPU a block that needs the scores takes both
+from one set of logits (``attention_and_significance``), unless attention dropout is active;
+``dense_segments(True)`` gives it the CUDA path (op counts), with the CPU's flash kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -67,10 +70,13 @@ def attend(
         scale = 1.0
     dropout = attn.attn_drop.p if attn.training else 0.0
     significance = None
+    bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
     if scores and dropout == 0.0 and not use_dense(q):  # the CPU: one set of logits for both
         out, significance = attention_and_significance(q, k, v, scale, log_sizes)
+    elif scores and (fused := fused_attention_lse(q, k, v, scale, bias, dropout)) is not None:
+        out, lse = fused
+        significance = attention_significance(q, k, scale, log_sizes, lse=lse)
     else:
-        bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout)
         if scores:
             significance = attention_significance(q, k, scale, log_sizes)
@@ -82,3 +88,30 @@ def attend(
         )
     out = out.transpose(1, 2).reshape(b, t, -1)
     return attn.proj_drop(attn.proj(attn.norm(out))), stats
+
+
+def fused_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float
+                        ) -> tuple[Tensor, Tensor] | None:
+    """The fused attention output (B, H, T, D) and its row log-sum-exps (B, H, T) float32, from a flash
+    kernel that returns both, or None where there is none for these inputs.
+
+    - CUDA: ``aten._scaled_dot_product_flash_attention``, what ``scaled_dot_product_attention`` runs
+      for these inputs anyway: half precision, no mask (proportional attention's bias falls back),
+      head dim a multiple of 8 up to 256, compute capability 8.x or 9.x (A100, H100, H200). It
+      ignores ``torch.backends.cuda.enable_flash_sdp``, which ``torch.compile`` cannot read.
+    - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, the bias as a mask,
+      no dropout); only the CUDA path of ``dense_segments(True)`` gets here.
+
+    Both are autograd ops; the log-sum-exps are a statistic of the logits, not differentiated.
+    """
+    if q.is_cuda:
+        d = q.shape[-1]
+        if bias is not None or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+            return None
+        if torch.cuda.get_device_properties(q.device).major not in (8, 9):
+            return None
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, scale=scale)[:2]
+        return out, lse
+    if q.device.type == "cpu" and dropout == 0.0:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, attn_mask=bias, scale=scale)
+    return None

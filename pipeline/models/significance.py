@@ -38,9 +38,16 @@ def _logits(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
     return logits
 
 
-def significance_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    """The fast eq. 4 in plain torch: (B, H, T, D) queries and keys -> (B, T) float32."""
+def significance_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
+                       ) -> Tensor:
+    """The fast eq. 4 in plain torch: (B, H, T, D) queries and keys -> (B, T) float32.
+
+    With ``lse`` (B, H, T), the row log-sum-exps of the same logits, the probabilities are
+    ``exp(logit - lse)`` and their column sums are the scores.
+    """
     e = _logits(q, k, bias, scale)
+    if lse is not None:
+        return e.sub_(lse.float().unsqueeze(-1)).exp_().sum((1, 2))
     e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (B, H, T, T)
     inv = e.sum(-1, keepdim=True).reciprocal_()  # (B, H, T, 1): 1 / row sums
     return torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)  # (B, 1, T) per head, summed
@@ -120,56 +127,66 @@ _joint_op.register_autograd(_joint_backward, setup_context=_joint_setup_context)
 
 
 @torch.library.custom_op("tokenpool::attention_significance", mutates_args=())
-def _significance_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    return significance_torch(q, k, bias, scale)
+def _significance_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None) -> Tensor:
+    return significance_torch(q, k, bias, scale, lse)
 
 
 @_significance_op.register_kernel("cuda")
-def _significance_cuda(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+def _significance_cuda(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
+                       ) -> Tensor:
     if significance_triton is None:
-        return significance_torch(q, k, bias, scale)
-    return significance_triton(q, k, bias, scale)
+        return significance_torch(q, k, bias, scale, lse)
+    return significance_triton(q, k, bias, scale, lse)
 
 
 @_significance_op.register_fake
-def _significance_fake(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+def _significance_fake(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
+                       ) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[2], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, bias, scale = inputs
-    ctx.save_for_backward(q, k, bias)
+    q, k, bias, scale, lse = inputs
+    ctx.save_for_backward(q, k, bias, lse)
     ctx.scale = scale
 
 
 def _backward(ctx, grad: Tensor):
     """d s_j / d logit_ij = P_ij (g_j - sum_j' P_ij' g_j'): on CUDA the Triton kernels, which recompute
-    the logits tile by tile; elsewhere torch, recomputing P (B, H, T, T) once."""
-    q, k, bias = ctx.saved_tensors
+    the logits tile by tile (and reuse the forward's row log-sum-exps when it was given them);
+    elsewhere torch, recomputing P (B, H, T, T) once.
+
+    ``lse`` is a function of q and k that the caller computed (a fused attention's statistic): these
+    gradients are the whole derivative through q and k, and ``lse`` gets none."""
+    q, k, bias, lse = ctx.saved_tensors
     if q.is_cuda and significance_backward_triton is not None:
-        dq, dk, dbias = significance_backward_triton(q, k, bias, ctx.scale, grad)
+        dq, dk, dbias = significance_backward_triton(q, k, bias, ctx.scale, grad, lse)
         keep_bias = bias is not None and ctx.needs_input_grad[2]
-        return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None
+        return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None, None
     probs = _logits(q, k, bias, ctx.scale).softmax(-1)
     g = grad.float()[:, None, None, :]  # (B, 1, 1, T): d s_j / d P_ij = g_j
-    return (*_through_softmax(probs, g, q, k, bias, ctx.scale, ctx.needs_input_grad[2]), None)
+    return (*_through_softmax(probs, g, q, k, bias, ctx.scale, ctx.needs_input_grad[2]), None, None)
 
 
 _significance_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
+def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None,
+                           lse: Tensor | None = None) -> Tensor:
     """Eq. 4: the attention each token receives, summed over heads and queries.
 
     Args:
         q, k: (B, H, T, D) queries and keys, any float dtype (the sums are float32).
         scale: the logit scale (``head_dim ** -0.5``, or 1 for pre-scaled queries).
         bias: (B, T) added to the logits of every query row (log sizes for proportional attention).
+        lse: (B, H, T) float32 log-sum-exp of every logit row (bias included), where a fused attention
+            kernel returned it: the scores then skip computing it. Detached: it gets no gradient, and
+            the scores' gradient through q and k is the whole derivative.
 
     Returns:
         (B, T) float32 scores; each sample's scores add up to H * T.
     """
-    return _significance_op(q, k, bias, float(scale))
+    return _significance_op(q, k, bias, float(scale), None if lse is None else lse.detach())
 
 
 def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None

@@ -9,7 +9,8 @@ Pass 1 (``_row_lse``), one program per (query block, batch x head): the log-sum-
 row, with the online-softmax recurrence over key blocks. Pass 2 (``_column_sums``), one program per
 (key block, batch x head): ``sum_i exp(logit_ij - lse_i)`` over every query block. Neither pass
 writes anything of size T x T; both recompute the logits with ``tl.dot``. Each program writes its own
-outputs, so the result is deterministic (no atomics).
+outputs, so the result is deterministic (no atomics). Next to flash attention, which returns the row
+log-sum-exps with its output, pass 1 is skipped (``lse=``), in the forward and in the backward.
 
 The backward (``significance_backward_triton``) follows the same route. With g the (B, T) gradient
 of the scores and P_ij = exp(logit_ij - lse_i), d s / d logit_ij = P_ij (g_j - c_i), c_i = sum_j P_ij g_j:
@@ -161,13 +162,16 @@ def _column_grad(Q, K, BIAS, G, LSE, C, DK, DBIAS, T, H, scale,
     tl.store(DBIAS + bh * T + offs_n, dbias, mask=mask_n)
 
 
-def _launch_setup(q: Tensor, k: Tensor, bias: Tensor | None, scale: float
+def _launch_setup(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None
                   ) -> tuple[Tensor, tuple, dict, tuple, Tensor]:
     """The kernels' shared arguments: (the bias argument, scalar and stride args, meta-parameters,
-    grid, an empty row-lse buffer (B*H, T))."""
+    grid, the row log-sum-exps as (B*H, T) float32: ``lse`` when given, else an empty buffer)."""
     b, h, t, d = q.shape
     block_d = max(16, 1 << math.ceil(math.log2(d)))
-    lse = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
+    if lse is None:
+        lse = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
+    else:
+        lse = lse.float().reshape(b * h, t).contiguous()
     has_bias = bias is not None
     bias_arg = bias if has_bias else lse  # never read without HAS_BIAS
     bias_strides = (bias.stride(0), bias.stride(1)) if has_bias else (0, 0)
@@ -179,29 +183,37 @@ def _launch_setup(q: Tensor, k: Tensor, bias: Tensor | None, scale: float
     return bias_arg, args, meta, (triton.cdiv(t, _BLOCK), b * h), lse
 
 
-def significance_backward_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor
-                                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+def significance_backward_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor,
+                                 lse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The gradients of ``significance_triton`` for the score gradient ``grad`` (B, T): (dq, dk) in q's
-    and k's dtypes, (B, H, T, D), and the bias gradient (B, T) float32 (None without a bias)."""
+    and k's dtypes, (B, H, T, D), and the bias gradient (B, T) float32 (None without a bias).
+    ``lse`` (B, H, T), the row log-sum-exps of the forward, saves the first pass."""
     b, h, t, d = q.shape
-    bias_arg, args, meta, grid, lse = _launch_setup(q, k, bias, scale)
+    bias_arg, args, meta, grid, row_lse = _launch_setup(q, k, bias, scale, lse)
     grad = grad.float().contiguous()
-    c = torch.empty_like(lse)
+    c = torch.empty_like(row_lse)
     dq = torch.empty(b, h, t, d, device=q.device, dtype=torch.float32)
     dk = torch.empty_like(dq)
-    dbias = torch.empty_like(lse)
+    dbias = torch.empty_like(row_lse)
     grad_precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 or q.dtype != torch.float32 else "ieee"
-    _row_lse[grid](q, k, bias_arg, lse, *args, **meta)
-    _row_grad[grid](q, k, bias_arg, grad, lse, c, dq, *args, GRAD_PRECISION=grad_precision, **meta)
-    _column_grad[grid](q, k, bias_arg, grad, lse, c, dk, dbias, *args, GRAD_PRECISION=grad_precision, **meta)
+    if lse is None:
+        _row_lse[grid](q, k, bias_arg, row_lse, *args, **meta)
+    _row_grad[grid](q, k, bias_arg, grad, row_lse, c, dq, *args, GRAD_PRECISION=grad_precision, **meta)
+    _column_grad[grid](q, k, bias_arg, grad, row_lse, c, dk, dbias, *args, GRAD_PRECISION=grad_precision, **meta)
     return dq.to(q.dtype), dk.to(k.dtype), None if bias is None else dbias.view(b, h, t).sum(1)
 
 
-def significance_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    """Eq. 4 from queries and keys: q, k (B, H, T, D), bias (B, T) added to every logit row -> (B, T) float32."""
+def significance_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
+                        ) -> Tensor:
+    """Eq. 4 from queries and keys: q, k (B, H, T, D), bias (B, T) added to every logit row -> (B, T) float32.
+
+    ``lse`` (B, H, T): the row log-sum-exps of those logits where a fused attention kernel already
+    computed them (flash attention returns them); then only the column pass runs.
+    """
     b, h, t, _ = q.shape
-    bias_arg, args, meta, grid, lse = _launch_setup(q, k, bias, scale)
+    bias_arg, args, meta, grid, row_lse = _launch_setup(q, k, bias, scale, lse)
     per_head = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
-    _row_lse[grid](q, k, bias_arg, lse, *args, **meta)
-    _column_sums[grid](q, k, bias_arg, lse, per_head, *args, **meta)
+    if lse is None:
+        _row_lse[grid](q, k, bias_arg, row_lse, *args, **meta)
+    _column_sums[grid](q, k, bias_arg, row_lse, per_head, *args, **meta)
     return per_head.view(b, h, t).sum(1)
