@@ -186,7 +186,9 @@ def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | No
     Returns:
         (B, T) float32 scores; each sample's scores add up to H * T.
     """
-    return _significance_op(q, k, bias, float(scale), None if lse is None else lse.detach())
+    if lse is not None and lse.requires_grad:  # the fused kernels' lse is not differentiable: no op
+        lse = lse.detach()
+    return _significance_op(q, k, bias, float(scale), lse)
 
 
 def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None
