@@ -8,7 +8,7 @@ fvcore has no handle for two ops this code base runs, so two are added here:
 - ``aten::baddbmm`` (the K-Means distances): the batched matmul part, ``B n m p``.
 
 and ``tokenpool::attention_with_significance`` (the CPU's attention of a block that also needs the
-significance scores) and the flash kernels that such a block calls by name for their row
+significance scores) and the fused kernels that such a block calls by name for their row
 log-sum-exps (``models.attention.fused_attention_lse``) count as the fused attention, so the count is
 the same on any path; like the paper, no count includes the scores' column sums.
 
@@ -35,7 +35,8 @@ PARTS = ("patch_embed", "qkv", "attention", "proj", "mlp", "downsampling", "othe
 
 # Every op that is one fused attention: Q K^T plus A V (``_sdpa_flops``).
 _FUSED_ATTENTION = ("aten::scaled_dot_product_attention", "tokenpool::attention_with_significance",
-                    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
+                    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention",
+                    "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _sdpa_flops(inputs: list[Any], outputs: list[Any]) -> int:

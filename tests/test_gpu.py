@@ -113,9 +113,9 @@ def test_significance_backward_on_gpu_matches_cpu(dtype, shape, carry):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_lse_significance_matches_the_sdpa_path_on_gpu(dtype):
-    """Flash attention's row log-sum-exps feed the scores: the output, the scores and the gradients of
-    both equal SDPA's output and the scores computed from scratch. A bias (carried sizes) or float32
-    has no flash path."""
+    """The fused kernel's row log-sum-exps (cuDNN's on an H100 or H200, flash attention's on an A100)
+    feed the scores: the output, the scores and the gradients of both equal SDPA's output and the
+    scores computed from scratch. A bias (carried sizes) or float32 has no such path."""
     from pipeline.models.attention import fused_attention_lse
 
     b, h, t, d = 4, 6, 197, 64
@@ -130,6 +130,8 @@ def test_flash_lse_significance_matches_the_sdpa_path_on_gpu(dtype):
         if flash:
             out, lse = fused_attention_lse(q, k, v, 0.125, None, 0.0)
             assert lse.shape == (b, h, t) and lse.dtype == torch.float32
+            want = (q.detach().float() @ k.detach().float().transpose(-2, -1) * 0.125).logsumexp(-1)
+            torch.testing.assert_close(lse, want, rtol=1e-3, atol=1e-3)  # natural log, the scale included
             scores = attention_significance(q, k, 0.125, lse=lse)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125)

@@ -1,14 +1,15 @@
 """Self-attention of a timm ``Attention`` module that also returns what the downsampling step needs.
 
 It reads the module's own layers (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``), so a timm
-state dict loads unchanged. On CUDA the output always comes from the fused kernel
-(``F.scaled_dot_product_attention``), with proportional attention as an additive bias and normalised
-queries and keys as pre-scaled queries; the significance scores of eq. 4 come from
-``attention_significance``, which never forms the normalised probabilities. Where the fused kernel
-is flash attention (``fused_attention_lse``), it also hands the scores its row log-sum-exps, so they
-cost one pass over the logits instead of two. On the CPU a block that needs the scores takes both
-from one set of logits (``attention_and_significance``), unless attention dropout is active;
-``dense_segments(True)`` gives it the CUDA path (op counts), with the CPU's flash kernel.
+state dict loads unchanged. On CUDA the output always comes from a fused kernel
+(``F.scaled_dot_product_attention``, or the kernel it runs, called by name), with proportional
+attention as an additive bias and normalised queries and keys as pre-scaled queries; the
+significance scores of eq. 4 come from ``attention_significance``, which never forms the normalised
+probabilities. Where the fused kernel can return its row log-sum-exps (``fused_attention_lse``:
+cuDNN's or flash attention), it hands them to the scores, which then cost one pass over the logits
+instead of two. On the CPU a block that needs the scores takes both from one set of logits
+(``attention_and_significance``), unless attention dropout is active; ``dense_segments(True)``
+gives it the CUDA path (op counts), with the CPU's flash kernel.
 """
 
 from __future__ import annotations
@@ -92,26 +93,44 @@ def attend(
 
 def fused_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float
                         ) -> tuple[Tensor, Tensor] | None:
-    """The fused attention output (B, H, T, D) and its row log-sum-exps (B, H, T) float32, from a flash
-    kernel that returns both, or None where there is none for these inputs.
+    """The fused attention output (B, H, T, D) and its row log-sum-exps (B, H, T) float32, from the
+    kernel that ``scaled_dot_product_attention`` runs for these inputs, called by name because SDPA
+    does not return the log-sum-exps; None where there is no such kernel for these inputs.
 
-    - CUDA: ``aten._scaled_dot_product_flash_attention``, what ``scaled_dot_product_attention`` runs
-      for these inputs anyway: half precision, no mask (proportional attention's bias falls back),
-      head dim a multiple of 8 up to 256, compute capability 8.x or 9.x (A100, H100, H200). It
-      ignores ``torch.backends.cuda.enable_flash_sdp``, which ``torch.compile`` cannot read.
-    - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, the bias as a mask,
-      no dropout); only the CUDA path of ``dense_segments(True)`` gets here.
-
-    Both are autograd ops; the log-sum-exps are a statistic of the logits, not differentiated.
+    On CUDA see ``_cuda_attention_lse``. On the CPU, ``aten._scaled_dot_product_flash_attention_for_cpu``
+    (any float dtype, the bias (B, 1, 1, T) as a mask, no dropout); only the CUDA path of
+    ``dense_segments(True)`` gets here. All are autograd ops; the log-sum-exps are a statistic of the
+    logits and are not differentiated.
     """
     if q.is_cuda:
-        d = q.shape[-1]
-        if bias is not None or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
-            return None
-        if torch.cuda.get_device_properties(q.device).major not in (8, 9):
-            return None
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, scale=scale)[:2]
-        return out, lse
+        return _cuda_attention_lse(q, k, v, scale, bias, dropout)
     if q.device.type == "cpu" and dropout == 0.0:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, attn_mask=bias, scale=scale)
     return None
+
+
+def _cuda_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float
+                        ) -> tuple[Tensor, Tensor] | None:
+    """``fused_attention_lse`` on CUDA: on compute capability 9.x (H100, H200) cuDNN's attention
+    (``aten._scaled_dot_product_cudnn_attention``, the kernel SDPA ran in every profile of
+    docs/benchmarks.md), on 8.x (A100) flash attention (``aten._scaled_dot_product_flash_attention``).
+
+    None (the caller falls back to SDPA and scores that compute their own log-sum-exps) on other
+    cards, in float32, with a bias (proportional attention), for a head dim that is not a multiple of
+    8 up to 256, or when q, k and v are not laid out alike (normalised queries and keys): SDPA ran
+    these kernels on timm's packed q, k and v. The choice ignores ``torch.backends.cuda.enable_*_sdp``,
+    which ``torch.compile`` cannot read.
+    """
+    b, h, t, d = q.shape
+    if bias is not None or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+        return None
+    if not q.stride() == k.stride() == v.stride():
+        return None
+    major = torch.cuda.get_device_properties(q.device).major
+    if major == 9:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout, scale=scale)[:2]
+    elif major == 8:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, scale=scale)[:2]
+    else:
+        return None
+    return out, lse.reshape(b, h, t)  # cuDNN's is (B, H, T, 1)
