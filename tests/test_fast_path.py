@@ -525,3 +525,31 @@ def test_bench_kernels_refuses_an_empty_batch():
 
     with pytest.raises(ValueError, match="--batch must be a positive number of images, got 0"):
         run_kernel_bench("cpu", 0)
+
+
+def _custom_op_args(name: str) -> tuple:
+    """A custom op and CPU inputs as the models pass them: (op, args)."""
+    from pipeline.pooling.clustering import sq_dists
+
+    q, k = _qk(2, 3, 11, 16, seed=9)
+    gen = torch.Generator().manual_seed(9)
+    v = torch.randn(q.shape, generator=gen)
+    bias = torch.randint(1, 4, (2, 11), generator=gen).float().log()
+    lse = ((q @ k.transpose(-2, -1)) * 0.25 + bias[:, None, None, :]).logsumexp(-1)
+    q, k, v = (t.requires_grad_() for t in (q.clone(), k.clone(), v))
+    x, w = torch.randn(2, 20, 8, generator=gen), torch.rand(2, 20, generator=gen) + 0.1
+    ops = torch.ops.tokenpool
+    return {
+        "scores": (ops.attention_significance.default, (q, k, bias, 0.25, None)),
+        "scores from lse": (ops.attention_significance.default, (q, k, bias, 0.25, lse)),
+        "joint": (ops.attention_with_significance.default, (q, k, v, bias, 0.25)),
+        "kmedoids": (ops.kmedoids.default, (sq_dists(x), w, w.topk(6, dim=-1).indices, 3)),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["scores", "scores from lse", "joint", "kmedoids"])
+def test_custom_ops_pass_opcheck(name):
+    """torch.library.opcheck: the schema (no hidden mutation or aliasing), the fake kernels that
+    torch.compile traces with (shapes, dtypes, dynamic shapes included) and the autograd
+    registration agree with what the real kernels do."""
+    torch.library.opcheck(*_custom_op_args(name))
