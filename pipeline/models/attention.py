@@ -71,16 +71,18 @@ def attend(
         scale = 1.0
     dropout = attn.attn_drop.p if attn.training else 0.0
     significance = None
-    bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
     if scores and dropout == 0.0 and not use_dense(q):  # the CPU: one set of logits for both
         out, significance = attention_and_significance(q, k, v, scale, log_sizes)
-    elif scores and (fused := fused_attention_lse(q, k, v, scale, bias, dropout)) is not None:
-        out, lse = fused
-        significance = attention_significance(q, k, scale, log_sizes, lse=lse)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout)
-        if scores:
-            significance = attention_significance(q, k, scale, log_sizes)
+        bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
+        fused = fused_attention_lse(q, k, v, scale, bias, dropout) if scores else None
+        if fused is not None:  # the scores reuse the attention's row log-sum-exps
+            out, lse = fused
+            significance = attention_significance(q, k, scale, log_sizes, lse=lse)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout)
+            if scores:
+                significance = attention_significance(q, k, scale, log_sizes)
     stats = None
     if scores or keys:
         stats = AttentionStats(

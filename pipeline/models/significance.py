@@ -4,7 +4,8 @@
 without ever holding the normalised (B, H, T, T) probabilities:
 
 - on CUDA, two Triton passes (``significance_triton``): row log-sum-exps, then column sums of
-  ``exp(logit - lse)``, both recomputing the logits tile by tile;
+  ``exp(logit - lse)``, both recomputing the logits tile by tile; only the second when the caller
+  passes the row log-sum-exps that its fused attention kernel returned (``lse=``);
 - on the CPU (and on CUDA without Triton), the same math in torch: the row-normalised column sum
   is one matmul of the reciprocal row sums against the unnormalised ``exp(logit - rowmax)``, so the
   (B, H, T, T) matrix is never normalised.

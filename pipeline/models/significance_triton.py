@@ -9,8 +9,9 @@ Pass 1 (``_row_lse``), one program per (query block, batch x head): the log-sum-
 row, with the online-softmax recurrence over key blocks. Pass 2 (``_column_sums``), one program per
 (key block, batch x head): ``sum_i exp(logit_ij - lse_i)`` over every query block. Neither pass
 writes anything of size T x T; both recompute the logits with ``tl.dot``. Each program writes its own
-outputs, so the result is deterministic (no atomics). Next to flash attention, which returns the row
-log-sum-exps with its output, pass 1 is skipped (``lse=``), in the forward and in the backward.
+outputs, so the result is deterministic (no atomics). Next to a fused attention kernel that returns
+the row log-sum-exps with its output (cuDNN's, flash), pass 1 is skipped (``lse=``), in the forward
+and in the backward.
 
 The backward (``significance_backward_triton``) follows the same route. With g the (B, T) gradient
 of the scores and P_ij = exp(logit_ij - lse_i), d s / d logit_ij = P_ij (g_j - c_i), c_i = sum_j P_ij g_j:
