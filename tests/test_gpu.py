@@ -175,6 +175,34 @@ def test_inductor_fullgraph_on_gpu(method):
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+def test_significance_from_the_attention_lse_under_inductor_on_gpu(monkeypatch):
+    """In bf16 without carried sizes, every pooling block hands its scores the fused attention's row
+    log-sum-exps (a spy sees it in eager), and the model compiles with inductor, fullgraph, forward
+    and backward."""
+    from pipeline.models import attention
+
+    used = []
+    real = attention.fused_attention_lse
+
+    def spy(*args):
+        result = real(*args)
+        used.append(result is not None)
+        return result
+
+    model = apply_downsampling(_tiny(), "wkmedoids", [60, 40, 16, 9]).cuda().train()
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    with monkeypatch.context() as patch, torch.autocast("cuda", dtype=torch.bfloat16):
+        patch.setattr(attention, "fused_attention_lse", spy)
+        model(x)
+    assert used == [True] * 4, used
+    compiled = compile_model(model, "default", "cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = compiled(x)
+    logits.float().sum().backward()
+    assert torch.isfinite(logits).all()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_patch_matmul_matches_the_convolution_on_gpu(dtype, monkeypatch):
     """``patch_embed: matmul`` on CUDA against timm's convolution (the same parameters), fp32 and bf16 autocast."""
