@@ -352,13 +352,15 @@ def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     code = """
 from pipeline.models.significance import significance_torch
-from pipeline.models.significance_triton import significance_triton
+from pipeline.models.significance_triton import significance_and_lse_triton, significance_triton
 """ + _SIGNIFICANCE_CASES + """
     got, want = significance_triton(q, k, bias, d ** -0.5), significance_torch(q, k, bias, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # Given the row log-sum-exps (as flash attention returns them), only the column pass runs, and it
     # reads them: shifted by log 2 they halve every probability.
     torch.testing.assert_close(significance_triton(q, k, bias, d ** -0.5, lse=lse), want, rtol=1e-4, atol=1e-4)
+    # The row log-sum-exps of pass 1, which the op keeps for its backward.
+    torch.testing.assert_close(significance_and_lse_triton(q, k, bias, d ** -0.5)[1], lse, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(significance_triton(q, k, bias, d ** -0.5, lse=lse + 0.6931472), want / 2,
                                rtol=1e-4, atol=1e-4)
     print("ok", b, h, t, d, dtype, carry)

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
-    from pipeline.models.significance_triton import significance_backward_triton, significance_triton
+    from pipeline.models.significance_triton import significance_and_lse_triton, significance_backward_triton
 except ImportError:  # pragma: no cover - depends on the install
-    significance_triton = significance_backward_triton = None
+    significance_and_lse_triton = significance_backward_triton = None
 
 
 def _logits(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
@@ -46,12 +46,21 @@ def significance_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, 
     With ``lse`` (B, H, T), the row log-sum-exps of the same logits, the probabilities are
     ``exp(logit - lse)`` and their column sums are the scores.
     """
+    return significance_and_lse_torch(q, k, bias, scale, lse)[0]
+
+
+def significance_and_lse_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
+                               ) -> tuple[Tensor, Tensor]:
+    """``significance_torch`` and the row log-sum-exps (B, H, T) float32 it computed, for the backward;
+    an empty tensor when it was given ``lse``."""
     e = _logits(q, k, bias, scale)
     if lse is not None:
-        return e.sub_(lse.float().unsqueeze(-1)).exp_().sum((1, 2))
-    e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (B, H, T, T)
-    inv = e.sum(-1, keepdim=True).reciprocal_()  # (B, H, T, 1): 1 / row sums
-    return torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)  # (B, 1, T) per head, summed
+        return e.sub_(lse.float().unsqueeze(-1)).exp_().sum((1, 2)), e.new_empty(0)
+    rowmax = e.amax(-1, keepdim=True)
+    e = e.sub_(rowmax).exp_()  # unnormalised, (B, H, T, T)
+    total = e.sum(-1, keepdim=True)  # (B, H, T, 1) row sums
+    scores = torch.matmul(total.reciprocal().transpose(-2, -1), e).sum(1).squeeze(1)  # (B, 1, T) a head, summed
+    return scores, (rowmax + total.log()).squeeze(-1)
 
 
 # Images per chunk of the joint CPU op: their (H, T, T) float32 exponentials stay in cache across the
@@ -128,43 +137,48 @@ _joint_op.register_autograd(_joint_backward, setup_context=_joint_setup_context)
 
 
 @torch.library.custom_op("tokenpool::attention_significance", mutates_args=())
-def _significance_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None) -> Tensor:
-    return significance_torch(q, k, bias, scale, lse)
+def _significance_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    """(the (B, T) scores, the (B, H, T) row log-sum-exps computed on the way, kept for the backward;
+    empty when given ``lse``)."""
+    return significance_and_lse_torch(q, k, bias, scale, lse)
 
 
 @_significance_op.register_kernel("cuda")
 def _significance_cuda(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
-                       ) -> Tensor:
-    if significance_triton is None:
-        return significance_torch(q, k, bias, scale, lse)
-    return significance_triton(q, k, bias, scale, lse)
+                       ) -> tuple[Tensor, Tensor]:
+    if significance_and_lse_triton is None:
+        return significance_and_lse_torch(q, k, bias, scale, lse)
+    return significance_and_lse_triton(q, k, bias, scale, lse)
 
 
 @_significance_op.register_fake
 def _significance_fake(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
-                       ) -> Tensor:
-    return q.new_empty(q.shape[0], q.shape[2], dtype=torch.float32)
+                       ) -> tuple[Tensor, Tensor]:
+    b, h, t, _ = q.shape
+    row_lse = q.new_empty(b, h, t, dtype=torch.float32) if lse is None else q.new_empty(0, dtype=torch.float32)
+    return q.new_empty(b, t, dtype=torch.float32), row_lse
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, bias, scale, lse = inputs
-    ctx.save_for_backward(q, k, bias, lse)
+    ctx.save_for_backward(q, k, bias, output[1] if lse is None else lse)
     ctx.scale = scale
 
 
-def _backward(ctx, grad: Tensor):
-    """d s_j / d logit_ij = P_ij (g_j - sum_j' P_ij' g_j'): on CUDA the Triton kernels, which recompute
-    the logits tile by tile (and reuse the forward's row log-sum-exps when it was given them);
-    elsewhere torch, recomputing P (B, H, T, T) once.
+def _backward(ctx, grad: Tensor, _grad_lse: Tensor | None):
+    """d s_j / d logit_ij = P_ij (g_j - sum_j' P_ij' g_j'), with P_ij = exp(logit_ij - lse_i) from the
+    forward's row log-sum-exps (given, or computed there): on CUDA the Triton kernels, which recompute
+    the logits tile by tile; elsewhere torch, forming P (B, H, T, T) once.
 
-    ``lse`` is a function of q and k that the caller computed (a fused attention's statistic): these
+    ``lse`` is a function of q and k (the forward's, or a fused attention's statistic): these
     gradients are the whole derivative through q and k, and ``lse`` gets none."""
     q, k, bias, lse = ctx.saved_tensors
     if q.is_cuda and significance_backward_triton is not None:
         dq, dk, dbias = significance_backward_triton(q, k, bias, ctx.scale, grad, lse)
         keep_bias = bias is not None and ctx.needs_input_grad[2]
         return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None, None
-    probs = _logits(q, k, bias, ctx.scale).softmax(-1)
+    probs = _logits(q, k, bias, ctx.scale).sub_(lse.float().unsqueeze(-1)).exp_()
     g = grad.float()[:, None, None, :]  # (B, 1, 1, T): d s_j / d P_ij = g_j
     return (*_through_softmax(probs, g, q, k, bias, ctx.scale, ctx.needs_input_grad[2]), None, None)
 
@@ -189,7 +203,7 @@ def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | No
     """
     if lse is not None and lse.requires_grad:  # the fused kernels' lse is not differentiable: no op
         lse = lse.detach()
-    return _significance_op(q, k, bias, float(scale), lse)
+    return _significance_op(q, k, bias, float(scale), lse)[0]
 
 
 def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None

@@ -10,14 +10,14 @@ row, with the online-softmax recurrence over key blocks. Pass 2 (``_column_sums`
 (key block, batch x head): ``sum_i exp(logit_ij - lse_i)`` over every query block. Neither pass
 writes anything of size T x T; both recompute the logits with ``tl.dot``. Each program writes its own
 outputs, so the result is deterministic (no atomics). Next to a fused attention kernel that returns
-the row log-sum-exps with its output (cuDNN's, flash), pass 1 is skipped (``lse=``), in the forward
-and in the backward.
+the row log-sum-exps with its output (cuDNN's, flash), pass 1 is skipped (``lse=``).
 
-The backward (``significance_backward_triton``) follows the same route. With g the (B, T) gradient
-of the scores and P_ij = exp(logit_ij - lse_i), d s / d logit_ij = P_ij (g_j - c_i), c_i = sum_j P_ij g_j:
-``_row_lse`` again, then ``_row_grad`` per query block (c_i in one sweep over the keys, dq in a
-second), then ``_column_grad`` per key block (dk and the bias gradient in one sweep over the
-queries). The torch backward it replaces on CUDA forms four (B, H, T, T) float32 tensors a block.
+The backward (``significance_backward_triton``) follows the same route from the forward's row
+log-sum-exps (pass 1 runs again only when it is not given them). With g the (B, T) gradient of the
+scores and P_ij = exp(logit_ij - lse_i), d s / d logit_ij = P_ij (g_j - c_i), c_i = sum_j P_ij g_j:
+``_row_grad`` per query block (c_i in one sweep over the keys, dq in a second), then
+``_column_grad`` per key block (dk and the bias gradient in one sweep over the queries). The torch
+backward it replaces on CUDA forms four (B, H, T, T) float32 tensors a block.
 
 The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests).
 """
@@ -188,7 +188,8 @@ def significance_backward_triton(q: Tensor, k: Tensor, bias: Tensor | None, scal
                                  lse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The gradients of ``significance_triton`` for the score gradient ``grad`` (B, T): (dq, dk) in q's
     and k's dtypes, (B, H, T, D), and the bias gradient (B, T) float32 (None without a bias).
-    ``lse`` (B, H, T), the row log-sum-exps of the forward, saves the first pass."""
+    ``lse`` (B, H, T), the row log-sum-exps of the forward (the models always pass them), saves the
+    first pass."""
     b, h, t, d = q.shape
     bias_arg, args, meta, grid, row_lse = _launch_setup(q, k, bias, scale, lse)
     grad = grad.float().contiguous()
@@ -209,12 +210,19 @@ def significance_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float,
     """Eq. 4 from queries and keys: q, k (B, H, T, D), bias (B, T) added to every logit row -> (B, T) float32.
 
     ``lse`` (B, H, T): the row log-sum-exps of those logits where a fused attention kernel already
-    computed them (flash attention returns them); then only the column pass runs.
+    computed them (cuDNN's and flash attention return them); then only the column pass runs.
     """
+    return significance_and_lse_triton(q, k, bias, scale, lse)[0]
+
+
+def significance_and_lse_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
+                                ) -> tuple[Tensor, Tensor]:
+    """``significance_triton`` and the row log-sum-exps (B, H, T) float32 of pass 1, for the backward;
+    an empty tensor when it was given ``lse`` (no pass 1)."""
     b, h, t, _ = q.shape
     bias_arg, args, meta, grid, row_lse = _launch_setup(q, k, bias, scale, lse)
     per_head = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
     if lse is None:
         _row_lse[grid](q, k, bias_arg, row_lse, *args, **meta)
     _column_sums[grid](q, k, bias_arg, row_lse, per_head, *args, **meta)
-    return per_head.view(b, h, t).sum(1)
+    return per_head.view(b, h, t).sum(1), row_lse.view(b, h, t) if lse is None else row_lse.new_empty(0)

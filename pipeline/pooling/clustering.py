@@ -150,7 +150,8 @@ def _kmedoids_rows(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> 
 
     After each assignment the medoids are put in their own clusters by a (B, K) scatter, which is what
     the -inf diagonal of ``_reach`` does on the dense path without its (B, N, N) copy of d: at DeiT-S
-    size (B = 64, N = 196, K = 98, 9.8 MB a copy) the iterations take about 0.85 of the time.
+    size (B = 64, N = 196, K = 98, 9.8 MB a copy) the iterations took 0.58-0.94 of the time, paired
+    (docs/data/cpu/session9/kmedoids_rows.py).
     """
     b, n, _ = d.shape
     k = medoids.shape[1]

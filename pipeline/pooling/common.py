@@ -139,7 +139,8 @@ _DENSE: bool | None = None  # None: the one-hot path on CUDA, index_add_ on the 
 def dense_segments(enabled: bool | None) -> Iterator[None]:
     """Forces the segment-sum path of every operator inside the block (None: by device), and with it
     the attention path of the models' blocks (``models.attention.attend``: on the CUDA path the fused
-    attention plus separate scores, on the CPU path both from one set of logits).
+    attention plus separate scores, which reuse its row log-sum-exps where the kernel returns them; on
+    the CPU path both from one set of logits).
 
     ``True`` runs the CUDA path on any device: ``bench throughput`` uses it to count on the CPU the
     ops that a GPU launches.
