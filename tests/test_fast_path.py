@@ -555,3 +555,11 @@ def test_custom_ops_pass_opcheck(name):
     torch.compile traces with (shapes, dtypes, dynamic shapes included) and the autograd
     registration agree with what the real kernels do."""
     torch.library.opcheck(*_custom_op_args(name))
+
+
+def test_scores_refuse_an_lse_of_the_wrong_shape():
+    from pipeline.errors import InputError
+
+    q, k = _qk(2, 3, 11, 16)
+    with pytest.raises(InputError, match=r"lse must have shape \(B, H, T\) = \(2, 3, 11\) to match q, got \(2, 11\)"):
+        attention_significance(q, k, 0.25, lse=torch.zeros(2, 11))

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipeline.errors import InputError
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.models.significance_triton import significance_and_lse_triton, significance_backward_triton
 except ImportError:  # pragma: no cover - depends on the install
@@ -201,6 +203,9 @@ def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | No
     Returns:
         (B, T) float32 scores; each sample's scores add up to H * T.
     """
+    if lse is not None and tuple(lse.shape) != tuple(q.shape[:3]):
+        raise InputError(f"lse must have shape (B, H, T) = {tuple(q.shape[:3])} to match q, got {tuple(lse.shape)}; "
+                         "pass the row log-sum-exps of the attention over these queries and keys")
     if lse is not None and lse.requires_grad:  # the fused kernels' lse is not differentiable: no op
         lse = lse.detach()
     return _significance_op(q, k, bias, float(scale), lse)[0]
