@@ -33,6 +33,9 @@ PatchEmbed = Literal["conv", "matmul"]  # models.patch_embed: timm's convolution
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# Method options of the pooling section that default to None ("the method's own"); one set must apply to
+# the method that runs it.
+METHOD_OPTION_FIELDS = ("cluster_on", "significance")
 
 
 class _Loader(yaml.SafeLoader):
@@ -67,6 +70,10 @@ class PoolingConfig(Section):
     cluster_on: Literal["tokens", "metric"] | None = Field(
         None, description="match on the tokens, or on the cheaper metric (keys averaged over heads); "
         "default: the method's own (tokens for clustering, keys for ToMe)")
+    significance: Literal["eq4", "cls"] | None = Field(
+        None, description="the scores of the methods that read them: eq4, the attention each token receives "
+        "from every query (the paper's), or cls, the class token's attention alone (EViT; one query row, "
+        "cheaper); default eq4")
     keep: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, description="K_1..K_L for finetuning (one per block, each >= 0); default: keep all")
     level: int | None = Field(None, ge=0, le=7, description="or the paper's sparsity level (configs/sparsity/)")
@@ -505,10 +512,16 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _pooling_options_exist(self) -> Config:
-        spec = METHODS[self.pooling.method]
-        if self.pooling.cluster_on is not None and "cluster_on" not in spec.options:
-            takers = sorted(name for name, s in METHODS.items() if "cluster_on" in s.options)
-            raise InputError(f"pooling.cluster_on applies to {', '.join(takers)}, not {self.pooling.method!r}")
+        """A method option set in ``pooling`` must apply to the method it runs, or, in an experiment, to at
+        least one of its methods (each finetune takes the options its method has; ``dag.plan``)."""
+        swept = self.experiment is not None and bool(self.experiment.methods)
+        methods = self.experiment.methods if swept else [self.pooling.method]
+        for option in METHOD_OPTION_FIELDS:
+            if getattr(self.pooling, option) is None or any(option in METHODS[m].options for m in methods):
+                continue
+            takers = ", ".join(sorted(name for name, s in METHODS.items() if option in s.options))
+            where = f"any of experiment.methods {methods}" if swept else repr(self.pooling.method)
+            raise InputError(f"pooling.{option} applies to {takers}, not {where}")
         return self
 
 

@@ -10,7 +10,8 @@ fvcore has no handle for two ops this code base runs, so two are added here:
 and ``tokenpool::attention_with_significance`` (the CPU's attention of a block that also needs the
 significance scores) and the fused kernels that such a block calls by name for their row
 log-sum-exps (``models.attention.fused_attention_lse``) count as the fused attention, so the count is
-the same on any path; like the paper, no count includes the scores' column sums.
+the same on any path; like the paper, no count includes the scores' column sums (nor the class
+token's attention row of ``significance: cls``, a B H T d product that fvcore does not count).
 
 The downsampling cost is then what the operators really multiply: the K-Medoids Gram matrix
 (N^2 M per layer), the K-Means token-to-centre distances (N K M per assignment), the ToMe

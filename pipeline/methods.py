@@ -28,7 +28,13 @@ from typing import Any
 
 from pipeline.errors import InputError
 
-CLUSTER_OPTIONS = MappingProxyType({"iters": 5, "init": "topk", "cluster_on": "tokens"})
+# Which attention the scores measure: "eq4", the paper's (the attention each token receives from every
+# query), or "cls", the class token's row of it alone (EViT's token attentiveness; one query row a head,
+# so it costs B*H*T*D multiply-adds where eq. 4 costs B*H*T^2*D). The operators take the scores as they
+# come; the models compute the kind the method's options name.
+SIGNIFICANCE = ("eq4", "cls")
+SCORE_OPTIONS = MappingProxyType({"significance": "eq4"})
+CLUSTER_OPTIONS = MappingProxyType({"iters": 5, "init": "topk", "cluster_on": "tokens", **SCORE_OPTIONS})
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,8 @@ class MethodSpec:
         summary: one line for ``pipeline methods``.
         needs_scores: reads the significance scores of eq. 4 (the models compute them only then).
         options: the options it accepts, with their defaults. ``cluster_on: metric`` makes the models
-            hand it the attention keys averaged over heads as ``metric``.
+            hand it the attention keys averaged over heads as ``metric``; ``significance: cls`` makes
+            them compute its scores from the class token's attention instead of eq. 4.
         learnable: has parameters of its own, one set per block.
         reconstructs: takes part in ``analyze reconstruction`` (parameter-free methods that downsample).
     """
@@ -72,6 +79,11 @@ class MethodSpec:
         """Whether, with these (resolved) options, the method clusters on the mean keys."""
         return options.get("cluster_on") == "metric"
 
+    @staticmethod
+    def significance(options: Mapping[str, Any]) -> str:
+        """Which scores the models compute for it, with these (resolved) options: ``"eq4"`` or ``"cls"``."""
+        return options.get("significance", "eq4")
+
 
 METHODS: dict[str, MethodSpec] = {
     "none": MethodSpec("pipeline.pooling.registry:keep_all", "keep every token", reconstructs=False),
@@ -79,9 +91,9 @@ METHODS: dict[str, MethodSpec] = {
     "kmedoids": MethodSpec("pipeline.pooling.registry:kmedoids", "K-Medoids (eq. 8)", True, CLUSTER_OPTIONS),
     "wkmeans": MethodSpec("pipeline.pooling.registry:wkmeans", "weighted K-Means", True, CLUSTER_OPTIONS),
     "wkmedoids": MethodSpec("pipeline.pooling.registry:wkmedoids", "weighted K-Medoids", True, CLUSTER_OPTIONS),
-    "powerbert": MethodSpec("pipeline.pooling.registry:powerbert", "top-K significance", True),
+    "powerbert": MethodSpec("pipeline.pooling.registry:powerbert", "top-K significance", True, SCORE_OPTIONS),
     "random": MethodSpec("pipeline.pooling.registry:random", "uniform selection"),
-    "importance": MethodSpec("pipeline.pooling.registry:importance", "significance sampling", True),
+    "importance": MethodSpec("pipeline.pooling.registry:importance", "significance sampling", True, SCORE_OPTIONS),
     # ToMe matches on the keys averaged over heads, as ToMe itself does, unless told otherwise.
     "tome": MethodSpec("pipeline.pooling.registry:tome", "ToMe bipartite soft matching",
                        options={"cluster_on": "metric"}),

@@ -96,6 +96,13 @@ def test_cross_field_rule():
     takers = "kmeans, kmedoids, tome, wkmeans, wkmedoids"
     with pytest.raises(ConfigError, match=f"pooling.cluster_on applies to {takers}, not 'powerbert'"):
         load_config(None, ["pooling.method=powerbert", "pooling.cluster_on=metric"])
+    takers = "importance, kmeans, kmedoids, powerbert, wkmeans, wkmedoids"
+    with pytest.raises(ConfigError, match=f"pooling.significance applies to {takers}, not 'tome'"):
+        load_config(None, ["pooling.method=tome", "pooling.significance=cls"])
+    with pytest.raises(ConfigError, match="pooling.significance: Input should be 'eq4' or 'cls'"):
+        load_config(None, ["pooling.significance=evit"])
+    config = load_config(None, ["pooling.method=powerbert", "pooling.significance=cls"])
+    assert config.pooling.options() == {"significance": "cls"}
 
 
 @pytest.mark.parametrize("item", ["pooling.iters", "pooling..iters=3", "=3"])

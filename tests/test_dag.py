@@ -261,3 +261,28 @@ def test_registered_best_model_loads_and_serves_in_a_fresh_process(root, tmp_pat
     finally:
         stop(server)
     torch.testing.assert_close(torch.tensor(served, dtype=torch.float32), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_method_option_reaches_the_finetunes_that_take_it():
+    """``pooling.significance: cls`` in a sweep goes to the methods that read scores, not to ToMe (whose
+    stage would otherwise be refused), and changes their identity; ``eq4``, what the code did before
+    the option existed, leaves every identity as it was."""
+    from pipeline.dag.plan import archs, base_stage, finetune_stage
+
+    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
+    methods = "experiment.methods=[tome, powerbert]"
+    ids = {}
+    for significance in (None, "eq4", "cls"):
+        extra = [] if significance is None else [f"pooling.significance={significance}"]
+        config = load_config(paper, [methods, *extra])
+        arch = archs(config)[0]
+        base = base_stage(config, arch)
+        tome, powerbert = (finetune_stage(config, arch, base, m, "L3", [196] * 12, []) for m in ("tome", "powerbert"))
+        assert tome.config.pooling.significance is None
+        assert powerbert.config.pooling.options()["significance"] == (significance or "eq4")
+        ids[significance] = (tome.id, powerbert.id)
+    assert ids[None] == ids["eq4"]
+    assert ids["cls"][0] == ids[None][0] and ids["cls"][1] != ids[None][1]
+    with pytest.raises(ConfigError, match=r"pooling.significance applies to .*powerbert.*, not any of "
+                                          r"experiment.methods \['tome', 'random'\]"):
+        load_config(paper, ["experiment.methods=[tome, random]", "pooling.significance=cls"])

@@ -563,3 +563,94 @@ def test_scores_refuse_an_lse_of_the_wrong_shape():
     q, k = _qk(2, 3, 11, 16)
     with pytest.raises(InputError, match=r"lse must have shape \(B, H, T\) = \(2, 3, 11\) to match q, got \(2, 11\)"):
         attention_significance(q, k, 0.25, lse=torch.zeros(2, 11))
+
+
+# The class token's scores (``significance: cls``, EViT's token attentiveness), the cheaper option.
+
+
+def explicit_cls(q, k, bias, scale):
+    """The reference: the class token's row of the softmax attention, formed in full, summed over heads."""
+    logits = (q.double() * scale) @ k.double().transpose(-2, -1)
+    if bias is not None:
+        logits = logits + bias.double()[:, None, None, :]
+    return logits.softmax(-1)[:, :, 0].sum(1)
+
+
+@pytest.mark.parametrize("carry", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cls_significance_is_the_class_row_of_the_explicit_softmax(carry, dtype):
+    from pipeline.models.significance import cls_significance
+
+    q, k = _qk(b=3, h=4, t=13, d=16, dtype=dtype, seed=5)
+    bias = torch.rand(3, 13, generator=torch.Generator().manual_seed(6)).log() if carry else None
+    got = cls_significance(q, k, 0.25, bias)
+    assert got.dtype == torch.float32 and got.shape == (3, 13)
+    torch.testing.assert_close(got.double(), explicit_cls(q, k, bias, 0.25), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.sum(-1), torch.full((3,), 4.0))  # a distribution per head, summed over 4
+
+
+def test_cls_significance_gradient_matches_autograd_of_the_explicit_softmax():
+    from pipeline.models.significance import cls_significance
+
+    q, k = (t.double().requires_grad_() for t in _qk(b=2, h=3, t=9, d=8, seed=7))
+    bias = torch.rand(2, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(8)).log()
+    weight = torch.rand(2, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    got = torch.autograd.grad((cls_significance(q, k, 0.3, bias).double() * weight).sum(), (q, k))
+    want = torch.autograd.grad((explicit_cls(q, k, bias, 0.3) * weight).sum(), (q, k))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)  # float32 inside: float32 tolerances
+    assert got[0][:, :, 1:].abs().max() == 0  # only the class token's query takes part
+
+
+def test_a_cls_model_keeps_the_tokens_the_class_token_attends_to_most():
+    """PoWER-BERT with ``significance: cls``: block 0's scores are the class token's attention, computed
+    here from the block's own queries and keys, and the tokens it keeps are their top K."""
+    model = apply_downsampling(tiny(), "powerbert", KEEP, significance="cls").eval()
+    seen, records = {}, []
+    model.blocks[0].norm1.register_forward_hook(lambda mod, args, out: seen.setdefault("x", out))
+    model.blocks.recorder = records.append
+    with torch.no_grad():
+        model(images())
+        x = seen["x"]
+        q, k, _ = model.blocks[0].attn.qkv(x).reshape(2, 65, 3, 3, 16).permute(2, 0, 3, 1, 4)
+    want = explicit_cls(q, k, None, 0.25)[:, 1:]
+    torch.testing.assert_close(records[0].scores.double(), want, rtol=1e-5, atol=1e-6)
+    eq4 = explicit(q, k, None, 0.25)[:, 1:].double()
+    assert not torch.equal(want.argsort(-1), eq4.argsort(-1))  # the option changes which tokens rank first
+    kept = records[0].assign >= 0
+    top = torch.zeros_like(kept).scatter_(1, want.topk(KEEP[0], dim=-1).indices, True)
+    assert torch.equal(kept, top)
+
+
+@pytest.mark.parametrize("method,carry", [("wkmedoids", False), ("wkmedoids", True), ("powerbert", False),
+                                          ("importance", False), ("kmeans", True)])
+def test_cls_models_compile_with_fullgraph_and_sync_nothing(method, carry):
+    model = apply_downsampling(tiny(), method, KEEP, carry=carry, significance="cls").train()
+    compiled = compile_model(model, "default", "cpu", backend="aot_eager")
+    logits = compiled(images())
+    logits.sum().backward()
+    assert torch.isfinite(logits).all() and model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    counter = count_ops(lambda: model.eval()(images()))
+    assert counter.total > 100 and counter.host_syncs() == {}
+    assert "tokenpool.attention_significance.default" not in counter.ops  # no eq. 4 anywhere
+    assert "tokenpool.attention_with_significance.default" not in counter.ops
+
+
+def test_cls_scores_need_a_class_token():
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError, match="significance='cls'.*has no class token; use significance='eq4'"):
+        apply_downsampling(tiny(class_token=False, global_pool="avg"), "wkmedoids", KEEP, significance="cls")
+    with pytest.raises(InputError, match=r"significance must be one of \('eq4', 'cls'\), got 'evit'"):
+        apply_downsampling(tiny(), "powerbert", KEEP, significance="evit")
+
+
+@pytest.mark.parametrize("method,options", [("random", {}), ("importance", {}), ("kmeans", {"init": "random"})])
+def test_random_draws_compile_for_a_second_batch_size(method, options):
+    """A compiled model called with a second batch size (a last, partial batch) is compiled again with a
+    symbolic batch size; the methods that draw random numbers must trace there too (``torch.rand`` with
+    symbolic sizes does not; ``uniform_noise`` uses ``rand_like``)."""
+    torch._dynamo.reset()
+    model = apply_downsampling(tiny(), method, KEEP, **options).eval()
+    compiled = compile_model(model, "default", "cpu", backend="aot_eager")
+    with torch.no_grad():
+        assert [compiled(images(n)).shape for n in (2, 3, 4)] == [(2, 10), (3, 10), (4, 10)]

@@ -203,6 +203,25 @@ def test_significance_from_the_attention_lse_under_inductor_on_gpu(monkeypatch):
     _compiled_bf16_step(model, x)
 
 
+def test_cls_significance_on_gpu_eager_and_under_inductor():
+    """The class token's scores (``significance: cls``) on CUDA in bf16, eager and compiled by inductor,
+    against the class row of the explicit softmax in float64 on the CPU; then a cls model compiles
+    (fullgraph, bf16, forward and backward)."""
+    from pipeline.models.significance import cls_significance
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, _ = torch.randn(4, 197, 3, 6, 64, generator=gen).permute(2, 0, 3, 1, 4).bfloat16().unbind(0)
+    bias = torch.rand(4, 197, generator=gen).log()
+    logits = (q.double() * 0.125) @ k.double().transpose(-2, -1) + bias.double()[:, None, None, :]
+    want = logits.softmax(-1)[:, :, 0].sum(1)
+    eager = cls_significance(q.cuda(), k.cuda(), 0.125, bias.cuda())
+    compiled = torch.compile(cls_significance, fullgraph=True)(q.cuda(), k.cuda(), 0.125, bias.cuda())
+    for got in (eager, compiled):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-5)
+    model = apply_downsampling(_tiny(), "wkmedoids", [60, 40, 16, 9], significance="cls").cuda().train()
+    _compiled_bf16_step(model, torch.randn(4, 3, 64, 64, device="cuda"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_patch_matmul_matches_the_convolution_on_gpu(dtype, monkeypatch):
     """``patch_embed: matmul`` on CUDA against timm's convolution (the same parameters), fp32 and bf16 autocast."""

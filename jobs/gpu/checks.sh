@@ -21,8 +21,9 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 methods=${METHODS:-powerbert,kmedoids,wkmedoids,kmeans,tome}
 mode=${COMPILE:-default}  # the compile mode of the compiled and train parts
-extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED}"  # PROFILE=1: kernel tables of one
-# call of each model in PART.log; PATCH_EMBED=matmul: every model's patch embedding as one matmul
+extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${SIGNIFICANCE:+--set pooling.significance=$SIGNIFICANCE}"
+# PROFILE=1: kernel tables of one call of each model in PART.log; PATCH_EMBED=matmul: every model's patch
+# embedding as one matmul; SIGNIFICANCE=cls: the class token's scores (give it its own OUT)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
 

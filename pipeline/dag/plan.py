@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import Config, ExperimentConfig, StageRecipe
+from pipeline.config import METHOD_OPTION_FIELDS, Config, ExperimentConfig, StageRecipe
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
+from pipeline.methods import METHODS
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
 # Where a stage reads its result from; excluded from the identity.
@@ -22,6 +23,9 @@ _VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), (
              ("train", "progress_bar")}
 # How a stage runs, not what it learns: the same function either way; excluded from the identity too.
 _EXECUTION_ONLY = {("train", "compile"), ("model", "patch_embed")}
+# Method options added after stage identities were first recorded, at the value that does what the code
+# did before them: left out of the identity, so that the stages recorded then still count.
+_ADDED_OPTIONS = {"significance": "eq4"}
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,9 @@ def identity_content(config: Config) -> dict[str, Any]:
         content.pop(section, None)
     pool = config.pooling
     if config.train.mode == "finetune":
+        options = {key: value for key, value in pool.options().items() if _ADDED_OPTIONS.get(key, value) != value}
         content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
-                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.options()}
+                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": options}
     else:
         content.pop("pooling", None)
     return content
@@ -138,8 +143,9 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "baseline", **trial_train(exp)},
                     pooling={"keep": None, "level": None})
     else:
+        others = {option: None for option in METHOD_OPTION_FIELDS if option not in METHODS[method].options}
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},
-                    pooling={"method": method, "keep": keep, "level": None})
+                    pooling={"method": method, "keep": keep, "level": None, **others})
     label = f"{exp.name}-ft-{arch.label}-{level}-{method}"
     return Stage("finetune", label, cfg, [base.id, *upstream], arch.label, StageMeta(method=method, level=level))
 

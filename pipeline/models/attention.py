@@ -9,7 +9,9 @@ probabilities. Where the fused kernel can return its row log-sum-exps (``fused_a
 cuDNN's or flash attention), it hands them to the scores, which then cost one pass over the logits
 instead of two. On the CPU a block that needs the scores takes both from one set of logits
 (``attention_and_significance``), unless attention dropout is active; ``dense_segments(True)``
-gives it the CUDA path (op counts), with the CPU's flash kernel.
+gives it the CUDA path (op counts), with the CPU's flash kernel. A method with
+``significance: cls`` gets the class token's row of eq. 4 instead (``cls_significance``, one query
+row a head), next to the fused attention on every device.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.models.significance import attention_and_significance, attention_significance
+from pipeline.methods import SIGNIFICANCE
+from pipeline.models.significance import attention_and_significance, attention_significance, cls_significance
 from pipeline.pooling.common import use_dense
 
 
@@ -29,7 +32,8 @@ from pipeline.pooling.common import use_dense
 class AttentionStats:
     """Per-token statistics of one attention call, for the non-prefix tokens only (None: not asked for)."""
 
-    scores: Tensor | None  # (B, N) significance (eq. 4): attention each token receives, over all heads and queries
+    scores: Tensor | None  # (B, N) significance: attention each token receives, over all heads and queries (eq. 4)
+    # or from the class token alone (``significance="cls"``)
     keys: Tensor | None  # (B, N, head_dim) keys averaged over heads, the cheap clustering metric
 
 
@@ -42,6 +46,7 @@ def attend(
     qk_alpha: Tensor | None = None,
     scores: bool = False,
     keys: bool = False,
+    significance: str = "eq4",
 ) -> tuple[Tensor, AttentionStats | None]:
     """Runs ``attn`` on x (B, T, M) with T = prefix + tokens.
 
@@ -55,12 +60,17 @@ def attend(
             ``alpha * q . k`` (Appendix F) instead of ``q . k / sqrt(d)``.
         scores: also return the significance scores of the non-prefix tokens.
         keys: also return their keys averaged over heads.
+        significance: which scores: ``"eq4"`` (the paper's) or ``"cls"`` (the class token's
+            attention, ``cls_significance``; token 0 must be the class token). With ``"cls"`` the
+            output always comes from the fused attention.
 
     Returns:
         ((B, T, M) output, AttentionStats, or None when neither statistic was asked for).
     """
     if getattr(attn, "gate", None) is not None:
         raise InputError("gated attention is not supported by the downsampling blocks")
+    if significance not in SIGNIFICANCE:
+        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
     b, t, _ = x.shape
     qkv = attn.qkv(x).reshape(b, t, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)  # (B, H, T, hd)
@@ -70,23 +80,26 @@ def attend(
         q, k = F.normalize(q, dim=-1) * qk_alpha.to(q.dtype), F.normalize(k, dim=-1)
         scale = 1.0
     dropout = attn.attn_drop.p if attn.training else 0.0
-    significance = None
-    if scores and dropout == 0.0 and not use_dense(q):  # the CPU: one set of logits for both
-        out, significance = attention_and_significance(q, k, v, scale, log_sizes)
+    eq4 = scores and significance == "eq4"
+    found = None
+    if eq4 and dropout == 0.0 and not use_dense(q):  # the CPU: one set of logits for both
+        out, found = attention_and_significance(q, k, v, scale, log_sizes)
     else:
         bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
-        fused = fused_attention_lse(q, k, v, scale, bias, dropout) if scores else None
+        fused = fused_attention_lse(q, k, v, scale, bias, dropout) if eq4 else None
         if fused is not None:  # the scores reuse the attention's row log-sum-exps
             out, lse = fused
-            significance = attention_significance(q, k, scale, log_sizes, lse=lse)
+            found = attention_significance(q, k, scale, log_sizes, lse=lse)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout)
-            if scores:
-                significance = attention_significance(q, k, scale, log_sizes)
+            if eq4:
+                found = attention_significance(q, k, scale, log_sizes)
+    if scores and not eq4:
+        found = cls_significance(q, k, scale, log_sizes)
     stats = None
     if scores or keys:
         stats = AttentionStats(
-            scores=significance[:, num_prefix:] if scores else None,
+            scores=found[:, num_prefix:] if scores else None,
             keys=k.mean(dim=1)[:, num_prefix:] if keys else None,
         )
     out = out.transpose(1, 2).reshape(b, t, -1)

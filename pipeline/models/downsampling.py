@@ -55,7 +55,8 @@ class BlockRecord:
         before: (B, N, M) the block's input tokens.
         attended: (B, N, M) the attention branch's output (after LayerScale), before the residual sum.
         mixed: (B, N, M) ``before + attended``: what the downsampling step receives.
-        scores: (B, N) significance (eq. 4) from this block's attention.
+        scores: (B, N) significance from this block's attention (eq. 4, or the class token's row of it
+            for a method with ``significance: cls``).
         keys: (B, N, head_dim) keys averaged over heads.
         assign: (B, N) output slot of each token, -1 for a dropped one; None when the block keeps
             every token.
@@ -82,6 +83,7 @@ class DownsamplingBlocks(nn.Sequential):
         spec = METHODS[config.method]
         self.learnable = spec.learnable
         self.needs_scores, self.needs_keys = spec.needs_scores, spec.needs_metric(config.options)
+        self.significance = spec.significance(config.options)
         # Analysis hook (pipeline.analysis): called with a BlockRecord per block when set.
         self.recorder: Callable[[BlockRecord], None] | None = None
         dim = blocks[0].norm1.normalized_shape[0]
@@ -132,6 +134,7 @@ class DownsamplingBlocks(nn.Sequential):
             qk_alpha=getattr(block, "qk_alpha", None),
             scores=record or soft or (pool and self.needs_scores),
             keys=record or (pool and self.needs_keys),
+            significance=self.significance,
         )
         before, attended = x, block.drop_path1(block.ls1(attn_out))
         x = mixed = before + attended
@@ -262,7 +265,7 @@ def apply_downsampling(
         soft_extract: add PoWER-BERT's soft-extract layer to every block (one learnable retention
             weight per significance rank, initialised to 1) for the K search; see
             ``retention_penalty`` and ``retention_keep``. It needs ``method="none"`` and no keep list.
-        options: method options (``iters``, ``init``, ``cluster_on``).
+        options: method options (``iters``, ``init``, ``cluster_on``, ``significance``).
     """
     for attr in ("blocks", "num_prefix_tokens", "patch_embed"):
         if not hasattr(model, attr):
@@ -281,6 +284,9 @@ def apply_downsampling(
     depth = len(model.blocks)
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
     _check_head_keeps_tokens(model, keep)
+    if METHODS[method].significance(options) == "cls" and getattr(model, "cls_token", None) is None:
+        raise InputError(f"method {method!r} with significance='cls' scores tokens by the class token's attention, "
+                         "but this model has no class token; use significance='eq4' (the paper's scores)")
     config = DownsamplingConfig(method=method, keep=keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
                                 soft_extract=soft_extract, options=options)
     grid = tuple(model.patch_embed.grid_size) if hasattr(model.patch_embed, "grid_size") else None

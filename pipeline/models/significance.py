@@ -223,3 +223,25 @@ def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bi
         ((B, H, T, D) attention output in v's dtype, (B, T) float32 scores).
     """
     return _joint_op(q, k, v, bias, float(scale))
+
+
+def cls_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
+    """The class token's row of eq. 4 (EViT's token attentiveness): ``s_j = sum_h softmax_j(scale q_0 . k_j + bias_j)``.
+
+    One query row a head: B*H*T*D multiply-adds, where eq. 4 takes B*H*T^2*D, so plain torch ops
+    suffice (autograd differentiates them; ``torch.compile`` fuses them). Computed in float32 with
+    autocast off, as eq. 4 is.
+
+    Args:
+        q, k: (B, H, T, D) queries and keys; token 0 is the class token.
+        scale, bias: as for ``attention_significance``.
+
+    Returns:
+        (B, T) float32 scores; each sample's scores add up to H.
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        query = q[:, :, :1].float() * scale  # (B, H, 1, D)
+        logits = (k * query).sum(-1)  # (B, H, T) float32 (type promotion: k is read in its own dtype, not copied)
+        if bias is not None:
+            logits = logits + bias.float().unsqueeze(1)
+        return logits.softmax(-1).sum(1)

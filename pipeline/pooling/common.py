@@ -121,6 +121,18 @@ def identity_result(tokens: Tensor, sizes: Tensor | None) -> PoolResult:
     return PoolResult(tokens=tokens, sizes=out_sizes, assign=assign, index=assign())
 
 
+def uniform_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Uniform [0, 1) float32 noise of the shape (B, N) and device of ``like``.
+
+    Without a generator it is ``rand_like``, which ``torch.compile`` traces with a symbolic batch size
+    (a model compiled again for a second batch size gets one); ``torch.rand(b, n)`` with symbolic
+    sizes fails to trace. Both draw the same numbers from the same generator state.
+    """
+    if generator is None:
+        return torch.rand_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
+    return torch.rand(like.shape, device=like.device, generator=generator)
+
+
 def work_dtype(tokens: Tensor) -> torch.dtype:
     """The dtype distances and means are computed in: float32, or float64 for float64 input."""
     return torch.float64 if tokens.dtype == torch.float64 else torch.float32  # no dispatched op

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.methods import method_spec
+from pipeline.methods import SIGNIFICANCE, method_spec
 from pipeline.pooling.clustering import INITS, token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 from pipeline.pooling.selection import select_importance, select_random, select_topk
@@ -53,10 +53,18 @@ def _check_cluster_on(cluster_on: str) -> None:
         raise InputError(f"cluster_on must be one of {CLUSTER_ON}, got {cluster_on!r}")
 
 
-def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_on: str) -> Downsampler:
+def _check_significance(significance: str) -> None:
+    """The operators take the scores as given; the models read this option to compute them."""
+    if significance not in SIGNIFICANCE:
+        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
+
+
+def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_on: str, significance: str
+                ) -> Downsampler:
     if init not in INITS:
         raise InputError(f"init must be one of {INITS}, got {init!r}")
     _check_cluster_on(cluster_on)
+    _check_significance(significance)
 
     def step(tokens: Tensor, k: int, *, scores: Tensor | None = None, sizes: Tensor | None = None,
              metric: Tensor | None = None, generator: torch.Generator | None = None,
@@ -102,7 +110,8 @@ def wkmedoids(**options: Any) -> Downsampler:
     return _clustering("kmedoids", True, **options)
 
 
-def powerbert() -> Downsampler:
+def powerbert(*, significance: str) -> Downsampler:
+    _check_significance(significance)
     return _selection(select_topk, ("scores", "sizes"))
 
 
@@ -110,7 +119,8 @@ def random() -> Downsampler:
     return _selection(select_random, ("sizes", "generator"))
 
 
-def importance() -> Downsampler:
+def importance(*, significance: str) -> Downsampler:
+    _check_significance(significance)
     return _selection(select_importance, ("scores", "sizes", "generator"))
 
 
@@ -133,7 +143,8 @@ def build_downsampler(name: str, *, dim: int | None = None, grid: tuple[int, int
     """Builds the method ``name`` with its ``options`` (defaults from its ``MethodSpec``).
 
     Options: clustering methods take ``iters``, ``init`` and ``cluster_on`` ("tokens" or
-    "metric"); ``tome`` takes ``cluster_on`` (default "metric", ToMe's keys). A learnable method
+    "metric"); ``tome`` takes ``cluster_on`` (default "metric", ToMe's keys); every method that reads
+    scores takes ``significance`` ("eq4" or "cls"), which tells the models which scores to compute. A learnable method
     (``conv``) also needs ``dim``, the token width M, and may check the ``grid`` (h, w) it will see
     and the ``k`` it must produce (a ValueError when it cannot).
     """

@@ -17,6 +17,7 @@ from pipeline.pooling.common import (
     check_tokens,
     identity_result,
     sorted_indices,
+    uniform_noise,
 )
 
 
@@ -82,7 +83,7 @@ def select_random(
     b, n, _ = tokens.shape
     if k >= n:
         return identity_result(tokens, sizes)
-    noise = torch.rand(b, n, device=tokens.device, generator=generator)
+    noise = uniform_noise(tokens[..., 0], generator)  # (B, N)
     return keep_indices(tokens, noise.topk(k, dim=-1).indices, sizes)
 
 
@@ -99,7 +100,7 @@ def select_importance(
     b, n, _ = tokens.shape
     if k >= n:
         return identity_result(tokens, sizes)
-    uniform = torch.rand(b, n, device=tokens.device, generator=generator)
+    uniform = uniform_noise(scores, generator)  # (B, N)
     gumbel = -torch.log(-torch.log(uniform.clamp(torch.finfo(torch.float32).tiny, 1.0 - 1e-7)))
     # A zero score can only be drawn after every positive one: log(0) = -inf keeps that order.
     keys = torch.log(scores.float()) + gumbel  # (B, N)
