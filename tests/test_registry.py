@@ -103,3 +103,15 @@ def test_tome_matches_on_keys_in_training_and_in_the_benchmarks():
     tokens_config = load_config(TINY, ["train.mode=finetune", "pooling.method=tome", "pooling.keep=[12, 8, 4]",
                                        "pooling.cluster_on=tokens"])
     assert not build_model(tokens_config).blocks.needs_keys
+
+
+def test_the_class_token_scores_reach_the_model_a_finetune_builds():
+    """``pooling.significance: cls`` in a finetune config gives the model it trains class-token scores;
+    the default builds eq. 4's."""
+    from pipeline.train.build import build_model
+
+    base = ["train.mode=finetune", "pooling.method=wkmedoids", "pooling.keep=[12, 8, 4]"]
+    cls = build_model(load_config(TINY, [*base, "pooling.significance=cls"])).blocks
+    eq4 = build_model(load_config(TINY, base)).blocks
+    assert (cls.significance, eq4.significance) == ("cls", "eq4")
+    assert cls.config.options["significance"] == "cls" and eq4.config.options["significance"] == "eq4"

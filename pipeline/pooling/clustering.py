@@ -83,12 +83,12 @@ def effective_weights(tokens: Tensor, weights: Tensor | None, sizes: Tensor | No
     return w.clamp_min(_WEIGHT_FLOOR)
 
 
-def initial_indices(k: int, *, init: str, init_scores: Tensor | None, like: Tensor,
+def initial_indices(k: int, *, init: str, init_scores: Tensor | None, tokens: Tensor,
                     generator: torch.Generator | None) -> Tensor:
-    """Indices (B, K) of the tokens that start as cluster centres; ``like`` (B, N) gives the shape."""
+    """Indices (B, K) of the tokens (B, N, M) that start as cluster centres."""
     if init == "topk":
         return init_scores.topk(k, dim=-1).indices
-    return uniform_noise(like, generator).topk(k, dim=-1).indices
+    return uniform_noise(tokens[..., 0], generator).topk(k, dim=-1).indices
 
 
 def _kmeans(x: Tensor, w: Tensor | None, centres: Tensor, iters: int) -> Tensor:
@@ -285,7 +285,7 @@ def token_pool(
     x = tokens.to(dtype)
     space = x if metric is None else metric.to(dtype)
     w = effective_weights(tokens, weights, sizes)
-    start = initial_indices(k, init=init, init_scores=init_scores, like=tokens[..., 0], generator=generator)
+    start = initial_indices(k, init=init, init_scores=init_scores, tokens=tokens, generator=generator)
     with torch.no_grad():  # the assignments are constants; gradients flow through the means below
         if method == "kmeans":
             assign = _kmeans(space, w, _gather_rows(space, start), iters)
