@@ -46,7 +46,7 @@ class MethodSpec:
             ``build(**options)``, or ``build(dim, **options)`` for a learnable method (one instance
             per downsampling block, ``build(dim, grid=(h, w), k=K)``).
         summary: one line for ``pipeline methods``.
-        needs_scores: reads the significance scores of eq. 4 (the models compute them only then).
+        needs_scores: reads significance scores (eq. 4 by default; the models compute them only then).
         options: the options it accepts, with their defaults. ``cluster_on: metric`` makes the models
             hand it the attention keys averaged over heads as ``metric``; ``significance: cls`` makes
             them compute its scores from the class token's attention instead of eq. 4.
