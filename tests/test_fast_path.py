@@ -644,11 +644,13 @@ def test_cls_scores_need_a_class_token():
         apply_downsampling(tiny(), "powerbert", KEEP, significance="evit")
 
 
-@pytest.mark.parametrize("method,options", [("random", {}), ("importance", {}), ("kmeans", {"init": "random"})])
+@pytest.mark.parametrize("method,options", [("random", {}), ("importance", {}), ("kmeans", {"init": "random"}),
+                                            ("wkmedoids", {}), ("tome", {})])
 def test_random_draws_compile_for_a_second_batch_size(method, options):
     """A compiled model called with a second batch size (a last, partial batch) is compiled again with a
     symbolic batch size; the methods that draw random numbers must trace there too (``torch.rand`` with
-    symbolic sizes does not; ``uniform_noise`` uses ``rand_like``)."""
+    symbolic sizes does not; ``uniform_noise`` uses ``rand_like``), and so must the custom ops and the
+    ranks (WK-Medoids, ToMe)."""
     torch._dynamo.reset()
     model = apply_downsampling(tiny(), method, KEEP, **options).eval()
     compiled = compile_model(model, "default", "cpu", backend="aot_eager")
