@@ -33,6 +33,14 @@ from pipeline.errors import InputError
 # so it costs B*H*T*D multiply-adds where eq. 4 costs B*H*T^2*D). The operators take the scores as they
 # come; the models compute the kind the method's options name.
 SIGNIFICANCE = ("eq4", "cls")
+
+
+def check_significance(significance: object) -> None:
+    """InputError unless ``significance`` names a kind of scores (``SIGNIFICANCE``)."""
+    if significance not in SIGNIFICANCE:
+        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
+
+
 SCORE_OPTIONS = MappingProxyType({"significance": "eq4"})
 CLUSTER_OPTIONS = MappingProxyType({"iters": 5, "init": "topk", "cluster_on": "tokens", **SCORE_OPTIONS})
 

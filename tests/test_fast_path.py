@@ -34,12 +34,17 @@ def images(n: int = 2) -> torch.Tensor:
     return torch.randn(n, 3, 64, 64, generator=torch.Generator().manual_seed(1))
 
 
-def explicit(q, k, bias, scale):
-    """The reference: softmax of the logits, formed in full, summed over heads and queries (eq. 4)."""
+def explicit_probs(q, k, bias, scale):
+    """The reference attention: the softmax of the logits, formed in full in float64, (B, H, T, T)."""
     logits = (q.double() * scale) @ k.double().transpose(-2, -1)
     if bias is not None:
         logits = logits + bias.double()[:, None, None, :]
-    return significance(logits.softmax(-1))
+    return logits.softmax(-1)
+
+
+def explicit(q, k, bias, scale):
+    """The reference eq. 4: the explicit probabilities summed over heads and queries."""
+    return significance(explicit_probs(q, k, bias, scale))
 
 
 def _qk(b=2, h=3, t=11, d=16, dtype=torch.float32, seed=0):
@@ -569,11 +574,8 @@ def test_scores_refuse_an_lse_of_the_wrong_shape():
 
 
 def explicit_cls(q, k, bias, scale):
-    """The reference: the class token's row of the softmax attention, formed in full, summed over heads."""
-    logits = (q.double() * scale) @ k.double().transpose(-2, -1)
-    if bias is not None:
-        logits = logits + bias.double()[:, None, None, :]
-    return logits.softmax(-1)[:, :, 0].sum(1)
+    """The reference: the class token's row of the explicit probabilities, summed over heads."""
+    return explicit_probs(q, k, bias, scale)[:, :, 0].sum(1)
 
 
 @pytest.mark.parametrize("carry", [False, True])

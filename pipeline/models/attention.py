@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.methods import SIGNIFICANCE
+from pipeline.methods import check_significance
 from pipeline.models.significance import attention_and_significance, attention_significance, cls_significance
 from pipeline.pooling.common import use_dense
 
@@ -69,8 +69,7 @@ def attend(
     """
     if getattr(attn, "gate", None) is not None:
         raise InputError("gated attention is not supported by the downsampling blocks")
-    if significance not in SIGNIFICANCE:
-        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
+    check_significance(significance)
     b, t, _ = x.shape
     qkv = attn.qkv(x).reshape(b, t, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)  # (B, H, T, hd)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.methods import SIGNIFICANCE, method_spec
+from pipeline.methods import check_significance, method_spec
 from pipeline.pooling.clustering import INITS, token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 from pipeline.pooling.selection import select_importance, select_random, select_topk
@@ -53,18 +53,12 @@ def _check_cluster_on(cluster_on: str) -> None:
         raise InputError(f"cluster_on must be one of {CLUSTER_ON}, got {cluster_on!r}")
 
 
-def _check_significance(significance: str) -> None:
-    """The operators take the scores as given; the models read this option to compute them."""
-    if significance not in SIGNIFICANCE:
-        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
-
-
 def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_on: str, significance: str
                 ) -> Downsampler:
     if init not in INITS:
         raise InputError(f"init must be one of {INITS}, got {init!r}")
     _check_cluster_on(cluster_on)
-    _check_significance(significance)
+    check_significance(significance)  # the operators take scores as given; the models read it
 
     def step(tokens: Tensor, k: int, *, scores: Tensor | None = None, sizes: Tensor | None = None,
              metric: Tensor | None = None, generator: torch.Generator | None = None,
@@ -111,7 +105,7 @@ def wkmedoids(**options: Any) -> Downsampler:
 
 
 def powerbert(*, significance: str) -> Downsampler:
-    _check_significance(significance)
+    check_significance(significance)
     return _selection(select_topk, ("scores", "sizes"))
 
 
@@ -120,7 +114,7 @@ def random() -> Downsampler:
 
 
 def importance(*, significance: str) -> Downsampler:
-    _check_significance(significance)
+    check_significance(significance)
     return _selection(select_importance, ("scores", "sizes", "generator"))
 
 
