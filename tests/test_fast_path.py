@@ -658,3 +658,45 @@ def test_random_draws_compile_for_a_second_batch_size(method, options):
     compiled = compile_model(model, "default", "cpu", backend="aot_eager")
     with torch.no_grad():
         assert [compiled(images(n)).shape for n in (2, 3, 4)] == [(2, 10), (3, 10), (4, 10)]
+
+
+def _hopper_compile(kernel, types: dict[str, str], constexprs: dict) -> None:
+    """Compiles a Triton kernel for sm_90 (an H100 or H200) down to a cubin, on this CPU. Arguments not
+    in ``types`` or ``constexprs`` are int32 scalars."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+    triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_significance_kernels_compile_for_hopper(dtype, has_bias):
+    """The interpreter runs what the compiler may refuse (a module global that is not a tl.constexpr
+    went through the interpreter tests and failed on the first H200 run): every significance kernel
+    compiles for sm_90 here, forward and backward, as the launchers configure them."""
+    pytest.importorskip("triton")
+    from pipeline.models import significance_triton as st
+
+    pointers = {name: "*fp32" for name in ("BIAS", "LSE", "OUT", "G", "C", "DQ", "DK", "DBIAS")}
+    pointers |= {"Q": f"*{dtype}", "K": f"*{dtype}", "scale": "fp32"}
+    meta = dict(HAS_BIAS=has_bias, PRECISION=None if dtype == "bf16" else "tf32", BLOCK=st._BLOCK, BLOCK_D=64,
+                HEAD_DIM=64)
+    for kernel in (st._row_lse, st._column_sums):
+        _hopper_compile(kernel, pointers, meta)
+    for kernel in (st._row_grad, st._column_grad):
+        _hopper_compile(kernel, pointers, meta | {"GRAD_PRECISION": "tf32"})
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_kmedoids_kernels_compile_for_hopper(flag):
+    """As above, for K-Medoids' two kernels: the swap (SWAP) and the weights (HAS_W) on and off."""
+    pytest.importorskip("triton")
+    from pipeline.pooling import kmedoids_triton as km
+
+    types = {"D": "*fp32", "W": "*fp32", "COST": "*fp32", "keep": "fp32"}
+    types |= {name: "*i64" for name in ("MED_IN", "MED_OUT", "BEST", "ASSIGN")}
+    _hopper_compile(km._assign_kernel, types, dict(SWAP=flag, BLOCK_N=km._BLOCK_N, BLOCK_K=256))
+    _hopper_compile(km._cost_kernel, types, dict(HAS_W=flag, BLOCK_N=km._BLOCK_N, BLOCK_J=km._BLOCK_J))

@@ -101,9 +101,10 @@ def test_significance_backward_on_gpu_matches_cpu(dtype, shape, carry):
     bias = sizes.log() if carry else None
     grads = []
     for device in ("cpu", "cuda"):
-        leaves = [q.to(device).requires_grad_(), k.to(device).requires_grad_()]
+        # detach() first: q.to("cpu") is q itself, which would make the CUDA copies non-leaves (no .grad)
+        leaves = [q.detach().to(device).requires_grad_(), k.detach().to(device).requires_grad_()]
         if carry:
-            leaves.append(bias.to(device).requires_grad_())
+            leaves.append(bias.detach().to(device).requires_grad_())
         scores = attention_significance(leaves[0], leaves[1], 0.25, leaves[2] if carry else None)
         (scores * g.to(device)).sum().backward()
         grads.append([leaf.grad.float().cpu() for leaf in leaves])

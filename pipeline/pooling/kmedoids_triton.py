@@ -36,7 +36,9 @@ from torch import Tensor
 
 _BLOCK_N = 16  # token rows per program in the assignment and cost kernels
 _BLOCK_J = 64  # columns of the distance matrix per step of the cost kernel
-_EMPTY = 2**63 - 1  # an unwritten packed minimum: decodes to a NaN cost, which never replaces a medoid
+# an unwritten packed minimum: decodes to a NaN cost, which never replaces a medoid. A kernel may read a
+# module global only when it is a tl.constexpr (the interpreter does not enforce it; the compiler does)
+_EMPTY = tl.constexpr(2**63 - 1)
 
 
 @triton.jit
@@ -121,7 +123,7 @@ def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rt
     d = d.contiguous()
     meds = torch.empty(iters, b, k, device=d.device, dtype=torch.int64)
     meds[0] = medoids
-    best = torch.full((iters - 1, b, k), _EMPTY, device=d.device, dtype=torch.int64)
+    best = torch.full((iters - 1, b, k), _EMPTY.value, device=d.device, dtype=torch.int64)
     assign = torch.empty(b, n, device=d.device, dtype=torch.int64)
     cost = torch.empty(b, n, device=d.device, dtype=torch.float32)
     has_w = w is not None
