@@ -551,10 +551,15 @@ def _custom_op_args(name: str) -> tuple:
         "scores from lse": (ops.attention_significance.default, (q, k, bias, 0.25, lse)),
         "joint": (ops.attention_with_significance.default, (q, k, v, bias, 0.25)),
         "kmedoids": (ops.kmedoids.default, (sq_dists(x), w, w.topk(6, dim=-1).indices, 3)),
+        "scores backward": (ops.attention_significance_backward.default,
+                            (q.detach(), k.detach(), bias, 0.25, torch.randn(2, 11, generator=gen), lse)),
+        "scores backward, no bias": (ops.attention_significance_backward.default,
+                                     (q.detach(), k.detach(), None, 0.25, torch.randn(2, 11, generator=gen), lse)),
     }[name]
 
 
-@pytest.mark.parametrize("name", ["scores", "scores from lse", "joint", "kmedoids"])
+@pytest.mark.parametrize("name", ["scores", "scores from lse", "joint", "kmedoids", "scores backward",
+                                  "scores backward, no bias"])
 def test_custom_ops_pass_opcheck(name):
     """torch.library.opcheck: the schema (no hidden mutation or aliasing), the fake kernels that
     torch.compile traces with (shapes, dtypes, dynamic shapes included) and the autograd
@@ -700,3 +705,29 @@ def test_kmedoids_kernels_compile_for_hopper(flag):
     types |= {name: "*i64" for name in ("MED_IN", "MED_OUT", "BEST", "ASSIGN")}
     _hopper_compile(km._assign_kernel, types, dict(SWAP=flag, BLOCK_N=km._BLOCK_N, BLOCK_K=256))
     _hopper_compile(km._cost_kernel, types, dict(HAS_W=flag, BLOCK_N=km._BLOCK_N, BLOCK_J=km._BLOCK_J))
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_the_cuda_backward_of_the_scores_traces_with_fake_tensors(carry):
+    """A compiled training step traces the scores' backward with fake tensors (AOT autograd). On CUDA
+    that backward runs Triton kernels, which must sit behind an op with a fake kernel: called straight
+    from the autograd formula they were traced into, and the first compiled training step on an H200
+    failed ("Cannot access data pointer of Tensor"). Fake CUDA tensors need no GPU, so the CUDA branch
+    of the autograd formula runs here."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipeline.models import significance
+
+    with FakeTensorMode():
+        q, k = (torch.randn(2, 3, 40, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        bias, lse, grad = torch.randn(2, 40, device="cuda"), torch.randn(2, 3, 40, device="cuda"), torch.randn(2, 40,
+                                                                                                              device="cuda")
+        ctx = SimpleNamespace(saved_tensors=(q, k, bias if carry else None, lse), scale=0.25,
+                              needs_input_grad=(True, True, carry, False, False))
+        dq, dk, dbias, *rest = significance._backward(ctx, grad, None)
+    assert dq.is_cuda and dq.shape == q.shape and dq.dtype == q.dtype and dk.shape == k.shape
+    assert (dbias is None) == (not carry) and rest == [None, None]
+    if carry:
+        assert dbias.shape == bias.shape and dbias.dtype == torch.float32

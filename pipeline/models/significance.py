@@ -11,8 +11,9 @@ without ever holding the normalised (B, H, T, T) probabilities:
   (B, H, T, T) matrix is never normalised.
 
 It is a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` keeps it as one opaque call
-and autograd uses the backward below (the weighted methods differentiate through their weights):
-Triton kernels on CUDA (``significance_backward_triton``), torch elsewhere.
+and autograd uses the backward below (the weighted methods differentiate through their weights), an
+op too (``tokenpool::attention_significance_backward``): Triton kernels on CUDA
+(``significance_backward_triton``), torch elsewhere.
 
 On the CPU a block that needs the scores gets its attention output from the same exponentials
 (``attention_and_significance``, custom op ``tokenpool::attention_with_significance``): there the
@@ -168,21 +169,52 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.scale = scale
 
 
+def significance_backward_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor,
+                                lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The scores' gradients for the score gradient ``grad`` (B, T), from the forward's row log-sum-exps
+    ``lse`` (B, H, T), forming P (B, H, T, T) once: (dq, dk) in q's and k's dtypes, and the bias
+    gradient (B, T) float32 (an empty tensor without a bias)."""
+    probs = _logits(q, k, bias, scale).sub_(lse.float().unsqueeze(-1)).exp_()
+    g = grad.float()[:, None, None, :]  # (B, 1, 1, T): d s_j / d P_ij = g_j
+    dq, dk, dbias = _through_softmax(probs, g, q, k, bias, scale, True)
+    return dq, dk, q.new_empty(0, dtype=torch.float32) if dbias is None else dbias.float()
+
+
+@torch.library.custom_op("tokenpool::attention_significance_backward", mutates_args=())
+def _backward_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``significance_backward_torch``; on CUDA the Triton kernels. An op of its own so that a compiled
+    backward (AOT autograd traces it with fake tensors) keeps the Triton launches as one opaque call
+    instead of tracing into them: the first compiled training step on an H200 failed so."""
+    return significance_backward_torch(q, k, bias, scale, grad, lse)
+
+
+@_backward_op.register_kernel("cuda")
+def _backward_cuda(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    if significance_backward_triton is None:
+        return significance_backward_torch(q, k, bias, scale, grad, lse)
+    dq, dk, dbias = significance_backward_triton(q, k, bias, scale, grad, lse)
+    return dq, dk, q.new_empty(0, dtype=torch.float32) if dbias is None else dbias
+
+
+@_backward_op.register_fake
+def _backward_fake(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    dbias = q.new_empty(0, dtype=torch.float32) if bias is None else q.new_empty(bias.shape, dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), dbias  # contiguous, as both kernels return them
+
+
 def _backward(ctx, grad: Tensor, _grad_lse: Tensor | None):
     """d s_j / d logit_ij = P_ij (g_j - sum_j' P_ij' g_j'), with P_ij = exp(logit_ij - lse_i) from the
-    forward's row log-sum-exps (given, or computed there): on CUDA the Triton kernels, which recompute
-    the logits tile by tile; elsewhere torch, forming P (B, H, T, T) once.
+    forward's row log-sum-exps (given, or computed there), by ``_backward_op``.
 
     ``lse`` is a function of q and k (the forward's, or a fused attention's statistic): these
     gradients are the whole derivative through q and k, and ``lse`` gets none."""
     q, k, bias, lse = ctx.saved_tensors
-    if q.is_cuda and significance_backward_triton is not None:
-        dq, dk, dbias = significance_backward_triton(q, k, bias, ctx.scale, grad, lse)
-        keep_bias = bias is not None and ctx.needs_input_grad[2]
-        return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None, None
-    probs = _logits(q, k, bias, ctx.scale).sub_(lse.float().unsqueeze(-1)).exp_()
-    g = grad.float()[:, None, None, :]  # (B, 1, 1, T): d s_j / d P_ij = g_j
-    return (*_through_softmax(probs, g, q, k, bias, ctx.scale, ctx.needs_input_grad[2]), None, None)
+    dq, dk, dbias = _backward_op(q, k, bias, ctx.scale, grad, lse)
+    keep_bias = bias is not None and ctx.needs_input_grad[2]
+    return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None, None
 
 
 _significance_op.register_autograd(_backward, setup_context=_setup_context)
