@@ -10,11 +10,16 @@
 #   compiled  the same with torch.compile (COMPILE: default mode unless set) on both models
 #   train     training step, bf16, batch 128, compiled (COMPILE), every method (TRAIN_METHODS)
 #   fp32      inference, fp32, batch 256, eager
+#   pack      every output so far in one archive (below)
 # SPLIT=1 runs eager, compiled, train and fp32 once per method (OUT/PART-METHOD.*), each under the
 # part's limit, so that one method's slow compilation cannot take the later methods' results; each
 # run times the unmodified model again (inductor's cache makes its second compilation short) and
 # leaves out the ceiling row.
 # Outputs: OUT/card.txt, OUT/PART.md (stdout) and OUT/PART.log (stderr, progress).
+# The lent machines return at most 8 files (the first H200 run of session 11 lost its test log and
+# kernel tables so): write the parts to a local OUT and finish with the part `pack`, which puts the
+# whole OUT folder in one archive, PACK (default OUT.tgz). DEADLINE (seconds since the epoch) skips
+# every part, or SPLIT run, whose time limit would end after it, so that `pack` still runs in time.
 set -uo pipefail
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -27,8 +32,14 @@ extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${SIGNIF
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
 
+fits() {  # fits LIMIT_S NAME: whether a part of that limit ends before DEADLINE
+  [ -z "${DEADLINE:-}" ] || [ $(( DEADLINE - $(date +%s) )) -ge "$1" ] && return 0
+  echo "== $2 skipped: $(( DEADLINE - $(date +%s) )) s left before DEADLINE, its limit is $1 s"; return 1
+}
+
 bench_one() {  # bench_one NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
+  fits "$limit" "$name" || return 0
   echo "== $name ($(date +%T))"
   timeout "$limit" python3 -m pipeline bench throughput --device cuda --model deit_small_patch16_224 --level 3 \
     $extra "$@" > "$out/$name.md" 2> "$out/$name.log"
@@ -48,11 +59,13 @@ bench() {  # bench NAME LIMIT_S METHODS ARGS...: one run for all methods, or one
 
 for part in "$@"; do
   case $part in
-    tests) echo "== tests ($(date +%T))"
+    tests) fits "${TESTS_S:-150}" tests || continue
+           echo "== tests ($(date +%T))"
            timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ${TESTS:+-k "$TESTS"} \
              > "$out/tests.log" 2>&1
            echo "   exit $?"; tail -3 "$out/tests.log" ;;
-    kernels) echo "== kernels ($(date +%T))"
+    kernels) fits "${KERNELS_S:-90}" kernels || continue
+           echo "== kernels ($(date +%T))"
            timeout "${KERNELS_S:-90}" python3 -m pipeline bench kernels > "$out/kernels.md" 2> "$out/kernels.log"
            echo "   exit $?"; cat "$out/kernels.md" ;;
     eager) bench eager "${EAGER_S:-180}" "$methods" --dtype bf16 --batch 256 ;;
@@ -60,6 +73,7 @@ for part in "$@"; do
     train) bench "train-$mode" "${TRAIN_S:-330}" "${TRAIN_METHODS:-$methods}" --dtype bf16 --batch 128 --compile "$mode" \
              --train --set bench_throughput.ceiling=false ;;
     fp32) bench fp32 "${FP32_S:-120}" "$methods" --dtype fp32 --batch 256 ;;
-    *) echo "unknown part $part (tests eager compiled train fp32)"; exit 2 ;;
+    pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
+    *) echo "unknown part $part (tests kernels eager compiled train fp32 pack)"; exit 2 ;;
   esac
 done
