@@ -286,3 +286,22 @@ def test_a_method_option_reaches_the_finetunes_that_take_it():
     with pytest.raises(ConfigError, match=r"pooling.significance applies to .*powerbert.*, not any of "
                                           r"experiment.methods \['tome', 'random'\]"):
         load_config(paper, ["experiment.methods=[tome, random]", "pooling.significance=cls"])
+
+
+def test_the_shared_pooling_settings_are_part_of_the_experiment():
+    """Two sweeps that differ only in a pooling setting their finetunes share are two experiments (two
+    parent runs; ``--force`` on one retires nothing of the other); at the defaults the identity is the
+    one recorded before these settings counted: the experiment section's alone."""
+    from pipeline.dag.plan import dag_id, stage_id
+
+    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
+    default = load_config(paper, ["experiment.methods=[wkmedoids, powerbert]"])
+    recorded = stage_id("dag", default, [], {"experiment": default.experiment.model_dump(mode="json")})
+    same = [[], ["pooling.significance=eq4"], ["pooling.iters=5"], ["pooling.carry=false"],
+            ["pooling.method=kmeans"], ["pooling.level=3"]]  # the sweep sets method and keep per stage
+    for extra in same:
+        assert dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) == recorded, extra
+    other = [["pooling.significance=cls"], ["pooling.carry=true"], ["pooling.iters=3"], ["pooling.init=random"],
+             ["pooling.cluster_on=metric"], ["pooling.qk_norm=fixed"], ["pooling.alpha=2.0"]]
+    ids = {dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) for extra in other}
+    assert len(ids) == len(other) and recorded not in ids

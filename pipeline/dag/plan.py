@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import METHOD_OPTION_FIELDS, Config, ExperimentConfig, StageRecipe
+from pipeline.config import METHOD_OPTION_FIELDS, Config, ExperimentConfig, PoolingConfig, StageRecipe
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
 from pipeline.methods import METHODS
@@ -81,9 +81,26 @@ def identity_content(config: Config) -> dict[str, Any]:
     return content
 
 
+# The pooling settings that every finetune of a sweep shares (the experiment sets the method and the
+# keep list per stage).
+_SHARED_POOLING = ("iters", "init", "cluster_on", "significance", "carry", "qk_norm", "alpha")
+
+
 def dag_id(config: Config) -> str:
-    """The identity of a whole experiment (its parent run in MLflow)."""
-    return stage_id("dag", config, [], {"experiment": config.experiment.model_dump(mode="json")})
+    """The identity of a whole experiment (its parent run in MLflow, and the runs ``--force`` retires).
+
+    The pooling settings its finetunes share belong to it where they differ from the defaults: two
+    sweeps that differ only in ``pooling.significance`` or ``pooling.carry`` are two experiments, and
+    ``--force`` on one must not retire the other's runs. At the defaults the identity is what it was
+    before they counted, so experiments recorded then keep their parent run."""
+    meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
+    defaults = PoolingConfig()
+    shared = {key: getattr(config.pooling, key) for key in _SHARED_POOLING
+              if getattr(config.pooling, key) != getattr(defaults, key)
+              and getattr(config.pooling, key) != _ADDED_OPTIONS.get(key)}
+    if shared:
+        meta["pooling"] = shared
+    return stage_id("dag", config, [], meta)
 
 
 def archs(config: Config) -> list[Arch]:
