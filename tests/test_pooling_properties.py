@@ -176,6 +176,19 @@ def test_empty_clusters_are_deterministic_and_finite():
     assert kmedoids.sizes.tolist() == [[1.0, 1.0, 3.0]], "each duplicate medoid keeps itself"
 
 
+def test_an_empty_kmeans_cluster_keeps_its_centre_in_both_forms():
+    """Two clusters start on duplicate tokens, so the second is empty after the first assignment (ties go
+    to the lowest centre) and keeps its centre, (0, 0), while the first moves towards token 5: the
+    duplicates then join the kept centre. The same in the Gram form as in the feature form."""
+    from pipeline.pooling.clustering import _kmeans
+
+    tokens = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.1, 5.0], [9.0, 9.0], [0.2, 0.1]]])
+    start = torch.tensor([[0, 1, 2]])
+    for gram in (False, True):
+        assert _kmeans(tokens, None, start, 5, gram=gram).tolist() == [[1, 1, 2, 2, 2, 0]], gram
+        assert _kmeans(tokens, None, start, 1, gram=gram).tolist() == [[0, 0, 2, 2, 2, 0]], gram
+
+
 def test_segment_sum_paths_agree():
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(3, 17, 5, generator=gen)

@@ -54,6 +54,22 @@ def test_kmeans_matches_reference(b, n, m, k, weighted, iters):
         assert obj_ours == pytest.approx(obj_ref, rel=1e-5)
 
 
+@pytest.mark.parametrize("b,n,m,k", [*SHAPES, (2, 20, 16, 6), (1, 40, 32, 15), (2, 24, 64, 23)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("gram", [False, True])
+def test_both_forms_of_the_kmeans_iterations_match_reference(b, n, m, k, weighted, gram):
+    """The Gram form (centres as coefficients over the tokens, what a ViT's N <= 2D takes) and the
+    feature form (explicit centres) each give the reference's assignments."""
+    from pipeline.pooling.clustering import _kmeans
+
+    tokens, scores = _inputs(b, n, m, seed=3 * n + k)
+    w = scores / scores.amax(-1, keepdim=True) if weighted else None
+    assign = _kmeans(tokens, w, scores.topk(k, dim=-1).indices, 5, gram=gram)
+    for s in range(b):
+        ws = scores[s].double().numpy() if weighted else np.ones(n)
+        assert assign[s].tolist() == ref.kmeans(tokens[s].double().numpy(), ws, _start(scores[s].numpy(), k), 5)
+
+
 @pytest.mark.parametrize("b,n,m,k", SHAPES)
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("iters", [1, 3, 5])
