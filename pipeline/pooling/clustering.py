@@ -148,7 +148,7 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
 
     def nearest(proj: Tensor, coef: Tensor) -> Tensor:  # proj = coef G, (B, K, N) -> (B, N)
         centre_sq = (proj * coef).sum(-1, keepdim=True)  # (B, K, 1)
-        return (centre_sq - 2.0 * proj).argmin(1)  # ties to the lowest centre
+        return centre_sq.sub(proj, alpha=2.0).argmin(1)  # ||c||^2 - 2 c . x_i; ties to the lowest centre
 
     coef = x.new_zeros(b, k, n).scatter_(2, start.unsqueeze(-1), 1.0)
     assign = nearest(gram.gather(1, start.unsqueeze(-1).expand(b, k, n)), coef)
