@@ -552,9 +552,10 @@ def _custom_op_args(name: str) -> tuple:
         "joint": (ops.attention_with_significance.default, (q, k, v, bias, 0.25)),
         "kmedoids": (ops.kmedoids.default, (sq_dists(x), w, w.topk(6, dim=-1).indices, 3)),
         "scores backward": (ops.attention_significance_backward.default,
-                            (q.detach(), k.detach(), bias, 0.25, torch.randn(2, 11, generator=gen), lse)),
+                            (q.detach(), k.detach(), bias, 0.25, torch.randn(2, 11, generator=gen), lse, True)),
         "scores backward, no bias": (ops.attention_significance_backward.default,
-                                     (q.detach(), k.detach(), None, 0.25, torch.randn(2, 11, generator=gen), lse)),
+                                     (q.detach(), k.detach(), None, 0.25, torch.randn(2, 11, generator=gen), lse,
+                                      False)),
     }[name]
 
 

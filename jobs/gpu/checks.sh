@@ -21,6 +21,10 @@
 # whole OUT folder in one archive, PACK (default OUT.tgz). DEADLINE (seconds since the epoch) skips
 # every part, or SPLIT run, whose time limit would end after it, so that `pack` still runs in time.
 set -uo pipefail
+case ${DEADLINE:-0} in
+  ''|*[!0-9]*) echo "DEADLINE must be seconds since the epoch, e.g. DEADLINE=\$(( \$(date +%s) + 540 )); got '$DEADLINE'" >&2
+               exit 2 ;;
+esac
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

@@ -94,10 +94,9 @@ def dag_id(config: Config) -> str:
     ``--force`` on one must not retire the other's runs. At the defaults the identity is what it was
     before they counted, so experiments recorded then keep their parent run."""
     meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
-    defaults = PoolingConfig()
-    shared = {key: getattr(config.pooling, key) for key in _SHARED_POOLING
-              if getattr(config.pooling, key) != getattr(defaults, key)
-              and getattr(config.pooling, key) != _ADDED_OPTIONS.get(key)}
+    values, defaults = config.pooling.model_dump(include=set(_SHARED_POOLING)), PoolingConfig().model_dump()
+    shared = {key: value for key, value in values.items()
+              if value != defaults[key] and value != _ADDED_OPTIONS.get(key)}
     if shared:
         meta["pooling"] = shared
     return stage_id("dag", config, [], meta)

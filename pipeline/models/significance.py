@@ -169,39 +169,46 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.scale = scale
 
 
+def _no_grad_bias(q: Tensor) -> Tensor:
+    """The backward op's bias gradient where there is none to give: an empty float32 tensor (a custom op
+    returns tensors, not None)."""
+    return q.new_empty(0, dtype=torch.float32)
+
+
 def significance_backward_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor,
-                                lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                                lse: Tensor, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The scores' gradients for the score gradient ``grad`` (B, T), from the forward's row log-sum-exps
     ``lse`` (B, H, T), forming P (B, H, T, T) once: (dq, dk) in q's and k's dtypes, and the bias
-    gradient (B, T) float32 (an empty tensor without a bias)."""
+    gradient (B, T) float32 where ``bias_grad`` asks for it (an empty tensor otherwise: carried sizes
+    get no gradient, and the sum over (B, H, T, T) it takes is then skipped)."""
     probs = _logits(q, k, bias, scale).sub_(lse.float().unsqueeze(-1)).exp_()
     g = grad.float()[:, None, None, :]  # (B, 1, 1, T): d s_j / d P_ij = g_j
-    dq, dk, dbias = _through_softmax(probs, g, q, k, bias, scale, True)
-    return dq, dk, q.new_empty(0, dtype=torch.float32) if dbias is None else dbias.float()
+    dq, dk, dbias = _through_softmax(probs, g, q, k, bias, scale, bias_grad)
+    return dq, dk, _no_grad_bias(q) if dbias is None else dbias.float()
 
 
 @torch.library.custom_op("tokenpool::attention_significance_backward", mutates_args=())
-def _backward_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor,
+                 bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``significance_backward_torch``; on CUDA the Triton kernels. An op of its own so that a compiled
     backward (AOT autograd traces it with fake tensors) keeps the Triton launches as one opaque call
     instead of tracing into them: the first compiled training step on an H200 failed so."""
-    return significance_backward_torch(q, k, bias, scale, grad, lse)
+    return significance_backward_torch(q, k, bias, scale, grad, lse, bias_grad)
 
 
 @_backward_op.register_kernel("cuda")
-def _backward_cuda(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor
-                   ) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_cuda(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor,
+                   bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     if significance_backward_triton is None:
-        return significance_backward_torch(q, k, bias, scale, grad, lse)
-    dq, dk, dbias = significance_backward_triton(q, k, bias, scale, grad, lse)
-    return dq, dk, q.new_empty(0, dtype=torch.float32) if dbias is None else dbias
+        return significance_backward_torch(q, k, bias, scale, grad, lse, bias_grad)
+    dq, dk, dbias = significance_backward_triton(q, k, bias, scale, grad, lse)  # its kernel writes dbias anyway
+    return dq, dk, dbias if bias_grad and dbias is not None else _no_grad_bias(q)
 
 
 @_backward_op.register_fake
-def _backward_fake(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    dbias = q.new_empty(0, dtype=torch.float32) if bias is None else q.new_empty(bias.shape, dtype=torch.float32)
+def _backward_fake(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, grad: Tensor, lse: Tensor,
+                   bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias is not None and bias_grad else _no_grad_bias(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), dbias  # contiguous, as both kernels return them
 
 
@@ -212,9 +219,9 @@ def _backward(ctx, grad: Tensor, _grad_lse: Tensor | None):
     ``lse`` is a function of q and k (the forward's, or a fused attention's statistic): these
     gradients are the whole derivative through q and k, and ``lse`` gets none."""
     q, k, bias, lse = ctx.saved_tensors
-    dq, dk, dbias = _backward_op(q, k, bias, ctx.scale, grad, lse)
-    keep_bias = bias is not None and ctx.needs_input_grad[2]
-    return dq, dk, dbias.to(bias.dtype) if keep_bias else None, None, None
+    bias_grad = bias is not None and ctx.needs_input_grad[2]
+    dq, dk, dbias = _backward_op(q, k, bias, ctx.scale, grad, lse, bias_grad)
+    return dq, dk, dbias.to(bias.dtype) if bias_grad else None, None, None
 
 
 _significance_op.register_autograd(_backward, setup_context=_setup_context)

@@ -139,8 +139,9 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     iteration is one (K, N) x (N, N) product, where the feature form takes two (K, N) x (N, D) products and
     reads the (B, N, D) tokens twice. See ``_kmeans``.
 
-    On this CPU at DeiT-S size (B = 64, N = 196, D = 384, 5 iterations) it took 0.58-0.73 of the
-    feature form's time, with the same assignments (docs/benchmarks.md).
+    On this CPU at DeiT-S size (B = 64, N = 196, D = 384, 5 iterations) it took 0.58-0.85 of the
+    feature form's time on the CPU path and 0.43-0.69 with the CUDA path's dense ops, with the same
+    assignments (docs/benchmarks.md).
     """
     b, n, _ = x.shape
     k = start.shape[1]
