@@ -239,15 +239,16 @@ def test_every_method_compiles_with_fullgraph(method, carry):
     assert model.patch_embed.proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("dense", [True, None], ids=["cuda path", "cpu path"])
 @pytest.mark.parametrize("method", ["kmedoids", "wkmedoids"])
-def test_the_cuda_kmedoids_op_compiles_with_fullgraph_and_syncs_nothing(method):
-    """With the one-hot segment path (what CUDA runs), K-Medoids' iterations are one custom op
-    (``tokenpool::kmedoids``, Triton kernels on CUDA): it compiles with fullgraph, forward and
-    backward, and its torch kernel issues no host sync."""
+def test_the_kmedoids_op_compiles_with_fullgraph_and_syncs_nothing(method, dense):
+    """On both paths K-Medoids' iterations are one custom op (``tokenpool::kmedoids``: Triton kernels on
+    CUDA, native code on the CPU): it compiles with fullgraph, forward and backward, and issues no
+    host sync."""
     from pipeline.pooling.common import dense_segments
 
     model = apply_downsampling(tiny(), method, KEEP).train()
-    with dense_segments(True):
+    with dense_segments(dense):
         compile_model(model, "default", "cpu", backend="aot_eager")(images()).sum().backward()
         counter = count_ops(lambda: model.eval()(images()))
     assert counter.ops.get("tokenpool.kmedoids.default") == 4  # one per block: every block of KEEP drops tokens
@@ -403,12 +404,15 @@ from pipeline.models.significance_triton import significance_backward_triton
 
 def test_triton_kmedoids_under_the_interpreter():
     """The fused K-Medoids kernel gives the brute-force reference's medoids and assignment, and the
-    torch paths' (the CPU's ``index_add_`` rows and the one-hot matmuls), on random inputs."""
+    torch iterations' (one-hot matmuls) and the CPU's native kernel's, on random inputs."""
     pytest.importorskip("triton")
     code = """
 import numpy as np, torch
-from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, _kmedoids_rows, sq_dists
+from pipeline.pooling import kmedoids_cpu
+from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
 from pipeline.pooling.kmedoids_triton import kmedoids_triton
+lib = kmedoids_cpu.library()
+assert lib is not None
 from tests import reference as ref
 cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), True, 1),
          ((1, 64, 5, 20), False, 5), ((2, 70, 8, 40), True, 4), ((1, 196, 16, 147), True, 5),
@@ -423,7 +427,8 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     start, d = w.topk(k, dim=-1).indices, sq_dists(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     med, assign = kmedoids_triton(d, w, start, iters, _SWAP_RTOL)
-    for other in (_kmedoids_dense(d, w, start, iters), _kmedoids_rows(d, w, start, iters)):
+    native = kmedoids_cpu.kmedoids_native(lib, d, w, start, iters, _SWAP_RTOL)
+    for other in (_kmedoids_dense(d, w, start, iters), native):
         assert torch.equal(med, other[0]) and torch.equal(assign, other[1])
     if case == 8:  # float64 has no such rounding: the reference would break these ties differently
         assert (d < 0).any(), "the case must reach negative distances"
@@ -511,20 +516,6 @@ def test_bench_kernels_dry_run_under_the_interpreter():
     env.pop("TRITON_INTERPRET")
     refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "TRITON_INTERPRET=1" in refused.stderr
-
-
-@pytest.mark.parametrize("iters", [1, 3])
-def test_the_cuda_kmedoids_op_equals_the_cpu_path(iters):
-    """The custom op (one-hot torch iterations off CUDA) against the CPU's ``index_add_`` path, one
-    iteration included (its medoids are then the starting ones, which the op must copy, not return)."""
-    from pipeline.pooling.clustering import _kmedoids_op, _kmedoids_rows, sq_dists
-
-    gen = torch.Generator().manual_seed(iters)
-    x, w = torch.randn(3, 30, 8, generator=gen), torch.rand(3, 30, generator=gen) + 0.1
-    start, d = w.topk(7, dim=-1).indices, sq_dists(x)
-    med, assign = _kmedoids_op(d, w, start, iters)
-    want = _kmedoids_rows(d, w, start, iters)
-    assert torch.equal(med, want[0]) and torch.equal(assign, want[1])
 
 
 def test_bench_kernels_refuses_an_empty_batch():

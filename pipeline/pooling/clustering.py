@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
+from pipeline.pooling import kmedoids_cpu
 from pipeline.pooling.common import (
     Partition,
     PoolResult,
@@ -163,23 +164,18 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     return assign
 
 
-def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, dense: bool | None = None
-              ) -> tuple[Tensor, Tensor]:
+def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
     """Voronoi iterations on the token distance matrix, computed once.
 
     x (B, N, D), w (B, N) or None (uniform), medoids (B, K) token indices
-    -> (medoids (B, K), last assignment (B, N)). ``dense`` forces the CUDA or the CPU path (tests).
+    -> (medoids (B, K), last assignment (B, N)).
 
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
-    ``sum_{i' in c} w_i' d(i', i)``. CUDA runs the iterations as Triton kernels, two an iteration
-    (``kmedoids_triton``, through the custom op ``tokenpool::kmedoids``); the CPU adds the rows up
-    per cluster with ``index_add_`` (``_kmedoids_rows``).
+    ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op, ``tokenpool::kmedoids``: Triton
+    kernels on CUDA (``kmedoids_triton``, two an iteration), native code on the CPU (``kmedoids_cpu``,
+    one call for all of them), and the torch iterations (``_kmedoids_dense``) where neither is at hand.
     """
-    dense = use_dense(x) if dense is None else dense
-    d = sq_dists(x)  # (B, N, N), symmetric
-    if dense:
-        return _kmedoids_op(d, w, medoids, iters)
-    return _kmedoids_rows(d, w, medoids, iters)
+    return _kmedoids_op(sq_dists(x), w, medoids, iters)
 
 
 def _reach(d: Tensor) -> Tensor:
@@ -190,40 +186,11 @@ def _reach(d: Tensor) -> Tensor:
     return reach
 
 
-def _kmedoids_rows(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """The CPU path: each cluster's costs laid out (B, K, N), +inf off its members, with the rows of d
-    (scaled by the weight of the summed-over token) added up per cluster by ``index_add_``.
-
-    d (B, N, N), w (B, N) or None, medoids (B, K) -> (medoids (B, K), last assignment (B, N)).
-
-    After each assignment the medoids are put in their own clusters by a (B, K) scatter, which is what
-    the -inf diagonal of ``_reach`` does on the dense path without its (B, N, N) copy of d: at DeiT-S
-    size (B = 64, N = 196, K = 98, 9.8 MB a copy) the iterations took 0.58-0.94 of the time, paired
-    (docs/data/cpu/session9/kmedoids_rows.py).
-    """
-    b, n, _ = d.shape
-    k = medoids.shape[1]
-    rows = (d if w is None else d * w.unsqueeze(2)).view(b * n, n)
-    offset = batch_offset(b, k, d.device).unsqueeze(2)  # (B, 1, 1)
-    own = torch.arange(k, device=d.device).expand(b, 1, k)
-    med = medoids.unsqueeze(1)  # (B, 1, K)
-
-    def assign_to(med: Tensor) -> Tensor:  # (B, 1, K) medoids -> (B, 1, N) clusters, ties to the lowest
-        return d.gather(2, med.expand(b, n, k)).argmin(-1).unsqueeze(1).scatter_(2, med, own)
-
-    assign = assign_to(med)
-    for _ in range(iters - 1):
-        cost = d.new_full((b, k, n), torch.inf).scatter_(1, assign, 0.0)
-        cost.view(b * k, n).index_add_(0, (assign + offset).view(-1), rows)
-        med = _swap(cost.transpose(1, 2), med)
-        assign = assign_to(med)
-    return med.view(b, k), assign.view(b, n)
-
-
 def _kmedoids_dense(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """The same iterations in dense torch ops: the (B, N, K) costs are one batched matmul of the
+    """The iterations in dense torch ops: the (B, N, K) costs are one batched matmul of the
     column-weighted d against the one-hot membership, ``log(one-hot)`` putting +inf off the members.
-    What CUDA runs without Triton, and what ``dense_segments(True)`` runs on the CPU."""
+    What runs without the Triton or the native kernel (the op's default), and the reference that
+    ``bench kernels`` times them against."""
     b, n, _ = d.shape
     k = medoids.shape[1]
     reach = _reach(d)
@@ -256,6 +223,14 @@ def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> 
     if kmedoids_triton is None or d.dtype != torch.float32:  # the kernel sums in float32
         return _kmedoids_dense_owned(d, w, medoids, iters)
     return kmedoids_triton(d, w, medoids, iters, _SWAP_RTOL)
+
+
+@_kmedoids_op.register_kernel("cpu")
+def _kmedoids_cpu(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    lib = kmedoids_cpu.library()
+    if lib is None or not kmedoids_cpu.supports(d):
+        return _kmedoids_dense_owned(d, w, medoids, iters)
+    return kmedoids_cpu.kmedoids_native(lib, d, w, medoids, iters, _SWAP_RTOL)
 
 
 def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
