@@ -5,8 +5,9 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
-# FFCV builds against libturbojpeg and OpenCV; the demo data is Debian's Fashion-MNIST.
-APT_PACKAGES := libturbojpeg0-dev libopencv-dev pkg-config dataset-fashion-mnist
+# FFCV builds against libturbojpeg and OpenCV, and K-Medoids' CPU kernel with the C compiler; the demo
+# data is Debian's Fashion-MNIST.
+APT_PACKAGES := build-essential libturbojpeg0-dev libopencv-dev pkg-config dataset-fashion-mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: setup system test demo bench clean-venv

@@ -1,7 +1,8 @@
 """Paired timing, CPU: ``_kmedoids_rows`` (the update by ``index_add_`` into a (B, K, N) buffer) against a
 candidate update that sums each token's own-cluster row with a (B, N, N) mask and picks every cluster's
 cheapest member with two ``scatter_reduce`` minima. Both give the same medoids and assignments (checked
-first); the candidate was slower, so the code keeps ``index_add_``. Run from the repo root:
+first); the candidate was slower, so the code kept ``index_add_`` (until session 12 replaced both by native
+code: run this at commit c9803d9). Run from the repo root:
 
     PYTHONPATH=. python docs/data/cpu/session11/kmedoids_masked.py K   (K = 147, 98, 49)
 """

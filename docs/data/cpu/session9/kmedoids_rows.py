@@ -3,7 +3,8 @@
     python docs/data/cpu/session9/kmedoids_rows.py > docs/data/cpu/session9/kmedoids_rows.txt
 
 "Before" is ``_kmedoids_rows`` at commit 31eeb6c (a (B, N, N) copy of the distances with an -inf
-diagonal for the assignments), read from git; "now" is the working tree's. Weighted, 5 iterations,
+diagonal for the assignments), read from git; "now" is the working tree's (run it at commit c9803d9 or
+earlier: session 12 replaced ``_kmedoids_rows`` by native code). Weighted, 5 iterations,
 DeiT-S level-3 size B = 64, N = 196, M = 384, K = 98, top-K start, 2 threads. Each timed call of
 one is followed by one of the other, on distances recomputed before each call (so neither finds
 them in cache); 3 warm-up and 41 timed pairs; the figure is the median of the per-pair ratios.

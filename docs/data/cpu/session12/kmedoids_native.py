@@ -1,0 +1,54 @@
+"""Paired timing, CPU: K-Medoids' iterations before (``_kmedoids_rows`` at commit c9803d9: ``index_add_`` of
+the weighted distance rows into a (B, K, N) buffer that starts at +inf, ``min``, ``gather`` and ``argmin``)
+against the native kernel now (``pipeline/pooling/kmedoids_cpu.c`` through ``tokenpool::kmedoids``).
+
+Run from the repository root (git must reach commit c9803d9):
+
+    PYTHONPATH=. python docs/data/cpu/session12/kmedoids_native.py > docs/data/cpu/session12/kmedoids_native.txt
+
+B = 64, N = 196, 384 dims, 5 iterations, weighted (DeiT-S's first pooling block at batch 64); each
+call pair is timed back to back, the ratio is native time / before time, medians over 15 pairs.
+"""
+
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from pipeline.pooling import clustering, kmedoids_cpu
+
+source = subprocess.run(["git", "show", "c9803d9:pipeline/pooling/clustering.py"], capture_output=True, text=True,
+                        check=True).stdout
+# the old module without its custom-op registrations (the op name is taken by the current module)
+for line in ('@torch.library.custom_op("tokenpool::kmedoids", mutates_args=())',
+             '@_kmedoids_op.register_kernel("cuda")', "@_kmedoids_op.register_fake"):
+    source = source.replace(line, "")
+before: dict = {}
+exec(compile(source, "clustering@c9803d9", "exec"), before)
+
+torch.set_num_threads(2)
+print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
+print("| K | before ms | native ms | native / before | same medoids and assignment |")
+print("|---:|---:|---:|---:|---|")
+for k in (147, 98, 49):
+    gen = torch.Generator().manual_seed(k)
+    x, scores = torch.randn(64, 196, 384, generator=gen), torch.rand(64, 196, generator=gen)
+    w = clustering.effective_weights(x, scores, None)
+    start, d = scores.topk(k, dim=-1).indices, clustering.sq_dists(x)
+    old = before["_kmedoids_rows"](d, w, start, 5)
+    new = clustering._kmedoids_op(d, w, start, 5)
+    same = torch.equal(old[0], new[0]) and torch.equal(old[1], new[1])
+    olds, news = [], []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        before["_kmedoids_rows"](d, w, start, 5)
+        t1 = time.perf_counter()
+        clustering._kmedoids_op(d, w, start, 5)
+        t2 = time.perf_counter()
+        olds.append(t1 - t0)
+        news.append(t2 - t1)
+    ratio = statistics.median(n / o for o, n in zip(olds, news))
+    print(f"| {k} | {statistics.median(olds) * 1e3:.2f} | {statistics.median(news) * 1e3:.2f} | {ratio:.3f} | {same} |")
+assert kmedoids_cpu.library() is not None, "the native kernel did not build"
