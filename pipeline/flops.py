@@ -1,11 +1,14 @@
 """FLOPs with fvcore, as the paper counts them: one fused multiply-add is one flop.
 
-fvcore has no handle for two ops this code base runs, so two are added here:
+fvcore has no handle for three ops this code base runs, so three are added here:
 
 - ``aten::scaled_dot_product_attention`` (timm's fused attention, and ours when no statistics are
   needed): Q K^T plus A V, ``B H T S (d + d_v)`` multiply-adds. Without it fvcore silently drops
   the attention matmuls (DeiT-S then counts 0.358 GFLOPs less than the paper's 4.6).
 - ``aten::baddbmm`` (the K-Means distances): the batched matmul part, ``B n m p``.
+- ``tokenpool::kmeans_gram`` (K-Means' Gram-form iterations on the CPU, one op): ``(iters - 1) B K N^2``,
+  the (K, N) x (N, N) products of the later assignments, as the CUDA path's traced iterations count
+  them (the CPU's native update multiplies N^2 an iteration; the count stays the model's, whatever runs).
 
 and ``tokenpool::attention_with_significance`` (the CPU's attention of a block that also needs the
 significance scores) and the fused kernels that such a block calls by name for their row
@@ -14,7 +17,8 @@ the same on any path; like the paper, no count includes the scores' column sums 
 token's attention row of ``significance: cls``, a B H T d product that fvcore does not count).
 
 The downsampling cost is then what the operators really multiply: the K-Medoids Gram matrix
-(N^2 M per layer), the K-Means token-to-centre distances (N K M per assignment), the ToMe
+(N^2 M per layer), K-Means' Gram matrix and its later assignments (N^2 M and K N^2 each; the feature
+form, for a narrow metric: N K M per assignment and per centre update), the ToMe
 similarity matrix, or the strided convolution.
 """
 
@@ -50,6 +54,11 @@ def _baddbmm_flops(inputs: list[Any], outputs: list[Any]) -> int:
     return b * n * m * get_shape(inputs[2])[-1]
 
 
+def _kmeans_gram_flops(inputs: list[Any], outputs: list[Any]) -> int:
+    b, n, _ = get_shape(inputs[0])  # gram (B, N, N), w, start (B, K), iters
+    return (inputs[3].toIValue() - 1) * b * get_shape(inputs[2])[1] * n * n
+
+
 @dataclass(frozen=True)
 class FlopReport:
     """GFLOPs of one forward pass of one image, in total and by part (the parts add up to the total)."""
@@ -81,6 +90,7 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
     model.eval()
     analysis = FlopCountAnalysis(model, torch.zeros(1, 3, size, size))
     analysis.set_op_handle("aten::baddbmm", _baddbmm_flops)
+    analysis.set_op_handle("tokenpool::kmeans_gram", _kmeans_gram_flops)
     for op in _FUSED_ATTENTION:
         analysis.set_op_handle(op, _sdpa_flops)
     analysis.unsupported_ops_warnings(False)
@@ -102,7 +112,8 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
         "attention": sum(by_op.get(op.split("::")[1], 0) for op in (*_FUSED_ATTENTION, "aten::matmul")),
         "proj": _sum_modules(by_module, ["attn.proj"]),
         "mlp": _sum_modules(by_module, ["mlp"]),
-        "downsampling": by_op.get("bmm", 0) + by_op.get("baddbmm", 0) + _sum_modules(by_module, ["downsample"]),
+        "downsampling": sum(by_op.get(op, 0) for op in ("bmm", "baddbmm", "kmeans_gram"))
+        + _sum_modules(by_module, ["downsample"]),
     }
     parts["other"] = total - sum(parts.values())
     config = getattr(model.blocks, "config", None)

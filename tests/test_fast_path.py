@@ -408,10 +408,10 @@ def test_triton_kmedoids_under_the_interpreter():
     pytest.importorskip("triton")
     code = """
 import numpy as np, torch
-from pipeline.pooling import kmedoids_cpu
+from pipeline.pooling import native
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
 from pipeline.pooling.kmedoids_triton import kmedoids_triton
-lib = kmedoids_cpu.library()
+lib = native.library()
 assert lib is not None
 from tests import reference as ref
 cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), True, 1),
@@ -427,8 +427,8 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     start, d = w.topk(k, dim=-1).indices, sq_dists(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     med, assign = kmedoids_triton(d, w, start, iters, _SWAP_RTOL)
-    native = kmedoids_cpu.kmedoids_native(lib, d, w, start, iters, _SWAP_RTOL)
-    for other in (_kmedoids_dense(d, w, start, iters), native):
+    on_cpu = native.kmedoids(lib, d, w, start, iters, _SWAP_RTOL)
+    for other in (_kmedoids_dense(d, w, start, iters), on_cpu):
         assert torch.equal(med, other[0]) and torch.equal(assign, other[1])
     if case == 8:  # float64 has no such rounding: the reference would break these ties differently
         assert (d < 0).any(), "the case must reach negative distances"
@@ -542,6 +542,7 @@ def _custom_op_args(name: str) -> tuple:
         "scores from lse": (ops.attention_significance.default, (q, k, bias, 0.25, lse)),
         "joint": (ops.attention_with_significance.default, (q, k, v, bias, 0.25)),
         "kmedoids": (ops.kmedoids.default, (sq_dists(x), w, w.topk(6, dim=-1).indices, 3)),
+        "kmeans_gram": (ops.kmeans_gram.default, (x @ x.transpose(1, 2), w, w.topk(6, dim=-1).indices, 3)),
         "scores backward": (ops.attention_significance_backward.default,
                             (q.detach(), k.detach(), bias, 0.25, torch.randn(2, 11, generator=gen), lse, True)),
         "scores backward, no bias": (ops.attention_significance_backward.default,
@@ -550,7 +551,7 @@ def _custom_op_args(name: str) -> tuple:
     }[name]
 
 
-@pytest.mark.parametrize("name", ["scores", "scores from lse", "joint", "kmedoids", "scores backward",
+@pytest.mark.parametrize("name", ["scores", "scores from lse", "joint", "kmedoids", "kmeans_gram", "scores backward",
                                   "scores backward, no bias"])
 def test_custom_ops_pass_opcheck(name):
     """torch.library.opcheck: the schema (no hidden mutation or aliasing), the fake kernels that

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.pooling import kmedoids_cpu
+from pipeline.pooling import native
 from pipeline.pooling.common import (
     Partition,
     PoolResult,
@@ -140,28 +140,56 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     iteration is one (K, N) x (N, N) product, where the feature form takes two (K, N) x (N, D) products and
     reads the (B, N, D) tokens twice. See ``_kmeans``.
 
-    On this CPU at DeiT-S size (B = 64, N = 196, D = 384, 5 iterations) it took 0.58-0.85 of the
-    feature form's time on the CPU path and 0.43-0.69 with the CUDA path's dense ops, with the same
-    assignments (docs/benchmarks.md).
+    On this CPU at DeiT-S size (B = 64, N = 196, D = 384, 5 iterations) the torch iterations took
+    0.43-0.69 of the feature form's time with the CUDA path's dense ops (docs/benchmarks.md). The CPU
+    path runs them as one custom op (``tokenpool::kmeans_gram``: native code, ``native.kmeans_gram``,
+    whose update costs N^2 where the dense product costs K N^2); the CUDA path traces them for
+    ``torch.compile`` to fuse.
     """
-    b, n, _ = x.shape
-    k = start.shape[1]
     gram = torch.bmm(x, x.transpose(1, 2))  # (B, N, N)
+    if use_dense(x):
+        return _kmeans_gram_iterations(gram, w, start, iters)
+    return _kmeans_gram_op(gram, w, start, iters)
+
+
+def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+    """The Gram-form iterations in torch ops: gram (B, N, N), w (B, N) or None, start (B, K) -> (B, N)."""
+    b, n, _ = gram.shape
+    k = start.shape[1]
 
     def nearest(proj: Tensor, coef: Tensor) -> Tensor:  # proj = coef G, (B, K, N) -> (B, N)
         centre_sq = (proj * coef).sum(-1, keepdim=True)  # (B, K, 1)
         return centre_sq.sub(proj, alpha=2.0).argmin(1)  # ||c||^2 - 2 c . x_i; ties to the lowest centre
 
-    coef = x.new_zeros(b, k, n).scatter_(2, start.unsqueeze(-1), 1.0)
+    coef = gram.new_zeros(b, k, n).scatter_(2, start.unsqueeze(-1), 1.0)
     assign = nearest(gram.gather(1, start.unsqueeze(-1).expand(b, k, n)), coef)
     for _ in range(iters - 1):
-        member = one_hot(assign, k, x.dtype)  # (B, K, N)
+        member = one_hot(assign, k, gram.dtype)  # (B, K, N)
         if w is not None:
             member = member * w.unsqueeze(1)
         total = member.sum(-1, keepdim=True)  # (B, K, 1)
         coef = torch.where(total > 0, member / total, coef)  # an empty cluster keeps its centre
         assign = nearest(torch.bmm(coef, gram), coef)
     return assign
+
+
+@torch.library.custom_op("tokenpool::kmeans_gram", mutates_args=())
+def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+    """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op; the torch iterations by default."""
+    return _kmeans_gram_iterations(gram, w, start, iters)
+
+
+@_kmeans_gram_op.register_kernel("cpu")
+def _kmeans_gram_cpu(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+    lib = native.library()
+    if lib is None or not native.supports(gram):
+        return _kmeans_gram_iterations(gram, w, start, iters)
+    return native.kmeans_gram(lib, gram, w, start, iters)
+
+
+@_kmeans_gram_op.register_fake
+def _kmeans_gram_fake(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+    return start.new_empty(gram.shape[0], gram.shape[1])
 
 
 def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
@@ -172,7 +200,7 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
 
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
     ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op, ``tokenpool::kmedoids``: Triton
-    kernels on CUDA (``kmedoids_triton``, two an iteration), native code on the CPU (``kmedoids_cpu``,
+    kernels on CUDA (``kmedoids_triton``, two an iteration), native code on the CPU (``native.kmedoids``,
     one call for all of them), and the torch iterations (``_kmedoids_dense``) where neither is at hand.
     """
     return _kmedoids_op(sq_dists(x), w, medoids, iters)
@@ -227,10 +255,10 @@ def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> 
 
 @_kmedoids_op.register_kernel("cpu")
 def _kmedoids_cpu(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    lib = kmedoids_cpu.library()
-    if lib is None or not kmedoids_cpu.supports(d):
+    lib = native.library()
+    if lib is None or not native.supports(d):
         return _kmedoids_dense_owned(d, w, medoids, iters)
-    return kmedoids_cpu.kmedoids_native(lib, d, w, medoids, iters, _SWAP_RTOL)
+    return native.kmedoids(lib, d, w, medoids, iters, _SWAP_RTOL)
 
 
 def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:

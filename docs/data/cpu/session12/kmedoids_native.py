@@ -1,6 +1,6 @@
 """Paired timing, CPU: K-Medoids' iterations before (``_kmedoids_rows`` at commit c9803d9: ``index_add_`` of
 the weighted distance rows into a (B, K, N) buffer that starts at +inf, ``min``, ``gather`` and ``argmin``)
-against the native kernel now (``pipeline/pooling/kmedoids_cpu.c`` through ``tokenpool::kmedoids``).
+against the native kernel now (``pipeline/pooling/native.c`` through ``tokenpool::kmedoids``).
 
 Run from the repository root (git must reach commit c9803d9):
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipeline.pooling import clustering, kmedoids_cpu
+from pipeline.pooling import clustering, native
 
 source = subprocess.run(["git", "show", "c9803d9:pipeline/pooling/clustering.py"], capture_output=True, text=True,
                         check=True).stdout
@@ -51,4 +51,4 @@ for k in (147, 98, 49):
         news.append(t2 - t1)
     ratio = statistics.median(n / o for o, n in zip(olds, news))
     print(f"| {k} | {statistics.median(olds) * 1e3:.2f} | {statistics.median(news) * 1e3:.2f} | {ratio:.3f} | {same} |")
-assert kmedoids_cpu.library() is not None, "the native kernel did not build"
+assert native.library() is not None, "the native kernel did not build"

@@ -1,0 +1,155 @@
+"""The clustering iterations on the CPU as native code (``clustering_cpu.c``), built on first use and cached.
+
+K-Medoids' iterations (``kmedoids``) and K-Means' in the Gram form (``kmeans_gram``), each one call for a
+batch; ``clustering`` calls them through custom ops, whose torch kernels run where the library is not
+at hand.
+
+The C source has no Python or torch headers, so it builds with the system's C compiler in about a
+second; the library is kept in a cache folder under a name that hashes the source, the flags, the
+compiler and the machine, so an edit rebuilds it and a second process (a Ray worker, a test) loads it.
+Without a compiler, or with ``PIPELINE_NATIVE=0``, ``library()`` returns None and the caller runs the
+torch iterations (same results, slower); a failed build says why, once.
+
+Environment:
+    PIPELINE_NATIVE: ``0`` turns the native kernel off.
+    PIPELINE_NATIVE_CACHE: the cache folder (default ``$XDG_CACHE_HOME/pipeline-native``, else
+        ``~/.cache/pipeline-native``).
+    CC: the C compiler (default ``cc``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("clustering_cpu.c")
+# -ffp-contract=off: every product is rounded before it is added, as in the torch paths, so the costs
+# are the same bits; no -march=native: a cache on shared storage may serve other CPUs.
+FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {  # name -> argument types (pointers, sizes), for float32 ("_f32") and float64 ("_f64")
+    "kmedoids": (_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_double),
+    "kmeans_gram": (_P, _P, _P, _P, _I, _I, _I, _I),
+}
+_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``PIPELINE_NATIVE_CACHE``, else the user's cache folder."""
+    if os.environ.get("PIPELINE_NATIVE_CACHE"):
+        return Path(os.environ["PIPELINE_NATIVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pipeline-native"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def library_path() -> Path:
+    """The cached library for this source, these flags and this machine (a library built elsewhere, in a
+    Docker image's build stage, loads where there is no compiler)."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+        key.update(part)
+    return cache_dir() / f"clustering_cpu-{key.hexdigest()[:16]}.so"
+
+
+def build(compiler: str, target: Path) -> None:
+    """Compiles the source into ``target``, through a temporary file and an atomic rename (processes
+    that build at the same time each write their own file; the last rename wins, and all are equal)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise OSError(f"{compiler} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded native library, built first if it is not in the cache; None when it cannot be had."""
+    if os.environ.get("PIPELINE_NATIVE", "1") == "0":
+        return None
+    target = library_path()
+    try:
+        if not target.exists():
+            compiler = _compiler()
+            if compiler is None:
+                log.warning("no C compiler (%s) found: the clustering methods run their torch iterations on the "
+                            "CPU (same results, slower); install one (apt-get install build-essential) or set CC",
+                            os.environ.get("CC", "cc"))
+                return None
+            build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("could not build the clustering CPU kernels into %s (%s): the torch iterations run instead "
+                    "(same results, slower); set PIPELINE_NATIVE_CACHE to a writable folder or CC to a working "
+                    "compiler", target.parent, err)
+        return None
+    for name, args in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            getattr(lib, name + suffix).argtypes = args
+            getattr(lib, name + suffix).restype = ctypes.c_int
+    return lib
+
+
+def supports(d: Tensor) -> bool:
+    """Whether the native kernels take a matrix like ``d``: CPU float32 or float64."""
+    return d.device.type == "cpu" and d.dtype in _SUFFIX
+
+
+def _call(lib: ctypes.CDLL, name: str, dtype: torch.dtype, *args: object) -> None:
+    """Calls ``name`` for ``dtype``, with tensors passed as their data pointers (None as NULL)."""
+    pointers = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
+    if getattr(lib, name + _SUFFIX[dtype])(*pointers) != 0:
+        raise MemoryError(f"the clustering CPU kernel {name} could not allocate its workspace")
+
+
+def kmedoids(lib: ctypes.CDLL, d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float
+             ) -> tuple[Tensor, Tensor]:
+    """K-Medoids iterations: d (B, N, N) distances (float32 or float64, CPU), w (B, N) or None, medoids
+    (B, K) starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64).
+    Semantics: ``clustering._kmedoids``; ``rtol`` is the swap margin."""
+    b, n, _ = d.shape
+    k = medoids.shape[1]
+    med = torch.empty(b, k, dtype=torch.int64)
+    assign = torch.empty(b, n, dtype=torch.int64)
+    if b:
+        d = d.contiguous()
+        w = None if w is None else w.to(d.dtype).contiguous()
+        _call(lib, "kmedoids", d.dtype, d, w, medoids.to(torch.int64).contiguous(), med, assign, b, n, k, iters,
+              1.0 - rtol)
+    return med, assign
+
+
+def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+    """K-Means iterations in the Gram form: gram (B, N, N) = X X^T (float32 or float64, CPU), w (B, N) or
+    None, start (B, K) starting tokens -> last assignment (B, N) int64. Semantics: ``clustering._kmeans_gram``."""
+    b, n, _ = gram.shape
+    assign = torch.empty(b, n, dtype=torch.int64)
+    if b:
+        gram = gram.contiguous()
+        w = None if w is None else w.to(gram.dtype).contiguous()
+        _call(lib, "kmeans_gram", gram.dtype, gram, w, start.to(torch.int64).contiguous(), assign, b, n,
+              start.shape[1], iters)
+    return assign

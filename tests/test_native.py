@@ -1,0 +1,191 @@
+"""The clustering iterations' native CPU kernels (pipeline/pooling/clustering_cpu.c): against the brute-force
+references and the torch iterations, and their build, cache and fallback."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.pooling import native, token_pool
+from pipeline.pooling.clustering import (
+    _SWAP_RTOL,
+    _kmeans_gram_iterations,
+    _kmeans_gram_op,
+    _kmedoids_dense,
+    _kmedoids_op,
+    sq_dists,
+)
+from tests import reference as ref
+
+# (B, N, M, K), weighted, iterations, kind of tokens
+CASES = [
+    ((2, 12, 4, 3), True, 5, "random"),
+    ((3, 30, 8, 7), False, 3, "random"),
+    ((2, 49, 16, 12), True, 1, "random"),
+    ((2, 70, 8, 40), True, 4, "random"),
+    ((1, 196, 16, 147), True, 5, "random"),
+    ((2, 65, 6, 64), False, 5, "random"),  # N and K not multiples of the 4 rows an assignment step takes
+    ((2, 48, 3, 10), False, 5, "ties"),  # small integers, every token twice: many exact ties
+    ((2, 48, 3, 30), True, 3, "ties"),
+    ((2, 64, 16, 20), False, 5, "negative"),  # rounding gives distances below zero
+]
+
+
+def _case(b: int, n: int, m: int, k: int, kind: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(b, n, m, generator=g), torch.rand(b, n, generator=g) + 0.1
+    if kind == "ties":
+        x = torch.randint(-2, 3, (b, n // 2, m), generator=g).float().repeat(1, 2, 1)
+    if kind == "negative":
+        x = (torch.randn(b, n // 2, m, generator=g) * 30).repeat(1, 2, 1)
+    return x, w, w.topk(k, dim=-1).indices
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x, x.transpose(1, 2))
+
+
+@pytest.fixture(scope="module")
+def lib():
+    built = native.library()
+    assert built is not None, "the native kernels must build wherever the tests run (a C compiler is needed)"
+    return built
+
+
+@pytest.mark.parametrize("shape,weighted,iters,kind", CASES)
+def test_native_kmedoids_matches_the_reference_and_the_torch_iterations(lib, shape, weighted, iters, kind):
+    b, n, m, k = shape
+    x, w, start = _case(b, n, m, k, kind, seed=n + k)
+    w = w / w.amax(-1, keepdim=True) if weighted else None
+    d = sq_dists(x)
+    med, assign = native.kmedoids(lib, d, w, start, iters, _SWAP_RTOL)
+    torch_med, torch_assign = _kmedoids_dense(d, w, start, iters)
+    assert torch.equal(med, torch_med) and torch.equal(assign, torch_assign)  # the same bits
+    if kind == "negative":  # float64 has no such rounding: the reference breaks these ties differently
+        assert (d < 0).any(), "the case must reach negative distances"
+        return
+    for s in range(b):
+        ws = w[s].double().numpy() if weighted else np.ones(n)
+        assert (med[s].tolist(), assign[s].tolist()) == ref.kmedoids(x[s].double().numpy(), ws, start[s].tolist(),
+                                                                      iters)
+
+
+@pytest.mark.parametrize("shape,weighted,iters,kind", [c for c in CASES if c[3] == "random"])
+def test_native_kmeans_matches_the_reference_and_the_torch_iterations(lib, shape, weighted, iters, kind):
+    b, n, m, k = shape
+    x, w, start = _case(b, n, m, k, kind, seed=n + k + 1)
+    w = w / w.amax(-1, keepdim=True) if weighted else None
+    assign = native.kmeans_gram(lib, _gram(x), w, start, iters)
+    assert torch.equal(assign, _kmeans_gram_iterations(_gram(x), w, start, iters))
+    for s in range(b):
+        ws = w[s].double().numpy() if weighted else np.ones(n)
+        assert assign[s].tolist() == ref.kmeans(x[s].double().numpy(), ws, start[s].tolist(), iters)
+
+
+def test_native_kmeans_keeps_the_centre_of_an_empty_cluster(lib):
+    # Two centres start on duplicate tokens: the second is empty after the first assignment (ties go to
+    # the lowest centre) and keeps its centre while the first moves (as in test_pooling_properties).
+    x = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.1, 5.0], [9.0, 9.0], [0.2, 0.1]]])
+    start = torch.tensor([[0, 1, 2]])
+    for iters in (1, 2, 5):
+        got = native.kmeans_gram(lib, _gram(x), None, start, iters)
+        assert got[0].tolist() == ref.kmeans(x[0].double().numpy(), np.ones(6), [0, 1, 2], iters)
+        assert torch.equal(got, _kmeans_gram_iterations(_gram(x), None, start, iters))
+    assert 1 not in native.kmeans_gram(lib, _gram(x), None, start, 1)[0].tolist(), "the case must empty a cluster"
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_float64_kernels_match_the_references(lib, weighted):
+    x, w, start = _case(3, 40, 6, 9, "random", seed=5)
+    x = x.double()
+    w = w.double() / w.amax() if weighted else None
+    med, assign = native.kmedoids(lib, sq_dists(x), w, start, 4, _SWAP_RTOL)
+    means = native.kmeans_gram(lib, _gram(x), w, start, 4)
+    for s in range(3):
+        ws = w[s].numpy() if weighted else np.ones(40)
+        assert (med[s].tolist(), assign[s].tolist()) == ref.kmedoids(x[s].numpy(), ws, start[s].tolist(), 4)
+        assert means[s].tolist() == ref.kmeans(x[s].numpy(), ws, start[s].tolist(), 4)
+
+
+def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, monkeypatch):
+    x, w, start = _case(2, 30, 5, 7, "random", seed=1)
+    calls = []
+
+    def counted(name):
+        kernel = getattr(native, name)
+        return lambda *args: calls.append(name) or kernel(*args)
+
+    for name in ("kmedoids", "kmeans_gram"):
+        monkeypatch.setattr(native, name, counted(name))
+    med, assign = _kmedoids_op(sq_dists(x), w, start, 1)
+    _kmeans_gram_op(_gram(x), w, start, 2)
+    assert calls == ["kmedoids", "kmeans_gram"]
+    # one iteration: the medoids are the starting ones, in a tensor of the op's own
+    assert torch.equal(med, start) and med.data_ptr() != start.data_ptr()
+    assert native.kmedoids(lib, sq_dists(x)[:0], None, start[:0], 3, _SWAP_RTOL)[0].shape == (0, 7)
+    assert native.kmeans_gram(lib, _gram(x)[:0], None, start[:0], 3).shape == (0, 30)
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """An empty cache folder and no loaded library; restores the loaded one afterwards."""
+    monkeypatch.setenv("PIPELINE_NATIVE_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    yield tmp_path
+    native.library.cache_clear()
+
+
+def test_the_library_is_built_once_and_then_loaded_from_the_cache(fresh, monkeypatch):
+    assert native.library() is not None
+    built = list(fresh.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    native.library.cache_clear()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError(f"compiled again: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    monkeypatch.setenv("CC", "no-such-compiler-here")  # a built library loads without one (Docker runtime)
+    assert native.library() is not None
+
+
+def test_a_changed_source_or_flags_build_another_library(fresh, monkeypatch, tmp_path_factory):
+    first = native.library_path()
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-O2"))
+    assert native.library_path() != first
+    monkeypatch.undo()
+    source = tmp_path_factory.mktemp("source") / "clustering_cpu.c"
+    source.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(native, "SOURCE", source)
+    assert native.library_path() != first
+
+
+@pytest.mark.parametrize("method", ["kmedoids", "kmeans"])
+@pytest.mark.parametrize("how", ["turned off", "no compiler", "failed build"])
+def test_without_the_native_kernels_the_torch_iterations_give_the_same_result(fresh, monkeypatch, caplog, how,
+                                                                             method, tmp_path_factory):
+    x, w, _ = _case(2, 40, 6, 9, "random", seed=3)
+    want = token_pool(x, 9, method=method, weights=w, validate=False)  # native, built into the fresh cache
+    empty = tmp_path_factory.mktemp("empty")
+    monkeypatch.setenv("PIPELINE_NATIVE_CACHE", str(empty))  # nothing built there
+    native.library.cache_clear()
+    if how == "turned off":
+        monkeypatch.setenv("PIPELINE_NATIVE", "0")
+    elif how == "no compiler":
+        monkeypatch.setenv("CC", "no-such-compiler-here")
+    else:
+        monkeypatch.setenv("CC", "false")  # exists, exits 1
+    with caplog.at_level(logging.WARNING, logger="pipeline.pooling.native"):
+        assert native.library() is None
+        got = token_pool(x, 9, method=method, weights=w, validate=False)
+    assert torch.equal(got.assign, want.assign)
+    torch.testing.assert_close(got.tokens, want.tokens, rtol=0, atol=0)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    expected = {"turned off": "", "no compiler": "no C compiler (no-such-compiler-here) found",
+                "failed build": "exited with 1"}[how]
+    assert expected in messages and (how == "turned off") == (messages == "")
+    assert list(empty.iterdir()) == []  # a failed build leaves nothing half-written
