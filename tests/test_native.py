@@ -130,34 +130,6 @@ def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, mo
     assert native.kmeans_gram(lib, _gram(x)[:0], None, start[:0], 3).shape == (0, 30)
 
 
-def test_the_kernels_give_the_same_result_in_any_number_of_threads(lib, monkeypatch):
-    x, w, start = _case(7, 40, 6, 9, "random", seed=11)
-    d, gram = sq_dists(x), _gram(x)
-    threads, pools = torch.get_num_threads(), []
-    executor = native._executor
-    monkeypatch.setattr(native, "_executor", lambda workers: pools.append(workers) or executor(workers))
-    results = []
-    try:
-        for parallel_from, count in ((1 << 60, 1), (0, 3), (0, 2)):  # one slice; 2 + 2 + 3 images; 3 + 4
-            monkeypatch.setattr(native, "_MIN_PARALLEL", parallel_from)
-            torch.set_num_threads(count)
-            med, assign = native.kmedoids(lib, d, w, start, 5, _SWAP_RTOL)
-            results.append((med, assign, native.kmeans_gram(lib, gram, w, start, 5)))
-    finally:
-        torch.set_num_threads(threads)
-    assert pools == [3, 3, 2, 2]  # both kernels ran split in the second and third rounds
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
-
-
-def test_a_forked_child_does_not_reuse_the_parents_threads(monkeypatch):
-    monkeypatch.setattr(native, "_POOL", None)
-    pool = native._executor(2)
-    assert native._executor(2) is pool and native._executor(1) is pool
-    monkeypatch.setattr(native.os, "getpid", lambda: -1)  # as in a child after fork: the parent's threads are gone
-    assert native._executor(2) is not pool
-
-
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
     """An empty cache folder and no loaded library; restores the loaded one afterwards."""

@@ -28,7 +28,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -119,36 +118,10 @@ def supports(d: Tensor) -> bool:
     return d.device.type == "cpu" and d.dtype in _SUFFIX
 
 
-# Images are independent, so a batch runs in slices, one a thread (ctypes releases the GIL): about 1.6-1.9x
-# faster on this machine's 2 threads (docs/benchmarks.md). B N^2 below this runs in the calling thread.
-_MIN_PARALLEL = 1 << 16
-_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool); a forked child makes its own
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < workers:
-        _POOL = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="pipeline-native"))
-    return _POOL[2]
-
-
-def _call(lib: ctypes.CDLL, name: str, batched: tuple[Tensor | None, ...], *sizes: float) -> None:
-    """Runs ``name`` for the dtype of ``batched[0]`` on slices of the batch, in up to
-    ``torch.get_num_threads()`` threads: the batched tensors (contiguous, or None for NULL) go as the data
-    pointers of each slice, then the slice's batch size, then ``sizes``."""
-    fn = getattr(lib, name + _SUFFIX[batched[0].dtype])
-    b, n = batched[0].shape[:2]
-    parts = min(b, torch.get_num_threads()) if b * n * n >= _MIN_PARALLEL else 1
-    bounds = [b * i // parts for i in range(parts + 1)]
-
-    def run(s0: int, s1: int) -> int:
-        return fn(*[None if t is None else t[s0:s1].data_ptr() for t in batched], s1 - s0, *sizes)
-
-    if parts == 1:
-        statuses = [run(0, b)]
-    else:
-        statuses = list(_executor(parts).map(run, bounds[:-1], bounds[1:]))
-    if any(statuses):
+def _call(lib: ctypes.CDLL, name: str, dtype: torch.dtype, *args: object) -> None:
+    """Calls ``name`` for ``dtype``, with tensors passed as their data pointers (None as NULL)."""
+    pointers = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
+    if getattr(lib, name + _SUFFIX[dtype])(*pointers) != 0:
         raise MemoryError(f"the clustering CPU kernel {name} could not allocate its workspace")
 
 
@@ -164,7 +137,8 @@ def kmedoids(lib: ctypes.CDLL, d: Tensor, w: Tensor | None, medoids: Tensor, ite
     if b:
         d = d.contiguous()
         w = None if w is None else w.to(d.dtype).contiguous()
-        _call(lib, "kmedoids", (d, w, medoids.to(torch.int64).contiguous(), med, assign), n, k, iters, 1.0 - rtol)
+        _call(lib, "kmedoids", d.dtype, d, w, medoids.to(torch.int64).contiguous(), med, assign, b, n, k, iters,
+              1.0 - rtol)
     return med, assign
 
 
@@ -176,5 +150,6 @@ def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor,
     if b:
         gram = gram.contiguous()
         w = None if w is None else w.to(gram.dtype).contiguous()
-        _call(lib, "kmeans_gram", (gram, w, start.to(torch.int64).contiguous(), assign), n, start.shape[1], iters)
+        _call(lib, "kmeans_gram", gram.dtype, gram, w, start.to(torch.int64).contiguous(), assign, b, n,
+              start.shape[1], iters)
     return assign

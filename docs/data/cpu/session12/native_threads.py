@@ -1,7 +1,10 @@
 """Paired timing, CPU: whole weighted ``token_pool`` calls (distances, native iterations, pooled means) with the
 native kernels run on the calling thread only against split over ``torch.get_num_threads()`` threads.
 
-    PYTHONPATH=. python docs/data/cpu/session12/native_threads.py > docs/data/cpu/session12/native_threads.txt
+    git checkout bf0122f && PYTHONPATH=. python docs/data/cpu/session12/native_threads.py > docs/data/cpu/session12/native_threads.txt
+
+It ran at commit bf0122f, the only one with the threaded kernels (`native._MIN_PARALLEL`); the next commit
+reverted them, as they gained nothing here.
 
 B = 64, N = 196, 384 dims, 5 iterations (DeiT-S's first pooling block at batch 64), 2 threads; calls
 alternate, the ratio is threaded time / one-thread time, medians over 21 pairs.
