@@ -189,3 +189,12 @@ def test_without_the_native_kernels_the_torch_iterations_give_the_same_result(fr
                 "failed build": "exited with 1"}[how]
     assert expected in messages and (how == "turned off") == (messages == "")
     assert list(empty.iterdir()) == []  # a failed build leaves nothing half-written
+
+
+def test_a_bad_switch_value_is_refused_with_the_values_it_takes(fresh, monkeypatch):
+    from pipeline.errors import InputError
+
+    monkeypatch.setenv("PIPELINE_NATIVE", "off")
+    with pytest.raises(InputError, match=r"PIPELINE_NATIVE must be 1 .* or 0 .*got 'off'; fix or unset it"):
+        native.library()
+    assert list(fresh.iterdir()) == []  # nothing built

@@ -181,8 +181,8 @@ def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -
 
 @_kmeans_gram_op.register_kernel("cpu")
 def _kmeans_gram_cpu(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
-    lib = native.library()
-    if lib is None or not native.supports(gram):
+    lib = native.for_tensor(gram)
+    if lib is None:
         return _kmeans_gram_iterations(gram, w, start, iters)
     return native.kmeans_gram(lib, gram, w, start, iters)
 
@@ -255,8 +255,8 @@ def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> 
 
 @_kmedoids_op.register_kernel("cpu")
 def _kmedoids_cpu(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    lib = native.library()
-    if lib is None or not native.supports(d):
+    lib = native.for_tensor(d)
+    if lib is None:
         return _kmedoids_dense_owned(d, w, medoids, iters)
     return native.kmedoids(lib, d, w, medoids, iters, _SWAP_RTOL)
 

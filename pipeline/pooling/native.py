@@ -5,13 +5,13 @@ batch; ``clustering`` calls them through custom ops, whose torch kernels run whe
 at hand.
 
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
-second; the library is kept in a cache folder under a name that hashes the source, the flags, the
-compiler and the machine, so an edit rebuilds it and a second process (a Ray worker, a test) loads it.
-Without a compiler, or with ``PIPELINE_NATIVE=0``, ``library()`` returns None and the caller runs the
-torch iterations (same results, slower); a failed build says why, once.
+second; the library is kept in a cache folder under a name that hashes the source, the flags and the
+machine, so an edit rebuilds it and a second process (a Ray worker, a test) loads it, with or without a
+compiler. Without a compiler, or with ``PIPELINE_NATIVE=0``, ``library()`` returns None and the caller
+runs the torch iterations (same results, slower); a failed build says why, once.
 
 Environment:
-    PIPELINE_NATIVE: ``0`` turns the native kernel off.
+    PIPELINE_NATIVE: ``1`` (default) or ``0``, which turns the native kernels off.
     PIPELINE_NATIVE_CACHE: the cache folder (default ``$XDG_CACHE_HOME/pipeline-native``, else
         ``~/.cache/pipeline-native``).
     CC: the C compiler (default ``cc``).
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,11 @@ def build(compiler: str, target: Path) -> None:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded native library, built first if it is not in the cache; None when it cannot be had."""
-    if os.environ.get("PIPELINE_NATIVE", "1") == "0":
+    switch = os.environ.get("PIPELINE_NATIVE", "1")
+    if switch not in ("0", "1"):
+        raise InputError(f"PIPELINE_NATIVE must be 1 (the clustering methods' native CPU kernels, the default) "
+                         f"or 0 (their torch iterations), got {switch!r}; fix or unset it")
+    if switch == "0":
         return None
     target = library_path()
     try:
@@ -113,15 +119,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(d: Tensor) -> bool:
-    """Whether the native kernels take a matrix like ``d``: CPU float32 or float64."""
-    return d.device.type == "cpu" and d.dtype in _SUFFIX
+def for_tensor(t: Tensor) -> ctypes.CDLL | None:
+    """The library where the native kernels take a matrix like ``t`` (CPU float32 or float64), else None."""
+    return library() if t.device.type == "cpu" and t.dtype in _SUFFIX else None
 
 
-def _call(lib: ctypes.CDLL, name: str, dtype: torch.dtype, *args: object) -> None:
-    """Calls ``name`` for ``dtype``, with tensors passed as their data pointers (None as NULL)."""
+def _call(lib: ctypes.CDLL, name: str, *args: Tensor | float | None) -> None:
+    """Calls ``name`` for the dtype of the first argument; tensors go as the data pointers of contiguous
+    copies (kept alive through the call), None as NULL."""
+    args = tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args)
     pointers = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
-    if getattr(lib, name + _SUFFIX[dtype])(*pointers) != 0:
+    if getattr(lib, name + _SUFFIX[args[0].dtype])(*pointers) != 0:
         raise MemoryError(f"the clustering CPU kernel {name} could not allocate its workspace")
 
 
@@ -135,10 +143,7 @@ def kmedoids(lib: ctypes.CDLL, d: Tensor, w: Tensor | None, medoids: Tensor, ite
     med = torch.empty(b, k, dtype=torch.int64)
     assign = torch.empty(b, n, dtype=torch.int64)
     if b:
-        d = d.contiguous()
-        w = None if w is None else w.to(d.dtype).contiguous()
-        _call(lib, "kmedoids", d.dtype, d, w, medoids.to(torch.int64).contiguous(), med, assign, b, n, k, iters,
-              1.0 - rtol)
+        _call(lib, "kmedoids", d, _weights(w, d), medoids.long(), med, assign, b, n, k, iters, 1.0 - rtol)
     return med, assign
 
 
@@ -148,8 +153,9 @@ def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor,
     b, n, _ = gram.shape
     assign = torch.empty(b, n, dtype=torch.int64)
     if b:
-        gram = gram.contiguous()
-        w = None if w is None else w.to(gram.dtype).contiguous()
-        _call(lib, "kmeans_gram", gram.dtype, gram, w, start.to(torch.int64).contiguous(), assign, b, n,
-              start.shape[1], iters)
+        _call(lib, "kmeans_gram", gram, _weights(w, gram), start.long(), assign, b, n, start.shape[1], iters)
     return assign
+
+
+def _weights(w: Tensor | None, like: Tensor) -> Tensor | None:
+    return None if w is None else w.to(like.dtype)
