@@ -4,9 +4,12 @@
    the Triton kernels at several tilings against the one-hot torch iterations, on the same
    distances, both also replayed from a CUDA graph (GPU time without launch cost), and the whole
    weighted ``token_pool`` call, next to one bf16 DeiT-S block.
-2. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
+2. K-Means' iterations in the Gram form (5 assignments, 4 updates) at the same size: the Triton
+   kernels at several tilings against the torch iterations, on the same Gram matrix, both also
+   replayed from a CUDA graph, and the whole weighted K-Means ``token_pool`` call.
+3. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
    and on, channels-last, and as a reshape + matmul.
-3. The clustering step's two dense products (the distance matrix and the weighted segment means)
+4. The clustering step's two dense products (the distance matrix and the weighted segment means)
    in the float32 the pooling code uses (TF32 where enabled) against bf16 inputs with float32
    accumulation and output, with each variant's error: the data for choosing their precision.
 
@@ -26,9 +29,10 @@ from torch import Tensor
 from pipeline.errors import InputError, JobError
 from pipeline.models.execution import cuda_settings
 from pipeline.models.patch_embed import use_patch_embed
+from pipeline.pooling import kmeans_triton as km
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
-from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
+from pipeline.pooling.clustering import _SWAP_RTOL, _kmeans_gram_iterations, _kmedoids_dense, sq_dists
 from pipeline.pooling.common import dense_segments, one_hot, pool_segments
 from pipeline.timing import timed
 
@@ -96,6 +100,36 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
         med_d, assign_d = _kmedoids_dense(d, w, start, 5)
         same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
         lines.append(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {graphed} | {pool_ms:.3f} | {same} |")
+    return "\n".join(lines)
+
+
+_KMEANS_TILINGS = ((64, 4), (64, 8), (128, 8), (256, 8))  # (block_k, warps) of K-Means' update kernel
+
+
+def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
+    """K-Means' Gram-form iterations at DeiT-S size (N=196, 384 dims), Triton against torch, per K."""
+    timer = _timer(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(batch, 196, 384, device=device, generator=gen)
+    w = torch.rand(batch, 196, device=device, generator=gen) + 0.1
+    w = w / w.amax(-1, keepdim=True)
+    gram = torch.bmm(x, x.transpose(1, 2))
+    lines = [f"K-Means, batch {batch}: the Gram matrix (bmm, TF32) {timer(lambda: torch.bmm(x, x.transpose(1, 2))):.3f}"
+             " ms", "",
+             "| K | torch Gram-form iterations ms | Triton (block_k, warps) ms | CUDA graph: torch / Triton ms "
+             "| whole K-Means token_pool ms | same assignment |",
+             "|---:|---:|---|---|---:|---|"]
+    for k in ks:
+        start = w.topk(k, dim=-1).indices
+        torch_ms = timer(lambda: _kmeans_gram_iterations(gram, w, start, 5))  # noqa: B023 (called at once)
+        cells = [f"({bk}, {nw}) {timer(lambda: km.kmeans_triton(gram, w, start, 5, block_k=bk, warps=nw)):.3f}"  # noqa: B023
+                 for bk, nw in _KMEANS_TILINGS]
+        graphs = [_graphed(lambda: _kmeans_gram_iterations(gram, w, start, 5), device),  # noqa: B023
+                  _graphed(lambda: km.kmeans_triton(gram, w, start, 5), device)]  # noqa: B023
+        graphed = " / ".join("-" if g is None else f"{timer(g):.3f}" for g in graphs)
+        pool_ms = timer(lambda: token_pool(x, k, method="kmeans", weights=w, validate=False))  # noqa: B023
+        same = (km.kmeans_triton(gram, w, start, 5) == _kmeans_gram_iterations(gram, w, start, 5)).float().mean()
+        lines.append(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {graphed} | {pool_ms:.3f} | {same:.4f} |")
     return "\n".join(lines)
 
 
@@ -198,7 +232,7 @@ def precision_table(device: str, batch: int, k: int = 147) -> str:
 
 
 def run_kernel_bench(device: str, batch: int) -> str:
-    """The three tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
+    """The four tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
     figure, which times the interpreter, not a kernel)."""
     if batch < 1:
         raise InputError(f"bench kernels --batch must be a positive number of images, got {batch}")
@@ -209,5 +243,6 @@ def run_kernel_bench(device: str, batch: int) -> str:
                        "interpreter exists: TRITON_INTERPRET=1 python -m pipeline bench kernels --device cpu --batch 2")
     title = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run under TRITON_INTERPRET=1"
     with cuda_settings(device):
-        return (f"{title}\n\n{kmedoids_table(device, batch)}\n\n{patch_embed_table(device, batch)}\n\n"
+        return (f"{title}\n\n{kmedoids_table(device, batch)}\n\n{kmeans_table(device, batch)}\n\n"
+                f"{patch_embed_table(device, batch)}\n\n"
                 f"{precision_table(device, batch)}")

@@ -88,8 +88,9 @@ def test_native_kmeans_matches_the_reference_and_the_torch_iterations(lib, shape
 
 def test_native_kmeans_keeps_the_centre_of_an_empty_cluster(lib):
     # Two centres start on duplicate tokens: the second is empty after the first assignment (ties go to
-    # the lowest centre) and keeps its centre while the first moves (as in test_pooling_properties).
-    x = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.1, 5.0], [9.0, 9.0], [0.2, 0.1]]])
+    # the lowest centre) and keeps its centre while the first moves (as in test_pooling_properties); off the
+    # origin, so that the kept centre's projections and norm are not zero.
+    x = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.1, 5.0], [9.0, 9.0], [0.2, 0.1]]]) + 1.0
     start = torch.tensor([[0, 1, 2]])
     for iters in (1, 2, 5):
         got = native.kmeans_gram(lib, _gram(x), None, start, iters)

@@ -178,11 +178,12 @@ def test_empty_clusters_are_deterministic_and_finite():
 
 def test_an_empty_kmeans_cluster_keeps_its_centre_in_both_forms():
     """Two clusters start on duplicate tokens, so the second is empty after the first assignment (ties go
-    to the lowest centre) and keeps its centre, (0, 0), while the first moves towards token 5: the
-    duplicates then join the kept centre. The same in the Gram form as in the feature form."""
+    to the lowest centre) and keeps its centre, (1, 1), while the first moves towards token 5: the
+    duplicates then join the kept centre. Off the origin, so that a kept centre's Gram-form projections and
+    norm are not zero. The same in the Gram form as in the feature form."""
     from pipeline.pooling.clustering import _kmeans
 
-    tokens = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.1, 5.0], [9.0, 9.0], [0.2, 0.1]]])
+    tokens = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.1, 5.0], [9.0, 9.0], [0.2, 0.1]]]) + 1.0
     start = torch.tensor([[0, 1, 2]])
     for gram in (False, True):
         assert _kmeans(tokens, None, start, 5, gram=gram).tolist() == [[1, 1, 2, 2, 2, 0]], gram

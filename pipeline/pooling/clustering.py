@@ -46,9 +46,10 @@ from pipeline.pooling.common import (
 )
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
+    from pipeline.pooling.kmeans_triton import kmeans_triton
     from pipeline.pooling.kmedoids_triton import kmedoids_triton
 except ImportError:  # pragma: no cover - depends on the install
-    kmedoids_triton = None
+    kmeans_triton = kmedoids_triton = None
 
 CLUSTER_METHODS = ("kmeans", "kmedoids")
 INITS = ("topk", "random")
@@ -141,15 +142,12 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     reads the (B, N, D) tokens twice. See ``_kmeans``.
 
     On this CPU at DeiT-S size (B = 64, N = 196, D = 384, 5 iterations) the torch iterations took
-    0.43-0.69 of the feature form's time with the CUDA path's dense ops (docs/benchmarks.md). The CPU
-    path runs them as one custom op (``tokenpool::kmeans_gram``: native code, ``native.kmeans_gram``,
-    whose update costs N^2 where the dense product costs K N^2); the CUDA path traces them for
-    ``torch.compile`` to fuse.
+    0.43-0.69 of the feature form's time with the dense torch ops. The iterations are one custom op,
+    ``tokenpool::kmeans_gram``: Triton kernels on CUDA (``kmeans_triton``, two an iteration), native code on
+    the CPU (``native.kmeans_gram``, whose update costs N^2 where the dense product costs K N^2), and the
+    torch iterations (``_kmeans_gram_iterations``) where neither is at hand.
     """
-    gram = torch.bmm(x, x.transpose(1, 2))  # (B, N, N)
-    if use_dense(x):
-        return _kmeans_gram_iterations(gram, w, start, iters)
-    return _kmeans_gram_op(gram, w, start, iters)
+    return _kmeans_gram_op(torch.bmm(x, x.transpose(1, 2)), w, start, iters)
 
 
 def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
@@ -177,6 +175,13 @@ def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters
 def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
     """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op; the torch iterations by default."""
     return _kmeans_gram_iterations(gram, w, start, iters)
+
+
+@_kmeans_gram_op.register_kernel("cuda")
+def _kmeans_gram_cuda(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+    if kmeans_triton is None or gram.dtype != torch.float32:  # the kernels compute in float32
+        return _kmeans_gram_iterations(gram, w, start, iters)
+    return kmeans_triton(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cpu")
