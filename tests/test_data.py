@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,46 @@ def test_train_pipeline_augments_and_normalises(synthetic_beton):
     x, y = torch.from_numpy(x).permute(0, 3, 1, 2), torch.from_numpy(y)
     assert x.shape == (60, 3, 16, 16) and x.dtype == torch.float32 and y.shape == (60,)
     assert -2.0 - 1e-6 <= x.min() and x.max() <= 2.0 + 1e-6  # (0..1 - 0.5) / 0.25
+
+
+def _augmented_epochs(spec: LoaderSpec, epochs: int = 2) -> list[np.ndarray]:
+    """Each epoch's images in label order (the labels are the images' identities)."""
+    loader, out = ffcv_loader(spec), []
+    for _ in range(epochs):
+        images, labels = read_all(loader)
+        out.append(images[np.argsort(labels)])
+    return out
+
+
+def test_train_crops_and_flips_are_the_same_for_the_same_seed(tmp_path):
+    """FFCV's own crop and flip draw from numba's unseeded per-thread state; the seeded ops give every image
+    the same crop and flip for the same loader seed, whether one thread decodes or two, and other ones
+    for another seed and in the next epoch."""
+    beton = tmp_path / "ids.beton"
+    write_beton(open_source("synthetic:classes=48,count=48,size=24"), beton, RAW, log=lambda _: None)
+    spec = LoaderSpec(str(beton), train=True, batch_size=8, res=16, crop_scale=(0.2, 1.0), workers=1, seed=3,
+                      **IDENTITY)
+    first = _augmented_epochs(spec)
+    for again in (_augmented_epochs(spec), _augmented_epochs(replace(spec, workers=2))):
+        assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    other = _augmented_epochs(replace(spec, seed=4))
+    same_image = lambda a, b: np.all(a == b, axis=(1, 2, 3))  # noqa: E731
+    assert same_image(first[0], other[0]).mean() < 0.2
+    assert same_image(first[0], first[1]).mean() < 0.2
+
+
+@pytest.mark.parametrize("prob", [0.0, 0.25, 0.5, 1.0])
+def test_seeded_flip_flips_with_its_probability(prob):
+    from pipeline.data.augment import SeededHorizontalFlip
+
+    images = np.tile(np.array([0, 1], dtype=np.uint8).reshape(1, 1, 2, 1), (4000, 1, 1, 1))  # (B, H, W, C)
+    flip = SeededHorizontalFlip(prob, seed=0).generate_code()
+    indices = np.arange(4000, dtype=np.uint64)
+    out = flip(images, np.empty_like(images), indices)
+    flipped = out[:, 0, 0, 0] == 1
+    assert abs(flipped.mean() - prob) < 0.03  # 4000 draws: a standard deviation of at most 0.008
+    assert np.array_equal(out[flipped], images[flipped][:, :, ::-1]) and np.array_equal(out[~flipped], images[~flipped])
+    assert np.array_equal(flip(images, np.empty_like(images), indices), out)
 
 
 def test_progressive_resolution_schedule():

@@ -137,17 +137,17 @@ def check_dataset(beton: str | Path, num_classes: int | None = None, full_checks
 
 
 def train_pipeline(spec: LoaderSpec) -> list:
-    """FFCV ops for training images: random-resized crop, flip, normalise.
+    """FFCV ops for training images: random-resized crop, flip, normalise; the crop and the flip drawn per image
+    from the loader seed (``pipeline/data/augment.py``), so that one seed gives one training.
 
     On the CPU the jitted ops come first (NormalizeImage is jitted there): FFCV 1.0.2 hangs in
     ``Graph.group_operations`` on a jitted -> non-jitted -> jitted chain. On a GPU this follows
     ffcv-imagenet's order, with a torch module for normalisation so that cupy is not needed.
     """
-    from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder
-    from ffcv.transforms import RandomHorizontalFlip
+    from pipeline.data.augment import SeededHorizontalFlip, SeededRandomResizedCrop
 
-    decoder = RandomResizedCropRGBImageDecoder((spec.res, spec.res), scale=spec.crop_scale)
-    flip = [RandomHorizontalFlip()] if spec.flip else []
+    decoder = SeededRandomResizedCrop((spec.res, spec.res), scale=spec.crop_scale, seed=spec.seed)
+    flip = [SeededHorizontalFlip(seed=spec.seed)] if spec.flip else []
     return [decoder, *flip, *_to_model_input(spec)]
 
 
