@@ -150,12 +150,14 @@ def _augmented_epochs(spec: LoaderSpec, epochs: int = 2) -> list[np.ndarray]:
     return out
 
 
-def test_train_crops_and_flips_are_the_same_for_the_same_seed(tmp_path):
+@pytest.mark.parametrize("mode", ["raw", "jpg"])
+def test_train_crops_and_flips_are_the_same_for_the_same_seed(tmp_path, mode):
     """FFCV's own crop and flip draw from numba's unseeded per-thread state; the seeded ops give every image
     the same crop and flip for the same loader seed, whether one thread decodes or two, and other ones
-    for another seed and in the next epoch."""
+    for another seed and in the next epoch; raw pixels and JPEGs (decoded into per-image scratch)."""
     beton = tmp_path / "ids.beton"
-    write_beton(open_source("synthetic:classes=48,count=48,size=24"), beton, RAW, log=lambda _: None)
+    write_beton(open_source("synthetic:classes=48,count=48,size=24"), beton,
+                WriteSettings(mode=mode, max_res=None, workers=2), log=lambda _: None)
     spec = LoaderSpec(str(beton), train=True, batch_size=8, res=16, crop_scale=(0.2, 1.0), workers=1, seed=3,
                       **IDENTITY)
     first = _augmented_epochs(spec)
