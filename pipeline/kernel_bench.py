@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable
+from functools import partial
 
 import timm
 import torch
@@ -69,13 +70,28 @@ def _graphed(fn: Callable[[], object], device: str) -> Callable[[], object] | No
     return graph.replay
 
 
+def _deit_s_tokens(device: str, batch: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Random tokens (B, 196, 384) at DeiT-S size and weights (B, 196) in (0, 1], the largest 1 per image."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(batch, 196, 384, device=device, generator=gen)
+    w = torch.rand(batch, 196, device=device, generator=gen) + 0.1
+    return x, w / w.amax(-1, keepdim=True)
+
+
+def _timing_cells(timer: Timer, device: str, torch_fn: Callable[[], object], triton_fn: Callable[[], object],
+                  tilings: dict[str, Callable[[], object]]) -> str:
+    """The middle cells of a row: the torch iterations' ms, each Triton tiling's ms, and both replayed from
+    a CUDA graph ("-" off CUDA)."""
+    cells = "; ".join(f"{label} {timer(fn):.3f}" for label, fn in tilings.items())
+    graphed = " / ".join("-" if g is None else f"{timer(g):.3f}"
+                         for g in (_graphed(torch_fn, device), _graphed(triton_fn, device)))
+    return f"{timer(torch_fn):.3f} | {cells} | {graphed}"
+
+
 def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
     """K-Medoids' iterations at DeiT-S size (N=196, 384 dims), Triton against torch, per K."""
     timer = _timer(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(batch, 196, 384, device=device, generator=gen)
-    w = torch.rand(batch, 196, device=device, generator=gen) + 0.1
-    w = w / w.amax(-1, keepdim=True)
+    x, w = _deit_s_tokens(device, batch, seed=0)
     d = sq_dists(x)
     block = timm.create_model("deit_small_patch16_224").blocks[0].to(device).eval()
     tokens = torch.randn(batch, 197, 384, device=device)
@@ -88,18 +104,15 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
              "|---:|---:|---|---|---:|---|"]
     for k in ks:
         start = w.topk(k, dim=-1).indices
-        torch_ms = timer(lambda: _kmedoids_dense(d, w, start, 5))  # noqa: B023 (called at once)
-        cells = [f"({bn}, {bj}) "
-                 f"{timer(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL, block_n=bn, block_j=bj)):.3f}"  # noqa: B023
-                 for bn in (16, 32) for bj in (64, 128)]
-        graphs = [_graphed(lambda: _kmedoids_dense(d, w, start, 5), device),  # noqa: B023
-                  _graphed(lambda: kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL), device)]  # noqa: B023
-        graphed = " / ".join("-" if g is None else f"{timer(g):.3f}" for g in graphs)
-        pool_ms = timer(lambda: token_pool(x, k, weights=w, validate=False))  # noqa: B023
+        tilings = {f"({bn}, {bj})": partial(kt.kmedoids_triton, d, w, start, 5, _SWAP_RTOL, block_n=bn, block_j=bj)
+                   for bn in (16, 32) for bj in (64, 128)}
+        times = _timing_cells(timer, device, partial(_kmedoids_dense, d, w, start, 5),
+                              partial(kt.kmedoids_triton, d, w, start, 5, _SWAP_RTOL), tilings)
+        pool_ms = timer(partial(token_pool, x, k, weights=w, validate=False))
         med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL)
         med_d, assign_d = _kmedoids_dense(d, w, start, 5)
         same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
-        lines.append(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {graphed} | {pool_ms:.3f} | {same} |")
+        lines.append(f"| {k} | {times} | {pool_ms:.3f} | {same} |")
     return "\n".join(lines)
 
 
@@ -109,10 +122,7 @@ _KMEANS_TILINGS = ((64, 4), (64, 8), (128, 8), (256, 8))  # (block_k, warps) of 
 def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
     """K-Means' Gram-form iterations at DeiT-S size (N=196, 384 dims), Triton against torch, per K."""
     timer = _timer(device)
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(batch, 196, 384, device=device, generator=gen)
-    w = torch.rand(batch, 196, device=device, generator=gen) + 0.1
-    w = w / w.amax(-1, keepdim=True)
+    x, w = _deit_s_tokens(device, batch, seed=1)
     gram = torch.bmm(x, x.transpose(1, 2))
     lines = [f"K-Means, batch {batch}: the Gram matrix (bmm, TF32) {timer(lambda: torch.bmm(x, x.transpose(1, 2))):.3f}"
              " ms", "",
@@ -121,15 +131,13 @@ def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -
              "|---:|---:|---|---|---:|---|"]
     for k in ks:
         start = w.topk(k, dim=-1).indices
-        torch_ms = timer(lambda: _kmeans_gram_iterations(gram, w, start, 5))  # noqa: B023 (called at once)
-        cells = [f"({bk}, {nw}) {timer(lambda: km.kmeans_triton(gram, w, start, 5, block_k=bk, warps=nw)):.3f}"  # noqa: B023
-                 for bk, nw in _KMEANS_TILINGS]
-        graphs = [_graphed(lambda: _kmeans_gram_iterations(gram, w, start, 5), device),  # noqa: B023
-                  _graphed(lambda: km.kmeans_triton(gram, w, start, 5), device)]  # noqa: B023
-        graphed = " / ".join("-" if g is None else f"{timer(g):.3f}" for g in graphs)
-        pool_ms = timer(lambda: token_pool(x, k, method="kmeans", weights=w, validate=False))  # noqa: B023
+        tilings = {f"({bk}, {nw})": partial(km.kmeans_triton, gram, w, start, 5, block_k=bk, warps=nw)
+                   for bk, nw in _KMEANS_TILINGS}
+        times = _timing_cells(timer, device, partial(_kmeans_gram_iterations, gram, w, start, 5),
+                              partial(km.kmeans_triton, gram, w, start, 5), tilings)
+        pool_ms = timer(partial(token_pool, x, k, method="kmeans", weights=w, validate=False))
         same = (km.kmeans_triton(gram, w, start, 5) == _kmeans_gram_iterations(gram, w, start, 5)).float().mean()
-        lines.append(f"| {k} | {torch_ms:.3f} | {'; '.join(cells)} | {graphed} | {pool_ms:.3f} | {same:.4f} |")
+        lines.append(f"| {k} | {times} | {pool_ms:.3f} | {same:.4f} |")
     return "\n".join(lines)
 
 
