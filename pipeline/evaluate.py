@@ -35,17 +35,25 @@ class Evaluation:
 
 @torch.no_grad()
 def top1(model: nn.Module, config: Config, device: torch.device, dtype: str = "fp32") -> tuple[float, int]:
-    """Top-1 (%) over the whole validation set with the validation loader of ``config``."""
+    """Top-1 (%) over the whole validation set with the validation loader of ``config``.
+
+    The random and importance methods draw their tokens from torch's generator in every forward, so the
+    pass runs on a generator seeded with ``config.seed`` (and the caller's state comes back after it):
+    otherwise their top-1 depended on whatever the process had drawn before (two demo runs gave 63.35%
+    and 63.85% for one random-selection checkpoint).
+    """
     from pipeline.data.loaders import loader_spec, shared_loader
     from pipeline.models import data_config
 
     spec = loader_spec(config.data, data_config(model), train=False, seed=config.seed, device=str(device))
     correct = total = 0
-    for images, labels in shared_loader(config.data.loader, spec):
-        with autocast(device, dtype):
-            logits = model(images.to(device))
-        correct += int((logits.argmax(-1) == labels.to(device)).sum())
-        total += labels.numel()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(config.seed)
+        for images, labels in shared_loader(config.data.loader, spec):
+            with autocast(device, dtype):
+                logits = model(images.to(device))
+            correct += int((logits.argmax(-1) == labels.to(device)).sum())
+            total += labels.numel()
     return 100.0 * correct / max(total, 1), total
 
 
