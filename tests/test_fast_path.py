@@ -402,21 +402,27 @@ from pipeline.models.significance_triton import significance_backward_triton
     assert _interpret(code).count("ok") == 4
 
 
+# What both clustering interpreter scripts start with: the native library and the reference, and the random
+# cases ((B, N, M, K), weighted, iterations) they share.
+_CLUSTERING_PRELUDE = """
+import numpy as np, torch
+from pipeline.pooling import native
+from tests import reference as ref
+lib = native.library()
+assert lib is not None
+cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), True, 1),
+         ((1, 64, 5, 20), False, 5), ((2, 70, 8, 40), True, 4), ((1, 196, 16, 147), True, 5)]
+"""
+
+
 def test_triton_kmedoids_under_the_interpreter():
     """The fused K-Medoids kernel gives the brute-force reference's medoids and assignment, and the
     torch iterations' (one-hot matmuls) and the CPU's native kernel's, on random inputs."""
     pytest.importorskip("triton")
-    code = """
-import numpy as np, torch
-from pipeline.pooling import native
+    code = _CLUSTERING_PRELUDE + """
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
 from pipeline.pooling.kmedoids_triton import kmedoids_triton
-lib = native.library()
-assert lib is not None
-from tests import reference as ref
-cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), True, 1),
-         ((1, 64, 5, 20), False, 5), ((2, 70, 8, 40), True, 4), ((1, 196, 16, 147), True, 5),
-         ((2, 48, 3, 10), False, 5), ((2, 48, 3, 30), True, 3), ((2, 64, 16, 20), False, 5)]
+cases += [((2, 48, 3, 10), False, 5), ((2, 48, 3, 30), True, 3), ((2, 64, 16, 20), False, 5)]
 for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     g = torch.Generator().manual_seed(n + k)
     x, w = torch.randn(b, n, m, generator=g), torch.rand(b, n, generator=g) + 0.1
@@ -448,17 +454,10 @@ def test_triton_kmeans_under_the_interpreter():
     and the CPU's native kernel's, on random inputs, with tilings that split N several ways, and keep the
     centre of a cluster that empties."""
     pytest.importorskip("triton")
-    code = """
-import numpy as np, torch
-from pipeline.pooling import native
+    code = _CLUSTERING_PRELUDE + """
 from pipeline.pooling.clustering import _kmeans_gram_iterations
 from pipeline.pooling.kmeans_triton import kmeans_triton
-from tests import reference as ref
-lib = native.library()
-assert lib is not None
-cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), True, 1),
-         ((1, 64, 5, 20), False, 5), ((2, 70, 8, 40), True, 4), ((1, 196, 16, 147), True, 5),
-         ((2, 65, 6, 64), False, 5)]
+cases.append(((2, 65, 6, 64), False, 5))
 for (b, n, m, k), weighted, iters in cases:
     g = torch.Generator().manual_seed(n + k + 1)
     x, w = torch.randn(b, n, m, generator=g), torch.rand(b, n, generator=g) + 0.1
