@@ -183,6 +183,13 @@ def test_seeded_flip_flips_with_its_probability(prob):
     assert np.array_equal(flip(images, np.empty_like(images), indices), out)
 
 
+def test_seeded_flip_refuses_a_probability_outside_zero_to_one():
+    from pipeline.data.augment import SeededHorizontalFlip
+
+    with pytest.raises(ValueError, match=r"flip_prob is a probability in \[0, 1\], got 1.5"):
+        SeededHorizontalFlip(1.5)
+
+
 def test_progressive_resolution_schedule():
     assert [progressive_res(e, 160, 192, 10, 12, 32) for e in (0, 10, 11, 12, 20)] == [160, 160, 160, 192, 192]
     assert progressive_res(11, 128, 256, 10, 12, 16) == 192

@@ -84,12 +84,14 @@ class SeededHorizontalFlip(Operation):
 
     def __init__(self, flip_prob: float = 0.5, seed: int = 0) -> None:
         super().__init__()
+        if not 0.0 <= flip_prob <= 1.0:
+            raise ValueError(f"SeededHorizontalFlip: flip_prob is a probability in [0, 1], got {flip_prob!r}")
         self.flip_prob = flip_prob
         self.seed = seed
 
     def generate_code(self) -> Callable:
         my_range = Compiler.get_iterator()
-        seed, threshold = self.seed, np.uint64(min(max(self.flip_prob, 0.0), 1.0) * 2.0**53)
+        seed, threshold = self.seed, np.uint64(self.flip_prob * 2.0**53)
 
         def flip(images, dst, indices):
             for ix in my_range(images.shape[0]):

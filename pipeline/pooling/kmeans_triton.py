@@ -40,6 +40,14 @@ _BLOCK_N = 32  # tokens per program of the assignment kernel
 
 
 @triton.jit
+def _weights(W, b, N, offs, mask, HAS_W: tl.constexpr):
+    """The weights of tokens ``offs`` of image b, 0 off the mask; 1 each without HAS_W."""
+    if HAS_W:
+        return tl.load(W + b * N + offs, mask=mask, other=0.0)
+    return tl.where(mask, 1.0, 0.0)
+
+
+@triton.jit
 def _update_kernel(G, W, ASSIGN, PROJ, TOTAL, PART, N, K, tiles, HAS_W: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
     """The projections of BLOCK_K centres on BLOCK_I tokens (the columns of G), the clusters' total weights
@@ -58,10 +66,7 @@ def _update_kernel(G, W, ASSIGN, PROJ, TOTAL, PART, N, K, tiles, HAS_W: tl.const
         offs_j = j0 + tl.arange(0, BLOCK_J)
         mask_j = offs_j < N
         a_j = tl.load(ASSIGN + b * N + offs_j, mask=mask_j, other=-1)
-        if HAS_W:
-            w_j = tl.load(W + b * N + offs_j, mask=mask_j, other=0.0)
-        else:
-            w_j = tl.where(mask_j, 1.0, 0.0)
+        w_j = _weights(W, b, N, offs_j, mask_j, HAS_W)
         member = tl.where(offs_k[:, None] == a_j[None, :], 1.0, 0.0)  # (BLOCK_K, BLOCK_J), exact in TF32
         rows = tl.load(G + b * N * N + offs_j[:, None] * N + offs_i[None, :], mask=mask_j[:, None] & mask_i[None, :],
                        other=0.0)
@@ -75,10 +80,7 @@ def _update_kernel(G, W, ASSIGN, PROJ, TOTAL, PART, N, K, tiles, HAS_W: tl.const
     proj = tl.where(filled[:, None], acc / divisor[:, None], kept)
     tl.store(at, proj, mask=tile_mask)
     a_i = tl.load(ASSIGN + b * N + offs_i, mask=mask_i, other=-1)
-    if HAS_W:
-        w_i = tl.load(W + b * N + offs_i, mask=mask_i, other=0.0)
-    else:
-        w_i = tl.where(mask_i, 1.0, 0.0)
+    w_i = _weights(W, b, N, offs_i, mask_i, HAS_W)
     share = tl.sum(tl.where(offs_k[:, None] == a_i[None, :], proj * w_i[None, :], 0.0), axis=1) / divisor
     tl.store(PART + (b * tiles + tile) * K + offs_k, share, mask=mask_k)
     tl.store(TOTAL + b * K + offs_k, total, mask=mask_k & (tile == 0))
