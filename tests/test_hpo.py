@@ -35,7 +35,10 @@ def overrides(root: Path) -> list[str]:
             f"train.artifact_root={root / 'artifacts'}", f"experiment.runs_dir={root / 'experiments'}",
             "train.workers=0", "train.progress_bar=false", "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]",
             "experiment.methods=[powerbert]", "experiment.baseline=false", f"experiment.base={SWEEP}",
-            "experiment.eval.analysis_images=0", "experiment.eval.analysis_batch=0"]
+            "experiment.eval.analysis_images=0", "experiment.eval.analysis_batch=0",
+            # Each trial pauses 2 s at its first step: trials in a reused actor take ~0.3 s, too short a
+            # window for the test to see one trial finished and others not started before it kills the driver.
+            "train.debug_pause_at_step=1", "train.debug_pause_s=2"]
 
 
 def trial_runs(client: MlflowClient) -> list:
