@@ -131,6 +131,37 @@ def test_torch_loader_reads_the_same_pixels(tmp_path):
     np.testing.assert_allclose(images, expected, atol=1e-3)
 
 
+def _torch_epochs(spec: LoaderSpec, start: int = 0, epochs: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each epoch's (images in label order, labels in reading order); the labels are the images' identities."""
+    loader, out = build_loader("torch", spec), []
+    loader.next_epoch = start
+    for _ in range(epochs):
+        images, labels = read_all(loader)
+        out.append((images[np.argsort(labels)], labels))
+    return out
+
+
+def test_torch_loader_epochs_depend_on_the_seed_and_epoch_alone(tmp_path):
+    """torchvision's transforms draw from the global torch generator, and the shuffle continued from epoch
+    to epoch: a run resumed at epoch 1 read other images in another order than an uninterrupted one, and
+    with no workers the crops drew from the model's own stream. Now a loader started at epoch 1 reads
+    what the uninterrupted one reads there, with 0 or 2 workers alike, and the global generator is untouched."""
+    write_folder(open_source("synthetic:classes=48,count=48,size=24"), tmp_path / "ids", size=None, quality=95,
+                 log=lambda _: None)
+    spec = LoaderSpec(str(tmp_path / "ids"), train=True, batch_size=8, res=16, crop_scale=(0.2, 1.0), workers=0,
+                      seed=3, **IDENTITY)
+    state = torch.random.get_rng_state()
+    first = _torch_epochs(spec)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))  # noqa: E731
+    assert same(_torch_epochs(spec, start=1, epochs=1)[0], first[1])  # resumed at epoch 1
+    assert same(_torch_epochs(replace(spec, workers=2))[1], first[1])
+    other = _torch_epochs(replace(spec, seed=4))[0]
+    same_image = lambda a, b: np.all(a == b, axis=(1, 2, 3))  # noqa: E731
+    assert same_image(first[0][0], other[0]).mean() < 0.2 and not np.array_equal(first[0][1], other[1])
+    assert same_image(first[0][0], first[1][0]).mean() < 0.2 and not np.array_equal(first[0][1], first[1][1])
+
+
 def test_train_pipeline_augments_and_normalises(synthetic_beton):
     beton, source = synthetic_beton
     spec = LoaderSpec(str(beton), train=True, batch_size=20, res=16, mean=(0.5,) * 3, std=(0.25,) * 3,

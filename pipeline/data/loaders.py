@@ -272,11 +272,60 @@ def progressive_res(epoch: int, start_res: int, end_res: int, start_epoch: int, 
     return int(res // multiple) * multiple
 
 
+class _EpochKeys(torch.utils.data.Sampler):
+    """One epoch's sample indices as ``(epoch, index)`` keys: the epoch travels with each index into the
+    ``DataLoader``'s worker processes (persistent ones included), where ``_SeededFolder`` draws from it."""
+
+    def __init__(self, indices: torch.utils.data.Sampler) -> None:
+        self.indices, self.epoch = indices, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.indices, "set_epoch"):
+            self.indices.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((self.epoch, int(index)) for index in self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class _SeededFolder(torch.utils.data.Dataset):
+    """An ``ImageFolder`` whose random transforms draw from a generator seeded by (seed, epoch, index).
+
+    torchvision's transforms draw from the process's global torch generator: in the main process
+    (``num_workers: 0``) that is the model's own stream, and in workers it starts from a per-iterator
+    seed, so a resumed run cropped its epochs differently from an uninterrupted one. Here each image's
+    draws depend only on the loader seed, the epoch and the image, like the FFCV loader's
+    (``pipeline.data.augment``), and the global generator is left as it was.
+    """
+
+    def __init__(self, folder, seed: int) -> None:
+        self.folder, self.seed = folder, seed
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        state = np.random.SeedSequence([self.seed, epoch, index]).generate_state(1, np.uint64)[0]
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only: torch.manual_seed also seeds the
+            torch.default_generator.manual_seed(int(state))  # accelerators', 130 us an image here
+            return self.folder[index]
+
+
 class _TorchLoader:
-    """torchvision ImageFolder + PIL ``DataLoader`` behind the same ``len``/``iter`` as FFCV's loader."""
+    """torchvision ImageFolder + PIL ``DataLoader`` behind the same ``len``/``iter`` as FFCV's loader.
+
+    Training order is a permutation seeded by (seed, epoch), as FFCV's ``OrderOption.RANDOM`` is, split
+    over the ranks under DDP; crops and flips come from (seed, epoch, image) (``_SeededFolder``). So an
+    epoch's batches depend on ``next_epoch`` alone, and a run resumed at epoch E reads what an
+    uninterrupted one reads there.
+    """
 
     def __init__(self, spec: LoaderSpec) -> None:
-        from torch.utils.data import DataLoader, DistributedSampler
+        from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
         from torchvision import datasets, transforms
 
         if spec.train:
@@ -290,12 +339,18 @@ class _TorchLoader:
         if not Path(spec.path).is_dir():
             raise MissingFileError(f"loader=torch reads an image folder (PATH/<class>/<images>), but {spec.path} is "
                                     "not a directory; write one with `python -m pipeline data folder`")
-        self.dataset = datasets.ImageFolder(spec.path, transform=tf)
-        self.sampler = DistributedSampler(self.dataset, shuffle=spec.train, seed=spec.seed) \
-            if spec.distributed else None
+        folder = datasets.ImageFolder(spec.path, transform=tf)
+        if spec.train:  # one replica unless distributed: DistributedSampler is then a permutation from seed + epoch
+            replicas = {} if spec.distributed else {"num_replicas": 1, "rank": 0}
+            indices = DistributedSampler(folder, shuffle=True, seed=spec.seed, **replicas)
+        else:
+            indices = SequentialSampler(folder)
+        self.sampler = _EpochKeys(indices)
+        # The generator only seeds the workers (every draw is reseeded per image), so that starting an
+        # epoch does not draw from the global generator, the model's.
         generator = torch.Generator().manual_seed(spec.seed)
-        self.loader = DataLoader(self.dataset, batch_size=spec.batch_size, shuffle=spec.train and self.sampler is None,
-                                 sampler=self.sampler, num_workers=spec.workers, generator=generator,
+        self.loader = DataLoader(_SeededFolder(folder, spec.seed), batch_size=spec.batch_size, sampler=self.sampler,
+                                 num_workers=spec.workers, generator=generator,
                                  drop_last=spec.train if spec.drop_last is None else spec.drop_last,
                                  pin_memory=spec.device != "cpu", persistent_workers=spec.workers > 0)
         self.device = torch.device(spec.device)
@@ -305,8 +360,7 @@ class _TorchLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.sampler is not None:
-            self.sampler.set_epoch(self.next_epoch)
+        self.sampler.set_epoch(self.next_epoch)
         self.next_epoch += 1
         for images, labels in self.loader:
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
