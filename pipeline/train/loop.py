@@ -97,6 +97,17 @@ def init_from(config: Config, model: nn.Module) -> None:
         load_weights(model, config.model.weights)
 
 
+def say(line: str) -> None:
+    """One line of rank 0's progress on stdout, flushed.
+
+    Not ``print``: in a Ray Train 2.60 worker ``print`` is patched to log each line and, because Ray's
+    workers write through their own ``sys.stdout`` wrapper, also to print it, so the driver showed every
+    line twice.
+    """
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def debug_hooks(config: Config, step: int, lead: bool) -> None:
     """The documented fault-injection hooks, on rank 0 and once per job (a marker file in the run folder):
     ``train.debug_fail_at_step`` raises; ``train.debug_pause_at_step`` sleeps ``train.debug_pause_s``, writing
@@ -108,7 +119,7 @@ def debug_hooks(config: Config, step: int, lead: bool) -> None:
     if step == train.debug_pause_at_step and not (folder / f".debug_paused_at_{step}").exists():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f".debug_paused_at_{step}").touch()
-        print(f"[rank 0] debug_pause_at_step={step}: pausing {train.debug_pause_s:g} s", flush=True)
+        say(f"[rank 0] debug_pause_at_step={step}: pausing {train.debug_pause_s:g} s")
         time.sleep(train.debug_pause_s)
     if step == train.debug_fail_at_step and not (folder / f".debug_failed_at_{step}").exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -286,7 +297,7 @@ def train(config: Config, session: Session, on_epoch: Callable[[dict[str, float]
         start_epoch, step = restore(state, job)
         job.run_id = state["mlflow_run_id"]
         if job.lead:
-            print(f"[rank 0] resuming from the checkpoint of epoch {start_epoch}", flush=True)
+            say(f"[rank 0] resuming from the checkpoint of epoch {start_epoch}")
     nodes = gather(session.node_id, session.world)
     if job.lead:
         job.tracker = JobTracker.open(config, job.run_id)
@@ -295,9 +306,9 @@ def train(config: Config, session: Session, on_epoch: Callable[[dict[str, float]
         if state is not None:
             job.tracker.backfill(state["epoch"] + 1, state.get("metrics"))
         compiled = "" if config.train.compile == "none" else f", torch.compile {config.train.compile}"
-        print(f"[rank 0] {config.train.mode}: {session.world} worker(s) on {session.device}{compiled}, "
-              f"{len(job.train_loader)} steps/epoch, lr {job.recipe.lr:.2e}, "
-              f"epochs {start_epoch + 1}..{config.recipe.epochs}", flush=True)
+        say(f"[rank 0] {config.train.mode}: {session.world} worker(s) on {session.device}{compiled}, "
+            f"{len(job.train_loader)} steps/epoch, lr {job.recipe.lr:.2e}, "
+            f"epochs {start_epoch + 1}..{config.recipe.epochs}")
     run_epochs(job, start_epoch, step)
 
 
@@ -339,7 +350,7 @@ def _run_epochs(job: Job, start_epoch: int, step: int) -> None:
         save_and_report(job, epoch, step, metrics, keep)
         if job.tracker is not None:
             job.tracker.log_epoch(metrics, epoch + 1)
-            print(epoch_line(epoch, config.recipe.epochs, metrics, started, epoch + 1 - start_epoch), flush=True)
+            say(epoch_line(epoch, config.recipe.epochs, metrics, started, epoch + 1 - start_epoch))
         if job.on_epoch is not None:
             job.on_epoch(metrics)
     if job.tracker is not None:
