@@ -118,10 +118,8 @@ def connect_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    # A local Ray starts its dashboard too: Ray Train's placement-group cleaner asks the State API, which
-    # the dashboard serves, whether the train controller lives, and without it warned once a second for
-    # as long as a training ran (35 of a tiny training's 67 lines of output).
-    ray.init(address=address or os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+    ray.init(address=address or os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING,
+             include_dashboard=False if (address or os.environ.get("RAY_ADDRESS")) is None else None)
 
 
 def make_trainer(config: Config):
