@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,13 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     assert "Pareto front" in text and "registry: token-pooling-tiny@pareto-1" in text
     by_kind = runs_by_kind(root)
     plan = count_plan(load_config(TINY, tiny_overrides(root)))
+    # The driver skips what MLflow records done before it starts a trial: the K search had finished.
+    assert f"[skip] tiny-ksearch: {plan.ksearch} of {plan.ksearch} stage(s) done in MLflow" in text
+    assert "[sweep] tiny-ksearch" not in text
+    skipped = int(re.search(rf"\[skip\] tiny-finetune: (\d+) of {plan.finetune} stage", text).group(1))
+    assert skipped >= len(finished_before)
+    if skipped < plan.finetune:  # the kill came between two finetunes (all ten may finish within a poll)
+        assert f"[sweep] tiny-finetune: {plan.finetune - skipped} trial(s)" in text
     for kind in ("base", "ksearch", "finetune", "evaluate"):
         done_ids = [r.data.tags["pipeline.stage_id"] for r in by_kind[kind] if r.data.tags.get(DONE) == "1"]
         assert len(done_ids) == len(set(done_ids)), f"{kind}: a stage was recorded twice"
@@ -130,11 +138,17 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     version = client.get_model_version_by_alias("token-pooling-tiny", "best")
     assert version.run_id in {r.info.run_id for r in finetunes}
 
-    # 4. A third run trains nothing and records nothing new.
+    # 4. A third run trains nothing, records nothing new and starts no Tune sweep or evaluation task.
     counts = {kind: len(runs) for kind, runs in by_kind.items()}
-    third = run_experiment(load_config(TINY, tiny_overrides(root)), log=lambda _: None)
+    sweeps = sorted(p.name for p in (root / "ray").iterdir())
+    lines: list[str] = []
+    third = run_experiment(load_config(TINY, tiny_overrides(root)), log=lines.append)
     assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == counts
     assert len(third["rows"]) == len(finetunes)
+    assert sorted(p.name for p in (root / "ray").iterdir()) == sweeps
+    assert not [line for line in lines if line.startswith(("[sweep]", "[evaluate]", "[run]"))], lines
+    for name, total in (("ksearch", plan.ksearch), ("finetune", plan.finetune), ("evaluate", plan.evaluate)):
+        assert f"[skip] tiny-{name}: {total} of {total} stage(s) done in MLflow" in lines, lines
 
 
 def test_paper_config_expands_without_running():

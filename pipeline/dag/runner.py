@@ -141,22 +141,35 @@ def downstream_config(ctx: Context, arch: Arch, base: TrainedResult) -> Config:
     return chosen_config(ctx.config, base.settings)
 
 
-def results_of(ctx: Context, stages: list[Stage]) -> dict[str, TrainedResult]:
-    from pipeline.dag.stages import trained_done
+def recorded(ctx: Context, stages: list[Stage], name: str | None = None) -> dict[str, TrainedResult | EvalResult]:
+    """The stages of ``stages`` that MLflow records done, by id, read here so that a rerun starts no Ray
+    worker for them (a Tune trial or task pays about 10 s of imports before it could find out itself).
+    With ``name``, logs how many were done."""
+    from pipeline.dag.records import find_done
+    from pipeline.dag.types import from_record
 
-    results = {}
+    done = {}
     for stage in stages:
-        found = trained_done(ctx.client, ctx.exp_id, stage.id)
-        if found is None:
-            raise JobError(f"stage {stage.label} ({stage.id}) has no finished record after its sweep")
-        results[stage.id] = found
-    return results
+        found = find_done(ctx.client, ctx.exp_id, stage.id)
+        if found is not None:
+            done[stage.id] = from_record(EvalResult if stage.kind == "evaluate" else TrainedResult, *found,
+                                         skipped=True)
+    if done and name is not None:
+        ctx.log(f"[skip] {name}: {len(done)} of {len(stages)} stage(s) done in MLflow")
+    return done
 
 
 def sweep(ctx: Context, stages: list[Stage], inits: dict[str, str], name: str) -> dict[str, TrainedResult]:
-    specs = [stage_spec(s, init=inits[s.id], parent_id=ctx.parent, dag=ctx.dag) for s in stages]
+    """Runs the stages MLflow does not record done as one Tune sweep; returns every stage's result."""
+    results = recorded(ctx, stages, name)
+    todo = [s for s in stages if s.id not in results]
+    specs = [stage_spec(s, init=inits[s.id], parent_id=ctx.parent, dag=ctx.dag) for s in todo]
     run_sweep(specs, ctx.config.experiment, storage=ctx.config.train.storage_path, name=name, log=ctx.log)
-    return results_of(ctx, stages)
+    after = recorded(ctx, todo)
+    missing = [s for s in todo if s.id not in after]
+    if missing:
+        raise JobError(f"stage {missing[0].label} ({missing[0].id}) has no finished record after its sweep")
+    return results | after
 
 
 def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, TrainedResult],
@@ -239,16 +252,19 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
     cuda = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     task = ray.remote(num_cpus=min(config.experiment.eval.cpus, ray.cluster_resources().get("CPU", 1)),
                       num_gpus=1 if cuda else 0)(run_evaluation_spec)
-    stages = [evaluate_stage(config, s) for s in ft_stages]
-    ctx.log(f"[evaluate] {len(stages)} model(s): top-1, GFLOPs, images/s at batch {config.experiment.eval.batch}")
+    stages = {source.id: evaluate_stage(config, source) for source in ft_stages}
+    done = recorded(ctx, list(stages.values()), f"{config.experiment.name}-evaluate")
+    results = {source_id: done[stage.id] for source_id, stage in stages.items() if stage.id in done}
+    todo = {source_id: stage for source_id, stage in stages.items() if stage.id not in done}
+    if todo:
+        ctx.log(f"[evaluate] {len(todo)} model(s): top-1, GFLOPs, images/s at batch {config.experiment.eval.batch}")
     futures = {}
-    for stage, source in zip(stages, ft_stages):
+    for source_id, stage in todo.items():
         spec = stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag)
-        trained = ft_results[source.id]
-        futures[source.id] = task.remote(spec, trained.checkpoint, tracking, cuda, trained.run_id)
-    results = {}
+        trained = ft_results[source_id]
+        futures[source_id] = task.remote(spec, trained.checkpoint, tracking, cuda, trained.run_id)
     for index, (source_id, future) in enumerate(futures.items(), 1):
         result = results[source_id] = ray.get(future)
         ctx.log(f"[evaluate] {index}/{len(futures)} {result.top1:.2f}% {result.gflops:.4f} GFLOPs "
                 f"{result.images_per_s:.0f} img/s ({result.device}, {result.dtype}, compile {result.compile})")
-    return results
+    return {source.id: results[source.id] for source in ft_stages}
