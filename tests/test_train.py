@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,34 @@ def test_two_workers_learn_and_stay_in_sync(base, runs):
     state = load_checkpoint(base.checkpoint)
     assert state["world_size"] == 2 and len(state["rng"]) == 2 and state["epoch"] == 1
     assert {"model", "optimizer", "scheduler", "ema", "scaler", "data_seed"} <= set(state)
+
+
+def test_a_local_ray_drops_the_cleaners_state_api_warning(base):
+    """Ray Train's placement-group cleaner asks the dashboard's State API once a second whether the
+    controller lives; a local Ray has no dashboard, so each ask warned (26 times in this training). The
+    worker setup hook drops that warning; the cleaner still ran (its actor wrote a log)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    texts = [p.read_text(errors="replace") for p in logs.glob("worker-*")]
+    assert any(":actor_name:PlacementGroupCleaner" in text for text in texts)
+    assert not [text for text in texts if "Failed to query Ray Train Controller actor state" in text]
+
+
+def test_the_cleaner_filter_drops_that_warning_only(caplog):
+    from pipeline.train.launch import quiet_local_cleaner
+
+    logger = logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner")
+    saved = list(logger.filters)
+    try:
+        quiet_local_cleaner()
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("Failed to query Ray Train Controller actor state. State API may be temporarily "
+                           "unavailable. Continuing to monitor.")
+            logger.warning("Detected that the Ray Train controller actor (x) is dead. Cleaning up placement group")
+    finally:
+        logger.filters[:] = saved
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["Detected that the Ray Train controller actor"]
 
 
 def test_mlflow_holds_params_metrics_tags_and_artifacts(base, runs):
