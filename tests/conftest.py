@@ -28,3 +28,25 @@ def no_store_in_the_checkout():
     existed = stray.exists()
     yield
     assert existed or not stray.exists(), "a test run created ./mlflow.db: some MLflow call used the default store"
+
+
+# The files whose tests start Ray (a local one in this process, or Ray clusters and drivers in subprocesses).
+RAY_FILES = {"test_cluster.py", "test_dag.py", "test_hpo.py", "test_multinode.py", "test_train.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `make test` runs with (-n 2 --dist loadfile)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, with the files in ``RAY_FILES`` as one unit: their tests run one at a time in one
+    worker, as in a serial run, and every other file runs whole in either worker (module fixtures are built
+    once). Not the ``xdist_group`` mark with ``--dist loadgroup``: with pytest 9.2 that mark is silently
+    ignored (pytest-dev/pytest-xdist#1386)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "ray" if Path(path).name in RAY_FILES else path
+
+    return RayFilesTogether(config, log)
