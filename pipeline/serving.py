@@ -9,6 +9,7 @@ normalised as the model's data config says; output: logits (B, classes).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,13 @@ from pipeline.tracking import log_batch
 MODEL_ARTIFACT = "model"
 MODEL_URI_TAG = "pipeline.model_uri"  # on the finetune run: its logged MLflow model, for idempotent reruns
 PACKAGE = Path(__file__).resolve().parent
+# mlflow.pytorch warns at every pickled model that unpickling runs code; the choice is deliberate (the
+# module docstring), so the select stage says it once in its registry line instead of once per model.
+_PICKLE_WARNING = "Saving pytorch model by Pickle"
+
+
+def _not_the_pickle_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_PICKLE_WARNING)
 
 
 def pip_requirements() -> list[str]:
@@ -59,10 +67,15 @@ def log_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: dict[st
     with torch.no_grad():
         outputs = model(inputs)
     mlflow.set_tracking_uri(tracking_uri)
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pytorch.log_model(
-            model, name=MODEL_ARTIFACT, serialization_format="pickle", code_paths=[str(PACKAGE)],
-            signature=infer_signature(inputs.numpy(), outputs.numpy()), input_example=inputs.numpy(),
-            pip_requirements=pip_requirements(), metadata=metadata)
+    mlflow_logger = logging.getLogger("mlflow.pytorch")
+    mlflow_logger.addFilter(_not_the_pickle_warning)
+    try:
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pytorch.log_model(
+                model, name=MODEL_ARTIFACT, serialization_format="pickle", code_paths=[str(PACKAGE)],
+                signature=infer_signature(inputs.numpy(), outputs.numpy()), input_example=inputs.numpy(),
+                pip_requirements=pip_requirements(), metadata=metadata)
+    finally:
+        mlflow_logger.removeFilter(_not_the_pickle_warning)
     log_batch(client, run_id, tags={MODEL_URI_TAG: info.model_uri})
     return info.model_uri

@@ -86,6 +86,18 @@ def test_a_local_ray_drops_the_cleaners_state_api_warning(base):
     assert not [text for text in texts if "Failed to query Ray Train Controller actor state" in text]
 
 
+def test_a_local_ray_starts_no_preemption_watcher(base):
+    """A local Ray is one node that nothing drains: Ray Train's preemption watcher, whose start logged a
+    core-worker error line ("Actor with class name: 'PreemptionWatcher' ... has constructor arguments in
+    the object store") in every training, is off (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1`` turns it on)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    texts = [p.read_text(errors="replace") for p in logs.glob("*") if p.is_file()]
+    assert any(":actor_name:TrainController" in text for text in texts)
+    assert not [text for text in texts if "PreemptionWatcher" in text]
+
+
 def test_the_cleaner_filter_drops_that_warning_only(caplog):
     from pipeline.train.launch import quiet_local_cleaner
 

@@ -102,6 +102,7 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     ctx.log(f"mlflow:  {ctx.config.train.tracking_uri} (experiment {ctx.config.train.experiment!r}, "
             f"parent run {ctx.parent}); `mlflow ui --backend-store-uri {ctx.config.train.tracking_uri}`")
     if aliases:
-        ctx.log(f"registry: {', '.join(aliases)} (MLflow models: mlflow.pyfunc.load_model, mlflow models serve)")
+        ctx.log(f"registry: {', '.join(aliases)} (MLflow models: mlflow.pyfunc.load_model, mlflow models serve; "
+                "pickled modules: load them only from a store you trust)")
     return {"rows": rows, "front": front, "files": {k: str(v) for k, v in files.items()}, "aliases": aliases,
             "parent_run_id": ctx.parent}

@@ -140,6 +140,11 @@ def connect_ray(address: str | None) -> None:
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING)
         return
+    # Ray Train's preemption watcher polls for drained nodes (spot preemption) from an actor made with
+    # max_restarts=-1 and actor handles as constructor arguments, so Ray's core worker logs an error line
+    # at every training's start (ray-project/ray#53727). A local Ray is one node that nothing drains; its
+    # processes inherit this environment, and Ray Train passes the variable on to its controller.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     ray.init(logging_level=logging.WARNING, include_dashboard=False,
              runtime_env={"worker_process_setup_hook": f"{__name__}.{quiet_local_cleaner.__name__}"})
 
