@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 from typing import get_args
 
@@ -509,8 +508,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # torch.jit.script's deprecation notice fires on import inside timm/fvcore; it is not ours to fix.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -26,14 +26,20 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from fvcore.nn import FlopCountAnalysis
-from fvcore.nn.jit_handles import get_shape
 from torch import nn
+
+with warnings.catch_warnings():
+    # fvcore.nn's focal loss calls torch.jit.script at import, which torch 2.11 deprecates with a
+    # FutureWarning that every process counting FLOPs (the evaluate stage's Ray tasks too) would print.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
+    from fvcore.nn import FlopCountAnalysis
+    from fvcore.nn.jit_handles import get_shape
 
 PARTS = ("patch_embed", "qkv", "attention", "proj", "mlp", "downsampling", "other")
 

@@ -98,7 +98,11 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     skipped = int(re.search(rf"\[skip\] tiny-finetune: (\d+) of {plan.finetune} stage", text).group(1))
     assert skipped >= len(finished_before)
     if skipped < plan.finetune:  # the kill came between two finetunes (all ten may finish within a poll)
-        assert f"[sweep] tiny-finetune: {plan.finetune - skipped} trial(s)" in text
+        left = plan.finetune - skipped
+        assert f"[sweep] tiny-finetune: {left} trial(s)" in text
+        # Tune runs silent; the sweep's callback counts the finished trials instead of a table per trial.
+        assert f"[sweep] tiny-finetune: {left} of {left} trial(s) finished" in text
+        assert "started with configuration" not in text and "completed after" not in text
     for kind in ("base", "ksearch", "finetune", "evaluate"):
         done_ids = [r.data.tags["pipeline.stage_id"] for r in by_kind[kind] if r.data.tags.get(DONE) == "1"]
         assert len(done_ids) == len(set(done_ids)), f"{kind}: a stage was recorded twice"
@@ -323,3 +327,22 @@ def test_the_shared_pooling_settings_are_part_of_the_experiment():
              ["pooling.cluster_on=metric"], ["pooling.qk_norm=fixed"], ["pooling.alpha=2.0"]]
     ids = {dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) for extra in other}
     assert len(ids) == len(other) and recorded not in ids
+
+
+def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_file():
+    from types import SimpleNamespace
+
+    import cloudpickle
+
+    from pipeline.dag.sweep import progress_callback
+
+    lines: list[str] = []
+    callback = progress_callback("demo-finetune", 3, lines.append)
+    trial = SimpleNamespace(trial_id="_trial_00001", error_file="/runs/ray/t1/error.txt")
+    callback.on_trial_complete(1, [], trial)
+    callback.on_trial_error(1, [], trial)
+    callback.on_trial_complete(2, [], trial)
+    assert lines == ["[sweep] demo-finetune: 1 of 3 trial(s) finished",
+                     "[sweep] demo-finetune: trial _trial_00001 failed (error file: /runs/ray/t1/error.txt)",
+                     "[sweep] demo-finetune: 2 of 3 trial(s) finished"]
+    cloudpickle.loads(cloudpickle.dumps(callback))  # Tune stores its run config with the experiment

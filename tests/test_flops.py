@@ -160,3 +160,12 @@ def test_attention_counts_the_same_on_every_path():
     # Q K^T and A V of every block at its token count (+1 CLS): sum of 2 T^2 M
     tokens = [197, 197, 151] + [121] * 9
     assert cpu.attention == pytest.approx(sum(2 * t * t * 384 for t in tokens) / 1e9, rel=1e-9)
+
+
+def test_importing_the_flop_counter_prints_no_deprecation_warning():
+    """fvcore.nn calls torch.jit.script at import, which torch deprecates with a FutureWarning; every process
+    that counts FLOPs (the evaluate stage's Ray tasks among them) printed it. A fresh interpreter that turns
+    FutureWarnings into errors imports the counter."""
+    done = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", "import pipeline.flops"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
