@@ -74,14 +74,19 @@ def test_two_workers_learn_and_stay_in_sync(base, runs):
     assert {"model", "optimizer", "scheduler", "ema", "scaler", "data_seed"} <= set(state)
 
 
+def local_ray_logs(pattern: str) -> list[str]:
+    """The texts of this process's local Ray log files that match ``pattern`` (after the ``base`` training)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return [p.read_text(errors="replace") for p in logs.glob(pattern) if p.is_file()]
+
+
 def test_a_local_ray_drops_the_cleaners_state_api_warning(base):
     """Ray Train's placement-group cleaner asks the dashboard's State API once a second whether the
     controller lives; a local Ray has no dashboard, so each ask warned (26 times in this training). The
     worker setup hook drops that warning; the cleaner still ran (its actor wrote a log)."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    texts = [p.read_text(errors="replace") for p in logs.glob("worker-*")]
+    texts = local_ray_logs("worker-*")
     assert any(":actor_name:PlacementGroupCleaner" in text for text in texts)
     assert not [text for text in texts if "Failed to query Ray Train Controller actor state" in text]
 
@@ -90,10 +95,7 @@ def test_a_local_ray_starts_no_preemption_watcher(base):
     """A local Ray is one node that nothing drains: Ray Train's preemption watcher, whose start logged a
     core-worker error line ("Actor with class name: 'PreemptionWatcher' ... has constructor arguments in
     the object store") in every training, is off (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1`` turns it on)."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    texts = [p.read_text(errors="replace") for p in logs.glob("*") if p.is_file()]
+    texts = local_ray_logs("*")
     assert any(":actor_name:TrainController" in text for text in texts)
     assert not [text for text in texts if "PreemptionWatcher" in text]
 
