@@ -4,9 +4,9 @@
    the Triton kernels at several tilings against the one-hot torch iterations, on the same
    distances, both also replayed from a CUDA graph (GPU time without launch cost), and the whole
    weighted ``token_pool`` call, next to one bf16 DeiT-S block.
-2. K-Means' iterations in the Gram form (5 assignments, 4 updates) at the same size: the Triton
-   kernels at several tilings against the torch iterations, on the same Gram matrix, both also
-   replayed from a CUDA graph, and the whole weighted K-Means ``token_pool`` call.
+2. K-Means' iterations in the Gram form (5 assignments, 4 updates) at the same size: the torch
+   iterations eager, replayed from a CUDA graph and compiled by inductor (the CUDA path of the models),
+   and the whole weighted K-Means ``token_pool`` call.
 3. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
    and on, channels-last, and as a reshape + matmul.
 4. The clustering step's two dense products (the distance matrix and the weighted segment means)
@@ -30,7 +30,6 @@ from torch import Tensor
 from pipeline.errors import InputError, JobError
 from pipeline.models.execution import cuda_settings
 from pipeline.models.patch_embed import use_patch_embed
-from pipeline.pooling import kmeans_triton as km
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmeans_gram_iterations, _kmedoids_dense, sq_dists
@@ -116,28 +115,32 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
     return "\n".join(lines)
 
 
-_KMEANS_TILINGS = ((64, 4), (64, 8), (128, 8), (256, 8))  # (block_k, warps) of K-Means' update kernel
-
-
 def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
-    """K-Means' Gram-form iterations at DeiT-S size (N=196, 384 dims), Triton against torch, per K."""
+    """K-Means' Gram-form iterations at DeiT-S size (N=196, 384 dims), per K: the torch iterations eager,
+    replayed from a CUDA graph and compiled by inductor (what a compiled model runs), and the whole weighted
+    K-Means ``token_pool`` call. "same" compares the compiled iterations' assignment with the eager one's on
+    CUDA; on the CPU dry run, the CPU path's op (native code) with the torch iterations."""
     timer = _timer(device)
     x, w = _deit_s_tokens(device, batch, seed=1)
     gram = torch.bmm(x, x.transpose(1, 2))
+    compiled = torch.compile(_kmeans_gram_iterations, fullgraph=True, dynamic=False) if device == "cuda" else None
     lines = [f"K-Means, batch {batch}: the Gram matrix (bmm, TF32) {timer(lambda: torch.bmm(x, x.transpose(1, 2))):.3f}"
              " ms", "",
-             "| K | torch Gram-form iterations ms | Triton (block_k, warps) ms | CUDA graph: torch / Triton ms "
+             "| K | torch Gram-form iterations ms | CUDA graph ms | compiled (inductor) ms "
              "| whole K-Means token_pool ms | same assignment |",
-             "|---:|---:|---|---|---:|---|"]
+             "|---:|---:|---:|---:|---:|---|"]
     for k in ks:
         start = w.topk(k, dim=-1).indices
-        tilings = {f"({bk}, {nw})": partial(km.kmeans_triton, gram, w, start, 5, block_k=bk, warps=nw)
-                   for bk, nw in _KMEANS_TILINGS}
-        times = _timing_cells(timer, device, partial(_kmeans_gram_iterations, gram, w, start, 5),
-                              partial(km.kmeans_triton, gram, w, start, 5), tilings)
+        eager = partial(_kmeans_gram_iterations, gram, w, start, 5)
+        graphed = _graphed(eager, device)
+        if compiled is None:
+            fast, other = "-", torch.ops.tokenpool.kmeans_gram(gram, w, start, 5)
+        else:
+            fast, other = f"{timer(partial(compiled, gram, w, start, 5)):.3f}", compiled(gram, w, start, 5)
         pool_ms = timer(partial(token_pool, x, k, method="kmeans", weights=w, validate=False))
-        same = (km.kmeans_triton(gram, w, start, 5) == _kmeans_gram_iterations(gram, w, start, 5)).float().mean()
-        lines.append(f"| {k} | {times} | {pool_ms:.3f} | {same:.4f} |")
+        same = (other == eager()).float().mean()
+        lines.append(f"| {k} | {timer(eager):.3f} | {'-' if graphed is None else f'{timer(graphed):.3f}'} | {fast} "
+                     f"| {pool_ms:.3f} | {same:.4f} |")
     return "\n".join(lines)
 
 

@@ -56,15 +56,19 @@ def test_kmeans_matches_reference(b, n, m, k, weighted, iters):
 
 @pytest.mark.parametrize("b,n,m,k", [*SHAPES, (2, 20, 16, 6), (1, 40, 32, 15), (2, 24, 64, 23)])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("gram", [False, True])
-def test_both_forms_of_the_kmeans_iterations_match_reference(b, n, m, k, weighted, gram):
+@pytest.mark.parametrize("gram,dense", [(False, None), (True, None), (True, True)],
+                         ids=["features", "gram, cpu path", "gram, cuda path"])
+def test_both_forms_of_the_kmeans_iterations_match_reference(b, n, m, k, weighted, gram, dense):
     """The Gram form (centres as coefficients over the tokens, what a ViT's N <= 2D takes) and the
-    feature form (explicit centres) each give the reference's assignments."""
+    feature form (explicit centres) each give the reference's assignments; the Gram form on both paths
+    (the CPU's op, the CUDA path's torch iterations)."""
     from pipeline.pooling.clustering import _kmeans
+    from pipeline.pooling.common import dense_segments
 
     tokens, scores = _inputs(b, n, m, seed=3 * n + k)
     w = scores / scores.amax(-1, keepdim=True) if weighted else None
-    assign = _kmeans(tokens, w, scores.topk(k, dim=-1).indices, 5, gram=gram)
+    with dense_segments(dense):
+        assign = _kmeans(tokens, w, scores.topk(k, dim=-1).indices, 5, gram=gram)
     for s in range(b):
         ws = scores[s].double().numpy() if weighted else np.ones(n)
         assert assign[s].tolist() == ref.kmeans(tokens[s].double().numpy(), ws, _start(scores[s].numpy(), k), 5)

@@ -46,10 +46,9 @@ from pipeline.pooling.common import (
 )
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
-    from pipeline.pooling.kmeans_triton import kmeans_triton
     from pipeline.pooling.kmedoids_triton import kmedoids_triton
 except ImportError:  # pragma: no cover - depends on the install
-    kmeans_triton = kmedoids_triton = None
+    kmedoids_triton = None
 
 CLUSTER_METHODS = ("kmeans", "kmedoids")
 INITS = ("topk", "random")
@@ -142,12 +141,17 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     reads the (B, N, D) tokens twice. See ``_kmeans``.
 
     On this CPU at DeiT-S size (B = 64, N = 196, D = 384, 5 iterations) the torch iterations took
-    0.43-0.69 of the feature form's time with the dense torch ops. The iterations are one custom op,
-    ``tokenpool::kmeans_gram``: Triton kernels on CUDA (``kmeans_triton``, two an iteration), native code on
-    the CPU (``native.kmeans_gram``, whose update costs N^2 where the dense product costs K N^2), and the
-    torch iterations (``_kmeans_gram_iterations``) where neither is at hand.
+    0.43-0.69 of the feature form's time with the dense torch ops. On the CUDA path (``use_dense``) the
+    iterations are the torch ops, which ``torch.compile`` traces and fuses; on the CPU they are one custom
+    op, ``tokenpool::kmeans_gram``, whose kernel is native code (``native.kmeans_gram``: its update costs
+    N^2 where the dense product costs K N^2), with the torch iterations where the library is not built.
+    (Two Triton kernels an iteration ran the CUDA path for a while; on an H200 they took 2.2 times the
+    torch iterations' GPU time and made compiled K-Means 0.504x against 0.593x: docs/benchmarks.md.)
     """
-    return _kmeans_gram_op(torch.bmm(x, x.transpose(1, 2)), w, start, iters)
+    gram = torch.bmm(x, x.transpose(1, 2))
+    if use_dense(x):
+        return _kmeans_gram_iterations(gram, w, start, iters)
+    return _kmeans_gram_op(gram, w, start, iters)
 
 
 def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
@@ -159,7 +163,7 @@ def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters
         centre_sq = (proj * coef).sum(-1, keepdim=True)  # (B, K, 1)
         return centre_sq.sub(proj, alpha=2.0).argmin(1)  # ||c||^2 - 2 c . x_i; ties to the lowest centre
 
-    coef = gram.new_zeros(b, k, n).scatter_(2, start.unsqueeze(-1), 1.0)
+    coef = (start.unsqueeze(-1) == torch.arange(n, device=gram.device)).to(gram.dtype)  # (B, K, N), one-hot
     assign = nearest(gram.gather(1, start.unsqueeze(-1).expand(b, k, n)), coef)
     for _ in range(iters - 1):
         member = one_hot(assign, k, gram.dtype)  # (B, K, N)
@@ -173,15 +177,9 @@ def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters
 
 @torch.library.custom_op("tokenpool::kmeans_gram", mutates_args=())
 def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
-    """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op; the torch iterations by default."""
+    """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op, for the CPU path: native code on
+    the CPU, the torch iterations on any other device."""
     return _kmeans_gram_iterations(gram, w, start, iters)
-
-
-@_kmeans_gram_op.register_kernel("cuda")
-def _kmeans_gram_cuda(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
-    if kmeans_triton is None or gram.dtype != torch.float32:  # the kernels compute in float32
-        return _kmeans_gram_iterations(gram, w, start, iters)
-    return kmeans_triton(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cpu")

@@ -139,9 +139,12 @@ def work_dtype(tokens: Tensor) -> torch.dtype:
 
 
 def one_hot(assign: Tensor, k: int, dtype: torch.dtype) -> Tensor:
-    """(B, N) segment ids in [0, k) -> (B, K, N) membership matrix of 0s and 1s."""
-    b, n = assign.shape
-    return torch.zeros(b, k, n, device=assign.device, dtype=dtype).scatter_(1, assign.unsqueeze(1), 1.0)
+    """(B, N) segment ids in [0, k) -> (B, K, N) membership matrix of 0s and 1s.
+
+    A comparison with the cluster ids, not a scatter into zeros: ``torch.compile`` fuses it into the
+    ops that read the membership, where a scatter is a kernel of its own after a fill."""
+    ids = torch.arange(k, device=assign.device).view(1, k, 1)
+    return (assign.unsqueeze(1) == ids).to(dtype)
 
 
 _DENSE: bool | None = None  # None: the one-hot path on CUDA, index_add_ on the CPU
