@@ -175,14 +175,18 @@ def test_importance_inclusion_matches_exact_probabilities():
 @pytest.mark.parametrize("n,k", [(10, 6), (11, 5), (16, 8), (17, 3), (9, 1)])
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("ties,compiled", [(False, False), (True, False), (True, True)])
-def test_tome_matches_reference(n, k, carry, ties, compiled):
+@pytest.mark.parametrize("dense", [None, True], ids=["cpu path", "cuda path"])
+def test_tome_matches_reference(n, k, carry, ties, compiled, dense):
+    from pipeline.pooling.common import dense_segments
+
     gen = torch.Generator().manual_seed(n * 31 + k)
     tokens = torch.randn(2, n, 5, generator=gen)
     metric = torch.randn(2, n, 3, generator=gen)
     if ties:  # A tokens 0, 2, 4, ... repeat in pairs: their best similarities tie exactly
         metric[:, 2::4] = metric[:, 0 : n - 2 : 4]
     sizes = torch.randint(1, 4, (2, n), generator=gen).float() if carry else None
-    out = traced(tome_merge, compiled)(tokens, k, metric=metric, sizes=sizes, validate=not compiled)
+    with dense_segments(dense):
+        out = traced(tome_merge, compiled)(tokens, k, metric=metric, sizes=sizes, validate=not compiled)
     for s in range(2):
         f, m = tokens[s].double().numpy(), metric[s].double().numpy()
         sz = sizes[s].double().numpy() if carry else np.ones(n)

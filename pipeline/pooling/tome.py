@@ -12,6 +12,8 @@ exactly one round, as in ToMe.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -28,8 +30,23 @@ from pipeline.pooling.common import (
 )
 
 
-def match_round(metric: Tensor, r: int) -> Tensor:
-    """One bipartite soft matching round: (B, N, D) metric -> (B, N) output index of each token in [0, N - r).
+class Matching(NamedTuple):
+    """One bipartite soft matching round over N tokens, of which r A tokens merge.
+
+    Attributes:
+        assign: (B, N) output index of each token in [0, N - r).
+        merged: (B, Na) whether each A token (even position) merges into its partner.
+        partner: (B, Na) the B set position (odd token 2 p + 1 is position p) of each A token's most
+            similar B token.
+    """
+
+    assign: Tensor
+    merged: Tensor
+    partner: Tensor
+
+
+def match_round(metric: Tensor, r: int) -> Matching:
+    """One bipartite soft matching round on a (B, N, D) metric; see ``Matching``.
 
     Args:
         metric: (B, N, D) features compared by cosine similarity.
@@ -46,7 +63,57 @@ def match_round(metric: Tensor, r: int) -> Tensor:
     a_assign = torch.where(merged, partner + first_b, kept_pos)  # (B, Na)
     # Interleave A (even) and B (odd) positions; for odd N the last B slot is a pad cut off below.
     b_assign = torch.arange(first_b, first_b + n_a, device=metric.device).expand(b, n_a)
-    return torch.stack([a_assign, b_assign], dim=-1).view(b, 2 * n_a)[:, :n]
+    assign = torch.stack([a_assign, b_assign], dim=-1).view(b, 2 * n_a)[:, :n]
+    return Matching(assign, merged, partner)
+
+
+class BipartiteMerge:
+    """The weighted means of one round's output groups, [unmerged A tokens in order, B tokens], written
+    for the round's structure: an unmerged A token is a group of its own (a gather), and each B token's
+    group is itself plus the A tokens merged into it, whose sums are a segment sum of the A tokens into
+    the Nb B slots (``Partition``: a (B, Nb, Na) one-hot product on CUDA). Where a ``Partition`` of all N
+    tokens into the N - r groups multiplies a (B, N - r, N) one-hot matrix, this one is about a quarter of
+    that size. Same means as the partition's, summed in another order."""
+
+    def __init__(self, match: Matching, r: int, dtype: torch.dtype) -> None:
+        b, n_a = match.merged.shape
+        self.n = match.assign.shape[1]
+        self.n_b = self.n // 2
+        merged = match.merged.long()
+        ahead = merged.cumsum(-1)  # merged A tokens up to and including each one
+        steps = torch.arange(n_a, device=merged.device)
+        # A permutation of the A tokens: the unmerged ones first, in order (the merged ones after them)
+        slot = torch.where(match.merged, n_a - r + ahead - 1, steps - ahead)  # (B, Na)
+        order = torch.empty_like(slot).scatter_(1, slot, steps.expand(b, n_a))
+        self.kept = order[:, : n_a - r]  # (B, Na - r) A positions of the unmerged A tokens
+        # merged A tokens go to their partner's slot, the others to a slot Nb that is dropped
+        self.into_b = Partition(torch.where(match.merged, match.partner, self.n_b), self.n_b + 1, dtype=dtype)
+
+    def _group_weights(self, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, N) weights -> the A tokens' weights (B, Na, 1) and the B groups' totals (B, Nb, 1)."""
+        w_a = weights[:, ::2]
+        return w_a.unsqueeze(-1), self.into_b.total(w_a)[:, : self.n_b] + weights[:, 1::2].unsqueeze(-1)
+
+    def mean(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Weighted group means of ``values`` (B, N, C) -> ((B, K, C), the (B, K, 1) weight totals)."""
+        w = torch.ones_like(values[..., 0]) if weights is None else weights
+        w_a, totals = self._group_weights(w)
+        a, b = values[:, ::2], values[:, 1::2]
+        sums = self.into_b.sum(a * w_a)[:, : self.n_b] + b * w[:, 1::2].unsqueeze(-1)  # (B, Nb, C)
+        kept = _rows(a, self.kept)  # an unmerged A token is its own mean
+        return torch.cat([kept, sums / totals], dim=1), torch.cat([_rows(w_a, self.kept), totals], dim=1)
+
+    def total(self, weights: Tensor | None) -> Tensor:
+        """Per group, the sum of ``weights`` (B, N) over its members, or the member count; (B, K, 1)."""
+        if weights is None:
+            weights = torch.ones(self.n, dtype=self.into_b.dtype, device=self.kept.device).expand(len(self.kept), -1)
+        w_a, totals = self._group_weights(weights)
+        return torch.cat([_rows(w_a, self.kept), totals], dim=1)
+
+
+def _rows(x: Tensor, index: Tensor) -> Tensor:
+    """The rows ``index`` (B, K) of ``x`` (B, N, C) -> (B, K, C)."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
 def tome_merge(
@@ -84,12 +151,12 @@ def tome_merge(
     while count > k:
         r = min(count - k, (count + 1) // 2)
         with torch.no_grad():
-            step = match_round(x if space is None else space, r)  # (B, count)
-        part = Partition(step, count - r, dtype=dtype)  # every output holds its B token: none is empty
+            match = match_round(x if space is None else space, r)
+            part = BipartiteMerge(match, r, dtype)  # every output holds a token: none is empty
         # Size-weighted means; a size-0 token carries no weight unless its whole group has none.
         weights = None if cur_sizes is None else cur_sizes.clamp_min(1e-12)
         x = part.mean(x, weights)[0]
-        steps.append(step)
+        steps.append(match.assign)  # (B, count)
         count -= r
         if count > k:  # the next round is weighted by the sizes and matches on the merged metric
             cur_sizes = part.total(cur_sizes).squeeze(-1)
