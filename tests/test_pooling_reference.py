@@ -92,6 +92,69 @@ def test_kmedoids_matches_reference(b, n, m, k, weighted, iters):
             np.testing.assert_allclose(out.tokens[s, j].numpy(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("b,n,m,k", [*SHAPES, (2, 40, 8, 36), (2, 33, 6, 30), (1, 20, 3, 19)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("iters", [1, 3, 5])
+def test_kmedoids_on_the_non_medoid_rows_matches_reference(b, n, m, k, weighted, iters):
+    """The CUDA path's form for pools that keep most tokens (``_kmedoids_rows``: the (M, N) distances of
+    the non-medoids only) gives the reference's medoids and assignment, at any K."""
+    from pipeline.pooling.clustering import _kmedoids_rows
+
+    tokens, scores = _inputs(b, n, m, seed=5 * n + k + iters)
+    w = scores / scores.amax(-1, keepdim=True) if weighted else None
+    medoids, assign = _kmedoids_rows(tokens, w, scores.topk(k, dim=-1).indices, iters)
+    for s in range(b):
+        ws = scores[s].double().numpy() if weighted else np.ones(n)
+        want = ref.kmedoids(tokens[s].double().numpy(), ws, _start(scores[s].numpy(), k), iters)
+        assert (medoids[s].tolist(), assign[s].tolist()) == want, s
+
+
+def test_kmedoids_rows_swap_medoids_and_keep_duplicates_apart():
+    """Clusters whose medoids move over several iterations, and a token that duplicates another (they tie
+    at distance 0): the rows form follows the reference, and the swaps happened."""
+    from pipeline.pooling.clustering import _kmedoids_rows
+
+    gen = torch.Generator().manual_seed(4)
+    centres = torch.randn(6, 5, generator=gen) * 4
+    tokens = (centres.repeat_interleave(5, 0) + 0.3 * torch.randn(30, 5, generator=gen)).unsqueeze(0)
+    tokens[0, 7] = tokens[0, 3]  # a duplicate
+    scores = torch.rand(1, 30, generator=gen) + 0.1
+    start = torch.randperm(30, generator=gen)[:12].unsqueeze(0)  # not the top scores: medoids move
+    for weighted in (False, True):
+        w = scores / scores.amax(-1, keepdim=True) if weighted else None
+        ws = scores[0].double().numpy() if weighted else np.ones(30)
+        medoids, assign = _kmedoids_rows(tokens, w, start, 5)
+        want = ref.kmedoids(tokens[0].double().numpy(), ws, start[0].tolist(), 5)
+        assert (medoids[0].tolist(), assign[0].tolist()) == want
+    assert medoids[0].tolist() != start[0].tolist(), "the case must swap medoids"
+
+
+def test_kmedoids_takes_the_rows_form_on_the_cuda_path_where_few_tokens_move():
+    """The CUDA path runs the rows form where at most a quarter of N (N >= 128) are non-medoids, the op on
+    the dense distances elsewhere, and the CPU path always the op; every one gives the same result."""
+    from pipeline.pooling.clustering import _kmedoids
+    from pipeline.pooling.common import dense_segments
+    from pipeline.profiling import count_ops
+
+    tokens, scores = _inputs(2, 130, 16, seed=11)
+    def run(start: torch.Tensor, dense: bool | None) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+        """(medoids, assignment), and whether the op ran."""
+        out = []
+        with dense_segments(dense):
+            counter = count_ops(lambda: out.append(_kmedoids(tokens, scores, start, 4)))
+        return out[0], "tokenpool.kmedoids.default" in counter.ops
+
+    for k, rows in ((100, True), (97, False)):  # M = 30 <= 130 / 4; M = 33 > 130 / 4
+        start = scores.topk(k, dim=-1).indices
+        (cuda, cuda_op), (cpu, cpu_op) = run(start, True), run(start, None)
+        assert cuda_op == (not rows) and cpu_op, k
+        assert all(torch.equal(a, b) for a, b in zip(cuda, cpu)), k
+    small, _ = _inputs(2, 60, 8, seed=12)
+    with dense_segments(True):  # N < 128: the op
+        counter = count_ops(lambda: _kmedoids(small, None, torch.arange(58).expand(2, 58), 3))
+    assert "tokenpool.kmedoids.default" in counter.ops
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("iters", [1, 2, 4])
 def test_kmedoids_medoid_constraint(weighted, iters):

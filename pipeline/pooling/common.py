@@ -223,6 +223,18 @@ def compared_order(index: Tensor) -> Tensor:
     return torch.empty_like(index).scatter_(1, smaller, index)
 
 
+def flagged_last(flags: Tensor) -> Tensor:
+    """A permutation (B, N) of the positions of ``flags`` (B, N) bool: the unflagged positions first, then
+    the flagged ones, each group in ascending order. One scatter to distinct slots: no sort, which
+    compiled graphs avoid (see ``stable_ranks``), and no repeated index, so the result is the same on
+    every run."""
+    b, n = flags.shape
+    seen = flags.long().cumsum(-1)  # flagged positions up to and including each one
+    positions = torch.arange(n, device=flags.device)
+    slot = torch.where(flags, n - seen[:, -1:] + seen - 1, positions - seen)
+    return torch.empty_like(slot).scatter_(1, slot, positions.expand(b, n))
+
+
 def batch_offset(b: int, k: int, device: torch.device) -> Tensor:
     """(B, 1) offsets s * k that turn per-sample segment ids into rows of a flattened (B*K) output."""
     return torch.arange(0, b * k, k, device=device).unsqueeze(1)

@@ -24,6 +24,7 @@ from pipeline.pooling.common import (
     check_metric,
     check_per_token,
     check_tokens,
+    flagged_last,
     identity_result,
     stable_ranks,
     work_dtype,
@@ -76,16 +77,10 @@ class BipartiteMerge:
     that size. Same means as the partition's, summed in another order."""
 
     def __init__(self, match: Matching, r: int, dtype: torch.dtype) -> None:
-        b, n_a = match.merged.shape
+        n_a = match.merged.shape[1]
         self.n = match.assign.shape[1]
         self.n_b = self.n // 2
-        merged = match.merged.long()
-        ahead = merged.cumsum(-1)  # merged A tokens up to and including each one
-        steps = torch.arange(n_a, device=merged.device)
-        # A permutation of the A tokens: the unmerged ones first, in order (the merged ones after them)
-        slot = torch.where(match.merged, n_a - r + ahead - 1, steps - ahead)  # (B, Na)
-        order = torch.empty_like(slot).scatter_(1, slot, steps.expand(b, n_a))
-        self.kept = order[:, : n_a - r]  # (B, Na - r) A positions of the unmerged A tokens
+        self.kept = flagged_last(match.merged)[:, : n_a - r]  # (B, Na - r) A positions of the unmerged A tokens
         # merged A tokens go to their partner's slot, the others to a slot Nb that is dropped
         self.into_b = Partition(torch.where(match.merged, match.partner, self.n_b), self.n_b + 1, dtype=dtype)
 
