@@ -129,30 +129,37 @@ def test_kmedoids_rows_swap_medoids_and_keep_duplicates_apart():
     assert medoids[0].tolist() != start[0].tolist(), "the case must swap medoids"
 
 
-def test_kmedoids_takes_the_rows_form_on_the_cuda_path_where_few_tokens_move():
-    """The CUDA path runs the rows form where at most a quarter of N (N >= 128) are non-medoids, the op on
-    the dense distances elsewhere, and the CPU path always the op; every one gives the same result."""
-    from pipeline.pooling.clustering import _kmedoids
+def test_kmedoids_takes_the_rows_form_on_the_compiled_cuda_path_where_few_tokens_move(monkeypatch):
+    """The CUDA path, compiled, runs the rows form where at most a quarter of N (N >= 128) are non-medoids;
+    eager code, the CPU path and other pools run the op on the dense distances. Every one gives the same
+    result."""
+    from pipeline.pooling import clustering
     from pipeline.pooling.common import dense_segments
-    from pipeline.profiling import count_ops
+
+    calls = []
+    rows_form = clustering._kmedoids_rows
+    monkeypatch.setattr(clustering, "_kmedoids_rows", lambda *args: calls.append("rows") or rows_form(*args))
+
+    def run(x, w, start, dense, compiled):
+        """(medoids, assignment), and whether the rows form ran."""
+        calls.clear()
+        torch._dynamo.reset()
+        fn = torch.compile(clustering._kmedoids, backend="eager", dynamic=False) if compiled else clustering._kmedoids
+        with dense_segments(dense):
+            out = fn(x, w, start, 4)
+        return out, bool(calls)
 
     tokens, scores = _inputs(2, 130, 16, seed=11)
-    def run(start: torch.Tensor, dense: bool | None) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
-        """(medoids, assignment), and whether the op ran."""
-        out = []
-        with dense_segments(dense):
-            counter = count_ops(lambda: out.append(_kmedoids(tokens, scores, start, 4)))
-        return out[0], "tokenpool.kmedoids.default" in counter.ops
-
-    for k, rows in ((100, True), (97, False)):  # M = 30 <= 130 / 4; M = 33 > 130 / 4
-        start = scores.topk(k, dim=-1).indices
-        (cuda, cuda_op), (cpu, cpu_op) = run(start, True), run(start, None)
-        assert cuda_op == (not rows) and cpu_op, k
-        assert all(torch.equal(a, b) for a, b in zip(cuda, cpu)), k
     small, _ = _inputs(2, 60, 8, seed=12)
-    with dense_segments(True):  # N < 128: the op
-        counter = count_ops(lambda: _kmedoids(small, None, torch.arange(58).expand(2, 58), 3))
-    assert "tokenpool.kmedoids.default" in counter.ops
+    cases = [(tokens, 100, True), (tokens, 97, False), (small, 58, False)]  # M = 30 <= 130 / 4; 33 > 130 / 4; N < 128
+    for x, k, rows in cases:
+        w = scores[:, : x.shape[1]]
+        start = w.topk(k, dim=-1).indices
+        want, _ = run(x, w, start, None, False)
+        for dense, compiled in ((True, True), (True, False), (None, True)):
+            got, ran = run(x, w, start, dense, compiled)
+            assert ran == bool(rows and dense and compiled), (k, dense, compiled)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (k, dense, compiled)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

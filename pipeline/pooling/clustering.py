@@ -206,24 +206,27 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
     ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op, ``tokenpool::kmedoids``: Triton
     kernels on CUDA (``kmedoids_triton``, two an iteration), native code on the CPU (``native.kmedoids``,
     one call for all of them), and the torch iterations (``_kmedoids_dense``) where neither is at hand.
-    On the CUDA path a pool that keeps most tokens runs ``_kmedoids_rows`` instead (``_rows_pay``).
+    On the CUDA path, compiled, a pool that keeps most tokens runs ``_kmedoids_rows`` instead (``_rows_pay``).
     """
-    if use_dense(x) and _rows_pay(x.shape[1], medoids.shape[1]):
+    if use_dense(x) and torch.compiler.is_compiling() and _rows_pay(x.shape[1], medoids.shape[1]):
         return _kmedoids_rows(x, w, medoids, iters)
     return _kmedoids_op(sq_dists(x), w, medoids, iters)
 
 
-# Where the CUDA path takes ``_kmedoids_rows``: the M = N - K non-medoid rows are a quarter of the distance
-# matrix or less, and N is large enough for the (N, N) matrix and its reads by the Triton iterations to
-# cost more than the rows form's small ops (about ten fused kernels an iteration). Level 3 of DeiT-S
-# pools 196 -> 194, 194 -> 187 and 187 -> 163 this way (M = 2, 7, 24), the pools that held 67% of the
-# clustering's N^2 (docs/benchmarks.md). The N floor is an estimate of launch cost, not a measurement.
+# Where the compiled CUDA path takes ``_kmedoids_rows``: the M = N - K non-medoid rows are a quarter of the
+# distance matrix or less, and N is large enough for the (N, N) matrix and its reads by the Triton
+# iterations to cost more than the rows form's small ops. Level 3 of DeiT-S pools 196 -> 194, 194 -> 187
+# and 187 -> 163 this way (M = 2, 7, 24), the pools that held 67% of the clustering's N^2
+# (docs/benchmarks.md). The rows form is some thirty small ops an iteration, which inductor fuses into
+# a few kernels; run eagerly on a GPU they would be thirty launches each, and eager GPU forwards are bound
+# by the host's launch rate, so eager code keeps the op (as ``stable_ranks`` keeps the sort). The N floor
+# is an estimate of launch cost, not a measurement.
 _ROWS_MAX_FRACTION = 0.25
 _ROWS_MIN_N = 128
 
 
 def _rows_pay(n: int, k: int) -> bool:
-    """Whether K-Medoids of N tokens into K clusters runs on the non-medoid rows (CUDA path)."""
+    """Whether K-Medoids of N tokens into K clusters runs on the non-medoid rows (compiled CUDA path)."""
     return n >= _ROWS_MIN_N and n - k <= _ROWS_MAX_FRACTION * n
 
 
