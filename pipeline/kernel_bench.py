@@ -4,14 +4,12 @@
    the Triton kernels at several tilings against the one-hot torch iterations, on the same
    distances, both also replayed from a CUDA graph (GPU time without launch cost), and the whole
    weighted ``token_pool`` call, next to one bf16 DeiT-S block.
-2. K-Medoids of the first three pools of DeiT-S level 3 (196 -> 194, 194 -> 187, 187 -> 163): the dense
-   form (distances and the op) against the rows form (``_kmedoids_rows``), eager and compiled.
-3. K-Means' iterations in the Gram form (5 assignments, 4 updates) at the same size: the torch
+2. K-Means' iterations in the Gram form (5 assignments, 4 updates) at the same size: the torch
    iterations eager, replayed from a CUDA graph and compiled by inductor (the CUDA path of the models),
    and the whole weighted K-Means ``token_pool`` call.
-4. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
+3. The patch embedding (16x16 stride-16 convolution, bf16, batch 256) with cuDNN autotuning off
    and on, channels-last, and as a reshape + matmul.
-5. The clustering step's two dense products (the distance matrix and the weighted segment means)
+4. The clustering step's two dense products (the distance matrix and the weighted segment means)
    in the float32 the pooling code uses (TF32 where enabled) against bf16 inputs with float32
    accumulation and output, with each variant's error: the data for choosing their precision.
 
@@ -34,14 +32,7 @@ from pipeline.models.execution import cuda_settings
 from pipeline.models.patch_embed import use_patch_embed
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
-from pipeline.pooling.clustering import (
-    _SWAP_RTOL,
-    _kmeans_gram_iterations,
-    _kmedoids_dense,
-    _kmedoids_op,
-    _kmedoids_rows,
-    sq_dists,
-)
+from pipeline.pooling.clustering import _SWAP_RTOL, _kmeans_gram_iterations, _kmedoids_dense, sq_dists
 from pipeline.pooling.common import dense_segments, one_hot, pool_segments
 from pipeline.timing import timed
 
@@ -121,32 +112,6 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
         med_d, assign_d = _kmedoids_dense(d, w, start, 5)
         same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
         lines.append(f"| {k} | {times} | {pool_ms:.3f} | {same} |")
-    return "\n".join(lines)
-
-
-def _kmedoids_on_distances(x: Tensor, w: Tensor, start: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """The dense form of K-Medoids: the (B, N, N) distances, then the op (Triton kernels on CUDA)."""
-    return _kmedoids_op(sq_dists(x), w, start, iters)
-
-
-def rows_table(device: str, batch: int, pools: tuple[tuple[int, int], ...] = ((196, 194), (194, 187), (187, 163))
-               ) -> str:
-    """K-Medoids of the first pools of DeiT-S level 3 (N -> K, weighted, 5 iterations): the dense form (the
-    distance matrix and the ``tokenpool::kmedoids`` op) against the rows form that the CUDA path runs there
-    (``_kmedoids_rows``), eager and compiled by inductor (what a compiled model runs)."""
-    timer = _timer(device)
-    compiled = torch.compile(_kmedoids_rows, fullgraph=True, dynamic=False) if device == "cuda" else None
-    lines = ["| N -> K | dense: sq_dists + op ms | rows form eager ms | rows form compiled ms | same medoids, assign |",
-             "|---|---:|---:|---:|---|"]
-    for n, k in pools:
-        x, w = _deit_s_tokens(device, batch, seed=n)
-        x, w = x[:, :n].contiguous(), w[:, :n].contiguous()
-        start = w.topk(k, dim=-1).indices
-        dense, rows = partial(_kmedoids_on_distances, x, w, start, 5), partial(_kmedoids_rows, x, w, start, 5)
-        fast = "-" if compiled is None else f"{timer(partial(compiled, x, w, start, 5)):.3f}"
-        (med_d, assign_d), (med_r, assign_r) = dense(), rows()
-        same = f"{(med_d == med_r).float().mean():.4f}, {(assign_d == assign_r).float().mean():.4f}"
-        lines.append(f"| {n} -> {k} | {timer(dense):.3f} | {timer(rows):.3f} | {fast} | {same} |")
     return "\n".join(lines)
 
 
@@ -278,7 +243,7 @@ def precision_table(device: str, batch: int, k: int = 147) -> str:
 
 
 def run_kernel_bench(device: str, batch: int) -> str:
-    """The five tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
+    """The four tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
     figure, which times the interpreter, not a kernel)."""
     if batch < 1:
         raise InputError(f"bench kernels --batch must be a positive number of images, got {batch}")
@@ -289,7 +254,6 @@ def run_kernel_bench(device: str, batch: int) -> str:
                        "interpreter exists: TRITON_INTERPRET=1 python -m pipeline bench kernels --device cpu --batch 2")
     title = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run under TRITON_INTERPRET=1"
     with cuda_settings(device):
-        return (f"{title}\n\n{kmedoids_table(device, batch)}\n\n{rows_table(device, batch)}\n\n"
-                f"{kmeans_table(device, batch)}\n\n"
+        return (f"{title}\n\n{kmedoids_table(device, batch)}\n\n{kmeans_table(device, batch)}\n\n"
                 f"{patch_embed_table(device, batch)}\n\n"
                 f"{precision_table(device, batch)}")

@@ -36,7 +36,6 @@ from pipeline.pooling.common import (
     check_metric,
     check_per_token,
     check_tokens,
-    flagged_last,
     identity_result,
     one_hot,
     pool_segments,
@@ -206,87 +205,8 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
     ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op, ``tokenpool::kmedoids``: Triton
     kernels on CUDA (``kmedoids_triton``, two an iteration), native code on the CPU (``native.kmedoids``,
     one call for all of them), and the torch iterations (``_kmedoids_dense``) where neither is at hand.
-    On the CUDA path, compiled, a pool that keeps most tokens runs ``_kmedoids_rows`` instead (``_rows_pay``).
     """
-    if use_dense(x) and torch.compiler.is_compiling() and _rows_pay(x.shape[1], medoids.shape[1]):
-        return _kmedoids_rows(x, w, medoids, iters)
     return _kmedoids_op(sq_dists(x), w, medoids, iters)
-
-
-# Where the compiled CUDA path takes ``_kmedoids_rows``: the M = N - K non-medoid rows are a quarter of the
-# distance matrix or less, and N is large enough for the (N, N) matrix and its reads by the Triton
-# iterations to cost more than the rows form's small ops. Level 3 of DeiT-S pools 196 -> 194, 194 -> 187
-# and 187 -> 163 this way (M = 2, 7, 24), the pools that held 67% of the clustering's N^2
-# (docs/benchmarks.md). The rows form is some thirty small ops an iteration, which inductor fuses into
-# a few kernels; run eagerly on a GPU they would be thirty launches each, and eager GPU forwards are bound
-# by the host's launch rate, so eager code keeps the op (as ``stable_ranks`` keeps the sort). The N floor
-# is an estimate of launch cost, not a measurement.
-_ROWS_MAX_FRACTION = 0.25
-_ROWS_MIN_N = 128
-
-
-def _rows_pay(n: int, k: int) -> bool:
-    """Whether K-Medoids of N tokens into K clusters runs on the non-medoid rows (compiled CUDA path)."""
-    return n >= _ROWS_MIN_N and n - k <= _ROWS_MAX_FRACTION * n
-
-
-def _kmedoids_rows(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """The iterations of ``_kmedoids`` on the distances of the M = N - K non-medoid tokens alone, (B, M, N)
-    an iteration, where the dense form takes the (B, N, N) matrix: x (B, N, D), w (B, N) or None,
-    medoids (B, K) -> (medoids (B, K), last assignment (B, N)).
-
-    Exact, since the medoids stay distinct: a medoid always joins its own cluster, so only the M others
-    are assigned (to the nearest medoid: their rows at the medoids' columns), and a cluster is its medoid
-    plus some of them, so every cost is a sum over their rows (``_swap_rows``). A swap trades a
-    non-medoid for its cluster's medoid, so M stays M and the shapes are static; the rows are computed
-    again for the new non-medoids each iteration. A token's distance to itself counts as 0 (as in the
-    reference) where the dense matrix holds a rounding error; d(t, m) stands for d(m, t).
-    """
-    b, n, _ = x.shape
-    k = medoids.shape[1]
-    sq = torch.linalg.vector_norm(x, dim=-1).square()  # (B, N)
-    weights = torch.ones_like(sq) if w is None else w
-    taken = torch.zeros(b, n, dtype=torch.bool, device=x.device).scatter_(1, medoids, True)
-    free = flagged_last(taken)[:, : n - k]  # (B, M) the non-medoid tokens, ascending
-    med = medoids
-    for step in range(iters):
-        rows = torch.baddbmm(sq.gather(1, free).unsqueeze(-1) + sq.unsqueeze(1), _gather_rows(x, free),
-                             x.transpose(1, 2), alpha=-2.0)  # (B, M, N): d(t, j)
-        to_med = rows.gather(2, med.unsqueeze(1).expand(b, n - k, k))  # (B, M, K)
-        assign = to_med.argmin(-1)  # (B, M), ties to the lowest cluster
-        if step < iters - 1:
-            med, free = _swap_rows(rows, to_med, assign, med, free, weights)
-    clusters = torch.arange(k, device=x.device).expand(b, k)
-    full = torch.empty(b, n, dtype=torch.long, device=x.device).scatter_(1, med, clusters).scatter_(1, free, assign)
-    return med, full
-
-
-def _swap_rows(rows: Tensor, to_med: Tensor, assign: Tensor, med: Tensor, free: Tensor,
-               weights: Tensor) -> tuple[Tensor, Tensor]:
-    """One medoid update of ``_kmedoids_rows``: rows (B, M, N) d(t, j), to_med (B, M, K) d(t, medoid),
-    assign (B, M) cluster of each non-medoid, med (B, K), free (B, M) token ids, weights (B, N)
-    -> (medoids (B, K), non-medoids (B, M)).
-
-    The cost of a cluster's medoid is ``sum_t w_t d(t, m)`` over its non-medoids t; a non-medoid's is
-    ``w_m d(t, m) + sum_t' w_t' d(t, t')`` over the cluster's non-medoids t'. The cheapest non-medoid (the
-    lowest token on ties) takes the medoid's place where it beats the medoid by the relative margin, as
-    in ``_swap``; the old medoid takes its slot among the non-medoids.
-    """
-    b, m, k = to_med.shape
-    w_free = weights.gather(1, free)  # (B, M)
-    own = to_med.gather(2, assign.unsqueeze(-1)).squeeze(-1)  # (B, M) d(t, medoid of t's cluster)
-    member = assign.unsqueeze(-1) == torch.arange(k, device=assign.device)  # (B, M, K)
-    med_cost = (member * (w_free * own).unsqueeze(-1)).sum(1)  # (B, K)
-    eye = torch.eye(m, dtype=torch.bool, device=rows.device)
-    between = rows.gather(2, free.unsqueeze(1).expand(b, m, m)).masked_fill(eye, 0.0)  # (B, M, M) d(t, t')
-    same = assign.unsqueeze(-1) == assign.unsqueeze(1)  # (B, M, M)
-    free_cost = (between * same * w_free.unsqueeze(1)).sum(-1) + weights.gather(1, med).gather(1, assign) * own
-    cost = torch.where(member, free_cost.unsqueeze(-1), torch.inf)  # (B, M, K), +inf off the members
-    best = cost.amin(1, keepdim=True)  # (B, 1, K)
-    slot = torch.where(cost == best, free.unsqueeze(-1), rows.shape[-1]).argmin(1)  # (B, K): lowest token
-    swap = best.squeeze(1) < med_cost * (1.0 - _SWAP_RTOL)  # (B, K); a cluster of its medoid alone never swaps
-    chosen = swap.gather(1, assign) & (slot.gather(1, assign) == torch.arange(m, device=slot.device))  # (B, M)
-    return torch.where(swap, free.gather(1, slot), med), torch.where(chosen, med.gather(1, assign), free)
 
 
 def _reach(d: Tensor) -> Tensor:
