@@ -174,7 +174,8 @@ def test_importance_inclusion_matches_exact_probabilities():
 
 @pytest.mark.parametrize("n,k", [(10, 6), (11, 5), (16, 8), (17, 3), (9, 1)])
 @pytest.mark.parametrize("carry", [False, True])
-@pytest.mark.parametrize("ties,compiled", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager: partition", "compiled: bipartite merge"])
 @pytest.mark.parametrize("dense", [None, True], ids=["cpu path", "cuda path"])
 def test_tome_matches_reference(n, k, carry, ties, compiled, dense):
     from pipeline.pooling.common import dense_segments
@@ -200,6 +201,20 @@ def test_tome_matches_reference(n, k, carry, ties, compiled, dense):
         assert out.assign[s].tolist() == mapping
         np.testing.assert_allclose(out.tokens[s].numpy(), f, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(out.sizes[s].numpy(), sz, rtol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tome_merges_with_the_bipartite_groups_only_when_compiled(compiled, monkeypatch):
+    """Compiled graphs take ``BipartiteMerge`` (a quarter of the one-hot product), eager code the
+    ``Partition`` of all N tokens (half the ops); the reference test above checks both."""
+    from pipeline.pooling import tome
+
+    built = []
+    monkeypatch.setattr(tome, "BipartiteMerge", lambda *args: built.append(1) or tome.Partition(
+        args[0].assign, args[0].assign.shape[1] - args[1], dtype=args[2]))
+    tokens = torch.randn(2, 16, 5, generator=torch.Generator().manual_seed(1))
+    traced(tome_merge, compiled)(tokens, 6, validate=False)
+    assert bool(built) == compiled
 
 
 @pytest.mark.parametrize("grid", [(4, 4), (5, 5), (6, 3), (7, 7)])

@@ -141,10 +141,13 @@ def work_dtype(tokens: Tensor) -> torch.dtype:
 def one_hot(assign: Tensor, k: int, dtype: torch.dtype) -> Tensor:
     """(B, N) segment ids in [0, k) -> (B, K, N) membership matrix of 0s and 1s.
 
-    A comparison with the cluster ids, not a scatter into zeros: ``torch.compile`` fuses it into the
-    ops that read the membership, where a scatter is a kernel of its own after a fill."""
-    ids = torch.arange(k, device=assign.device).view(1, k, 1)
-    return (assign.unsqueeze(1) == ids).to(dtype)
+    Traced by ``torch.compile``, a comparison with the cluster ids, which inductor fuses into the ops that
+    read the membership (a scatter is a kernel of its own after a fill); eager code scatters into zeros,
+    two ops where the comparison takes four (eager GPU forwards are bound by the host's launch rate)."""
+    b, n = assign.shape
+    if torch.compiler.is_compiling():
+        return (assign.unsqueeze(1) == torch.arange(k, device=assign.device).view(1, k, 1)).to(dtype)
+    return torch.zeros(b, k, n, device=assign.device, dtype=dtype).scatter_(1, assign.unsqueeze(1), 1.0)
 
 
 _DENSE: bool | None = None  # None: the one-hot path on CUDA, index_add_ on the CPU

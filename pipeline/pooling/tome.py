@@ -20,6 +20,7 @@ from torch import Tensor
 from pipeline.pooling.common import (
     Partition,
     PoolResult,
+    augmented,
     check_k,
     check_metric,
     check_per_token,
@@ -78,37 +79,41 @@ class BipartiteMerge:
 
     def __init__(self, match: Matching, r: int, dtype: torch.dtype) -> None:
         n_a = match.merged.shape[1]
-        self.n = match.assign.shape[1]
-        self.n_b = self.n // 2
+        self.n_b = match.assign.shape[1] // 2
         self.kept = flagged_last(match.merged)[:, : n_a - r]  # (B, Na - r) A positions of the unmerged A tokens
         # merged A tokens go to their partner's slot, the others to a slot Nb that is dropped
         self.into_b = Partition(torch.where(match.merged, match.partner, self.n_b), self.n_b + 1, dtype=dtype)
 
-    def _group_weights(self, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, N) weights -> the A tokens' weights (B, Na, 1) and the B groups' totals (B, Nb, 1)."""
-        w_a = weights[:, ::2]
-        return w_a.unsqueeze(-1), self.into_b.total(w_a)[:, : self.n_b] + weights[:, 1::2].unsqueeze(-1)
+    def _groups(self, rows: Tensor) -> Tensor:
+        """Per group, the sum of ``rows`` (B, N, C) over its members -> (B, K, C)."""
+        a = rows[:, ::2]
+        into_b = self.into_b.sum(a)[:, : self.n_b] + rows[:, 1::2]  # (B, Nb, C)
+        kept = a.gather(1, self.kept.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))  # (B, Na - r, C)
+        return torch.cat([kept, into_b], dim=1)
 
     def mean(self, values: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
         """Weighted group means of ``values`` (B, N, C) -> ((B, K, C), the (B, K, 1) weight totals)."""
-        w = torch.ones_like(values[..., 0]) if weights is None else weights
-        w_a, totals = self._group_weights(w)
-        a, b = values[:, ::2], values[:, 1::2]
-        sums = self.into_b.sum(a * w_a)[:, : self.n_b] + b * w[:, 1::2].unsqueeze(-1)  # (B, Nb, C)
-        kept = _rows(a, self.kept)  # an unmerged A token is its own mean
-        return torch.cat([kept, sums / totals], dim=1), torch.cat([_rows(w_a, self.kept), totals], dim=1)
+        c = values.shape[-1]
+        sums = self._groups(augmented(values, weights))  # [sum w x, sum w, ...], one segment sum
+        total = sums[..., c : c + 1]
+        return sums[..., :c] / total, total
 
     def total(self, weights: Tensor | None) -> Tensor:
         """Per group, the sum of ``weights`` (B, N) over its members, or the member count; (B, K, 1)."""
         if weights is None:
-            weights = torch.ones(self.n, dtype=self.into_b.dtype, device=self.kept.device).expand(len(self.kept), -1)
-        w_a, totals = self._group_weights(weights)
-        return torch.cat([_rows(w_a, self.kept), totals], dim=1)
+            b, n_a = self.into_b.assign.shape
+            weights = torch.ones(b, n_a + self.n_b, dtype=self.into_b.dtype, device=self.kept.device)
+        return self._groups(weights.unsqueeze(-1))
 
 
-def _rows(x: Tensor, index: Tensor) -> Tensor:
-    """The rows ``index`` (B, K) of ``x`` (B, N, C) -> (B, K, C)."""
-    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+def _merge(match: Matching, r: int, dtype: torch.dtype) -> BipartiteMerge | Partition:
+    """The groups of one round. Traced by ``torch.compile``, ``BipartiteMerge`` (its product is a quarter of
+    the partition's: ToMe went from 1.37x to 1.40x compiled on an H200, docs/benchmarks.md); eager code
+    keeps the ``Partition`` of all N tokens, about half the ops a round (eager GPU forwards are bound by
+    the host's launch rate). Both give the same means, summed in another order."""
+    if torch.compiler.is_compiling():
+        return BipartiteMerge(match, r, dtype)
+    return Partition(match.assign, match.assign.shape[1] - r, dtype=dtype)
 
 
 def tome_merge(
@@ -147,7 +152,7 @@ def tome_merge(
         r = min(count - k, (count + 1) // 2)
         with torch.no_grad():
             match = match_round(x if space is None else space, r)
-            part = BipartiteMerge(match, r, dtype)  # every output holds a token: none is empty
+            part = _merge(match, r, dtype)  # every output holds a token: none is empty
         # Size-weighted means; a size-0 token carries no weight unless its whole group has none.
         weights = None if cur_sizes is None else cur_sizes.clamp_min(1e-12)
         x = part.mean(x, weights)[0]
