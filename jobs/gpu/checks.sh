@@ -5,7 +5,7 @@
 # (../shared/gpu/README.md), then:  OUT=DIR bash jobs/gpu/checks.sh PART...
 # Parts (each under its own time limit, so one slow part cannot take the others' results):
 #   tests     tests/test_gpu.py (TESTS selects with pytest -k)
-#   kernels   bench kernels: K-Medoids' and K-Means' Triton kernels against the torch iterations, patch embedding
+#   kernels   bench kernels: K-Medoids' Triton kernels against the torch iterations, K-Means' iterations, patch embedding
 #   eager     bench throughput, bf16, batch 256, DeiT-S level 3, every method + ceiling, eager
 #   compiled  the same with torch.compile (COMPILE: default mode unless set) on both models
 #   train     training step, bf16, batch 128, compiled (COMPILE), every method (TRAIN_METHODS)
