@@ -146,7 +146,8 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     op, ``tokenpool::kmeans_gram``, whose kernel is native code (``native.kmeans_gram``: its update costs
     N^2 where the dense product costs K N^2), with the torch iterations where the library is not built.
     (Two Triton kernels an iteration ran the CUDA path for a while; on an H200 they took 2.2 times the
-    torch iterations' GPU time and made compiled K-Means 0.504x against 0.593x: docs/benchmarks.md.)
+    torch iterations' GPU time, and compiled K-Means ran 0.504x with them, 0.862x with the traced torch
+    iterations: docs/benchmarks.md.)
     """
     gram = torch.bmm(x, x.transpose(1, 2))
     if use_dense(x):
@@ -163,7 +164,7 @@ def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters
         centre_sq = (proj * coef).sum(-1, keepdim=True)  # (B, K, 1)
         return centre_sq.sub(proj, alpha=2.0).argmin(1)  # ||c||^2 - 2 c . x_i; ties to the lowest centre
 
-    coef = (start.unsqueeze(-1) == torch.arange(n, device=gram.device)).to(gram.dtype)  # (B, K, N), one-hot
+    coef = one_hot(start, n, gram.dtype).transpose(1, 2)  # (B, K, N): centre k is token start[k]
     assign = nearest(gram.gather(1, start.unsqueeze(-1).expand(b, k, n)), coef)
     for _ in range(iters - 1):
         member = one_hot(assign, k, gram.dtype)  # (B, K, N)
