@@ -496,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--train", action="store_true",
                             help="time a training step (forward, backward, AdamW) instead of inference")
     throughput.add_argument("--profile", action="store_true",
-                            help="also log torch.profiler's kernel table of one call of each model (stderr)")
+                            help="also log a profile of one call of each model (stderr): on CUDA the device time by "
+                                 "kernel group and the longest kernels, then torch.profiler's table")
     throughput.set_defaults(func=cmd_bench_throughput)
     _add_bench_loader(bench_commands)
     _add_bench_kernels(bench_commands)

@@ -135,7 +135,8 @@ class BenchThroughputConfig(Section):
     compile: CompileMode = Field("none", description="torch.compile mode of both models (fullgraph)")
     train: bool = Field(False, description="time an optimizer step (forward, backward, AdamW), not inference")
     ceiling: bool = Field(True, description="add a row of plain random token dropping at the same keep list")
-    profile: bool = Field(False, description="log torch.profiler's kernel table of one call of each model")
+    profile: bool = Field(False, description="log a profile of one call of each model: on CUDA the device time "
+                         "by kernel group and the longest kernels, then torch.profiler's table")
     patch_embed: PatchEmbed = Field("conv", description="the patch embedding of every model timed")
     warmup: int = Field(2, ge=0)
     repeats: int = Field(10, ge=1)

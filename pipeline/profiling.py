@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch.autograd import DeviceType
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that make the host wait for the device (or that would, on CUDA).
@@ -53,14 +56,89 @@ def count_launches(fn: Callable[[], object]) -> int:
     return sum(event.count for event in prof.key_averages() if event.key in _LAUNCH_EVENTS)
 
 
+# Groups of the kernel summary, first match wins, on the names CUDA, cuBLAS / CUTLASS, cuDNN, Triton and
+# inductor give kernels ("s1688gemm" and "tf32" are float32 inputs on TF32 tensor cores; nvjet is cuBLAS).
+KERNEL_GROUPS = (
+    ("attention (fused SDPA)", r"sdpa|flash|fmha|attention"),
+    ("scores, eq. 4 (Triton)", r"^_column_sums|^_row_lse|^_row_grad|^_column_grad"),
+    ("K-Medoids iterations (Triton)", r"^_assign_kernel|^_cost_kernel"),
+    ("GEMM, float32 (TF32)", r"tf32|s1688gemm|s16816gemm|sgemm"),
+    ("GEMM, bf16 / fp16", r"gemm|nvjet|cutlass|cublas"),  # nvjet names carry no dtype (all bf16 in run 6)
+    ("top-k, sort", r"topk|sort"),
+    ("inductor: GELU", r"^triton_.*gelu"),
+    ("inductor: LayerNorm, residual", r"^triton_.*layer_norm"),
+    ("inductor: other", r"^triton_"),
+    ("memcpy, memset", r"^memcpy|^memset"),
+    ("other aten kernels", r"at::native|at::cuda|^void at::"),
+)
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    name: str
+    us: float  # device time of all calls, microseconds
+    calls: int
+
+
+def kernel_group(name: str) -> str:
+    """The summary group of a device kernel, by its name (``KERNEL_GROUPS``); "other" if none matches."""
+    for group, pattern in KERNEL_GROUPS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return group
+    return "other"
+
+
+def group_kernels(kernels: list[KernelTime]) -> list[KernelTime]:
+    """Kernel times summed by ``kernel_group``, the largest first."""
+    us: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    for k in kernels:
+        us[kernel_group(k.name)] += k.us
+        calls[kernel_group(k.name)] += k.calls
+    return [KernelTime(group, t, calls[group]) for group, t in us.most_common()]
+
+
+def format_kernels(kernels: list[KernelTime], rows: int = 60) -> str:
+    """Markdown: device time by group, then the ``rows`` longest kernels (full names: inductor's name the
+    aten ops each fused kernel holds)."""
+    total = sum(k.us for k in kernels) or 1.0
+    lines = [f"device time of one call: {total / 1e3:.3f} ms in {sum(k.calls for k in kernels)} kernels", "",
+             "| group | ms | share | kernels |", "|---|---:|---:|---:|"]
+    lines += [f"| {g.name} | {g.us / 1e3:.3f} | {g.us / total:.1%} | {g.calls} |" for g in group_kernels(kernels)]
+    lines += ["", "| kernel | group | ms | calls | us a call |", "|---|---|---:|---:|---:|"]
+    for k in sorted(kernels, key=lambda k: -k.us)[:rows]:
+        lines.append(f"| `{k.name}` | {kernel_group(k.name)} | {k.us / 1e3:.3f} | {k.calls} | {k.us / k.calls:.1f} |")
+    if len(kernels) > rows:
+        rest = sorted(kernels, key=lambda k: -k.us)[rows:]
+        lines.append(f"| {len(rest)} more | | {sum(k.us for k in rest) / 1e3:.3f} | {sum(k.calls for k in rest)} | |")
+    return "\n".join(lines)
+
+
+def device_kernels(events) -> list[KernelTime]:
+    """Kernels (and memcpys / memsets) that ran on the device, summed by name, from torch.profiler's events.
+
+    Only device events count: a CPU op's, and a ``record_function`` range's, device time is that of the
+    kernels it launched, which are here already (torch.profiler's table counts both)."""
+    us: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):  # torch >= 2.5
+            us[e.name] += e.time_range.elapsed_us()
+            calls[e.name] += 1
+    return [KernelTime(name, t, calls[name]) for name, t in us.items()]
+
+
 def kernel_table(fn: Callable[[], object], rows: int = 30) -> str:
-    """torch.profiler's table of one call of ``fn``, sorted by device time (self CUDA time on CUDA)."""
+    """A profile of one call of ``fn``: on CUDA the device time by kernel group and the longest kernels
+    (``format_kernels``), then torch.profiler's own table, sorted by device time (CPU time off CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         fn()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    return f"{format_kernels(device_kernels(prof.events()))}\n\n{table}" if cuda else table

@@ -155,8 +155,11 @@ def test_bench_throughput_patch_embed_matmul_times_every_model_with_it():
     proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--methods", "random",
                "--keep", "196,150,120,100,80,60,50,40,30,20,10,5", "--batch", "2", "--patch-embed", "matmul",
                "--set", "bench_throughput.repeats=1", "--set", "bench_throughput.warmup=0",
-               "--set", "bench_throughput.ceiling=false")
+               "--set", "bench_throughput.ceiling=false", "--profile")
     assert "patch embedding matmul (every model)" in proc.stdout
+    # --profile: a profile of one call of each model on stderr (on the CPU, torch.profiler's table)
+    for label in ("the unmodified model", "random"):
+        assert re.search(rf"profile of one call of {label}:\n-[- ]+\n\s+Name\s+Self CPU %", proc.stderr), proc.stderr
     # the same GFLOPs as timm's convolution (fvcore counts the matmul as the convolution's MACs)
     assert re.search(r"^\| unmodified \| 1\.258 \|", proc.stdout, flags=re.M), proc.stdout
     bad = run("bench", "throughput", "--patch-embed", "unfold", check=False)

@@ -31,8 +31,11 @@ export PYTHONUNBUFFERED=1
 methods=${METHODS:-powerbert,kmedoids,wkmedoids,kmeans,tome}
 mode=${COMPILE:-default}  # the compile mode of the compiled and train parts
 extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${SIGNIFICANCE:+--set pooling.significance=$SIGNIFICANCE}"
-# PROFILE=1: kernel tables of one call of each model in PART.log; PATCH_EMBED=matmul: every model's patch
-# embedding as one matmul; SIGNIFICANCE=cls: the class token's scores (give it its own OUT)
+# PROFILE=1: a profile of one call of each model in PART.log (device time by kernel group, the longest
+# kernels, torch.profiler's table); OUTPUT_CODE=1: inductor's generated code in PART.log as well (which aten
+# ops each fused kernel of the profile holds); PATCH_EMBED=matmul: every model's patch embedding as one
+# matmul; SIGNIFICANCE=cls: the class token's scores (give it its own OUT)
+if [ -n "${OUTPUT_CODE:-}" ]; then export TORCH_LOGS=output_code; fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
 
