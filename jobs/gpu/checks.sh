@@ -16,6 +16,8 @@
 # run times the unmodified model again (inductor's cache makes its second compilation short) and
 # leaves out the ceiling row.
 # Outputs: OUT/card.txt, OUT/PART.md (stdout) and OUT/PART.log (stderr, progress).
+# DEVICE (default cuda), BATCH (256) and TRAIN_BATCH (128) change the bench parts' setting: the tests run the
+# script on the CPU with DEVICE=cpu BATCH=2, so that a broken line shows here, not on the lent machine.
 # The lent machines return at most 8 files (the first H200 run of session 11 lost its test log and
 # kernel tables so): write the parts to a local OUT and finish with the part `pack`, which puts the
 # whole OUT folder in one archive, PACK (default OUT.tgz). DEADLINE (seconds since the epoch) skips
@@ -30,6 +32,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 methods=${METHODS:-powerbert,kmedoids,wkmedoids,kmeans,tome}
 mode=${COMPILE:-default}  # the compile mode of the compiled and train parts
+device=${DEVICE:-cuda} batch=${BATCH:-256} train_batch=${TRAIN_BATCH:-128}
 extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${SIGNIFICANCE:+--set pooling.significance=$SIGNIFICANCE}"
 # PROFILE=1: a profile of one call of each model in PART.log (device time by kernel group, the longest
 # kernels, torch.profiler's table); OUTPUT_CODE=1: inductor's generated code in PART.log as well (which aten
@@ -48,7 +51,7 @@ bench_one() {  # bench_one NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
   fits "$limit" "$name" || return 0
   echo "== $name ($(date +%T))"
-  timeout "$limit" python3 -m pipeline bench throughput --device cuda --model deit_small_patch16_224 --level 3 \
+  timeout "$limit" python3 -m pipeline bench throughput --device "$device" --model deit_small_patch16_224 --level 3 \
     $extra "$@" > "$out/$name.md" 2> "$out/$name.log"
   echo "   exit $? ($(date +%T))"; cat "$out/$name.md"
 }
@@ -75,11 +78,11 @@ for part in "$@"; do
            echo "== kernels ($(date +%T))"
            timeout "${KERNELS_S:-90}" python3 -m pipeline bench kernels > "$out/kernels.md" 2> "$out/kernels.log"
            echo "   exit $?"; cat "$out/kernels.md" ;;
-    eager) bench eager "${EAGER_S:-180}" "$methods" --dtype bf16 --batch 256 ;;
-    compiled) bench "compiled-$mode" "${COMPILED_S:-330}" "$methods" --dtype bf16 --batch 256 --compile "$mode" ;;
-    train) bench "train-$mode" "${TRAIN_S:-330}" "${TRAIN_METHODS:-$methods}" --dtype bf16 --batch 128 --compile "$mode" \
-             --train --set bench_throughput.ceiling=false ;;
-    fp32) bench fp32 "${FP32_S:-120}" "$methods" --dtype fp32 --batch 256 ;;
+    eager) bench eager "${EAGER_S:-180}" "$methods" --dtype bf16 --batch "$batch" ;;
+    compiled) bench "compiled-$mode" "${COMPILED_S:-330}" "$methods" --dtype bf16 --batch "$batch" --compile "$mode" ;;
+    train) bench "train-$mode" "${TRAIN_S:-330}" "${TRAIN_METHODS:-$methods}" --dtype bf16 --batch "$train_batch" \
+             --compile "$mode" --train --set bench_throughput.ceiling=false ;;
+    fp32) bench fp32 "${FP32_S:-120}" "$methods" --dtype fp32 --batch "$batch" ;;
     pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
     *) echo "unknown part $part (tests kernels eager compiled train fp32 pack)"; exit 2 ;;
   esac

@@ -1,0 +1,54 @@
+"""``jobs/gpu/checks.sh``, the script a lent GPU machine runs, run here on the CPU (DEVICE=cpu, batch 2).
+
+Device time on those machines is minutes a session: a broken line of the script must fail here first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "jobs" / "gpu" / "checks.sh"
+
+
+def checks(out: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
+    # python3 on the PATH is this interpreter, as it is the machine's own on the GPU machine
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return subprocess.run(["bash", str(SCRIPT), *parts], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PATH": path, "OUT": str(out), "DEVICE": "cpu", **env})
+
+
+def test_the_gpu_checks_run_on_the_cpu_and_pack_their_outputs(tmp_path):
+    out, pack = tmp_path / "gpu", tmp_path / "gpu.tgz"
+    proc = checks(out, "compiled", "train", "pack", BATCH="2", TRAIN_BATCH="2", COMPILE="none", SPLIT="1",
+                  PROFILE="1", PATCH_EMBED="matmul", METHODS="powerbert", PACK=str(pack),
+                  DEADLINE=str(int(time.time()) + 500))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0"], proc.stdout  # both parts ran
+    for part, setting in (("compiled-none-powerbert", "inference, batch 2, bf16, compile none"),
+                          ("train-none-powerbert", "training step (forward, backward, AdamW), batch 2, bf16")):
+        table = (out / f"{part}.md").read_text()
+        assert setting in table and "patch embedding matmul" in table, table
+        assert re.search(r"^\| powerbert \| 2\.272 \| [\d.]+ \| [\d.]+ \|", table, flags=re.M), table  # DeiT-S L3
+        assert "ceiling" not in table  # SPLIT=1 leaves it out
+        assert "profile of one call of powerbert:" in (out / f"{part}.log").read_text()  # PROFILE=1
+    with tarfile.open(pack) as archive:
+        names = set(archive.getnames())
+    assert {"./card.txt", "./compiled-none-powerbert.md", "./train-none-powerbert.log"} <= names, names
+
+
+def test_the_gpu_checks_refuse_a_bad_part_and_skip_what_the_deadline_leaves_no_time_for(tmp_path):
+    bad = checks(tmp_path / "a", "benchmark")
+    assert bad.returncode == 2 and "unknown part benchmark" in bad.stdout
+    late = checks(tmp_path / "b", "compiled", METHODS="powerbert", DEADLINE=str(int(time.time()) + 30))
+    assert late.returncode == 0 and re.search(r"== compiled-default skipped: \d+ s left before DEADLINE, its limit is "
+                                              r"330 s", late.stdout), late.stdout
+    assert not (tmp_path / "b" / "compiled-default.md").exists()
+    deadline = checks(tmp_path / "c", "pack", DEADLINE="soon")
+    assert deadline.returncode == 2 and "DEADLINE must be seconds since the epoch" in deadline.stderr
