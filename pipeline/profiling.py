@@ -141,4 +141,13 @@ def kernel_table(fn: Callable[[], object], rows: int = 30) -> str:
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
-    return f"{format_kernels(device_kernels(prof.events()))}\n\n{table}" if cuda else table
+    return f"{kernel_summary(prof)}\n\n{table}" if cuda else table
+
+
+def kernel_summary(prof) -> str:
+    """``format_kernels`` of a finished profile, or one line that says why there is none: it is logged after
+    the timings, and a profiler that differs across torch versions must not cost a run its figures."""
+    try:
+        return format_kernels(device_kernels(prof.events()))
+    except Exception as error:  # noqa: BLE001 - any failure of the summary, reported in its place
+        return f"(no kernel summary: {type(error).__name__}: {error})"

@@ -7,7 +7,14 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from pipeline.profiling import KernelTime, device_kernels, format_kernels, kernel_group, kernel_table
+from pipeline.profiling import (
+    KernelTime,
+    device_kernels,
+    format_kernels,
+    kernel_group,
+    kernel_summary,
+    kernel_table,
+)
 
 # Kernel names as the H200 profiles of session 17 printed them (docs/data/gpu/h200_run6/, cut at 60
 # characters there), each with the group a reader of that profile puts it in.
@@ -79,3 +86,15 @@ def test_kernel_table_on_the_cpu_is_torch_profilers_table():
     x = torch.randn(64, 64)
     text = kernel_table(lambda: x @ x)
     assert "aten::mm" in text and "Self CPU" in text
+
+
+def test_a_failing_kernel_summary_is_one_line_not_an_exception():
+    # The summary is logged after a model's timings: a profiler whose events differ (another torch) must not
+    # take the run down with it.
+    def events():
+        raise AttributeError("'FunctionEvent' object has no attribute 'time_range'")
+
+    assert kernel_summary(SimpleNamespace(events=events)) == (
+        "(no kernel summary: AttributeError: 'FunctionEvent' object has no attribute 'time_range')")
+    ok = SimpleNamespace(events=lambda: [_event("_column_sums", 40.0)])
+    assert kernel_summary(ok).startswith("device time of one call: 0.040 ms in 1 kernels")
