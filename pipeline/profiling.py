@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +46,20 @@ _LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "
                   "cudaGraphLaunch")
 
 
-def count_launches(fn: Callable[[], object]) -> int:
-    """Kernel (and CUDA graph) launches of one call of ``fn``, from torch.profiler; CUDA only."""
+def _profiled(fn: Callable[[], object], cuda: bool):
+    """torch.profiler's record of one call of ``fn``, its device work included when ``cuda``."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof
+
+
+def count_launches(fn: Callable[[], object]) -> int:
+    """Kernel (and CUDA graph) launches of one call of ``fn``, from torch.profiler; CUDA only."""
+    prof = _profiled(fn, cuda=True)
     return sum(event.count for event in prof.key_averages() if event.key in _LAUNCH_EVENTS)
 
 
@@ -88,57 +95,55 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def group_kernels(kernels: list[KernelTime]) -> list[KernelTime]:
-    """Kernel times summed by ``kernel_group``, the largest first."""
+def _sum_by(kernels: Iterable[KernelTime], key: Callable[[KernelTime], str]) -> list[KernelTime]:
+    """Times and calls summed over the kernels of each ``key``, named by it, the largest first."""
     us: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
     for k in kernels:
-        us[kernel_group(k.name)] += k.us
-        calls[kernel_group(k.name)] += k.calls
-    return [KernelTime(group, t, calls[group]) for group, t in us.most_common()]
+        name = key(k)
+        us[name] += k.us
+        calls[name] += k.calls
+    return [KernelTime(name, t, calls[name]) for name, t in us.most_common()]
+
+
+def group_kernels(kernels: list[KernelTime]) -> list[KernelTime]:
+    """Kernel times summed by ``kernel_group``, the largest first."""
+    return _sum_by(kernels, lambda k: kernel_group(k.name))
 
 
 def format_kernels(kernels: list[KernelTime], rows: int = 60) -> str:
-    """Markdown: device time by group, then the ``rows`` longest kernels (full names: inductor's name the
-    aten ops each fused kernel holds)."""
+    """Markdown: device time by group, then the ``rows`` longest kernels with their names uncut (an inductor
+    kernel's name lists the aten ops it fuses)."""
+    ranked = sorted(kernels, key=lambda k: -k.us)
     total = sum(k.us for k in kernels) or 1.0
     lines = [f"device time of one call: {total / 1e3:.3f} ms in {sum(k.calls for k in kernels)} kernels", "",
              "| group | ms | share | kernels |", "|---|---:|---:|---:|"]
     lines += [f"| {g.name} | {g.us / 1e3:.3f} | {g.us / total:.1%} | {g.calls} |" for g in group_kernels(kernels)]
     lines += ["", "| kernel | group | ms | calls | us a call |", "|---|---|---:|---:|---:|"]
-    for k in sorted(kernels, key=lambda k: -k.us)[:rows]:
+    for k in ranked[:rows]:
         lines.append(f"| `{k.name}` | {kernel_group(k.name)} | {k.us / 1e3:.3f} | {k.calls} | {k.us / k.calls:.1f} |")
     if len(kernels) > rows:
-        rest = sorted(kernels, key=lambda k: -k.us)[rows:]
+        rest = ranked[rows:]
         lines.append(f"| {len(rest)} more | | {sum(k.us for k in rest) / 1e3:.3f} | {sum(k.calls for k in rest)} | |")
     return "\n".join(lines)
 
 
 def device_kernels(events) -> list[KernelTime]:
-    """Kernels (and memcpys / memsets) that ran on the device, summed by name, from torch.profiler's events.
+    """Kernels (and memcpys / memsets) that ran on the device, summed by name, the longest first, from
+    torch.profiler's events.
 
     Only device events count: a CPU op's, and a ``record_function`` range's, device time is that of the
     kernels it launched, which are here already (torch.profiler's table counts both)."""
-    us: collections.Counter[str] = collections.Counter()
-    calls: collections.Counter[str] = collections.Counter()
-    for e in events:
-        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):  # torch >= 2.5
-            us[e.name] += e.time_range.elapsed_us()
-            calls[e.name] += 1
-    return [KernelTime(name, t, calls[name]) for name, t in us.items()]
+    ran = (KernelTime(e.name, e.time_range.elapsed_us(), 1) for e in events
+           if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))  # torch >= 2.5
+    return _sum_by(ran, lambda k: k.name)
 
 
 def kernel_table(fn: Callable[[], object], rows: int = 30) -> str:
     """A profile of one call of ``fn``: on CUDA the device time by kernel group and the longest kernels
     (``format_kernels``), then torch.profiler's own table, sorted by device time (CPU time off CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
+    prof = _profiled(fn, cuda)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
     return f"{kernel_summary(prof)}\n\n{table}" if cuda else table
