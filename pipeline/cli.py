@@ -86,7 +86,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.methods is not None:
         overrides.append(f"bench_throughput.methods=[{args.methods}]")
-    for flag in ("model", "batch", "dtype", "compile", "device", "patch_embed"):
+    for flag in ("model", "batch", "dtype", "compile", "device", "patch_embed", "calls"):
         if getattr(args, flag) is not None:
             overrides.append(f"bench_throughput.{flag}={getattr(args, flag)}")
     if args.train:
@@ -490,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--compile", choices=("none", "default", "reduce-overhead", "max-autotune"),
                             default=None, help="torch.compile both models in this mode (default none)")
     throughput.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
+    throughput.add_argument("--calls", type=int, default=None,
+                            help="calls a timed sample queues back to back before one device sync (default 10 on "
+                                 "CUDA: throughput; 1 measures each call's latency from an idle GPU)")
     throughput.add_argument("--patch-embed", choices=get_args(PatchEmbed), default=None,
                             help="every model's patch embedding: timm's convolution (default) or the same "
                             "function as one matmul")

@@ -139,7 +139,9 @@ class BenchThroughputConfig(Section):
                          "by kernel group and the longest kernels, then torch.profiler's table")
     patch_embed: PatchEmbed = Field("conv", description="the patch embedding of every model timed")
     warmup: int = Field(2, ge=0)
-    repeats: int = Field(10, ge=1)
+    repeats: int = Field(10, ge=1, description="timed samples of each model, paired")
+    calls: int | None = Field(None, ge=1, description="calls a timed sample queues back to back before one device "
+                              "sync (default: 10 on CUDA, which measures throughput; 1 on the CPU)")
     threads: int | None = Field(None, ge=1)
     device: Literal["cpu", "cuda"] = "cpu"
 

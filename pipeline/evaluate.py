@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pipeline.config import Config, EvalConfig
-from pipeline.models.execution import autocast, compile_model, cuda_settings, resolve_setting, step_marker
-from pipeline.timing import rate
+from pipeline.models.execution import compile_model, cuda_settings, inference, resolve_setting, step_marker
+from pipeline.timing import default_calls, rate
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,6 @@ class Evaluation:
         return asdict(self)
 
 
-@torch.no_grad()
 def top1(model: nn.Module, config: Config, device: torch.device, dtype: str = "fp32") -> tuple[float, int]:
     """Top-1 (%) over the whole validation set with the validation loader of ``config``.
 
@@ -47,11 +46,10 @@ def top1(model: nn.Module, config: Config, device: torch.device, dtype: str = "f
 
     spec = loader_spec(config.data, data_config(model), train=False, seed=config.seed, device=str(device))
     correct = total = 0
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), inference(device, dtype):
         torch.manual_seed(config.seed)
         for images, labels in shared_loader(config.data.loader, spec):
-            with autocast(device, dtype):
-                logits = model(images.to(device))
+            logits = model(images.to(device))
             correct += int((logits.argmax(-1) == labels.to(device)).sum())
             total += labels.numel()
     return 100.0 * correct / max(total, 1), total
@@ -59,9 +57,11 @@ def top1(model: nn.Module, config: Config, device: torch.device, dtype: str = "f
 
 def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, device: torch.device,
                dtype: str = "fp32", compile: str = "none") -> tuple[float, float]:
-    """Inference images/s at ``batch``: median over ``repeats`` timed passes, and the spread (max - min).
+    """Inference images/s at ``batch``: median over ``repeats`` timed samples, and the spread (max - min).
 
-    ``compile`` compiles the model (fullgraph) first; the compiling call is part of the warm-up.
+    A sample queues ``timing.default_calls`` calls back to back (10 on CUDA), in one held inference
+    context (``models.execution.inference``), as ``bench throughput`` times. ``compile`` compiles the model
+    (fullgraph) first; the compiling call is part of the warm-up.
     """
     run = compile_model(model, compile, device)
     mark = step_marker(compile)
@@ -69,11 +69,11 @@ def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, devic
 
     def forward() -> object:
         mark()
-        with torch.inference_mode(), autocast(device, dtype):
-            return run(images)
+        return run(images)
 
-    return rate(forward, items=batch, warmup=max(warmup, 1 if compile != "none" else 0), repeats=repeats,
-                device=device)
+    with inference(device, dtype):
+        return rate(forward, items=batch, warmup=max(warmup, 1 if compile != "none" else 0), repeats=repeats,
+                    device=device, calls=default_calls(device))
 
 
 def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None) -> Evaluation:

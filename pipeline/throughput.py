@@ -1,16 +1,21 @@
 """``pipeline bench throughput``: downsampling models against the unmodified one, side by side.
 
 Every method of the list runs against the same unmodified model, in the same dtype (autocast) and
-compile mode, on the same batch: each timed call of a downsampled model follows a timed call of
-the unmodified one, and the speed-up is the median of the per-pair time ratios. ``--train`` times a
+compile mode, on the same batch: each timed sample of a downsampled model follows a timed sample of
+the unmodified one, and the speed-up is the median of the per-pair time ratios. A sample queues
+``calls`` calls back to back (10 on CUDA by default: throughput, as a serving loop runs), and
+inference holds one autocast context across the calls, so neither model casts its weights again in
+every forward (``models.execution.inference``). ``--train`` times a
 whole optimizer step (forward, backward, AdamW) instead of an inference forward. A ceiling row runs
 the same keep list with plain random token dropping, the cheapest way to reach the same token
 counts. Each row also carries what the model dispatches: aten ops of one forward (counted on the
-CPU, for the CPU path and for the one-hot path that CUDA runs) and, on CUDA, kernel launches.
+CPU, for the CPU path and for the one-hot path that CUDA runs) and, on CUDA, kernel launches and the
+host's time to issue one call, which says whether the model is bound by the host or by the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 from collections.abc import Callable
@@ -22,10 +27,10 @@ from torch import nn
 
 from pipeline.config import BenchThroughputConfig, PoolingConfig
 from pipeline.errors import JobError
-from pipeline.models.execution import autocast, compile_model, cuda_settings, step_marker, warm_up
+from pipeline.models.execution import autocast, compile_model, cuda_settings, inference, step_marker, warm_up
 from pipeline.pooling.common import dense_segments
 from pipeline.profiling import count_launches, count_ops, kernel_table
-from pipeline.timing import time_paired
+from pipeline.timing import default_calls, host_seconds, time_paired
 
 CEILING = "ceiling"  # the row label of plain random dropping at the same keep list
 
@@ -39,7 +44,8 @@ class ThroughputRow:
     flops_ratio: float  # unmodified GFLOPs / this model's
     ops_cpu: int  # aten ops of one no-grad forward, CPU path
     ops_dense: int  # the same with the one-hot segment path that CUDA runs
-    launches: int | None  # CUDA kernel launches of one timed call (None off CUDA)
+    launches: int | None  # CUDA kernel launches of one call (None off CUDA)
+    host_s: float | None  # seconds the host takes to issue one call, the device idle at its start (CUDA only)
     compile_s: float | None  # seconds of the first (compiling) call
     base_times: list[float]  # the unmodified model's paired times, seconds
 
@@ -55,6 +61,8 @@ class ThroughputResult:
     base_gflops: float
     base_ops: int
     base_launches: int | None
+    base_host_s: float | None
+    calls: int  # calls a timed sample
     keep: list[int]
     rows: list[ThroughputRow]
 
@@ -86,7 +94,7 @@ def _runner(model: nn.Module, cfg: BenchThroughputConfig, device: torch.device, 
     if not cfg.train:
         def forward() -> object:
             mark()
-            with torch.inference_mode(), autocast(device, cfg.dtype):
+            with inference(device, cfg.dtype):  # the caller holds one across calls (_held)
                 return fn(x)
         return forward
     # The fused (one-kernel) AdamW on CUDA, for both models alike; the host launches per parameter otherwise.
@@ -103,6 +111,16 @@ def _runner(model: nn.Module, cfg: BenchThroughputConfig, device: torch.device, 
     return step
 
 
+def _held(cfg: BenchThroughputConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context held around all the calls of one model's timing: inference keeps its weights' bf16 /
+    fp16 copies in it; a training step changes its weights, so it enters autocast in each step."""
+    return contextlib.nullcontext() if cfg.train else inference(device, cfg.dtype)
+
+
+def _host_s(run: Callable[[], object], cfg: BenchThroughputConfig, device: torch.device) -> float | None:
+    return host_seconds(run, device, cfg.repeats) if device.type == "cuda" else None
+
+
 def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[], object], base_gflops: float,
                  keep: list[int] | None, x: torch.Tensor, labels: torch.Tensor, cfg: BenchThroughputConfig,
                  pooling: PoolingConfig, device: torch.device, log: Callable[[str], None]) -> ThroughputRow:
@@ -116,20 +134,25 @@ def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[]
     ops_cpu, ops_dense = _op_counts(pooled, x.shape[-1])
     pooled = pooled.to(device).train(cfg.train)
     run = _runner(pooled, cfg, device, x, labels)
-    compile_s = warm_up(run, log=log, label=f"{label} ({cfg.compile})")
-    launches = count_launches(run) if device.type == "cuda" else None
-    log(f"timing {label} against the unmodified model, batch {cfg.batch}, {cfg.dtype}, "
-        f"{'train step' if cfg.train else 'inference'} ...")
-    base_t, own_t = time_paired(run, run_base, warmup=cfg.warmup, repeats=cfg.repeats, device=device)
+    calls = cfg.calls or default_calls(device)
+    with _held(cfg, device):
+        compile_s = warm_up(run, log=log, label=f"{label} ({cfg.compile})")
+        launches = count_launches(run) if device.type == "cuda" else None
+        log(f"timing {label} against the unmodified model, batch {cfg.batch}, {cfg.dtype}, "
+            f"{'train step' if cfg.train else 'inference'}, {calls} call(s) a sample ...")
+        base_t, own_t = time_paired(run, run_base, warmup=cfg.warmup, repeats=cfg.repeats, device=device,
+                                    calls=calls)
+        host_s = _host_s(run, cfg, device)
+        profile = kernel_table(run) if cfg.profile else None
     row = ThroughputRow(
         label=label, gflops=gflops, images_per_s=cfg.batch / statistics.median(own_t),
         speedup=statistics.median(b / o for b, o in zip(base_t, own_t)), flops_ratio=base_gflops / gflops,
-        ops_cpu=ops_cpu, ops_dense=ops_dense, launches=launches,
+        ops_cpu=ops_cpu, ops_dense=ops_dense, launches=launches, host_s=host_s,
         compile_s=None if cfg.compile == "none" else compile_s, base_times=base_t,
     )
     log(f"  {label}: {row.images_per_s:.1f} images/s, speed-up {row.speedup:.3f}x, realised {row.realised:.3f}")
-    if cfg.profile:
-        log(f"profile of one call of {label}:\n{kernel_table(run)}")
+    if profile is not None:
+        log(f"profile of one call of {label}:\n{profile}")
     return row
 
 
@@ -157,10 +180,12 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
     rows = []
     with cuda_settings(device):
         run_base = _runner(base, cfg, device, x, labels)
-        warm_up(run_base, log=log, label=f"unmodified {cfg.model} ({cfg.compile})")
-        base_launches = count_launches(run_base) if device.type == "cuda" else None
-        if cfg.profile:
-            log(f"profile of one call of the unmodified model:\n{kernel_table(run_base)}")
+        with _held(cfg, device):
+            warm_up(run_base, log=log, label=f"unmodified {cfg.model} ({cfg.compile})")
+            base_launches = count_launches(run_base) if device.type == "cuda" else None
+            base_host_s = _host_s(run_base, cfg, device)
+            if cfg.profile:
+                log(f"profile of one call of the unmodified model:\n{kernel_table(run_base)}")
         base_times: list[float] = []
         for label in methods:
             method = "random" if label == CEILING else label
@@ -168,29 +193,36 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
                                      device, log))
             base_times += rows[-1].base_times
     return ThroughputResult(base_images_per_s=cfg.batch / statistics.median(base_times), base_gflops=base_gflops,
-                            base_ops=base_ops, base_launches=base_launches, keep=keep or [], rows=rows)
+                            base_ops=base_ops, base_launches=base_launches, base_host_s=base_host_s,
+                            calls=cfg.calls or default_calls(device), keep=keep or [], rows=rows)
 
 
 def format_throughput(cfg: BenchThroughputConfig, r: ThroughputResult) -> str:
     kind = "training step (forward, backward, AdamW)" if cfg.train else "inference"
     launches = lambda n: "-" if n is None else str(n)  # noqa: E731
+    host = lambda s: "-" if s is None else f"{s * 1e3:.2f}"  # noqa: E731
     lines = [
         f"model {cfg.model}, {kind}, batch {cfg.batch}, {cfg.dtype}, compile {cfg.compile}, "
-        f"keep {','.join(map(str, r.keep)) or 'all'}, patch embedding {cfg.patch_embed} (every model)",
+        f"keep {','.join(map(str, r.keep)) or 'all'}, patch embedding {cfg.patch_embed} (every model), "
+        f"{r.calls} call(s) a timed sample",
         "",
         "| model | GFLOPs | images/s | speed-up | GFLOPs ratio | realised | aten ops (CPU path / CUDA path) "
-        "| CUDA launches |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| CUDA launches | host ms a call |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| unmodified | {r.base_gflops:.3f} | {r.base_images_per_s:.1f} | 1 | 1 | - | {r.base_ops} | "
-        f"{launches(r.base_launches)} |",
+        f"{launches(r.base_launches)} | {host(r.base_host_s)} |",
     ]
     for row in r.rows:
         label = "ceiling: random drop" if row.label == CEILING else row.label
         lines.append(f"| {label} | {row.gflops:.3f} | {row.images_per_s:.1f} | {row.speedup:.3f} | "
                      f"{row.flops_ratio:.3f} | {row.realised:.3f} | {row.ops_cpu} / {row.ops_dense} | "
-                     f"{launches(row.launches)} |")
-    lines += ["", "speed-up: median over paired calls of (unmodified time / model time); realised = speed-up / "
+                     f"{launches(row.launches)} | {host(row.host_s)} |")
+    lines += ["", "speed-up: median over paired samples of (unmodified time / model time); realised = speed-up / "
               "GFLOPs ratio."]
+    if r.base_host_s is not None:
+        lines.append(f"host ms a call: the median time one call takes to return with the GPU idle at its start; a "
+                     f"model whose host ms reaches its ms a call ({cfg.batch} images / (images/s)) is bound by the "
+                     f"host's launch rate, not by the GPU.")
     compiled = [f"{row.label} {row.compile_s:.0f} s" for row in r.rows if row.compile_s is not None]
     if compiled:
         lines.append("first-call (compile) time: " + ", ".join(compiled))

@@ -1,7 +1,10 @@
 """Timing primitives shared by the benchmarks and the evaluate stage (as ToMe's ``utils.benchmark``).
 
-Warm up, synchronise the device around every timed call, repeat, and report medians; a speed-up is a
-median of per-pair ratios measured side by side, never a ratio of two separate runs.
+Warm up, synchronise the device around every timed sample, repeat, and report medians; a speed-up is a
+median of per-pair ratios measured side by side, never a ratio of two separate runs. A sample is one
+call, or several calls queued back to back with one synchronisation after the last (``calls``): then
+the host issues the next call while the device still runs the last one, as in a serving loop and in
+ToMe's benchmark, and the sample measures throughput rather than the latency of an idle device.
 """
 
 from __future__ import annotations
@@ -19,12 +22,34 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds for one call of ``fn``, including the device work it queued."""
+def default_calls(device: torch.device) -> int:
+    """Calls a timed sample queues back to back by default: 10 on CUDA, where the host's issuing of one
+    call overlaps the device's running of the last; 1 on the CPU, where calls run one after another
+    anyway."""
+    return 10 if device.type == "cuda" else 1
+
+
+def timed(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
+    """Seconds a call of ``fn``: ``calls`` calls back to back, the device work they queued included."""
     start = time.perf_counter()
-    fn()
+    for _ in range(calls):
+        fn()
     sync(device)
-    return time.perf_counter() - start
+    return (time.perf_counter() - start) / calls
+
+
+def host_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The median seconds ``fn`` takes to return with the device idle at its start: what the host
+    spends issuing one call. On CUDA, a model whose host time reaches its time a call (``timed``) is
+    bound by the host's launch rate, not by the GPU."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    sync(device)
+    return statistics.median(times)
 
 
 def median_iqr(samples: list[float]) -> tuple[float, float]:
@@ -36,23 +61,25 @@ def median_iqr(samples: list[float]) -> tuple[float, float]:
 
 
 def time_paired(fn: Callable[[], object], baseline: Callable[[], object], *, warmup: int, repeats: int,
-                device: torch.device) -> tuple[list[float], list[float]]:
-    """Times ``repeats`` (baseline, fn) pairs back to back after ``warmup`` calls of each; seconds."""
+                device: torch.device, calls: int = 1) -> tuple[list[float], list[float]]:
+    """Times ``repeats`` (baseline, fn) pairs of samples back to back after ``warmup`` calls of each;
+    seconds a call, each sample ``calls`` calls (``timed``)."""
     for _ in range(warmup):
         baseline()
         fn()
     sync(device)
     base, own = [], []
     for _ in range(repeats):
-        base.append(timed(baseline, device))
-        own.append(timed(fn, device))
+        base.append(timed(baseline, device, calls))
+        own.append(timed(fn, device, calls))
     return base, own
 
 
-def rate(fn: Callable[[], object], *, items: int, warmup: int, repeats: int, device: torch.device
-         ) -> tuple[float, float]:
-    """Items per second of ``fn``: the median over ``repeats`` timed calls, and the spread (max - min)."""
+def rate(fn: Callable[[], object], *, items: int, warmup: int, repeats: int, device: torch.device,
+         calls: int = 1) -> tuple[float, float]:
+    """Items per second of ``fn``: the median over ``repeats`` timed samples of ``calls`` calls each
+    (``timed``), and the spread (max - min)."""
     for _ in range(warmup):
         timed(fn, device)
-    rates = [items / timed(fn, device) for _ in range(repeats)]
+    rates = [items / timed(fn, device, calls) for _ in range(repeats)]
     return statistics.median(rates), max(rates) - min(rates)

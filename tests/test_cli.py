@@ -131,17 +131,20 @@ def test_bench_throughput_reports_the_realised_fraction():
                "--set", "bench_throughput.repeats=2", "--set", "bench_throughput.warmup=1")
     out = proc.stdout
     rows = {m.group(1): m.groups()[1:] for m in re.finditer(
-        r"^\| ([\w :]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) / (\d+) \| - \|$",
+        r"^\| ([\w :]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) / (\d+) \| - \| - \|$",
         out, flags=re.M)}
     assert list(rows) == ["tome", "powerbert", "ceiling: random drop"], out
     for gflops, _, speedup, ratio, realised, ops_cpu, ops_dense in rows.values():
         assert float(realised) == pytest.approx(float(speedup) / float(ratio), abs=2e-3)
         assert float(ratio) == pytest.approx(1.258 / float(gflops), rel=5e-3)  # both rounded to 3 decimals
         assert int(ops_dense) <= int(ops_cpu)
-    base = re.search(r"^\| unmodified \| ([\d.]+) \| [\d.]+ \| 1 \| 1 \| - \| (\d+) \| - \|$", out, flags=re.M)
+    base = re.search(r"^\| unmodified \| ([\d.]+) \| [\d.]+ \| 1 \| 1 \| - \| (\d+) \| - \| - \|$", out, flags=re.M)
     assert float(base.group(1)) == pytest.approx(1.258, abs=1e-3)  # DeiT-Ti, Table 1
     assert int(base.group(2)) < int(rows["tome"][5]), "downsampling dispatches ops of its own"
     assert "inference, batch 2, fp32, compile none, keep 196,150,120,100,80,60,50,40,30,20,10,5" in out
+    assert "fp32, compile none, keep 196,150,120,100,80,60,50,40,30,20,10,5, patch embedding conv (every model), " \
+           "1 call(s) a timed sample" in out, "one call a sample on the CPU by default"
+    assert "host ms a call: " not in out, "the host's time is measured on CUDA only"
 
 
 def test_bench_throughput_level_and_bad_keep():
@@ -155,8 +158,8 @@ def test_bench_throughput_patch_embed_matmul_times_every_model_with_it():
     proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--methods", "random",
                "--keep", "196,150,120,100,80,60,50,40,30,20,10,5", "--batch", "2", "--patch-embed", "matmul",
                "--set", "bench_throughput.repeats=1", "--set", "bench_throughput.warmup=0",
-               "--set", "bench_throughput.ceiling=false", "--profile")
-    assert "patch embedding matmul (every model)" in proc.stdout
+               "--set", "bench_throughput.ceiling=false", "--profile", "--calls", "2")
+    assert "patch embedding matmul (every model), 2 call(s) a timed sample" in proc.stdout
     # --profile: a profile of one call of each model on stderr (on the CPU, torch.profiler's table)
     for label in ("the unmodified model", "random"):
         assert re.search(rf"profile of one call of {label}:\n-[- ]+\n\s+Name\s+Self CPU %", proc.stderr), proc.stderr

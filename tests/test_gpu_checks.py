@@ -27,20 +27,20 @@ def checks(out: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
 def test_the_gpu_checks_run_on_the_cpu_and_pack_their_outputs(tmp_path):
     out, pack = tmp_path / "gpu", tmp_path / "gpu.tgz"
     proc = checks(out, "compiled", "train", "pack", BATCH="2", TRAIN_BATCH="2", COMPILE="none", SPLIT="1",
-                  PROFILE="1", PATCH_EMBED="matmul", METHODS="powerbert", PACK=str(pack),
+                  PROFILE="1", PATCH_EMBED="matmul", METHODS="powerbert", PACK=str(pack), CALLS="2",
                   DEADLINE=str(int(time.time()) + 500))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0"], proc.stdout  # both parts ran
-    for part, setting in (("compiled-none-powerbert", "inference, batch 2, bf16, compile none"),
-                          ("train-none-powerbert", "training step (forward, backward, AdamW), batch 2, bf16")):
+    for part, setting in (("compiled-none-calls2-powerbert", "inference, batch 2, bf16, compile none"),
+                          ("train-none-calls2-powerbert", "training step (forward, backward, AdamW), batch 2, bf16")):
         table = (out / f"{part}.md").read_text()
-        assert setting in table and "patch embedding matmul" in table, table
+        assert setting in table and "patch embedding matmul (every model), 2 call(s) a timed sample" in table, table
         assert re.search(r"^\| powerbert \| 2\.272 \| [\d.]+ \| [\d.]+ \|", table, flags=re.M), table  # DeiT-S L3
         assert "ceiling" not in table  # SPLIT=1 leaves it out
         assert "profile of one call of powerbert:" in (out / f"{part}.log").read_text()  # PROFILE=1
     with tarfile.open(pack) as archive:
         names = set(archive.getnames())
-    assert {"./card.txt", "./compiled-none-powerbert.md", "./train-none-powerbert.log"} <= names, names
+    assert {"./card.txt", "./compiled-none-calls2-powerbert.md", "./train-none-calls2-powerbert.log"} <= names, names
 
 
 def test_the_gpu_checks_refuse_a_bad_part_and_skip_what_the_deadline_leaves_no_time_for(tmp_path):

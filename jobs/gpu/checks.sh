@@ -34,10 +34,13 @@ methods=${METHODS:-powerbert,kmedoids,wkmedoids,kmeans,tome}
 mode=${COMPILE:-default}  # the compile mode of the compiled and train parts
 device=${DEVICE:-cuda} batch=${BATCH:-256} train_batch=${TRAIN_BATCH:-128}
 extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${SIGNIFICANCE:+--set pooling.significance=$SIGNIFICANCE}"
+extra+=" ${CALLS:+--calls $CALLS}"
 # PROFILE=1: a profile of one call of each model in PART.log (device time by kernel group, the longest
 # kernels, torch.profiler's table); OUTPUT_CODE=1: inductor's generated code in PART.log as well (which aten
 # ops each fused kernel of the profile holds); PATCH_EMBED=matmul: every model's patch embedding as one
-# matmul; SIGNIFICANCE=cls: the class token's scores (give it its own OUT)
+# matmul; SIGNIFICANCE=cls: the class token's scores (give it its own OUT); CALLS=N: N calls a timed sample
+# (bench throughput's default is 10 on CUDA; CALLS=1 times each call from an idle GPU, as runs 1-6 did), and
+# the bench parts' outputs are named PART-callsN
 if [ -n "${OUTPUT_CODE:-}" ]; then export TORCH_LOGS=output_code; fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$out/card.txt" 2>&1
@@ -57,7 +60,7 @@ bench_one() {  # bench_one NAME LIMIT_S ARGS...
 }
 
 bench() {  # bench NAME LIMIT_S METHODS ARGS...: one run for all methods, or one a method with SPLIT=1
-  local name=$1 limit=$2 list=$3; shift 3
+  local name=$1${CALLS:+-calls$CALLS} limit=$2 list=$3; shift 3
   if [ -n "${SPLIT:-}" ]; then
     for m in ${list//,/ }; do
       bench_one "$name-$m" "$limit" --methods "$m" "$@" --set bench_throughput.ceiling=false

@@ -94,6 +94,20 @@ def autocast(device: torch.device | str, dtype: str) -> contextlib.AbstractConte
     return torch.autocast(torch.device(device).type, dtype=DTYPES[dtype])
 
 
+@contextlib.contextmanager
+def inference(device: torch.device | str, dtype: str) -> Iterator[None]:
+    """The context of an inference call, and of a loop of them: ``no_grad`` and ``autocast``.
+
+    Held across calls, autocast casts each float32 weight to bf16 / fp16 once and reuses the copy until
+    the outermost context exits. Entered anew for each call, or under ``torch.inference_mode`` (where
+    autocast keeps no copies), it casts every weight again in every forward: 127 casts a DeiT-S forward
+    in bf16 against 27 (counted on the CPU, docs/benchmarks.md), each a kernel launch on a GPU. Weights
+    must not change while it is held (the copies would go stale): a training step enters autocast itself.
+    """
+    with torch.no_grad(), autocast(device, dtype):
+        yield
+
+
 def resolve_setting(device: str, dtype: str, compile: str, cuda: bool) -> tuple[str, str, str]:
     """``auto`` values made concrete: the GPU with bf16 and ``default`` compilation where there is
     one (``cuda``), else the CPU in fp32 eager."""

@@ -1,0 +1,150 @@
+"""Timing primitives (``pipeline.timing``) and the inference context the timings hold
+(``models.execution.inference``): how many calls a sample makes, what the host time measures, and that a
+held context casts each weight once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import timing
+from pipeline.config import BenchThroughputConfig
+from pipeline.models import create_model
+from pipeline.models.execution import inference
+from pipeline.profiling import OpCounter
+from pipeline.throughput import _held
+
+CPU = torch.device("cpu")
+
+
+def test_default_calls_queue_on_cuda_only():
+    assert timing.default_calls(torch.device("cuda")) == 10
+    assert timing.default_calls(CPU) == 1
+
+
+def test_timed_returns_seconds_a_call_over_calls_back_to_back(monkeypatch):
+    events = []
+    monkeypatch.setattr(timing, "sync", lambda device: events.append("sync"))
+
+    def fn():
+        events.append("call")
+        time.sleep(0.01)
+
+    seconds = timing.timed(fn, torch.device("cuda"), calls=3)
+    assert events == ["call", "call", "call", "sync"], "one synchronisation after the last call"
+    assert 0.01 <= seconds < 0.03 * 3, seconds  # a call's time, not the sample's
+
+
+def test_time_paired_alternates_samples_of_calls():
+    order = []
+    base, own = timing.time_paired(lambda: order.append("f"), lambda: order.append("b"), warmup=1, repeats=2,
+                                   device=CPU, calls=3)
+    assert order == ["b", "f"] + (["b"] * 3 + ["f"] * 3) * 2
+    assert len(base) == len(own) == 2
+
+
+def test_host_seconds_times_each_call_from_an_idle_device(monkeypatch):
+    events = []
+    monkeypatch.setattr(timing, "sync", lambda device: events.append("sync"))
+    sleeps = iter([0.001, 0.03, 0.008])
+
+    def fn():
+        events.append("call")
+        time.sleep(next(sleeps))
+
+    seconds = timing.host_seconds(fn, torch.device("cuda"), repeats=3)
+    assert events == ["sync", "call"] * 3 + ["sync"]
+    assert 0.008 <= seconds < 0.03, "the median of the three calls"
+
+
+def test_rate_counts_items_a_second_over_samples_of_calls():
+    calls = []
+    rate, spread = timing.rate(lambda: (calls.append(1), time.sleep(0.01)), items=4, warmup=1, repeats=2,
+                               device=CPU, calls=3)
+    assert len(calls) == 1 + 2 * 3
+    assert 0 < rate <= 4 / 0.01 and spread >= 0
+
+
+def _casts(counter: OpCounter) -> int:
+    return counter.ops.get("aten._to_copy.default", 0)
+
+
+def test_a_held_inference_context_casts_each_weight_once():
+    """A linear layer's bf16 call casts the input, the weight and the bias; in a held context the weight's
+    and the bias's copies are kept, so later calls cast only the input, and give the same bits."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(8, 4), torch.randn(2, 8)
+    with inference(CPU, "bf16"):
+        with OpCounter() as first:
+            expected = layer(x)
+        with OpCounter() as later:
+            out = layer(x)
+    assert (_casts(first), _casts(later)) == (3, 1)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    with OpCounter() as fresh:
+        with inference(CPU, "bf16"):
+            layer(x)
+        with inference(CPU, "bf16"):
+            layer(x)
+    assert _casts(fresh) == 6, "a context entered for each call casts the weights again"
+    with OpCounter() as inference_mode, torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+        layer(x)
+    assert inference_mode.ops.get("aten.to.dtype", 0) == 6, "autocast keeps no copies under inference_mode"
+
+
+def test_a_held_context_saves_two_casts_per_weighted_layer_of_a_deit():
+    """A DeiT forward in a held context casts only activations: the saving is the weight and bias of every
+    linear layer and of the patch embedding's convolution (127 -> 27 casts for DeiT-S, docs/benchmarks.md)."""
+    model, x = create_model("deit_tiny_patch16_224").eval(), torch.randn(1, 3, 224, 224)
+    layers = sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in model.modules())
+    with OpCounter() as fresh, inference(CPU, "bf16"):
+        model(x)
+    with inference(CPU, "bf16"):
+        model(x)
+        with OpCounter() as held:
+            model(x)
+    assert layers == 12 * 4 + 2
+    assert _casts(fresh) - _casts(held) == 2 * layers
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_bench_throughput_holds_autocast_for_inference_only(train):
+    """A training step changes the weights, which a held autocast context would serve from stale copies."""
+    cfg = BenchThroughputConfig(dtype="bf16", train=train)
+    with _held(cfg, CPU):
+        assert torch.is_autocast_enabled("cpu") is not train
+        assert torch.is_grad_enabled() is train
+
+
+def test_bench_throughput_times_inference_in_one_held_context(monkeypatch):
+    """Every timed call of both models runs in the held context: no weight is cast again, and each sample
+    queues the configured calls."""
+    from pipeline import throughput
+    from pipeline.config import PoolingConfig
+
+    seen = []
+
+    def spy(fn, baseline, **kwargs):
+        for call in (fn, baseline):
+            call()  # the warm-up: a model's first call in the context casts its weights
+            with OpCounter() as counter:
+                call()
+            seen.append((torch.is_autocast_enabled("cpu"), _casts(counter), kwargs["calls"]))
+        return [1.0], [1.0]
+
+    monkeypatch.setattr(throughput, "time_paired", spy)
+    cfg = BenchThroughputConfig(model="deit_tiny_patch16_224", methods=["random"], level=None, batch=1, dtype="bf16",
+                                keep=[196, 150, 120, 100, 80, 60, 50, 40, 30, 20, 10, 5], warmup=0, repeats=1,
+                                ceiling=False, calls=3)
+    throughput.run_throughput(cfg, PoolingConfig(), log=lambda line: None)
+    model = create_model("deit_tiny_patch16_224")
+    with OpCounter() as fresh, inference(CPU, "bf16"):
+        model(torch.randn(1, 3, 224, 224))
+    layers = sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in model.modules())
+    assert [(enabled, calls) for enabled, _, calls in seen] == [(True, 3), (True, 3)]
+    assert seen[1][1] == _casts(fresh) - 2 * layers, "the unmodified model casts no weight in the timed calls"
+    assert seen[0][1] == seen[1][1], "nor does the downsampled one (random drop casts no activation of its own)"
