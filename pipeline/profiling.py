@@ -47,7 +47,11 @@ _LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "
 
 
 def _profiled(fn: Callable[[], object], cuda: bool):
-    """torch.profiler's record of one call of ``fn``, its device work included when ``cuda``."""
+    """torch.profiler's record of one call of ``fn``, its device work included when ``cuda``.
+
+    On CUDA the session leaves CUPTI attached after it ends (Kineto tears it down only with TEARDOWN_CUPTI=1,
+    pytorch/pytorch#144455), which slows every later kernel launch: the benchmarks time first, then profile.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:

@@ -19,7 +19,7 @@ import contextlib
 import copy
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +123,9 @@ def _host_s(run: Callable[[], object], cfg: BenchThroughputConfig, device: torch
 
 def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[], object], base_gflops: float,
                  keep: list[int] | None, x: torch.Tensor, labels: torch.Tensor, cfg: BenchThroughputConfig,
-                 pooling: PoolingConfig, device: torch.device, log: Callable[[str], None]) -> ThroughputRow:
+                 pooling: PoolingConfig, device: torch.device, log: Callable[[str], None]
+                 ) -> tuple[ThroughputRow, Callable[[], object]]:
+    """One method's row (its launches still None) and its runner, for ``_count_and_profile`` to visit."""
     from pipeline.flops import count_flops
     from pipeline.models import create_model
 
@@ -137,28 +139,39 @@ def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[]
     calls = cfg.calls or default_calls(device)
     with _held(cfg, device):
         compile_s = warm_up(run, log=log, label=f"{label} ({cfg.compile})")
-        launches = count_launches(run) if device.type == "cuda" else None
         log(f"timing {label} against the unmodified model, batch {cfg.batch}, {cfg.dtype}, "
             f"{'train step' if cfg.train else 'inference'}, {calls} call(s) a sample ...")
         base_t, own_t = time_paired(run, run_base, warmup=cfg.warmup, repeats=cfg.repeats, device=device,
                                     calls=calls)
         host_s = _host_s(run, cfg, device)
-        profile = kernel_table(run) if cfg.profile else None
     row = ThroughputRow(
         label=label, gflops=gflops, images_per_s=cfg.batch / statistics.median(own_t),
         speedup=statistics.median(b / o for b, o in zip(base_t, own_t)), flops_ratio=base_gflops / gflops,
-        ops_cpu=ops_cpu, ops_dense=ops_dense, launches=launches, host_s=host_s,
+        ops_cpu=ops_cpu, ops_dense=ops_dense, launches=None, host_s=host_s,
         compile_s=None if cfg.compile == "none" else compile_s, base_times=base_t,
     )
     log(f"  {label}: {row.images_per_s:.1f} images/s, speed-up {row.speedup:.3f}x, realised {row.realised:.3f}")
-    if profile is not None:
-        log(f"profile of one call of {label}:\n{profile}")
-    return row
+    return row, run
+
+
+def _count_and_profile(label: str, run: Callable[[], object], cfg: BenchThroughputConfig, device: torch.device,
+                       log: Callable[[str], None]) -> int | None:
+    """The launches of one call on CUDA (None elsewhere), and with ``cfg.profile`` its profile in the log.
+
+    Both run torch.profiler, so they come after every timing of the run: after a profiling session Kineto
+    leaves CUPTI attached (pytorch/pytorch#144455), which slows every later kernel launch.
+    """
+    with _held(cfg, device):
+        launches = count_launches(run) if device.type == "cuda" else None
+        if cfg.profile:
+            log(f"profile of one call of {label}:\n{kernel_table(run)}")
+    return launches
 
 
 def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
                    log: Callable[[str], None] = print) -> ThroughputResult:
-    """Times every method of ``cfg.methods`` (and the ceiling) against the unmodified model."""
+    """Times every method of ``cfg.methods`` (and the ceiling) against the unmodified model, then counts
+    launches and profiles (``_count_and_profile``)."""
     from pipeline.flops import count_flops
     from pipeline.models import create_model
 
@@ -177,24 +190,22 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
     labels = torch.randint(0, base.num_classes, (cfg.batch,), device=device)
     base = base.to(device).train(cfg.train)
     methods = list(cfg.methods) + ([CEILING] if cfg.ceiling else [])
-    rows = []
+    timed = []
     with cuda_settings(device):
         run_base = _runner(base, cfg, device, x, labels)
         with _held(cfg, device):
             warm_up(run_base, log=log, label=f"unmodified {cfg.model} ({cfg.compile})")
-            base_launches = count_launches(run_base) if device.type == "cuda" else None
             base_host_s = _host_s(run_base, cfg, device)
-            if cfg.profile:
-                log(f"profile of one call of the unmodified model:\n{kernel_table(run_base)}")
-        base_times: list[float] = []
         for label in methods:
             method = "random" if label == CEILING else label
-            rows.append(_time_method(label, method, base, run_base, base_gflops, keep, x, labels, cfg, pooling,
-                                     device, log))
-            base_times += rows[-1].base_times
-    return ThroughputResult(base_images_per_s=cfg.batch / statistics.median(base_times), base_gflops=base_gflops,
-                            base_ops=base_ops, base_launches=base_launches, base_host_s=base_host_s,
-                            calls=cfg.calls or default_calls(device), keep=keep or [], rows=rows)
+            timed.append(_time_method(label, method, base, run_base, base_gflops, keep, x, labels, cfg, pooling,
+                                      device, log))
+        base_launches = _count_and_profile("the unmodified model", run_base, cfg, device, log)
+        rows = [replace(row, launches=_count_and_profile(row.label, run, cfg, device, log)) for row, run in timed]
+    return ThroughputResult(base_images_per_s=cfg.batch / statistics.median(t for row in rows for t in row.base_times),
+                            base_gflops=base_gflops, base_ops=base_ops, base_launches=base_launches,
+                            base_host_s=base_host_s, calls=cfg.calls or default_calls(device), keep=keep or [],
+                            rows=rows)
 
 
 def format_throughput(cfg: BenchThroughputConfig, r: ThroughputResult) -> str:

@@ -148,3 +148,21 @@ def test_bench_throughput_times_inference_in_one_held_context(monkeypatch):
     assert [(enabled, calls) for enabled, _, calls in seen] == [(True, 3), (True, 3)]
     assert seen[1][1] == _casts(fresh) - 2 * layers, "the unmodified model casts no weight in the timed calls"
     assert seen[0][1] == seen[1][1], "nor does the downsampled one (random drop casts no activation of its own)"
+
+
+def test_bench_throughput_profiles_only_after_every_timing(monkeypatch):
+    """torch.profiler leaves CUPTI attached after its session (pytorch/pytorch#144455), slowing later launches:
+    no model may be timed after any profile of the run."""
+    from pipeline import throughput
+    from pipeline.config import PoolingConfig
+
+    events = []
+    timer, table = throughput.time_paired, throughput.kernel_table
+    monkeypatch.setattr(throughput, "time_paired", lambda *a, **k: (events.append("time"), timer(*a, **k))[1])
+    monkeypatch.setattr(throughput, "kernel_table", lambda run: (events.append("profile"), table(run))[1])
+    cfg = BenchThroughputConfig(model="deit_tiny_patch16_224", methods=["random", "powerbert"], level=None, batch=1,
+                                keep=[196, 150, 120, 100, 80, 60, 50, 40, 30, 20, 10, 5], warmup=0, repeats=1,
+                                ceiling=False, profile=True)
+    result = throughput.run_throughput(cfg, PoolingConfig(), log=lambda line: None)
+    assert events == ["time"] * 2 + ["profile"] * 3, "two timed methods, then the three models' profiles"
+    assert [row.label for row in result.rows] == ["random", "powerbert"]
