@@ -166,3 +166,24 @@ def test_bench_throughput_profiles_only_after_every_timing(monkeypatch):
     result = throughput.run_throughput(cfg, PoolingConfig(), log=lambda line: None)
     assert events == ["time"] * 2 + ["profile"] * 3, "two timed methods, then the three models' profiles"
     assert [row.label for row in result.rows] == ["random", "powerbert"]
+
+
+def test_the_evaluate_stage_times_in_one_held_context(monkeypatch):
+    from pipeline import evaluate
+
+    seen = {}
+
+    def spy(fn, **kwargs):
+        fn()
+        with OpCounter() as counter:
+            fn()
+        seen.update(casts=_casts(counter), calls=kwargs["calls"])
+        return 1.0, 0.0
+
+    monkeypatch.setattr(evaluate, "rate", spy)
+    model = create_model("deit_tiny_patch16_224").eval()
+    evaluate.throughput(model, batch=1, warmup=0, repeats=1, device=CPU, dtype="bf16")
+    with OpCounter() as fresh, inference(CPU, "bf16"):
+        model(torch.randn(1, 3, 224, 224))
+    layers = sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in model.modules())
+    assert seen == {"casts": _casts(fresh) - 2 * layers, "calls": 1}
