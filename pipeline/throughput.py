@@ -5,12 +5,12 @@ compile mode, on the same batch: each timed sample of a downsampled model follow
 the unmodified one, and the speed-up is the median of the per-pair time ratios. A sample queues
 ``calls`` calls back to back (10 on CUDA by default: throughput, as a serving loop runs), and
 inference holds one autocast context across the calls, so neither model casts its weights again in
-every forward (``models.execution.inference``). ``--train`` times a
-whole optimizer step (forward, backward, AdamW) instead of an inference forward. A ceiling row runs
-the same keep list with plain random token dropping, the cheapest way to reach the same token
-counts. Each row also carries what the model dispatches: aten ops of one forward (counted on the
-CPU, for the CPU path and for the one-hot path that CUDA runs) and, on CUDA, kernel launches and the
-host's time to issue one call, which says whether the model is bound by the host or by the GPU.
+every forward (``models.execution.inference``). ``--train`` times a whole optimizer step (forward,
+backward, AdamW) instead of an inference forward. A ceiling row runs the same keep list with plain
+random token dropping, the cheapest way to reach the same token counts. Each row also carries what
+the model dispatches: aten ops of one forward (counted on the CPU, for the CPU path and for the
+one-hot path that CUDA runs) and, on CUDA, kernel launches and the host's time to issue one call,
+which says whether the model is bound by the host or by the GPU.
 """
 
 from __future__ import annotations
