@@ -92,10 +92,9 @@ def _runner(model: nn.Module, cfg: BenchThroughputConfig, device: torch.device, 
     fn = compile_model(model, cfg.compile, device)
     mark = step_marker(cfg.compile)
     if not cfg.train:
-        def forward() -> object:
+        def forward() -> object:  # called in the inference context its caller holds (_held)
             mark()
-            with inference(device, cfg.dtype):  # the caller holds one across calls (_held)
-                return fn(x)
+            return fn(x)
         return forward
     # The fused (one-kernel) AdamW on CUDA, for both models alike; the host launches per parameter otherwise.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -136,13 +135,12 @@ def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[]
     ops_cpu, ops_dense = _op_counts(pooled, x.shape[-1])
     pooled = pooled.to(device).train(cfg.train)
     run = _runner(pooled, cfg, device, x, labels)
-    calls = cfg.calls or default_calls(device)
     with _held(cfg, device):
         compile_s = warm_up(run, log=log, label=f"{label} ({cfg.compile})")
         log(f"timing {label} against the unmodified model, batch {cfg.batch}, {cfg.dtype}, "
-            f"{'train step' if cfg.train else 'inference'}, {calls} call(s) a sample ...")
+            f"{'train step' if cfg.train else 'inference'}, {cfg.calls} call(s) a sample ...")
         base_t, own_t = time_paired(run, run_base, warmup=cfg.warmup, repeats=cfg.repeats, device=device,
-                                    calls=calls)
+                                    calls=cfg.calls)
         host_s = _host_s(run, cfg, device)
     row = ThroughputRow(
         label=label, gflops=gflops, images_per_s=cfg.batch / statistics.median(own_t),
@@ -180,6 +178,7 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
+    cfg = cfg.model_copy(update={"calls": cfg.calls or default_calls(device)})
     keep = _keep(cfg)
     torch.manual_seed(0)
     base = create_model(cfg.model, patch_embed=cfg.patch_embed)
@@ -204,7 +203,7 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
         rows = [replace(row, launches=_count_and_profile(row.label, run, cfg, device, log)) for row, run in timed]
     return ThroughputResult(base_images_per_s=cfg.batch / statistics.median(t for row in rows for t in row.base_times),
                             base_gflops=base_gflops, base_ops=base_ops, base_launches=base_launches,
-                            base_host_s=base_host_s, calls=cfg.calls or default_calls(device), keep=keep or [],
+                            base_host_s=base_host_s, calls=cfg.calls, keep=keep or [],
                             rows=rows)
 
 
