@@ -37,7 +37,11 @@ def significance(attn: Tensor) -> Tensor:
 
 
 def keep_indices(tokens: Tensor, index: Tensor, sizes: Tensor | None) -> PoolResult:
-    """Keeps the tokens at ``index`` (B, K), in their original order, and drops the others."""
+    """Keeps the tokens at ``index`` (B, K), in their original order, and drops the others.
+
+    ``index`` may come in any order (the callers take ``topk(sorted=False)``: ordering the K winners by
+    score is a sort of its own on CUDA, and the order is thrown away here).
+    """
     b, n, m = tokens.shape
     k = index.shape[1]
     index = sorted_indices(index)  # (B, K)
@@ -71,7 +75,7 @@ def select_topk(
     k = _prepare(tokens, k, scores, sizes, validate=validate, need_scores="powerbert")
     if k >= tokens.shape[1]:
         return identity_result(tokens, sizes)
-    return keep_indices(tokens, scores.topk(k, dim=-1).indices, sizes)
+    return keep_indices(tokens, scores.topk(k, dim=-1, sorted=False).indices, sizes)
 
 
 def select_random(
@@ -84,7 +88,7 @@ def select_random(
     if k >= n:
         return identity_result(tokens, sizes)
     noise = uniform_noise(tokens[..., 0], generator)  # (B, N)
-    return keep_indices(tokens, noise.topk(k, dim=-1).indices, sizes)
+    return keep_indices(tokens, noise.topk(k, dim=-1, sorted=False).indices, sizes)
 
 
 def select_importance(
@@ -104,4 +108,4 @@ def select_importance(
     gumbel = -torch.log(-torch.log(uniform.clamp(torch.finfo(torch.float32).tiny, 1.0 - 1e-7)))
     # A zero score can only be drawn after every positive one: log(0) = -inf keeps that order.
     keys = torch.log(scores.float()) + gumbel  # (B, N)
-    return keep_indices(tokens, keys.topk(k, dim=-1).indices, sizes)
+    return keep_indices(tokens, keys.topk(k, dim=-1, sorted=False).indices, sizes)
