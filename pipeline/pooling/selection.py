@@ -36,15 +36,14 @@ def significance(attn: Tensor) -> Tensor:
     return attn.float().sum(dim=(1, 2))
 
 
-def keep_indices(tokens: Tensor, index: Tensor, sizes: Tensor | None) -> PoolResult:
-    """Keeps the tokens at ``index`` (B, K), in their original order, and drops the others.
+def keep_highest(tokens: Tensor, keys: Tensor, k: int, sizes: Tensor | None) -> PoolResult:
+    """Keeps the K tokens (B, N, M) with the highest ``keys`` (B, N), in their original order, and drops the others.
 
-    ``index`` may come in any order (the callers take ``topk(sorted=False)``: ordering the K winners by
-    score is a sort of its own on CUDA, and the order is thrown away here).
+    The winners come from ``topk(sorted=False)``: ordering them by key is a sort kernel of its own on
+    CUDA, and that order would be thrown away here (the kept set is the same).
     """
     b, n, m = tokens.shape
-    k = index.shape[1]
-    index = sorted_indices(index)  # (B, K)
+    index = sorted_indices(keys.topk(k, dim=-1, sorted=False).indices)  # (B, K)
     kept = tokens.gather(1, index.unsqueeze(-1).expand(b, k, m))  # (B, K, M)
 
     def out_sizes() -> Tensor:
@@ -75,7 +74,7 @@ def select_topk(
     k = _prepare(tokens, k, scores, sizes, validate=validate, need_scores="powerbert")
     if k >= tokens.shape[1]:
         return identity_result(tokens, sizes)
-    return keep_indices(tokens, scores.topk(k, dim=-1, sorted=False).indices, sizes)
+    return keep_highest(tokens, scores, k, sizes)
 
 
 def select_random(
@@ -88,7 +87,7 @@ def select_random(
     if k >= n:
         return identity_result(tokens, sizes)
     noise = uniform_noise(tokens[..., 0], generator)  # (B, N)
-    return keep_indices(tokens, noise.topk(k, dim=-1, sorted=False).indices, sizes)
+    return keep_highest(tokens, noise, k, sizes)
 
 
 def select_importance(
@@ -108,4 +107,4 @@ def select_importance(
     gumbel = -torch.log(-torch.log(uniform.clamp(torch.finfo(torch.float32).tiny, 1.0 - 1e-7)))
     # A zero score can only be drawn after every positive one: log(0) = -inf keeps that order.
     keys = torch.log(scores.float()) + gumbel  # (B, N)
-    return keep_indices(tokens, keys.topk(k, dim=-1, sorted=False).indices, sizes)
+    return keep_highest(tokens, keys, k, sizes)
