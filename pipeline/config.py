@@ -286,6 +286,9 @@ class TrainConfig(Section):
                                             "(for debug_pause_s) so that a fault can be injected mid-epoch")
     debug_pause_s: float = Field(120.0, gt=0, description="debug: how long the pause lasts")
     progress_bar: bool = Field(True, description="a per-step bar when stdout is a terminal")
+    log_every: int = Field(50, ge=1, description="steps between the loop's reads of the loss from the device: "
+                           "the non-finite check and the progress bar's loss; each read makes the host wait "
+                           "for the GPU")
     compile: CompileMode = Field("none", description="torch.compile the model (fullgraph) in this mode")
 
     @model_validator(mode="after")

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import re
-from collections.abc import Callable, Iterable
+import threading
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -33,6 +38,78 @@ class OpCounter(TorchDispatchMode):
     def host_syncs(self) -> dict[str, int]:
         """The counted ops that synchronise with the host, by name."""
         return {name: n for name, n in self.ops.items() if name.split(".")[1] in HOST_SYNC_OPS}
+
+
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep  # this package's files, for DeviceReads' keys
+# Tensor methods that copy a tensor to the host without an aten op that OpCounter would see on the CPU.
+_HOST_COPY_METHODS = ("tolist", "cpu", "numpy")
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the device-to-host reads inside the ``with`` block: the ops of ``HOST_SYNC_OPS`` (``.item()``,
+    ``float(t)``, ``bool(t)``, ``nonzero``) and the calls of ``Tensor.tolist``, ``.cpu`` and ``.numpy``, on
+    this thread, each keyed by the innermost ``pipeline/`` line that made it.
+
+    On the CPU every tensor is a host tensor, so this counts what *would* make the host wait on a GPU:
+    run the CUDA code path on the CPU under it. ``paused()`` leaves out what runs inside (a loader's own
+    host-side work). Under ``torch.compile`` it is off while dynamo traces and on while the compiled code
+    runs, so it counts what a compiled model dispatches (every aten op with the ``aot_eager`` backend).
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: collections.Counter[str] = collections.Counter()
+        self._thread = threading.get_ident()
+        self._paused = 0
+        self._saved: dict[str, Callable] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).split(".")[1] in HOST_SYNC_OPS:
+            self._count(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, what: str) -> None:
+        if self._paused or threading.get_ident() != self._thread:
+            return
+        frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(_PACKAGE)]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "outside pipeline/"
+        self.reads[f"{what} at {where}"] += 1
+
+    def __enter__(self):
+        for name in _HOST_COPY_METHODS:
+            self._saved[name] = torch.Tensor.__dict__.get(name)  # None: inherited from the C base class
+            setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, own in self._saved.items():
+            if own is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
+        return super().__exit__(*exc)
+
+    def _counting(self, name: str, original: Callable) -> Callable:
+        def method(tensor, *args, **kwargs):
+            self._count(f"Tensor.{name}")
+            return original(tensor, *args, **kwargs)
+        return method
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @property
+    def count(self) -> int:
+        return sum(self.reads.values())
 
 
 def count_ops(fn: Callable[[], object]) -> OpCounter:

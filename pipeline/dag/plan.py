@@ -22,7 +22,7 @@ _VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), (
              ("train", "tracking_uri"), ("train", "address"), ("train", "storage_path"), ("train", "artifact_root"),
              ("train", "progress_bar")}
 # How a stage runs, not what it learns: the same function either way; excluded from the identity too.
-_EXECUTION_ONLY = {("train", "compile"), ("model", "patch_embed")}
+_EXECUTION_ONLY = {("train", "compile"), ("train", "log_every"), ("model", "patch_embed")}
 # Method options added after stage identities were first recorded, at the value that does what the code
 # did before them: left out of the identity, so that the stages recorded then still count.
 _ADDED_OPTIONS = {"significance": "eq4"}

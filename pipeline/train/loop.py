@@ -45,6 +45,9 @@ class Job:
     on_epoch: Callable[[dict[str, float]], None] | None = None  # after each epoch is checkpointed and in MLflow
     run_id: str | None = None  # the MLflow run, kept across resumes
 
+    def __post_init__(self) -> None:
+        self.mark = step_marker(self.config.train.compile)  # before each call of ``run`` (CUDA graphs)
+
     @property
     def lead(self) -> bool:
         return self.session.rank == 0
@@ -127,50 +130,108 @@ def debug_hooks(config: Config, step: int, lead: bool) -> None:
         raise JobError(f"debug_fail_at_step={step}: injected failure (the job restarts from its last checkpoint)")
 
 
-def train_one_epoch(job: Job, epoch: int, step: int) -> tuple[EpochStats, int]:
-    """One pass over this rank's shard; returns the stats and the new global step."""
+class StepTotals:
+    """What an epoch's steps add up, kept on the device.
+
+    Reading a device value makes the host wait for the GPU to finish every step queued so far, so that
+    the copy of the next batch and the next step's launches stop overlapping the current step. The loop
+    adds each step's loss here without reading it, and reads once every ``train.log_every`` steps and at
+    the epoch's end (``read``), as timm's ``train.py`` reads its loss only every ``log_interval`` steps.
+    A non-finite loss makes the running sum non-finite, so a read finds it, and says in which steps.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x images, K-search penalty)
+        self.images, self.steps = 0, 0
+        self.read_sums, self.read_images, self.read_steps = (0.0, 0.0), 0, 0  # at the last read
+
+    def add(self, loss: torch.Tensor, images: int, penalty: torch.Tensor | None = None) -> None:
+        """Adds one step's mean loss over ``images`` images (and its penalty): no device read."""
+        self.sums[0].add_(loss.detach(), alpha=images)
+        if penalty is not None:
+            self.sums[1].add_(penalty.detach())
+        self.images += images
+        self.steps += 1
+
+    def due(self, log_every: int) -> bool:
+        return self.steps % log_every == 0
+
+    def read(self, epoch: int, step: int) -> float:
+        """The mean loss of the steps since the last read, read from the device (one wait for the GPU);
+        raises FloatingPointError if the loss was not finite at one of them. ``step``: the global step
+        just done, for the message."""
+        if self.steps == self.read_steps:
+            return math.nan
+        sums = self.sums.tolist()
+        if not math.isfinite(sums[0]):
+            first = step - (self.steps - self.read_steps) + 1
+            where = f"step {step}" if first == step else f"one of the steps {first}..{step}"
+            raise FloatingPointError(f"the training loss is not finite at {where} (epoch {epoch + 1}); lower "
+                                     "recipe.lr or enable recipe.clip_grad")
+        mean = (sums[0] - self.read_sums[0]) / (self.images - self.read_images)
+        self.read_sums, self.read_images, self.read_steps = (sums[0], sums[1]), self.images, self.steps
+        return mean
+
+    def stats(self, seconds: float) -> EpochStats:
+        """The epoch's stats, from the last read (``read`` the end of the epoch first)."""
+        loss, penalty = self.read_sums
+        return EpochStats(loss / max(self.images, 1), self.images, seconds, penalty / max(self.steps, 1))
+
+
+def train_step(job: Job, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor | None]:
+    """One optimizer step on one batch; returns the loss and the K-search penalty (None otherwise), both
+    left on the device. Nothing here reads a device value: the LR schedule and the EMA's decay are host
+    arithmetic on the step count, and gradient clipping (no ``error_if_nonfinite``) stays on the device."""
     config, recipe = job.config, job.recipe
+    if recipe.mixup is not None:
+        inputs, targets = recipe.mixup(inputs, targets)
+    job.mark()
+    with autocast(job.device, job.dtype):
+        loss = recipe.loss(job.run(inputs), targets)
+    penalty = None
+    if config.train.mode == "ksearch":
+        penalty = retention_penalty(unwrap(job.model), config.train.ksearch_lambda)
+        loss = loss + penalty
+    recipe.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.recipe.clip_grad is not None:
+        nn.utils.clip_grad_norm_(job.model.parameters(), config.recipe.clip_grad, foreach=True)
+    recipe.optimizer.step()
+    if config.train.mode == "ksearch":
+        project_retention(unwrap(job.model))
+    recipe.scheduler.step_update(step + 1)
+    if recipe.ema is not None:
+        recipe.ema.update(unwrap(job.model), step=step + 1)
+    return loss, penalty
+
+
+def train_one_epoch(job: Job, epoch: int, step: int) -> tuple[EpochStats, int]:
+    """One pass over this rank's shard; returns the stats and the new global step.
+
+    The host reads the device every ``train.log_every`` steps and at the end (``StepTotals``), not at
+    every step, so that it queues the next steps while the GPU runs this one.
+    """
+    config = job.config
     job.model.train()
-    mark = step_marker(config.train.compile)
-    total, images, penalty_sum, start = 0.0, 0, 0.0, time.perf_counter()
+    totals, start = StepTotals(job.device), time.perf_counter()
     bar = _progress_bar(job, len(job.train_loader), epoch)
     for inputs, targets in job.train_loader:
         debug_hooks(config, step + 1, job.lead)
         inputs, targets = inputs.to(job.device, non_blocking=True), targets.to(job.device, non_blocking=True)
-        if recipe.mixup is not None:
-            inputs, targets = recipe.mixup(inputs, targets)
-        mark()
-        with autocast(job.device, job.dtype):
-            loss = recipe.loss(job.run(inputs), targets)
-        if config.train.mode == "ksearch":
-            penalty = retention_penalty(unwrap(job.model), config.train.ksearch_lambda)
-            loss = loss + penalty
-            penalty_sum += float(penalty.detach())
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(f"loss is {value} at epoch {epoch + 1}, step {step + 1}; "
-                                     "lower recipe.lr or enable recipe.clip_grad")
-        recipe.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.recipe.clip_grad is not None:
-            nn.utils.clip_grad_norm_(job.model.parameters(), config.recipe.clip_grad)
-        recipe.optimizer.step()
-        if config.train.mode == "ksearch":
-            project_retention(unwrap(job.model))
+        loss, penalty = train_step(job, inputs, targets, step)
         step += 1
-        recipe.scheduler.step_update(step)
-        if recipe.ema is not None:
-            recipe.ema.update(unwrap(job.model), step=step)
-        total += value * inputs.shape[0]
-        images += inputs.shape[0]
+        totals.add(loss, inputs.shape[0], penalty)
+        if totals.due(config.train.log_every):
+            mean = totals.read(epoch, step)
+            if bar is not None:
+                bar.set_postfix(loss=f"{mean:.3f}")
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{value:.3f}")
+    totals.read(epoch, step)
     if bar is not None:
         bar.close()
-    seconds = time.perf_counter() - start
-    batches = max(images // max(config.data.batch_size, 1), 1)
-    return EpochStats(total / max(images, 1), images, seconds, penalty_sum / batches), step
+    return totals.stats(time.perf_counter() - start), step
 
 
 def _progress_bar(job: Job, total: int, epoch: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +48,26 @@ def param_groups(model: nn.Module, weight_decay: float, retention_lr_scale: floa
     return groups
 
 
+def fused(opt: str) -> dict[str, bool]:
+    """``fused=True`` where the optimizer class takes it (torch's Adam, AdamW, SGD): the whole update in
+    one kernel, on CUDA and on the CPU. The ``foreach`` form reads each parameter's step count back with
+    ``.item()`` at every step. An unknown name gets nothing here; timm's factory then names the known ones."""
+    from timm.optim import get_optimizer_info
+
+    try:
+        takes = "fused" in inspect.signature(get_optimizer_info(opt).opt_class).parameters
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return {"fused": True} if takes else {}
+
+
 def build_recipe(model: nn.Module, cfg: RecipeConfig, *, num_classes: int, global_batch: int,
                  steps_per_epoch: int, retention_lr_scale: float = 1.0) -> Recipe:
     """AdamW (no decay on norms, biases and other 1-D parameters), cosine with warm-up per step,
     Mixup/CutMix with label smoothing folded into the soft targets, and an optional EMA."""
     lr = scaled_lr(cfg, global_batch)
     optimizer = create_optimizer_v2(param_groups(model, cfg.weight_decay, retention_lr_scale), opt=cfg.opt, lr=lr,
-                                    weight_decay=cfg.weight_decay)
+                                    weight_decay=cfg.weight_decay, **fused(cfg.opt))
     scheduler = CosineLRScheduler(optimizer, t_initial=cfg.epochs * steps_per_epoch, lr_min=cfg.min_lr,
                                   warmup_t=int(cfg.warmup_epochs * steps_per_epoch), warmup_lr_init=cfg.warmup_lr,
                                   t_in_epochs=False)
