@@ -38,7 +38,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_ops(args: argparse.Namespace) -> int:
-    from pipeline.benchmark import format_table, machine_line, run_ops_benchmark
+    from pipeline.bench.ops import format_table, machine_line, run_ops_benchmark
 
     config = load_config(args.config, args.overrides)
     timings = run_ops_benchmark(config.bench, config.pooling, seed=config.seed,
@@ -80,8 +80,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from pipeline.benchmark import machine_line
-    from pipeline.throughput import format_throughput, run_throughput
+    from pipeline.bench.ops import machine_line
+    from pipeline.bench.throughput import format_throughput, run_throughput
 
     overrides = list(args.overrides)
     if args.methods is not None:
@@ -106,7 +106,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
-    from pipeline.kernel_bench import run_kernel_bench
+    from pipeline.bench.kernels import run_kernel_bench
 
     print(run_kernel_bench(args.device, args.batch))
     return 0
@@ -148,8 +148,8 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_loader(args: argparse.Namespace) -> int:
-    from pipeline.benchmark import machine_line
-    from pipeline.data.bench import LoaderBenchSettings, format_loader_table, prepare_data, run_loader_benchmark
+    from pipeline.bench.loader import LoaderBenchSettings, format_loader_table, prepare_data, run_loader_benchmark
+    from pipeline.bench.ops import machine_line
 
     settings = LoaderBenchSettings(images=args.images, size=args.size, res=args.res, batch=args.batch,
                                    workers=args.workers, epochs=args.epochs)

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.bench.timing import default_calls, rate
 from pipeline.config import Config, EvalConfig
-from pipeline.models.execution import compile_model, cuda_settings, inference, resolve_setting, step_marker
-from pipeline.timing import default_calls, rate
+from pipeline.runtime import compile_model, cuda_settings, inference, resolve_setting, step_marker
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, devic
     """Inference images/s at ``batch``: median over ``repeats`` timed samples, and the spread (max - min).
 
     A sample queues ``timing.default_calls`` calls back to back (10 on CUDA), in one held inference
-    context (``models.execution.inference``), as ``bench throughput`` times. ``compile`` compiles the model
+    context (``runtime.inference``), as ``bench throughput`` times. ``compile`` compiles the model
     (fullgraph) first; the compiling call is part of the warm-up.
     """
     run = compile_model(model, compile, device)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+from pipeline.bench.profiling import HOST_SYNC_OPS, count_ops
 from pipeline.methods import METHODS
 from pipeline.models import apply_downsampling
-from pipeline.models.execution import check_compile, compile_model
 from pipeline.models.significance import attention_significance, significance_torch
 from pipeline.pooling import significance
-from pipeline.profiling import HOST_SYNC_OPS, count_ops
+from pipeline.runtime import check_compile, compile_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEP = [60, 40, 16, 9]
@@ -499,7 +499,7 @@ def test_torch_path_is_what_the_cpu_runs():
 
 
 def test_eval_settings_resolve_to_the_device():
-    from pipeline.models.execution import resolve_setting
+    from pipeline.runtime import resolve_setting
 
     assert resolve_setting("auto", "auto", "auto", cuda=True) == ("cuda", "bf16", "default")
     assert resolve_setting("auto", "auto", "auto", cuda=False) == ("cpu", "fp32", "none")
@@ -602,7 +602,7 @@ def test_bench_kernels_dry_run_under_the_interpreter():
 
 
 def test_bench_kernels_refuses_an_empty_batch():
-    from pipeline.kernel_bench import run_kernel_bench
+    from pipeline.bench.kernels import run_kernel_bench
 
     with pytest.raises(ValueError, match="--batch must be a positive number of images, got 0"):
         run_kernel_bench("cpu", 0)

@@ -13,9 +13,9 @@ from timm.models.vision_transformer import VisionTransformer
 
 from pipeline.methods import METHODS
 from pipeline.models import apply_downsampling
-from pipeline.models.execution import compile_model
 from pipeline.models.significance import attention_significance, significance_torch
 from pipeline.pooling import build_downsampler, token_pool
+from pipeline.runtime import compile_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.bench.profiling import DeviceReads
 from pipeline.config import load_config
 from pipeline.data import WriteSettings, open_source, write_beton
-from pipeline.profiling import DeviceReads
 from pipeline.train import loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def count_reads(monkeypatch, cfg) -> tuple[DeviceReads, DeviceReads]:
     monkeypatch.setattr(loop, "train_one_epoch", counted_epoch)
     monkeypatch.setattr(loop, "evaluate", counted_eval)
     if cfg.train.compile != "none":  # the inductor backend compiles C++ for minutes here; aot_eager runs aten ops
-        from pipeline.models.execution import compile_model
+        from pipeline.runtime import compile_model
 
         monkeypatch.setattr(loop, "compile_model", functools.partial(compile_model, backend="aot_eager"))
     loop.train_local(cfg)

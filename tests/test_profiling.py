@@ -1,4 +1,4 @@
-"""The GPU profile summary (``pipeline.profiling``): kernel groups, device events only, the tables."""
+"""The GPU profile summary (``pipeline.bench.profiling``): kernel groups, device events only, the tables."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from pipeline.profiling import (
+from pipeline.bench.profiling import (
     KernelTime,
     device_kernels,
     format_kernels,

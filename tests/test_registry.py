@@ -80,7 +80,7 @@ def test_a_registered_method_trains(toy, tmp_path):
 
 def test_tome_matches_on_keys_in_training_and_in_the_benchmarks():
     """One ToMe: the model a training run builds and `bench ops` both match on the mean keys."""
-    from pipeline.benchmark import method_rows
+    from pipeline.bench.ops import method_rows
     from pipeline.config import BenchOpsConfig
     from pipeline.train.build import build_model
 
@@ -92,7 +92,7 @@ def test_tome_matches_on_keys_in_training_and_in_the_benchmarks():
     # Side by side on the same tokens: the training model's step and the bench row give the same merge.
     gen = torch.Generator().manual_seed(0)
     tokens, keys = torch.randn(2, 16, 24, generator=gen), torch.randn(2, 16, 12, generator=gen)
-    from pipeline.benchmark import BlockInputs
+    from pipeline.bench.ops import BlockInputs
 
     inputs = BlockInputs(x=tokens, tokens=tokens, scores=torch.rand(2, 16, generator=gen), keys=keys)
     (label, k, call), *others = method_rows(bench, config.pooling, inputs)

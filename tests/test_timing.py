@@ -1,5 +1,5 @@
-"""Timing primitives (``pipeline.timing``) and the inference context the timings hold
-(``models.execution.inference``): how many calls a sample makes, what the host time measures, and that a
+"""Timing primitives (``pipeline.bench.timing``) and the inference context the timings hold
+(``runtime.inference``): how many calls a sample makes, what the host time measures, and that a
 held context casts each weight once."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import timing
+from pipeline.bench import timing
+from pipeline.bench.profiling import OpCounter
+from pipeline.bench.throughput import _held
 from pipeline.config import BenchThroughputConfig
 from pipeline.models import create_model
-from pipeline.models.execution import inference
-from pipeline.profiling import OpCounter
-from pipeline.throughput import _held
+from pipeline.runtime import inference
 
 CPU = torch.device("cpu")
 
@@ -123,7 +123,7 @@ def test_bench_throughput_holds_autocast_for_inference_only(train):
 def test_bench_throughput_times_inference_in_one_held_context(monkeypatch):
     """Every timed call of both models runs in the held context: no weight is cast again, and each sample
     queues the configured calls."""
-    from pipeline import throughput
+    from pipeline.bench import throughput
     from pipeline.config import PoolingConfig
 
     seen = []
@@ -153,7 +153,7 @@ def test_bench_throughput_times_inference_in_one_held_context(monkeypatch):
 def test_bench_throughput_profiles_only_after_every_timing(monkeypatch):
     """torch.profiler leaves CUPTI attached after its session (pytorch/pytorch#144455), slowing later launches:
     no model may be timed after any profile of the run."""
-    from pipeline import throughput
+    from pipeline.bench import throughput
     from pipeline.config import PoolingConfig
 
     events = []

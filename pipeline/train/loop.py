@@ -21,7 +21,7 @@ from pipeline.config import Config
 from pipeline.data.loaders import loader_spec, progressive_res, set_resolution, shared_loader
 from pipeline.errors import JobError
 from pipeline.models import data_config, project_retention, retention_keep, retention_penalty, unwrap
-from pipeline.models.execution import autocast, compile_model, cuda_settings, step_marker
+from pipeline.runtime import autocast, compile_model, cuda_settings, step_marker
 from pipeline.train.build import arch_signature, build_model
 from pipeline.train.checkpoint import check_architecture, load_checkpoint, load_model_weights, save_checkpoint
 from pipeline.train.recipe import Recipe, build_recipe

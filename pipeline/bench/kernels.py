@@ -27,14 +27,14 @@ import timm
 import torch
 from torch import Tensor
 
+from pipeline.bench.timing import timed
 from pipeline.errors import InputError, JobError
-from pipeline.models.execution import cuda_settings, inference
 from pipeline.models.patch_embed import use_patch_embed
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
 from pipeline.pooling.clustering import _SWAP_RTOL, _kmeans_gram_iterations, _kmedoids_dense, sq_dists
 from pipeline.pooling.common import dense_segments, one_hot, pool_segments
-from pipeline.timing import timed
+from pipeline.runtime import cuda_settings, inference
 
 Timer = Callable[[Callable[[], object]], float]
 

@@ -22,13 +22,13 @@ import timm
 import torch
 from torch import Tensor
 
+from pipeline.bench.profiling import count_launches, count_ops
+from pipeline.bench.timing import median_iqr, time_paired
 from pipeline.config import BenchOpsConfig, PoolingConfig
 from pipeline.errors import InputError, JobError, MissingFileError
 from pipeline.methods import METHODS
 from pipeline.models.attention import attend
 from pipeline.pooling import build_downsampler
-from pipeline.profiling import count_launches, count_ops
-from pipeline.timing import median_iqr, time_paired
 
 
 @dataclass(frozen=True)

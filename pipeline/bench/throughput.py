@@ -5,7 +5,7 @@ compile mode, on the same batch: each timed sample of a downsampled model follow
 the unmodified one, and the speed-up is the median of the per-pair time ratios. A sample queues
 ``calls`` calls back to back (10 on CUDA by default: throughput, as a serving loop runs), and
 inference holds one autocast context across the calls, so neither model casts its weights again in
-every forward (``models.execution.inference``). ``--train`` times a whole optimizer step (forward,
+every forward (``runtime.inference``). ``--train`` times a whole optimizer step (forward,
 backward, AdamW) instead of an inference forward. A ceiling row runs the same keep list with plain
 random token dropping, the cheapest way to reach the same token counts. Each row also carries what
 the model dispatches: aten ops of one forward (counted on the CPU, for the CPU path and for the
@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.bench.profiling import count_launches, count_ops, kernel_table
+from pipeline.bench.timing import default_calls, host_seconds, time_paired
 from pipeline.config import BenchThroughputConfig, PoolingConfig
 from pipeline.errors import JobError
-from pipeline.models.execution import autocast, compile_model, cuda_settings, inference, step_marker, warm_up
 from pipeline.pooling.common import dense_segments
-from pipeline.profiling import count_launches, count_ops, kernel_table
-from pipeline.timing import default_calls, host_seconds, time_paired
+from pipeline.runtime import autocast, compile_model, cuda_settings, inference, step_marker, warm_up
 
 CEILING = "ceiling"  # the row label of plain random dropping at the same keep list
 
