@@ -79,29 +79,46 @@ def cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_overrides(args: argparse.Namespace, section: str, flags: tuple[str, ...]) -> list[str]:
+    """``--set`` overrides of a model benchmark's section from its command-line flags."""
+    overrides = list(args.overrides)
+    if args.methods is not None:
+        overrides.append(f"{section}.methods=[{args.methods}]")
+    for flag in flags:
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{section}.{flag}={getattr(args, flag)}")
+    for flag in ("train", "profile"):
+        if getattr(args, flag, False):
+            overrides.append(f"{section}.{flag}=true")
+    if args.keep is not None:
+        overrides += [f"{section}.keep=[{args.keep}]", f"{section}.level=null"]
+    if args.level is not None:
+        overrides += [f"{section}.level={args.level}", f"{section}.keep=null"]
+    return overrides
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from pipeline.bench.ops import machine_line
     from pipeline.bench.throughput import format_throughput, run_throughput
 
-    overrides = list(args.overrides)
-    if args.methods is not None:
-        overrides.append(f"bench_throughput.methods=[{args.methods}]")
-    for flag in ("model", "batch", "dtype", "compile", "device", "patch_embed", "calls"):
-        if getattr(args, flag) is not None:
-            overrides.append(f"bench_throughput.{flag}={getattr(args, flag)}")
-    if args.train:
-        overrides.append("bench_throughput.train=true")
-    if args.profile:
-        overrides.append("bench_throughput.profile=true")
-    if args.keep is not None:
-        overrides += [f"bench_throughput.keep=[{args.keep}]", "bench_throughput.level=null"]
-    if args.level is not None:
-        overrides += [f"bench_throughput.level={args.level}", "bench_throughput.keep=null"]
-    config = load_config(args.config, overrides)
+    flags = ("model", "batch", "dtype", "compile", "device", "patch_embed", "calls")
+    config = load_config(args.config, _bench_overrides(args, "bench_throughput", flags))
     result = run_throughput(config.bench_throughput, config.pooling,
                             log=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"machine: {machine_line(config.bench_throughput.device)}")
     print(format_throughput(config.bench_throughput, result))
+    return 0
+
+
+def cmd_bench_loop(args: argparse.Namespace) -> int:
+    from pipeline.bench.loop import format_loop, run_loop_bench
+    from pipeline.bench.ops import machine_line
+
+    flags = ("model", "batch", "dtype", "compile", "device", "patch_embed", "steps", "repeats", "log_every")
+    config = load_config(args.config, _bench_overrides(args, "bench_loop", flags))
+    rows = run_loop_bench(config.bench_loop, config.pooling, log=_log)
+    print(f"machine: {machine_line(config.bench_loop.device)}")
+    print(format_loop(config.bench_loop, rows))
     return 0
 
 
@@ -446,6 +463,24 @@ def _add_bench_loader(bench_commands) -> None:
     loader.set_defaults(func=cmd_bench_loader)
 
 
+def _add_model_bench_args(parser: argparse.ArgumentParser, dtypes: tuple[str, ...]) -> None:
+    """The flags ``bench throughput`` and ``bench loop`` share; each sets a key of the command's section."""
+    _add_config_args(parser, required=False)
+    parser.add_argument("--model", default=None, help="timm model name")
+    parser.add_argument("--methods", "--method", dest="methods", default=None,
+                        help="downsampling method(s), comma-separated, timed in one run")
+    parser.add_argument("--keep", default=None, help="K_1..K_L, comma-separated")
+    parser.add_argument("--level", type=int, default=None, help="the paper's sparsity level")
+    parser.add_argument("--batch", type=int, default=None, help="batch size")
+    parser.add_argument("--dtype", choices=dtypes, default=None, help="autocast dtype (default fp32)")
+    parser.add_argument("--compile", choices=("none", "default", "reduce-overhead", "max-autotune"),
+                        default=None, help="torch.compile every model in this mode (default none)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
+    parser.add_argument("--patch-embed", choices=get_args(PatchEmbed), default=None,
+                        help="every model's patch embedding: timm's convolution (default) or the same function as "
+                             "one matmul")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -478,30 +513,23 @@ def build_parser() -> argparse.ArgumentParser:
     ops.set_defaults(func=cmd_bench_ops)
     throughput = bench_commands.add_parser("throughput", help="images/s of a downsampling model against the "
                                            "unmodified one, and the realised fraction of the FLOP saving")
-    _add_config_args(throughput, required=False)
-    throughput.add_argument("--model", default=None, help="timm model name")
-    throughput.add_argument("--methods", "--method", dest="methods", default=None,
-                            help="downsampling method(s), comma-separated, timed in one run")
-    throughput.add_argument("--keep", default=None, help="K_1..K_L, comma-separated")
-    throughput.add_argument("--level", type=int, default=None, help="the paper's sparsity level")
-    throughput.add_argument("--batch", type=int, default=None, help="batch size (default 64)")
-    throughput.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                            help="autocast dtype of both models (default fp32)")
-    throughput.add_argument("--compile", choices=("none", "default", "reduce-overhead", "max-autotune"),
-                            default=None, help="torch.compile both models in this mode (default none)")
-    throughput.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
+    _add_model_bench_args(throughput, dtypes=("fp32", "bf16", "fp16"))
     throughput.add_argument("--calls", type=int, default=None,
                             help="calls a timed sample queues back to back before one device sync (default 10 on "
                                  "CUDA: throughput; 1 measures each call's latency from an idle GPU)")
-    throughput.add_argument("--patch-embed", choices=get_args(PatchEmbed), default=None,
-                            help="every model's patch embedding: timm's convolution (default) or the same "
-                            "function as one matmul")
     throughput.add_argument("--train", action="store_true",
                             help="time a training step (forward, backward, AdamW) instead of inference")
     throughput.add_argument("--profile", action="store_true",
                             help="also log a profile of one call of each model (stderr): on CUDA the device time by "
                                  "kernel group and the longest kernels, then torch.profiler's table")
     throughput.set_defaults(func=cmd_bench_throughput)
+    loop = bench_commands.add_parser("loop", help="the training loop against the bare step it runs (loop "
+                                     "efficiency), on batches already on the device")
+    _add_model_bench_args(loop, dtypes=("fp32", "bf16"))
+    loop.add_argument("--steps", type=int, default=None, help="steps of a timed epoch (default 20)")
+    loop.add_argument("--repeats", type=int, default=None, help="timed pairs; the median is reported (default 3)")
+    loop.add_argument("--log-every", type=int, default=None, help="the loop's train.log_every (default 50)")
+    loop.set_defaults(func=cmd_bench_loop)
     _add_bench_loader(bench_commands)
     _add_bench_kernels(bench_commands)
     _add_data_commands(commands)

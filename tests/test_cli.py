@@ -36,8 +36,9 @@ def test_help_lists_only_working_commands(capsys):
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
     assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "viz",
                       "analyze"}
-    subcommands = {"bench": {"ops", "throughput", "loader", "kernels"}, "analyze": {"redundancy", "reconstruction"},
-                   "viz": {"clusters"}, "data": {"write", "folder", "check"}, "config": {"show"}}
+    subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels"},
+                   "analyze": {"redundancy", "reconstruction"}, "viz": {"clusters"},
+                   "data": {"write", "folder", "check"}, "config": {"show"}}
     for command, expected in subcommands.items():
         assert set(re.findall(r"^    (\w+)\s", parser_help(capsys, command), flags=re.M)) == expected, command
         for sub in expected:  # each listed subcommand answers its own --help
@@ -145,6 +146,24 @@ def test_bench_throughput_reports_the_realised_fraction():
     assert "fp32, compile none, keep 196,150,120,100,80,60,50,40,30,20,10,5, patch embedding conv (every model), " \
            "1 call(s) a timed sample" in out, "one call a sample on the CPU by default"
     assert "host ms a call: " not in out, "the host's time is measured on CUDA only"
+
+
+def test_bench_loop_times_the_loop_against_its_bare_step():
+    """The real train_one_epoch against the bare step on DeiT-Ti; 5 steps at log_every 2 read the device
+    at steps 2 and 4 and at the end (timings are the benchmark's business, not this test's)."""
+    keep = "150,120,90,80,70,60,50,40,30,20,10,0"
+    proc = run("bench", "loop", "--model", "deit_tiny_patch16_224", "--methods", "none,kmedoids", "--keep", keep,
+               "--batch", "2", "--steps", "5", "--repeats", "1", "--log-every", "2")
+    out = proc.stdout
+    assert f"model deit_tiny_patch16_224, training, batch 2, fp32, compile none, keep {keep}, 5 steps an epoch, " \
+           "log_every 2, median of 1 pairs" in out, out
+    rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|$", out, flags=re.M)
+    assert [row[0] for row in rows] == ["unmodified", "kmedoids"], out
+    for _, step, loop, efficiency, reads in rows:
+        assert float(efficiency) > 0 and float(step) > 0 and float(loop) > 0
+        assert int(reads) == 3, out
+    bad = run("bench", "loop", "--dtype", "bf16", check=False)
+    assert bad.returncode == 2 and "training autocasts to bf16 on CUDA only" in bad.stderr
 
 
 def test_bench_throughput_level_and_bad_keep():

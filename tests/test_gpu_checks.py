@@ -43,6 +43,15 @@ def test_the_gpu_checks_run_on_the_cpu_and_pack_their_outputs(tmp_path):
     assert {"./card.txt", "./compiled-none-calls2-powerbert.md", "./train-none-calls2-powerbert.log"} <= names, names
 
 
+def test_the_gpu_checks_loop_part_runs_bench_loop(tmp_path):
+    out = tmp_path / "gpu"
+    proc = checks(out, "loop", TRAIN_BATCH="2", COMPILE="none", LOOP_STEPS="2", LOOP_METHODS="powerbert")
+    assert proc.returncode == 0 and re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0"], proc.stdout
+    table = (out / "loop-none.md").read_text()
+    assert "model deit_small_patch16_224, training, batch 2, fp32, compile none, keep " in table, table
+    assert re.search(r"^\| powerbert \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 1 \|$", table, flags=re.M), table
+
+
 def test_the_gpu_checks_refuse_a_bad_part_and_skip_what_the_deadline_leaves_no_time_for(tmp_path):
     bad = checks(tmp_path / "a", "benchmark")
     assert bad.returncode == 2 and "unknown part benchmark" in bad.stdout

@@ -10,6 +10,8 @@
 #   compiled  the same with torch.compile (COMPILE: default mode unless set) on both models
 #   train     training step, bf16, batch 128, compiled (COMPILE), every method (TRAIN_METHODS)
 #   fp32      inference, fp32, batch 256, eager
+#   loop      bench loop: the training loop against its bare step (loop efficiency), bf16 (fp32 on the CPU),
+#             batch 128, compiled (COMPILE), LOOP_STEPS (100) steps an epoch, the unmodified model and WK-Medoids
 #   pack      every output so far in one archive (below)
 # SPLIT=1 runs eager, compiled, train and fp32 once per method (OUT/PART-METHOD.*), each under the
 # part's limit, so that one method's slow compilation cannot take the later methods' results; each
@@ -86,7 +88,15 @@ for part in "$@"; do
     train) bench "train-$mode" "${TRAIN_S:-330}" "${TRAIN_METHODS:-$methods}" --dtype bf16 --batch "$train_batch" \
              --compile "$mode" --train --set bench_throughput.ceiling=false ;;
     fp32) bench fp32 "${FP32_S:-120}" "$methods" --dtype fp32 --batch "$batch" ;;
+    loop) fits "${LOOP_S:-300}" loop || continue
+          echo "== loop-$mode ($(date +%T))"
+          loop_dtype=bf16; [ "$device" = cpu ] && loop_dtype=fp32  # training autocasts to bf16 on CUDA only
+          timeout "${LOOP_S:-300}" python3 -m pipeline bench loop --device "$device" --model deit_small_patch16_224 \
+            --level 3 --methods "${LOOP_METHODS:-none,wkmedoids}" --dtype "$loop_dtype" --batch "$train_batch" \
+            --compile "$mode" --steps "${LOOP_STEPS:-100}" ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} \
+            > "$out/loop-$mode.md" 2> "$out/loop-$mode.log"
+          echo "   exit $? ($(date +%T))"; cat "$out/loop-$mode.md" ;;
     pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
-    *) echo "unknown part $part (tests kernels eager compiled train fp32 pack)"; exit 2 ;;
+    *) echo "unknown part $part (tests kernels eager compiled train fp32 loop pack)"; exit 2 ;;
   esac
 done

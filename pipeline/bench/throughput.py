@@ -27,7 +27,7 @@ from torch import nn
 
 from pipeline.bench.profiling import count_launches, count_ops, kernel_table
 from pipeline.bench.timing import default_calls, host_seconds, time_paired
-from pipeline.config import BenchThroughputConfig, PoolingConfig
+from pipeline.config import BenchLoopConfig, BenchThroughputConfig, PoolingConfig
 from pipeline.errors import JobError
 from pipeline.pooling.common import dense_segments
 from pipeline.runtime import autocast, compile_model, cuda_settings, inference, step_marker, warm_up
@@ -67,7 +67,8 @@ class ThroughputResult:
     rows: list[ThroughputRow]
 
 
-def _keep(cfg: BenchThroughputConfig) -> list[int] | None:
+def bench_keep(cfg: BenchThroughputConfig | BenchLoopConfig) -> list[int] | None:
+    """The keep list of a model benchmark: its ``keep``, or the paper's list at its ``level``."""
     from pipeline.sparsity import level_keep
 
     if cfg.keep is not None:
@@ -96,13 +97,20 @@ def _runner(model: nn.Module, cfg: BenchThroughputConfig, device: torch.device, 
             mark()
             return fn(x)
         return forward
-    # The fused (one-kernel) AdamW on CUDA, for both models alike; the host launches per parameter otherwise.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    # The fused (one-kernel) AdamW, for both models alike, as training builds it (train.recipe.fused).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return bare_step(fn, optimizer, F.cross_entropy, x, labels, device, cfg.dtype, mark)
 
-    def step() -> object:
+
+def bare_step(fn: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer,
+              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, labels: torch.Tensor,
+              device: torch.device, dtype: str, mark: Callable[[], None]) -> Callable[[], torch.Tensor]:
+    """A training step and nothing else: forward, loss, backward and the optimizer's step on one batch
+    already on the device (``bench throughput --train``, and the reference of ``bench loop``)."""
+    def step() -> torch.Tensor:
         mark()
-        with autocast(device, cfg.dtype):
-            loss = F.cross_entropy(fn(x), labels)
+        with autocast(device, dtype):
+            loss = loss_fn(fn(x), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -179,7 +187,7 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     cfg = cfg.model_copy(update={"calls": cfg.calls or default_calls(device)})
-    keep = _keep(cfg)
+    keep = bench_keep(cfg)
     torch.manual_seed(0)
     base = create_model(cfg.model, patch_embed=cfg.patch_embed)
     base_gflops = count_flops(base).total

@@ -69,7 +69,7 @@ def identity_content(config: Config) -> dict[str, Any]:
     content = config.model_dump(mode="json")
     for section, key in _VOLATILE | _EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)
-    for section in ("experiment", "bench", "bench_throughput"):
+    for section in ("experiment", "bench", "bench_throughput", "bench_loop"):
         content.pop(section, None)
     pool = config.pooling
     if config.train.mode == "finetune":
