@@ -138,7 +138,8 @@ def cmd_data_write(args: argparse.Namespace) -> int:
 
     source = open_source(args.source, limit=args.limit)
     mode = args.mode or ("jpg" if args.source.startswith("imagefolder:") else "raw")
-    settings = WriteSettings(mode=mode, max_res=args.max_res or None, quality=args.quality, workers=args.workers,
+    settings = WriteSettings(mode=mode, max_res=args.max_res or None, quality=args.quality,
+                             compress_probability=args.compress_probability, workers=args.workers,
                              strict=args.strict, overwrite=args.overwrite)
     write_beton(source, args.out, settings, log=_log)
     return 0
@@ -165,16 +166,71 @@ def cmd_data_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_loader(args: argparse.Namespace) -> int:
-    from pipeline.bench.loader import LoaderBenchSettings, format_loader_table, prepare_data, run_loader_benchmark
     from pipeline.bench.ops import machine_line
 
-    settings = LoaderBenchSettings(images=args.images, size=args.size, res=args.res, batch=args.batch,
-                                   workers=args.workers, epochs=args.epochs)
-    folder, beton = prepare_data(args.work_dir, settings, args.folder, _log)
-    table = format_loader_table(run_loader_benchmark(folder, beton, settings, _log), settings)
+    if args.folder is not None and not args.folder.is_dir():
+        raise MissingFileError(f"--folder {args.folder}: no such folder; give an image folder PATH/<class>/<images> "
+                               "or leave --folder out to generate one")
     print(f"machine: {machine_line('cpu')}")
-    print(table)
+    print(_imagenet_like(args) if args.imagenet_like else _fmnist_loaders(args))
     return 0
+
+
+def _fmnist_loaders(args: argparse.Namespace) -> str:
+    from pipeline.bench.loader import LoaderBenchSettings, format_loader_table, prepare_data, run_loader_benchmark
+
+    settings = LoaderBenchSettings(images=args.images or 5000, size=args.size, res=args.res or 128, batch=args.batch,
+                                   workers=args.workers, epochs=args.epochs or 4)
+    folder, beton = prepare_data(args.work_dir, settings, args.folder, _log)
+    return format_loader_table(run_loader_benchmark(folder, beton, settings, _log), settings)
+
+
+def _imagenet_like(args: argparse.Namespace) -> str:
+    import os
+
+    from pipeline.bench.loader import format_imagenet_like, run_imagenet_like, write_imagenet_like
+
+    threads = _int_list(args.threads, "--threads") or sorted({1, os.cpu_count() or 1})
+    stores = [_store(text) for text in args.store or ["jpg:256:90"]]
+    step_rates, res, images = _step_rates(args.step_rates), args.res or 224, args.images or 3000
+    if min(threads) < 1 or images < 1:
+        raise InputError("--threads and --images must be positive")
+    folder = args.folder or args.work_dir / f"imagenet_like_{images}"
+    stats = write_imagenet_like(folder, images, classes=10, seed=0, log=_log)
+    rates = run_imagenet_like(folder, stores, threads, args.batch, res, args.epochs or 3, _log)
+    return format_imagenet_like(stats, rates, step_rates, res, args.batch)
+
+
+def _store(text: str):
+    """``MODE:MAX_RES:QUALITY[:COMPRESS_PROBABILITY]`` -> ``WriteSettings``."""
+    import os
+
+    from pipeline.data import WriteSettings
+
+    parts = text.split(":")
+    try:
+        mode, max_res, quality = parts[0], int(parts[1]), int(parts[2])
+        probability = float(parts[3]) if len(parts) == 4 else 0.5
+    except (IndexError, ValueError):
+        raise InputError(f"--store {text!r}: give MODE:MAX_RES:QUALITY[:COMPRESS_PROBABILITY], for example "
+                         "jpg:256:90 or proportion:256:90:0.5") from None
+    if mode not in ("jpg", "raw", "smart", "proportion") or len(parts) > 4:
+        raise InputError(f"--store {text!r}: MODE is one of jpg, raw, smart, proportion")
+    return WriteSettings(mode=mode, max_res=max_res, quality=quality, compress_probability=probability,
+                         workers=os.cpu_count() or 1)
+
+
+def _step_rates(text: str) -> dict[str, float]:
+    rates = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        try:
+            rates[name.strip()] = float(value)
+        except ValueError:
+            raise InputError(f"--step-rates {text!r}: give NAME=IMAGES_PER_S pairs, comma-separated") from None
+    if not rates or min(rates.values()) <= 0:
+        raise InputError(f"--step-rates {text!r}: give at least one positive NAME=IMAGES_PER_S")
+    return rates
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -419,8 +475,10 @@ def _add_data_commands(commands) -> None:
                             "synthetic[:classes=C,count=N,size=S]")
     write.add_argument("--out", required=True, type=Path, help="the .beton to write (atomically)")
     write.add_argument("--max-res", type=int, default=256, help="longest side kept (default 256; 0: keep as is)")
-    write.add_argument("--quality", type=int, default=90, help="JPEG quality (jpg and smart modes)")
-    write.add_argument("--mode", choices=("jpg", "raw", "smart"), default=None,
+    write.add_argument("--quality", type=int, default=90, help="JPEG quality, 1..100 (jpg, smart, proportion)")
+    write.add_argument("--compress-probability", type=float, default=0.5,
+                       help="mode proportion: the share of images stored as JPEG, the rest raw (default 0.5)")
+    write.add_argument("--mode", choices=("jpg", "raw", "smart", "proportion"), default=None,
                        help="how images are stored (default: raw for fashion-mnist and synthetic, jpg otherwise)")
     write.add_argument("--workers", type=int, default=2, help="writer processes")
     write.add_argument("--limit", type=int, default=None, help="write only N images, spread over all classes")
@@ -450,16 +508,32 @@ def _add_bench_kernels(bench_commands) -> None:
 
 
 def _add_bench_loader(bench_commands) -> None:
-    loader = bench_commands.add_parser("loader", help="FFCV against torchvision's DataLoader on one JPEG folder")
+    loader = bench_commands.add_parser("loader", help="FFCV against torchvision's DataLoader on one JPEG folder; "
+                                       "--imagenet-like: FFCV's host work per core at ImageNet's sizes")
     loader.add_argument("--folder", type=Path, default=None,
-                        help="an image folder to read (default: Fashion-MNIST test, upscaled, written to --work-dir)")
+                        help="an image folder to read (default: generated in --work-dir)")
     loader.add_argument("--work-dir", type=Path, default=Path("runs/bench_loader"), help="where data is written")
-    loader.add_argument("--images", type=int, default=5000, help="images in the generated folder")
-    loader.add_argument("--size", type=int, default=160, help="side of the generated JPEGs")
-    loader.add_argument("--res", type=int, default=128, help="output resolution of both loaders")
+    loader.add_argument("--images", type=int, default=None,
+                        help="images in the generated folder (default 5000; 3000 with --imagenet-like)")
+    loader.add_argument("--size", type=int, default=160, help="side of the generated Fashion-MNIST JPEGs")
+    loader.add_argument("--res", type=int, default=None,
+                        help="output resolution (default 128; 224, DeiT's, with --imagenet-like)")
     loader.add_argument("--batch", type=int, default=128)
     loader.add_argument("--workers", type=int, default=2, help="the same for both loaders")
-    loader.add_argument("--epochs", type=int, default=4, help="the first is reported apart (compilation)")
+    loader.add_argument("--epochs", type=int, default=None,
+                        help="the first is reported apart, compilation (default 4; 3 with --imagenet-like)")
+    imagenet = loader.add_argument_group("--imagenet-like")
+    imagenet.add_argument("--imagenet-like", action="store_true",
+                          help="JPEGs of ImageNet's sizes and natural-image statistics, stored as --store, loaded "
+                               "with DeiT's random-resized crop and flip, one decoding thread a core")
+    imagenet.add_argument("--store", action="append", default=None, metavar="MODE:MAX_RES:QUALITY[:P]",
+                          help="how the .beton stores them, as `data write` flags (repeatable; default jpg:256:90, "
+                               "configs/experiments/paper_deit_imagenet.yaml's); P: proportion's compress probability")
+    imagenet.add_argument("--threads", default=None, help="decoding threads to time, comma-separated (default: 1 and "
+                          "every core)")
+    imagenet.add_argument("--step-rates", default="unmodified=8331,wkmedoids=9085",
+                          help="a GPU's training-step images/s, NAME=RATE,... (default: DeiT-S, H200, bf16, batch "
+                               "128, compiled: docs/benchmarks.md)")
     loader.set_defaults(func=cmd_bench_loader)
 
 

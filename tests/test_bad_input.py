@@ -114,6 +114,13 @@ CATALOGUE = [
     (["analyze", "reconstruction", "--checkpoint", "fake.beton", "--data", "fake.beton", "--k", "8", "--out", "x"],
      "not a readable checkpoint"),
     (["bench", "throughput", "--methods", "nope"], "unknown downsampling method 'nope'"),
+    (["bench", "loader", "--folder", "missing"], "--folder missing: no such folder"),
+    (["bench", "loader", "--imagenet-like", "--store", "jpeg:256"], "--store 'jpeg:256': give MODE:MAX_RES:QUALITY"),
+    (["bench", "loader", "--imagenet-like", "--store", "png:256:90"], "MODE is one of jpg, raw, smart, proportion"),
+    (["bench", "loader", "--imagenet-like", "--step-rates", "fast"], "give NAME=IMAGES_PER_S pairs"),
+    (["data", "write", "--source", SYN, "--out", "a.beton", "--quality", "500"], "JPEG quality runs from 1 to 100"),
+    (["data", "write", "--source", SYN, "--out", "a.beton", "--mode", "proportion", "--compress-probability", "2"],
+     "give a probability in [0, 1]"),
 ]
 
 

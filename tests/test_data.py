@@ -540,8 +540,8 @@ def test_the_numba_finalizer_keyerror_is_dropped_and_nothing_else(monkeypatch, c
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
-    loaders._quiet_numba_finalizer()
-    loaders._quiet_numba_finalizer()  # idempotent: one hook, wrapping the previous one once
+    loaders.quiet_numba_finalizer()
+    loaders.quiet_numba_finalizer()  # idempotent: one hook, wrapping the previous one once
 
     def unraisable(filename: str, error: type[Exception]):
         code = compile(f"def finalizer():\n    raise {error.__name__}('x')\n", filename, "exec")

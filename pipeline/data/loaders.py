@@ -144,11 +144,15 @@ def train_pipeline(spec: LoaderSpec) -> list:
     ``Graph.group_operations`` on a jitted -> non-jitted -> jitted chain. On a GPU this follows
     ffcv-imagenet's order, with a torch module for normalisation so that cupy is not needed.
     """
+    return [*train_decode(spec), *_to_model_input(spec)]
+
+
+def train_decode(spec: LoaderSpec) -> list:
+    """The host's part of the training pipeline: decode with a random-resized crop, then flip (uint8)."""
     from pipeline.data.augment import SeededHorizontalFlip, SeededRandomResizedCrop
 
     decoder = SeededRandomResizedCrop((spec.res, spec.res), scale=spec.crop_scale, seed=spec.seed)
-    flip = [SeededHorizontalFlip(seed=spec.seed)] if spec.flip else []
-    return [decoder, *flip, *_to_model_input(spec)]
+    return [decoder, *([SeededHorizontalFlip(seed=spec.seed)] if spec.flip else [])]
 
 
 def val_pipeline(spec: LoaderSpec) -> list:
@@ -200,7 +204,7 @@ def _from_numba_finalizer(traceback: TracebackType | None) -> bool:
     return False
 
 
-def _quiet_numba_finalizer() -> None:
+def quiet_numba_finalizer() -> None:
     """Drops one known, harmless traceback from the output.
 
     When an FFCV loader is garbage-collected in a process that has built more than one (FFCV 1.0.2,
@@ -230,7 +234,7 @@ def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
     """
     from ffcv.loader import Loader, OrderOption
 
-    _quiet_numba_finalizer()
+    quiet_numba_finalizer()
 
     if indices is None and spec.part != "all":
         from pipeline.data.split import holdout_split

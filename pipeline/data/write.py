@@ -26,10 +26,10 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.data.sources import Source
-from pipeline.errors import PipelineError
+from pipeline.errors import InputError, PipelineError
 
 METADATA_VERSION = 1
-WriteMode = Literal["raw", "jpg", "smart"]
+WriteMode = Literal["raw", "jpg", "smart", "proportion"]
 
 
 class DataWriteError(PipelineError, RuntimeError):
@@ -43,12 +43,24 @@ class WriteSettings:
     mode: WriteMode = "jpg"
     max_res: int | None = 256
     quality: int = 90
+    compress_probability: float = 0.5  # mode "proportion": the share stored as JPEG, the rest raw (ffcv-imagenet)
     workers: int = 2
     strict: bool = False
     overwrite: bool = False  # replace an existing .beton (refused otherwise)
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.quality <= 100:
+            raise InputError(f"--quality {self.quality}: JPEG quality runs from 1 to 100 (90 is ffcv-imagenet's)")
+        if not 0 <= self.compress_probability <= 1:
+            raise InputError(f"--compress-probability {self.compress_probability}: give a probability in [0, 1]")
+        if self.max_res is not None and self.max_res < 1:
+            raise InputError(f"--max-res {self.max_res}: give the longest side in pixels (>= 1), or 0 to keep it")
+
     def as_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "max_res": self.max_res, "quality": self.quality}
+        settings = {"mode": self.mode, "max_res": self.max_res, "quality": self.quality}
+        if self.mode == "proportion":
+            settings["compress_probability"] = self.compress_probability
+        return settings
 
 
 def metadata_path(beton: str | Path) -> Path:
@@ -187,7 +199,7 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None
     from ffcv.writer import DatasetWriter
 
     fields = {"image": RGBImageField(write_mode=settings.mode, max_resolution=settings.max_res,
-                                     jpeg_quality=settings.quality),
+                                     jpeg_quality=settings.quality, compress_probability=settings.compress_probability),
               "label": IntField()}
     writer = DatasetWriter(str(tmp), fields, num_workers=max(settings.workers, 1))
     done, failed = threading.Event(), []
