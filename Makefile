@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml constraints.txt
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m ruff check pipeline tests jobs
+	$(PY) -m ruff check pipeline tests jobs benchmarks
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The whole protocol on Fashion-MNIST (writes its data subset first); prints the Pareto table.
