@@ -9,6 +9,7 @@ from typing import get_args
 
 from pipeline.config import ConfigError, PatchEmbed, dump_config, load_config, write_resolved
 from pipeline.errors import InputError, MissingFileError, PipelineError
+from pipeline.methods import downsamples
 
 
 def _add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -66,7 +67,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     if args.level is not None and args.embed_dim is not None:
         raise InputError(f"--level holds the paper's keep lists of its models, not of {args.model} at width "
                          f"{args.embed_dim}; name the model (e.g. --model deit_e252_patch16_224) or give --keep")
-    if args.keep is not None and args.method == "none":
+    if args.keep is not None and not downsamples(args.method):
         raise InputError("--keep without --method keeps every token (method none); give --method too")
     if args.level is not None:
         keep = level_keep(args.model, args.level)

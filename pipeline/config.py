@@ -18,7 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import InputError, PipelineError
-from pipeline.methods import METHODS, method_spec
+from pipeline.methods import KEEP_ALL, METHODS, downsampling_methods, keeps_all, method_spec, swept_methods
 
 
 def _known_method(name: str) -> str:
@@ -103,7 +103,7 @@ class BenchOpsConfig(Section):
     batch: int = Field(64, ge=1)
     keep: list[int] = Field(default_factory=lambda: [147, 98, 49], min_length=1)
     methods: list[MethodName] = Field(
-        default_factory=lambda: [name for name in METHODS if name != "none"],  # every registered method
+        default_factory=downsampling_methods,  # every registered method that downsamples
         min_length=1,
     )
     warmup: int = Field(3, ge=0)
@@ -164,8 +164,8 @@ class BenchLoopConfig(_BenchModels):
     """``pipeline bench loop``: the training loop (``train_one_epoch``) against the bare step it runs, on the
     same model, batch, dtype and compile mode, fed from batches already on the device."""
 
-    methods: list[MethodName] = Field(default_factory=lambda: ["none", "wkmedoids"], min_length=1,
-                                      description="none: the unmodified model")
+    methods: list[MethodName] = Field(default_factory=lambda: [KEEP_ALL, "wkmedoids"], min_length=1,
+                                      description=f"{KEEP_ALL}: the unmodified model")
     batch: int = Field(32, ge=2, description="per step (even: Mixup/CutMix pairs images when enabled)")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast on CUDA (recipe.amp)")
     steps: int = Field(20, ge=1, description="steps of one timed epoch")
@@ -461,8 +461,8 @@ class ExperimentConfig(Section):
     base_checkpoints: dict[str, str] = Field(default_factory=dict, description="arch -> checkpoint: skip its training")
     lambdas: list[float] | None = Field(None, description="K-search strengths; each gives one sparsity level")
     levels: list[int] | None = Field(None, description="or pin the paper's levels (configs/sparsity/)")
-    methods: list[MethodName] = Field(
-        default_factory=lambda: ["wkmedoids", "kmedoids", "powerbert", "random", "importance", "tome"])
+    methods: list[MethodName] = Field(default_factory=swept_methods,
+                                      description="finetuned at every level; default: the registry's swept methods")
     baseline: bool = Field(True, description="also finetune each base without downsampling (DeiT-2x control)")
     base: StageRecipe = Field(default_factory=StageRecipe)
     ksearch: StageRecipe = Field(default_factory=lambda: StageRecipe(epochs=1))
@@ -487,8 +487,10 @@ class ExperimentConfig(Section):
             raise InputError("experiment.lambdas/levels is empty: the finetune sweep would have zero trials")
         if not self.methods and not self.baseline:
             raise InputError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
-        if "none" in self.methods:
-            raise InputError("experiment.methods: 'none' is the baseline; set experiment.baseline: true instead")
+        baseline = [name for name in self.methods if keeps_all(name)]
+        if baseline:
+            raise InputError(f"experiment.methods: {baseline[0]!r} keeps every token, which is the baseline; set "
+                             "experiment.baseline: true instead")
         if self.search.algorithm == "grid" and self.search.num_samples != 1:
             raise InputError("experiment.search.num_samples applies to algorithm: random")
         for stage in ("ksearch", "finetune"):

@@ -14,33 +14,28 @@ Adding a method is one module with its operator plus one ``register_method`` cal
         options={"offset": 0},            # accepted options and their defaults
     ))
 
-The config, ``pipeline flops``, ``bench ops`` / ``bench throughput``, training and the analyses then
-accept ``method: firstk`` (docs/design.md).
+or, from another installed package, one entry point in the group ``pipeline.methods`` naming a
+``MethodSpec`` (``firstk = "mypackage.firstk:SPEC"`` under ``[project.entry-points."pipeline.methods"]``):
+it loads wherever the registry is first read, so in the CLI, the config validation and every Ray worker.
+The config, ``pipeline flops``, the benchmarks, training and the analyses then accept ``method: firstk``
+(docs/architecture.md).
+
+The operators live in ``pipeline.pooling``, which never imports this module: the registry names their
+factories by ``"module:attribute"``, so there is no import loop, hidden or not.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, PipelineError
 
-# Which attention the scores measure: "eq4", the paper's (the attention each token receives from every
-# query), or "cls", the class token's row of it alone (EViT's token attentiveness; one query row a head,
-# so it costs B*H*T*D multiply-adds where eq. 4 costs B*H*T^2*D). The operators take the scores as they
-# come; the models compute the kind the method's options name.
-SIGNIFICANCE = ("eq4", "cls")
-
-
-def check_significance(significance: object) -> None:
-    """InputError unless ``significance`` names a kind of scores (``SIGNIFICANCE``)."""
-    if significance not in SIGNIFICANCE:
-        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
-
-
+PLUGIN_GROUP = "pipeline.methods"  # entry points naming a MethodSpec of another package
 SCORE_OPTIONS = MappingProxyType({"significance": "eq4"})
 CLUSTER_OPTIONS = MappingProxyType({"iters": 5, "init": "topk", "cluster_on": "tokens", **SCORE_OPTIONS})
 
@@ -60,6 +55,8 @@ class MethodSpec:
             them compute its scores from the class token's attention instead of eq. 4.
         learnable: has parameters of its own, one set per block.
         reconstructs: takes part in ``analyze reconstruction`` (parameter-free methods that downsample).
+        downsamples: takes tokens away; False only for the method that keeps every token (the baseline).
+        swept: in an experiment's default method list (``experiment.methods``).
     """
 
     build: Callable[..., Any] | str
@@ -68,6 +65,8 @@ class MethodSpec:
     options: Mapping[str, Any] = field(default_factory=dict)
     learnable: bool = False
     reconstructs: bool = True
+    downsamples: bool = True
+    swept: bool = False
 
     def factory(self) -> Callable[..., Any]:
         if callable(self.build):
@@ -93,21 +92,78 @@ class MethodSpec:
         return options.get("significance", "eq4")
 
 
-METHODS: dict[str, MethodSpec] = {
-    "none": MethodSpec("pipeline.pooling.registry:keep_all", "keep every token", reconstructs=False),
-    "kmeans": MethodSpec("pipeline.pooling.registry:kmeans", "K-Means (eq. 6-7)", True, CLUSTER_OPTIONS),
-    "kmedoids": MethodSpec("pipeline.pooling.registry:kmedoids", "K-Medoids (eq. 8)", True, CLUSTER_OPTIONS),
-    "wkmeans": MethodSpec("pipeline.pooling.registry:wkmeans", "weighted K-Means", True, CLUSTER_OPTIONS),
-    "wkmedoids": MethodSpec("pipeline.pooling.registry:wkmedoids", "weighted K-Medoids", True, CLUSTER_OPTIONS),
-    "powerbert": MethodSpec("pipeline.pooling.registry:powerbert", "top-K significance", True, SCORE_OPTIONS),
-    "random": MethodSpec("pipeline.pooling.registry:random", "uniform selection"),
-    "importance": MethodSpec("pipeline.pooling.registry:importance", "significance sampling", True, SCORE_OPTIONS),
+_F = "pipeline.pooling.factories:"
+KEEP_ALL = "none"  # the method that keeps every token: the unmodified model, and the baseline finetune
+_BUILTIN: dict[str, MethodSpec] = {
+    KEEP_ALL: MethodSpec(_F + "keep_all", "keep every token", reconstructs=False, downsamples=False),
+    # In this order, the swept ones are the default experiment.methods as it always was (a stage's identity
+    # hashes the list).
+    "kmeans": MethodSpec(_F + "kmeans", "K-Means (eq. 6-7)", True, CLUSTER_OPTIONS),
+    "wkmeans": MethodSpec(_F + "wkmeans", "weighted K-Means", True, CLUSTER_OPTIONS),
+    "wkmedoids": MethodSpec(_F + "wkmedoids", "weighted K-Medoids", True, CLUSTER_OPTIONS, swept=True),
+    "kmedoids": MethodSpec(_F + "kmedoids", "K-Medoids (eq. 8)", True, CLUSTER_OPTIONS, swept=True),
+    "powerbert": MethodSpec(_F + "powerbert", "top-K significance", True, SCORE_OPTIONS, swept=True),
+    "random": MethodSpec(_F + "random", "uniform selection", swept=True),
+    "importance": MethodSpec(_F + "importance", "significance sampling", True, SCORE_OPTIONS, swept=True),
     # ToMe matches on the keys averaged over heads, as ToMe itself does, unless told otherwise.
-    "tome": MethodSpec("pipeline.pooling.registry:tome", "ToMe bipartite soft matching",
-                       options={"cluster_on": "metric"}),
+    "tome": MethodSpec(_F + "tome", "ToMe bipartite soft matching", options={"cluster_on": "metric"}, swept=True),
     "conv": MethodSpec("pipeline.pooling.conv:GridConvDownsample", "2x2 stride-2 convolution", learnable=True,
                        reconstructs=False),
 }
+
+
+class PluginError(PipelineError, ImportError):
+    """An installed package's ``pipeline.methods`` entry point that cannot be loaded or is not a MethodSpec."""
+
+
+class _Registry(MutableMapping[str, MethodSpec]):
+    """The methods by name: the built-in ones, then those of installed packages (``PLUGIN_GROUP``),
+    loaded the first time the registry is read."""
+
+    def __init__(self, builtin: dict[str, MethodSpec]) -> None:
+        self._specs = dict(builtin)
+        self._plugins_loaded = False
+
+    def _load_plugins(self) -> None:
+        if self._plugins_loaded:
+            return
+        self._plugins_loaded = True
+        for point in entry_points(group=PLUGIN_GROUP):
+            where = f"entry point {point.name} = {point.value!r} of {getattr(point.dist, 'name', 'a package')}"
+            try:
+                spec = point.load()
+            except Exception as err:  # noqa: BLE001 - any failure of a foreign import, named with its cause
+                raise PluginError(f"{where} (group {PLUGIN_GROUP}) does not load: {type(err).__name__}: {err}; "
+                                  "fix or uninstall that package") from err
+            if not isinstance(spec, MethodSpec):
+                raise PluginError(f"{where} (group {PLUGIN_GROUP}) names a {type(spec).__name__}, not a "
+                                  "pipeline.methods.MethodSpec")
+            register_method(point.name, spec)
+
+    def __getitem__(self, name: str) -> MethodSpec:
+        self._load_plugins()
+        return self._specs[name]
+
+    def __setitem__(self, name: str, spec: MethodSpec) -> None:
+        self._specs[name] = spec
+
+    def __delitem__(self, name: str) -> None:
+        del self._specs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self._load_plugins()
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        self._load_plugins()
+        return len(self._specs)
+
+    def __contains__(self, name: object) -> bool:
+        self._load_plugins()
+        return name in self._specs
+
+
+METHODS = _Registry(_BUILTIN)
 
 
 def register_method(name: str, spec: MethodSpec) -> None:
@@ -123,3 +179,45 @@ def method_spec(name: str) -> MethodSpec:
     if spec is None:
         raise InputError(f"unknown downsampling method {name!r}; choose one of {sorted(METHODS)}")
     return spec
+
+
+def downsamples(name: str) -> bool:
+    """Whether the method ``name`` takes tokens away (every method but the baseline's ``KEEP_ALL``)."""
+    return method_spec(name).downsamples
+
+
+def keeps_all(name: str) -> bool:
+    """Whether ``name`` is a registered method that keeps every token (the baseline); False for a name the
+    registry does not know (say, a plugin's, in a results table read where it is not installed)."""
+    spec = METHODS.get(name)
+    return spec is not None and not spec.downsamples
+
+
+def downsampling_methods() -> list[str]:
+    """Every registered method that takes tokens away, in registry order."""
+    return [name for name, spec in METHODS.items() if spec.downsamples]
+
+
+def swept_methods() -> list[str]:
+    """An experiment's default finetunes: the registered methods marked ``swept``."""
+    return [name for name, spec in METHODS.items() if spec.swept]
+
+
+def build_downsampler(name: str, *, dim: int | None = None, grid: tuple[int, int] | None = None,
+                      k: int | None = None, **options: Any) -> Callable[..., Any]:
+    """Builds the method ``name`` with its ``options`` (defaults from its ``MethodSpec``): a
+    ``pipeline.pooling.factories.Downsampler``.
+
+    Options: clustering methods take ``iters``, ``init`` and ``cluster_on`` ("tokens" or
+    "metric"); ``tome`` takes ``cluster_on`` (default "metric", ToMe's keys); every method that reads
+    scores takes ``significance`` ("eq4" or "cls"), which tells the models which scores to compute. A
+    learnable method (``conv``) also needs ``dim``, the token width M, and may check the ``grid`` (h, w)
+    it will see and the ``k`` it must produce (a ValueError when it cannot).
+    """
+    spec = method_spec(name)
+    options = spec.resolve(name, options)
+    if spec.learnable:
+        if dim is None:
+            raise InputError(f"method {name!r} has learnable weights and needs dim (the token width M)")
+        return spec.factory()(dim, grid=grid, k=k, **options)
+    return spec.factory()(**options)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import plots
+from pipeline.methods import keeps_all
 from pipeline.pareto import Point, best_at_budgets, pareto_front
 
 COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "train_top1", "checkpoint",
@@ -91,10 +92,10 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, cost: str = "gflop
 def plot_widths(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Per width: the no-downsampling baselines, and each method's front (Figure 4)."""
     fig, ax = plots.chart("Token downsampling vs a narrower model (per width)", "GFLOPs per image", "top-1 (%)")
-    baselines = sorted((r for r in rows if r["method"] == "none"), key=lambda r: r["gflops"])
+    baselines = sorted((r for r in rows if keeps_all(r["method"])), key=lambda r: r["gflops"])
     _curve(ax, baselines, "k*-", "no downsampling (width sweep)", markersize=10)
     for index, arch in enumerate(sorted({r["arch"] for r in rows})):
-        arch_rows = [r for r in rows if r["arch"] == arch and r["method"] != "none"]
+        arch_rows = [r for r in rows if r["arch"] == arch and not keeps_all(r["method"])]
         front = fronts(arch_rows)["all"] if arch_rows else []
         _curve(ax, front, plots.style(index), f"{arch}: best downsampling", markersize=5)
     return _save(fig, ax, path)

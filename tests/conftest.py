@@ -50,3 +50,41 @@ def pytest_xdist_make_scheduler(config, log):
             return "ray" if Path(path).name in RAY_FILES else path
 
     return RayFilesTogether(config, log)
+
+
+PLUGIN_MODULE = '''"""A downsampling method of another package, registered by an entry point (pipeline.methods)."""
+import torch
+
+from pipeline.methods import MethodSpec
+from pipeline.pooling import PoolResult
+
+
+def firstk(*, offset):
+    """Keep K tokens starting at ``offset`` (wrapping), in order."""
+
+    def step(tokens, k, *, sizes=None, **_):
+        b, n, _ = tokens.shape
+        if k >= n:
+            return PoolResult(tokens, torch.ones(b, n), torch.arange(n).expand(b, n))
+        index = (torch.arange(k, device=tokens.device) + offset) % n
+        return PoolResult(tokens[:, index], torch.ones(b, k, device=tokens.device),
+                          lambda: torch.full((b, n), -1, device=tokens.device))
+
+    return step
+
+
+SPEC = MethodSpec("tp_plugin:firstk", "keep K tokens from an offset (a plugin)", options={"offset": 1})
+NOT_A_SPEC = "a string"
+'''
+
+
+def write_plugin(root: Path, value: str = "tp_plugin:SPEC") -> Path:
+    """An installed package in ``root`` (put it on PYTHONPATH): the module ``tp_plugin`` and its
+    ``.dist-info``, whose entry point ``firstk`` in the group ``pipeline.methods`` names ``value``."""
+    (root / "tp_plugin").mkdir(parents=True)
+    (root / "tp_plugin" / "__init__.py").write_text(PLUGIN_MODULE)
+    info = root / "tp_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[pipeline.methods]\nfirstk = {value}\n")
+    return root

@@ -25,7 +25,7 @@ from pipeline.analysis import (
 )
 from pipeline.analysis.probe import _subject, normalise
 from pipeline.analysis.reconstruction import default_methods
-from pipeline.pooling import build_downsampler
+from pipeline.methods import build_downsampler
 from tests.conftest import write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]

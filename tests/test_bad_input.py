@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipeline.cli import main
-from pipeline.pooling import build_downsampler, token_pool
+from pipeline.methods import build_downsampler
+from pipeline.pooling import token_pool
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -48,7 +48,7 @@ def test_help_lists_only_working_commands(capsys):
 
 
 def test_methods_lists_the_registry():
-    from pipeline.pooling import METHODS
+    from pipeline.methods import METHODS
 
     names = [line.split()[0] for line in run("methods").stdout.splitlines()]
     assert names == list(METHODS)

@@ -24,7 +24,7 @@ from pipeline.dag.runner import run_experiment
 from pipeline.serving import example_batch
 from pipeline.tracking import TrackingError
 from pipeline.train.checkpoint import model_from_checkpoint
-from tests.conftest import write_synthetic_pair
+from tests.conftest import write_plugin, write_synthetic_pair
 from tests.processes import BIN, free_port, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -346,3 +346,23 @@ def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_f
                      "[sweep] demo-finetune: trial _trial_00001 failed (error file: /runs/ray/t1/error.txt)",
                      "[sweep] demo-finetune: 2 of 3 trial(s) finished"]
     cloudpickle.loads(cloudpickle.dumps(callback))  # Tune stores its run config with the experiment
+
+
+def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
+    """A method of another installed package (entry point group pipeline.methods) goes through the whole
+    DAG: config validation in the driver, Ray Train workers for the base, the K search and the finetune
+    (train.workers 1, trial_workers 1), evaluation tasks, and the Pareto table."""
+    data = write_synthetic_pair(tmp_path, 64, 32)
+    plugin = write_plugin(tmp_path / "site")
+    overrides = [*tiny_overrides(data), "train.workers=1", "experiment.search.trial_workers=1",
+                 "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]", "experiment.methods=[firstk]",
+                 "experiment.baseline=false", "experiment.ksearch.epochs=1", "experiment.eval.analysis_images=0",
+                 "experiment.eval.analysis_batch=0", "experiment.register_models=false"]
+    command = [sys.executable, "-m", "pipeline", "run", str(TINY), *[a for item in overrides for a in ("--set", item)]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = (data / "experiments" / "tiny" / "results.csv").read_text().splitlines()
+    assert len(rows) == 2 and ",firstk," in rows[1], rows
+    finetunes = runs_by_kind(data)["finetune"]
+    assert [run.data.tags["method"] for run in finetunes] == ["firstk"]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from pipeline.methods import METHODS
+from pipeline.methods import METHODS, build_downsampler
 from pipeline.models import apply_downsampling
 from pipeline.models.significance import attention_significance, significance_torch
-from pipeline.pooling import build_downsampler, token_pool
+from pipeline.pooling import token_pool
 from pipeline.runtime import compile_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

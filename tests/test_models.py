@@ -11,8 +11,8 @@ import torch
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
+from pipeline.methods import METHODS
 from pipeline.models import apply_downsampling, attend, create_model, effective_keep, parse_keep
-from pipeline.pooling import METHODS
 
 METHODS_ALL = sorted(METHODS)
 # 64 tokens on an 8x8 grid, 4 blocks: small enough for every method, forward and backward.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.pooling import build_downsampler, select_importance, select_topk, significance, token_pool, tome_merge
+from pipeline.methods import build_downsampler
+from pipeline.pooling import select_importance, select_topk, significance, token_pool, tome_merge
 
 TOKENS = torch.randn(2, 10, 4)
 SCORES = torch.rand(2, 10)

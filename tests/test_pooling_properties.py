@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.pooling import METHODS, build_downsampler, pooled_count, token_pool, tome_merge
+from pipeline.methods import METHODS, build_downsampler
+from pipeline.pooling import pooled_count, token_pool, tome_merge
 from pipeline.pooling.common import Partition
 
 SETTINGS = settings(max_examples=25, deadline=None)

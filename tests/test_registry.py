@@ -3,6 +3,11 @@ config validation, `pipeline flops`, `bench ops` and training; and ToMe is the s
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.methods import METHODS, MethodSpec, register_method
 from pipeline.pooling import PoolResult
-from tests.conftest import write_synthetic_pair
+from tests.conftest import write_plugin, write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
@@ -115,3 +120,32 @@ def test_the_class_token_scores_reach_the_model_a_finetune_builds():
     eq4 = build_model(load_config(TINY, base)).blocks
     assert (cls.significance, eq4.significance) == ("cls", "eq4")
     assert cls.config.options["significance"] == "cls" and eq4.config.options["significance"] == "eq4"
+
+
+def _with_plugin(path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), str(ROOT)])}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_plugins_entry_point_registers_its_method(tmp_path):
+    """The method of an installed package (a .dist-info on the path) is listed, validated by the config
+    and counted by `pipeline flops`; nothing of it is in this repository."""
+    plugin = write_plugin(tmp_path / "site")
+    listed = _with_plugin(plugin, "methods")
+    assert listed.returncode == 0 and re.search(r"^firstk\s+keep K tokens from an offset \(a plugin\)",
+                                                listed.stdout, flags=re.M), listed.stdout + listed.stderr
+    shown = _with_plugin(plugin, "config", "show", "--set", "pooling.method=firstk", "--set", "pooling.keep=[4]")
+    assert shown.returncode == 0 and "method: firstk" in shown.stdout, shown.stderr
+    flops = _with_plugin(plugin, "flops", "--model", "deit_tiny_patch16_224", "--method", "firstk",
+                         "--keep", "98,98,98,49,49,49,20,20,20,10,10,0", "--json")
+    assert flops.returncode == 0 and 0.2 < json.loads(flops.stdout)["gflops"] < 1.258 * 0.6, flops.stderr
+
+
+def test_a_broken_plugin_is_named_in_one_line(tmp_path):
+    for value, says in (("tp_plugin:NOT_A_SPEC", "names a str, not a pipeline.methods.MethodSpec"),
+                        ("tp_plugin:MISSING", "does not load: AttributeError")):
+        plugin = write_plugin(tmp_path / value.split(":")[1], value)
+        proc = _with_plugin(plugin, "methods")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"error: entry point firstk = '{value}' of tp-plugin (group pipeline.methods) {says}" in proc.stderr

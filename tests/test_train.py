@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.config import ConfigError, load_config
 from pipeline.data import WriteSettings, open_source, write_beton, write_folder
 from pipeline.data.loaders import DatasetMismatchError
-from pipeline.pooling import METHODS
+from pipeline.methods import METHODS
 from pipeline.tracking import TrackingError
 from pipeline.train import run_training
 from pipeline.train.checkpoint import CheckpointError, load_checkpoint

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from pipeline.analysis.probe import AnalysisError, Subject, block_records, normalise, with_method
-from pipeline.methods import METHODS
-from pipeline.pooling import build_downsampler
+from pipeline.methods import METHODS, build_downsampler
 
 
 def default_methods() -> tuple[str, ...]:

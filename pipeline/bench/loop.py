@@ -23,6 +23,7 @@ from pipeline.bench.throughput import bare_step, bench_keep
 from pipeline.bench.timing import time_paired
 from pipeline.config import BenchLoopConfig, Config, PoolingConfig, RecipeConfig, TrainConfig
 from pipeline.errors import JobError
+from pipeline.methods import downsamples
 from pipeline.runtime import compile_model, cuda_settings, warm_up
 
 PLAIN_RECIPE = {"mixup": 0.0, "cutmix": 0.0, "label_smoothing": 0.0, "ema": False, "clip_grad": None,
@@ -60,13 +61,13 @@ def _job(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooling: Poo
     from pipeline.train.recipe import build_recipe
     from pipeline.train.session import LocalSession
 
-    mode = "base" if method == "none" else "finetune"
+    mode = "finetune" if downsamples(method) else "base"
     config = Config(
         recipe=RecipeConfig(**PLAIN_RECIPE, amp=cfg.dtype == "bf16"),
         train=TrainConfig(mode=mode, workers=0, use_gpu=device.type == "cuda", compile=cfg.compile,
                           log_every=cfg.log_every, progress_bar=False),
     )
-    model = create_model(cfg.model, method=method, keep=None if method == "none" else keep,
+    model = create_model(cfg.model, method=method, keep=keep if downsamples(method) else None,
                          options=pooling.options(method), patch_embed=cfg.patch_embed).to(device)
     size = model.patch_embed.img_size[0]
     x = torch.randn(cfg.batch, 3, size, size, device=device)
@@ -105,7 +106,7 @@ def time_method(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooli
     def loop_epoch() -> None:
         _, counter[0] = train_one_epoch(job, 0, counter[0])
 
-    label = "unmodified" if method == "none" else method
+    label = method if downsamples(method) else "unmodified"
     warm_up(step, log=log, label=f"{label} (compile {cfg.compile})")
     log(f"timing {label}: {cfg.repeats} x ({cfg.steps} bare steps, one loop epoch of {cfg.steps} steps), "
         f"batch {cfg.batch}, {cfg.dtype}")

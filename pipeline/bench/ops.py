@@ -26,9 +26,8 @@ from pipeline.bench.profiling import count_launches, count_ops
 from pipeline.bench.timing import median_iqr, time_paired
 from pipeline.config import BenchOpsConfig, PoolingConfig
 from pipeline.errors import InputError, JobError, MissingFileError
-from pipeline.methods import METHODS
+from pipeline.methods import METHODS, build_downsampler
 from pipeline.models.attention import attend
-from pipeline.pooling import build_downsampler
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 from pipeline.config import METHOD_OPTION_FIELDS, Config, ExperimentConfig, PoolingConfig, StageRecipe
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
-from pipeline.methods import METHODS
+from pipeline.methods import METHODS, keeps_all
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
 # Where a stage reads its result from; excluded from the identity.
@@ -153,9 +153,9 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
 
 def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: str, keep: list[int] | None,
                    upstream: list[str]) -> Stage:
-    """One trial of the sweep; ``method`` ``none`` is the no-downsampling baseline."""
+    """One trial of the sweep; a ``method`` that keeps every token is the no-downsampling baseline."""
     exp = config.experiment
-    if method == "none":
+    if keeps_all(method):
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "baseline", **trial_train(exp)},
                     pooling={"keep": None, "level": None})
     else:

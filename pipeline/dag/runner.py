@@ -28,6 +28,7 @@ from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_sp
 from pipeline.dag.sweep import run_sweep
 from pipeline.dag.types import EvalResult, Tracking, TrainedResult
 from pipeline.errors import JobError
+from pipeline.methods import KEEP_ALL
 from pipeline.train.launch import connect_ray, preflight, resolve_paths
 
 
@@ -229,7 +230,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
             ft_stages += [finetune_stage(downstream[arch.label], arch, base, m, level, keep, upstream)
                           for m in exp.methods]
         if exp.baseline:
-            ft_stages.append(finetune_stage(downstream[arch.label], arch, base, "none", "full", None, []))
+            ft_stages.append(finetune_stage(downstream[arch.label], arch, base, KEEP_ALL, "full", None, []))
     if "finetune" in kinds:
         retire_storage(ctx, ft_stages)
     ft_results = sweep(ctx, ft_stages, {s.id: bases[s.arch][1].checkpoint for s in ft_stages},

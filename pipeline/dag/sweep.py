@@ -74,6 +74,9 @@ def concurrency(exp: ExperimentConfig) -> int:
     return min(fit, search.max_concurrent) if search.max_concurrent else fit
 
 
+TRIAL_DRIVER_CPU = 0.01  # what a trial that only drives a TorchTrainer reserves
+
+
 def run_sweep(specs: list[StageSpec], exp: ExperimentConfig, *, storage: str, name: str,
               log: Callable[[str], None]) -> SweepTiming:
     """Runs ``specs`` as Tune trials; results are read back from MLflow, not from Tune."""
@@ -88,8 +91,11 @@ def run_sweep(specs: list[StageSpec], exp: ExperimentConfig, *, storage: str, na
     else:
         space, samples = {"spec": tune.choice(specs)}, search.num_samples
     total = len(specs) if samples == 1 else samples
-    # A trial with its own TorchTrainer holds no CPU itself; the trainer's workers reserve them.
-    resources = {"CPU": search.trial_cpus, "GPU": search.trial_gpus} if search.trial_workers == 0 else {"CPU": 0}
+    # A trial with its own TorchTrainer holds almost no CPU itself; the trainer's workers reserve them. Not 0:
+    # Ray 2.60 refuses a trial whose only bundle is empty ("Cannot initialize a ResourceRequest with an empty
+    # head and zero worker bundles").
+    resources = ({"CPU": search.trial_cpus, "GPU": search.trial_gpus} if search.trial_workers == 0
+                 else {"CPU": TRIAL_DRIVER_CPU})
     tuner = tune.Tuner(
         tune.with_resources(_trial, resources),
         param_space=space,

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.methods import check_significance
 from pipeline.models.significance import attention_and_significance, attention_significance, cls_significance
 from pipeline.pooling.common import use_dense
+from pipeline.pooling.factories import check_significance
 
 
 @dataclass(frozen=True)

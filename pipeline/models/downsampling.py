@@ -23,10 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.methods import METHODS, method_spec
+from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
 from pipeline.models.attention import attend
 from pipeline.models.keep import effective_keep
-from pipeline.pooling import build_downsampler
 from pipeline.pooling.common import stable_ranks
 from pipeline.pooling.conv import grid_shape
 
@@ -278,7 +277,7 @@ def apply_downsampling(
     options = method_spec(method).resolve(method, options)
     if qk_norm not in (None, *QK_NORM):
         raise InputError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
-    if soft_extract and (method != "none" or keep is not None):
+    if soft_extract and (downsamples(method) or keep is not None):
         raise InputError("soft_extract is the K search: use it with method='none' and no keep list")
     num_tokens = model.patch_embed.num_patches
     depth = len(model.blocks)

@@ -15,6 +15,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from pipeline.errors import InputError
+from pipeline.methods import downsamples
 from pipeline.models.deit import load_weights
 from pipeline.models.downsampling import apply_downsampling
 from pipeline.models.patch_embed import use_patch_embed
@@ -74,7 +75,7 @@ def create_model(
         raise InputError(f"timm cannot build {name!r} with {arch}: {detail}{err}") from None
     except (TypeError, RuntimeError) as err:
         raise InputError(f"timm cannot build {name!r} with {arch}: {err}") from None
-    if method != "none" or keep is not None or carry or qk_norm is not None or soft_extract or options:
+    if downsamples(method) or keep is not None or carry or qk_norm is not None or soft_extract or options:
         apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
                            soft_extract=soft_extract, **(options or {}))
     use_patch_embed(model, patch_embed)

@@ -1,19 +1,17 @@
-"""Token downsampling operators: Token Pooling, the paper's baselines and ToMe, behind one registry."""
+"""Token downsampling operators: Token Pooling, the paper's baselines and ToMe. The registry that picks
+one by name is ``pipeline.methods`` (``build_downsampler``); nothing here imports it."""
 
-from pipeline.methods import METHODS
 from pipeline.pooling.clustering import token_pool
 from pipeline.pooling.common import PoolResult
 from pipeline.pooling.conv import GridConvDownsample, pooled_count
-from pipeline.pooling.registry import Downsampler, build_downsampler
+from pipeline.pooling.factories import Downsampler
 from pipeline.pooling.selection import select_importance, select_random, select_topk, significance
 from pipeline.pooling.tome import tome_merge
 
 __all__ = [
-    "METHODS",
     "Downsampler",
     "GridConvDownsample",
     "PoolResult",
-    "build_downsampler",
     "pooled_count",
     "select_importance",
     "select_random",

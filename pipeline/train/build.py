@@ -8,6 +8,7 @@ from torch import nn
 
 from pipeline.config import Config, ConfigError
 from pipeline.errors import InputError
+from pipeline.methods import downsamples
 from pipeline.models.factory import ARCH_OVERRIDES, create_model
 
 
@@ -48,7 +49,7 @@ def build_model(config: Config) -> nn.Module:
     if mode == "ksearch":
         downsampling = {"soft_extract": True}
     elif mode == "finetune":
-        if pool.method == "none":
+        if not downsamples(pool.method):
             raise ConfigError("train.mode=finetune with pooling.method=none is the baseline; use train.mode=baseline")
         downsampling = {"method": pool.method, "keep": finetune_keep(config), "carry": pool.carry,
                         "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.options()}

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from pipeline.config import Config, config_hash, dump_config, git_sha
+from pipeline.methods import KEEP_ALL
 from pipeline.tracking import flatten, log_batch, open_run
 
 
@@ -31,7 +32,7 @@ class JobTracker:
         """Continues ``run_id`` (from this job's checkpoint), else starts a run for this job."""
         train = config.train
         tags = {"git_sha": git_sha(Path(__file__).parent), "config_hash": config_hash(config), "mode": train.mode,
-                "method": config.pooling.method if train.mode == "finetune" else "none", **train.tags}
+                "method": config.pooling.method if train.mode == "finetune" else KEEP_ALL, **train.tags}
         client, found, new = open_run(train.tracking_uri, train.experiment, train.artifact_root, run_key(config),
                                       run_name=train.name, tags=tags, parent_run_id=train.parent_run_id,
                                       resume_id=run_id)

@@ -1,4 +1,6 @@
-"""One interface for every downsampling method, picked by name (as timm picks attention layers).
+"""The factories of the downsampling methods: one interface for every method, each picked by name
+through the registry (``pipeline.methods``, which names these by ``"module:attribute"``; this module
+never imports it), as timm picks attention layers.
 
 Every built method is called as::
 
@@ -18,13 +20,23 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.methods import check_significance, method_spec
 from pipeline.pooling.clustering import INITS, token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 from pipeline.pooling.selection import select_importance, select_random, select_topk
 from pipeline.pooling.tome import tome_merge
 
 CLUSTER_ON = ("tokens", "metric")
+# Which attention the scores measure: "eq4", the paper's (the attention each token receives from every
+# query), or "cls", the class token's row of it alone (EViT's token attentiveness; one query row a head,
+# so it costs B*H*T*D multiply-adds where eq. 4 costs B*H*T^2*D). The operators take the scores as they
+# come; the models compute the kind the method's options name.
+SIGNIFICANCE = ("eq4", "cls")
+
+
+def check_significance(significance: object) -> None:
+    """InputError unless ``significance`` names a kind of scores (``SIGNIFICANCE``)."""
+    if significance not in SIGNIFICANCE:
+        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
 
 
 class Downsampler(Protocol):
@@ -130,22 +142,3 @@ def tome(*, cluster_on: str) -> Downsampler:
                           validate=validate)
 
     return step
-
-
-def build_downsampler(name: str, *, dim: int | None = None, grid: tuple[int, int] | None = None,
-                      k: int | None = None, **options: Any) -> Downsampler:
-    """Builds the method ``name`` with its ``options`` (defaults from its ``MethodSpec``).
-
-    Options: clustering methods take ``iters``, ``init`` and ``cluster_on`` ("tokens" or
-    "metric"); ``tome`` takes ``cluster_on`` (default "metric", ToMe's keys); every method that reads
-    scores takes ``significance`` ("eq4" or "cls"), which tells the models which scores to compute. A learnable method
-    (``conv``) also needs ``dim``, the token width M, and may check the ``grid`` (h, w) it will see
-    and the ``k`` it must produce (a ValueError when it cannot).
-    """
-    spec = method_spec(name)
-    options = spec.resolve(name, options)
-    if spec.learnable:
-        if dim is None:
-            raise InputError(f"method {name!r} has learnable weights and needs dim (the token width M)")
-        return spec.factory()(dim, grid=grid, k=k, **options)
-    return spec.factory()(**options)
