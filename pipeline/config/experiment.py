@@ -1,0 +1,189 @@
+"""``experiment:``, the stage DAG of ``pipeline run``, and the base stage's hyperparameter sweep."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config.base import MethodName, Section
+from pipeline.errors import InputError
+from pipeline.methods import keeps_all, swept_methods
+
+
+class ParamRange(Section):
+    """One swept setting: exactly one of ``uniform: [lo, hi]``, ``loguniform: [lo, hi]``, ``randint: [lo, hi]``
+    (hi excluded) or ``choice: [a, b, ...]``."""
+
+    uniform: list[float] | None = None
+    loguniform: list[float] | None = None
+    randint: list[int] | None = None
+    choice: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_range(self) -> ParamRange:
+        given = {k: v for k, v in self.model_dump().items() if v is not None}
+        if len(given) != 1:
+            raise InputError("give exactly one of uniform, loguniform, randint, choice "
+                             f"(got {sorted(given) or 'none'})")
+        kind, values = next(iter(given.items()))
+        if kind == "choice":
+            if not values:
+                raise InputError("choice: give at least one value")
+        elif len(values) != 2 or not values[0] < values[1]:
+            raise InputError(f"{kind}: give [low, high] with low < high, got {values}")
+        elif kind == "loguniform" and values[0] <= 0:
+            raise InputError(f"loguniform: the low end must be positive, got {values[0]}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k, v in self.model_dump().items() if v is not None)
+
+    def values(self) -> list[Any]:
+        """The settings a config must accept: both ends of a range, every choice."""
+        return list(getattr(self, self.kind))
+
+
+# What a sweep may set: the recipe, the model's regularisation and the pooling options (sections of Config).
+SWEEPABLE_SECTIONS = ("recipe", "model", "pooling", "data")
+
+
+class SweepConfig(Section):
+    """A hyperparameter search over one training stage (Ray Tune): every trial trains the stage with the
+    sampled settings and reports each epoch; the best trial on ``metric`` becomes the stage's result."""
+
+    space: dict[str, ParamRange] = Field(description="dotted config keys (recipe.lr, model.drop_path, "
+                                         "pooling.iters, ...) -> their range")
+    search: Literal["grid", "random", "optuna"] = Field("optuna", description="grid: every combination of "
+                                                        "choices; random; optuna: Ray Tune's OptunaSearch (TPE)")
+    scheduler: Literal["none", "asha"] = Field("asha", description="asha: stop the worse trials early")
+    grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it may be stopped")
+    reduction_factor: float = Field(2.0, gt=1, description="ASHA: 1/reduction_factor of trials go on at each rung")
+    num_samples: int = Field(8, ge=1, description="trials (grid: repeats of the whole grid)")
+    max_concurrent: int | None = Field(None, ge=1, description="default: as many as the cluster's CPUs allow")
+    metric: Literal["val_top1", "train_loss"] = Field("val_top1", description="ranked on the validation split "
+                                                      "(data.holdout), never on the test set")
+    mode: Literal["max", "min"] = "max"
+
+    @model_validator(mode="after")
+    def _space_fits_the_search(self) -> SweepConfig:
+        if not self.space:
+            raise InputError("sweep.space is empty: give at least one setting to search over")
+        for key, param in self.space.items():
+            section, _, field = key.partition(".")
+            if section not in SWEEPABLE_SECTIONS or not field or "." in field:
+                raise InputError(f"sweep.space.{key}: give SECTION.FIELD with SECTION one of "
+                                 f"{', '.join(SWEEPABLE_SECTIONS)}")
+            if key == "recipe.epochs":
+                raise InputError("sweep.space.recipe.epochs: the epochs are the ASHA budget; set the stage's epochs")
+            if self.search == "grid" and param.kind != "choice":
+                raise InputError(f"sweep.space.{key}: search grid takes choice lists only (got {param.kind})")
+        return self
+
+
+class StageRecipe(Section):
+    """Per-stage overrides of the recipe (the rest comes from the ``recipe`` section)."""
+
+    epochs: int | None = Field(None, ge=1)
+    lr: float | None = Field(None, gt=0)
+    warmup_epochs: float | None = Field(None, ge=0)
+    sweep: SweepConfig | None = Field(None, description="base stage only: a hyperparameter search (Ray Tune)")
+
+
+class PrepareItem(Section):
+    """A dataset the DAG writes before anything else, if it is missing (``pipeline data write``)."""
+
+    source: str
+    out: str
+    limit: int | None = Field(None, ge=1)
+    mode: Literal["raw", "jpg", "smart"] = "raw"
+    max_res: int | None = 256
+
+
+class SearchConfig(Section):
+    """How Ray Tune walks the finetune grid."""
+
+    algorithm: Literal["grid", "random"] = Field("grid", description="grid: every trial; random: num_samples of them")
+    num_samples: int = Field(1, ge=1, description="random: how many trials to draw")
+    max_concurrent: int | None = Field(None, ge=1, description="default: as many as the cluster's resources allow")
+    trial_workers: int = Field(0, ge=0,
+                               description="0: single-process trials (cheap); N: a TorchTrainer of N per trial")
+    trial_cpus: float = Field(1.0, gt=0, description="CPUs per trial (per worker with trial_workers > 0)")
+    trial_gpus: float = Field(0.0, ge=0, description="GPUs per trial (per worker with trial_workers > 0)")
+
+
+class EvalConfig(Section):
+    """How the evaluate stage measures each model: top-1 on the validation set, and images/s in the
+    setting the models would be deployed in (``auto``: the GPU with bf16 and torch.compile where the
+    cluster has one, else the CPU in fp32 eager)."""
+
+    batch: int = Field(64, ge=1, description="throughput batch")
+    warmup: int = Field(2, ge=0)
+    repeats: int = Field(5, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="autocast dtype of the timing")
+    compile: Literal["auto", "none", "default", "reduce-overhead", "max-autotune"] = Field(
+        "auto", description="torch.compile mode of the timing")
+    cpus: float = Field(2.0, gt=0, description="CPUs per evaluation task (all of them: clean timings)")
+    analysis_images: int = Field(2, ge=0, description="validation images drawn as cluster maps per model (0: none)")
+    analysis_batch: int = Field(16, ge=0, description="validation images for the redundancy and reconstruction "
+                                "analyses per model (0: none)")
+
+
+class SelectConfig(Section):
+    """The select stage: which Pareto front (cost against top-1) goes into the Model Registry."""
+
+    cost: Literal["gflops", "images_per_s"] = Field(
+        "gflops", description="the cost axis: GFLOPs, or the images/s the evaluate stage measured")
+
+
+class ExperimentConfig(Section):
+    """``pipeline run``: the stage DAG (base -> ksearch -> finetune sweep -> evaluate -> select)."""
+
+    name: str = Field("experiment", pattern=r"^[A-Za-z0-9_.-]+$")
+    embed_dims: list[int] | None = Field(None, description="one base per width M (model.* is the template)")
+    models: list[str] | None = Field(None, description="or one base per timm model name (the paper's DeiTs)")
+    num_heads: dict[int, int] = Field(default_factory=dict, description="heads per width; default model.num_heads")
+    base_checkpoints: dict[str, str] = Field(default_factory=dict, description="arch -> checkpoint: skip its training")
+    lambdas: list[float] | None = Field(None, description="K-search strengths; each gives one sparsity level")
+    levels: list[int] | None = Field(None, description="or pin the paper's levels (configs/sparsity/)")
+    methods: list[MethodName] = Field(default_factory=swept_methods,
+                                      description="finetuned at every level; default: the registry's swept methods")
+    baseline: bool = Field(True, description="also finetune each base without downsampling (DeiT-2x control)")
+    base: StageRecipe = Field(default_factory=StageRecipe)
+    ksearch: StageRecipe = Field(default_factory=lambda: StageRecipe(epochs=1))
+    finetune: StageRecipe = Field(default_factory=StageRecipe)
+    search: SearchConfig = Field(default_factory=SearchConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    select: SelectConfig = Field(default_factory=SelectConfig)
+    budgets: list[float] | None = Field(None, description="GFLOPs budgets of the best-trade-off table")
+    register_models: bool = Field(True, description="register Pareto-optimal models in the MLflow Model Registry")
+    prepare: list[PrepareItem] = Field(default_factory=list)
+    runs_dir: str = Field("runs/experiments", description="reports and plots go to RUNS_DIR/NAME/")
+
+    @model_validator(mode="after")
+    def _sweep_is_not_empty(self) -> ExperimentConfig:
+        if (self.embed_dims is None) == (self.models is None):
+            raise InputError("give experiment.embed_dims or experiment.models (exactly one)")
+        if not (self.embed_dims or self.models):
+            raise InputError("experiment.embed_dims/models is empty: the sweep would have zero trials")
+        if (self.lambdas is None) == (self.levels is None):
+            raise InputError("give experiment.lambdas (K search) or experiment.levels (the paper's), exactly one")
+        if not (self.lambdas or self.levels) and self.methods:
+            raise InputError("experiment.lambdas/levels is empty: the finetune sweep would have zero trials")
+        if not self.methods and not self.baseline:
+            raise InputError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
+        baseline = [name for name in self.methods if keeps_all(name)]
+        if baseline:
+            raise InputError(f"experiment.methods: {baseline[0]!r} keeps every token, which is the baseline; set "
+                             "experiment.baseline: true instead")
+        if self.search.algorithm == "grid" and self.search.num_samples != 1:
+            raise InputError("experiment.search.num_samples applies to algorithm: random")
+        for stage in ("ksearch", "finetune"):
+            if getattr(self, stage).sweep is not None:
+                raise InputError(f"experiment.{stage}.sweep: hyperparameter sweeps run on the base stage; the K "
+                                 "search and the finetunes are sweeps over lambdas and methods already")
+        if self.base.sweep is not None and self.search.trial_workers:
+            raise InputError("experiment.base.sweep runs single-process trials: set experiment.search.trial_workers: 0")
+        return self

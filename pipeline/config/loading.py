@@ -1,0 +1,158 @@
+"""Loading a config: model defaults, then a YAML file, then dotted ``--set`` overrides (dinov2's order),
+with errors that name the key and where it came from; and writing the resolved config beside a run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from pipeline.config.base import CONFIG_DIR, ConfigError
+from pipeline.config.root import Config
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); this loader reads it as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"a.b=3"`` -> (["a", "b"], 3); the value is read as YAML, so types come out right."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, for example pooling.iters=3")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: the key {key!r} has an empty part")
+    try:
+        value = _yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({err})") from None
+    return parts, value
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        shipped = sorted(str(p.relative_to(CONFIG_DIR.parent)) for p in CONFIG_DIR.rglob("*.yaml"))
+        raise ConfigError(f"config file not found: {path}; the shipped configs are: {', '.join(shipped)}")
+    try:
+        data = _yaml(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _flatten_sources(data: Any, source: str, prefix: tuple[str, ...], out: dict[tuple[str, ...], str]) -> None:
+    out[prefix] = source
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _flatten_sources(value, source, prefix + (str(key),), out)
+
+
+def _set_path(data: dict[str, Any], parts: list[str], value: Any, item: str) -> None:
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _allowed_keys(loc: tuple[str | int, ...]) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return sorted(model.model_fields)
+
+
+def _describe(err: ValidationError, sources: dict[tuple[str, ...], str]) -> str:
+    lines = []
+    for item in err.errors():
+        loc = tuple(str(p) for p in item["loc"])
+        key = ".".join(loc) or "(top level)"
+        source = next((sources[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in sources), "defaults")
+        if item["type"] == "extra_forbidden":
+            message = f"unknown key; allowed keys here: {', '.join(_allowed_keys(loc))}"
+        else:
+            shown = "input" in item and item["type"] != "value_error"
+            message = f"{item['msg']} (got {item['input']!r})" if shown else item["msg"]
+        lines.append(f"  {source}: {key}: {message}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merges the model defaults, the YAML file at ``path`` (if any) and ``overrides`` (``"a.b=v"``)."""
+    data: dict[str, Any] = {}
+    sources: dict[tuple[str, ...], str] = {}
+    if path is not None:
+        data = _read_yaml(Path(path))
+        _flatten_sources(data, str(path), (), sources)
+    for item in overrides:
+        parts, value = parse_override(item)
+        _set_path(data, parts, value, item)
+        for depth in range(1, len(parts)):  # sections the override created come from it too
+            sources.setdefault(tuple(parts[:depth]), f"--set {item}")
+        _flatten_sources(value, f"--set {item}", tuple(parts), sources)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, sources)) from None
+
+
+def config_hash(config: Config) -> str:
+    """A short, stable hash of the resolved config (canonical JSON), for run identities and tags."""
+    canonical = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def git_sha(cwd: str | Path | None = None) -> str:
+    """The checkout's commit, with ``-dirty`` for uncommitted changes; ``unknown`` outside git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as YAML, loadable again by ``load_config``."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved(config: Config, directory: str | Path) -> Path:
+    """Writes ``config.yaml`` (the resolved config, headed by the git SHA and hash) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "config.yaml"
+    header = f"# resolved config; git {git_sha(Path(__file__).parent)}; hash {config_hash(config)}\n"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(header + dump_config(config))
+    tmp.replace(target)
+    return target

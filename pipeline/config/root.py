@@ -1,0 +1,84 @@
+"""The whole config: every section, and the checks that need more than one of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from pipeline.config.base import METHOD_OPTION_FIELDS, Section
+from pipeline.config.bench import BenchLoopConfig, BenchOpsConfig, BenchThroughputConfig
+from pipeline.config.data import DataConfig
+from pipeline.config.experiment import ExperimentConfig
+from pipeline.config.model import ModelConfig
+from pipeline.config.pooling import PoolingConfig
+from pipeline.config.recipe import RecipeConfig
+from pipeline.config.train import TrainConfig
+from pipeline.errors import InputError
+from pipeline.methods import METHODS
+
+
+class Config(Section):
+    """The whole config: every command reads the sections it needs (``pipeline config show`` prints them)."""
+
+    seed: int = 0
+    pooling: PoolingConfig = Field(default_factory=PoolingConfig)
+    bench: BenchOpsConfig = Field(default_factory=BenchOpsConfig)
+    bench_throughput: BenchThroughputConfig = Field(default_factory=BenchThroughputConfig)
+    bench_loop: BenchLoopConfig = Field(default_factory=BenchLoopConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    recipe: RecipeConfig = Field(default_factory=RecipeConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    experiment: ExperimentConfig | None = None
+
+    @model_validator(mode="after")
+    def _keep_fits_the_depth(self) -> Config:
+        # The depth is known here when the config sets it; otherwise the model build checks the
+        # length before any compute (the config loads without torch, so it cannot ask timm).
+        keep, depth = self.pooling.keep, self.model.depth
+        if keep is not None and depth is not None and len(keep) != depth:
+            raise ValueError(f"pooling.keep has {len(keep)} entries {keep} but model.depth is {depth}; give one K "
+                             "per block")
+        return self
+
+    @model_validator(mode="after")
+    def _sweep_values_fit(self) -> Config:
+        sweep = None if self.experiment is None else self.experiment.base.sweep
+        if sweep is None:
+            return self
+        plain = self.model_copy(update={"experiment": None})
+        for key, param in sweep.space.items():
+            section, _, field = key.partition(".")
+            if field not in type(getattr(self, section)).model_fields:
+                raise InputError(f"experiment.base.sweep.space.{key}: {section} has no field {field!r}")
+            for value in param.values():
+                try:
+                    with_setting(plain, key, value)
+                except (ValidationError, ValueError) as err:
+                    why = err.errors()[0]["msg"] if isinstance(err, ValidationError) else str(err)
+                    raise InputError(f"experiment.base.sweep.space.{key}: the value {value!r} is not valid there "
+                                     f"({why})") from None
+        return self
+
+    @model_validator(mode="after")
+    def _pooling_options_exist(self) -> Config:
+        """A method option set in ``pooling`` must apply to the method it runs, or, in an experiment, to at
+        least one of its methods (each finetune takes the options its method has; ``dag.plan``)."""
+        swept = self.experiment is not None and bool(self.experiment.methods)
+        methods = self.experiment.methods if swept else [self.pooling.method]
+        for option in METHOD_OPTION_FIELDS:
+            if getattr(self.pooling, option) is None or any(option in METHODS[m].options for m in methods):
+                continue
+            takers = ", ".join(sorted(name for name, s in METHODS.items() if option in s.options))
+            where = f"any of experiment.methods {methods}" if swept else repr(self.pooling.method)
+            raise InputError(f"pooling.{option} applies to {takers}, not {where}")
+        return self
+
+
+def with_setting(config: Config, key: str, value: Any) -> Config:
+    """``config`` with the dotted ``key`` (``SECTION.FIELD``) set to ``value``, validated again."""
+    section, field = key.split(".", 1)
+    data = config.model_dump(mode="json")
+    data[section][field] = value
+    return Config.model_validate(data)

@@ -1,0 +1,51 @@
+"""``train:``, one training job: what it does, where it runs, where results go."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config.base import CompileMode, Section
+
+
+class TrainConfig(Section):
+    """One training job on Ray Train: what it does, where it runs and where results go."""
+
+    mode: Literal["base", "ksearch", "finetune", "baseline"] = "base"
+    init: str | None = Field(None, description="base checkpoint to start from (ksearch, finetune, baseline)")
+    ksearch_lambda: float = Field(1e-4, ge=0, description="strength of the soft-extract mass penalty")
+    ksearch_lr_scale: float = Field(20.0, gt=0, description="learning-rate multiple of the retention weights")
+    name: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; same name + storage resumes")
+    storage_path: str = Field("runs/ray", description="Ray Train storage (shared FS or s3:// on a cluster)")
+    workers: int = Field(2, ge=0, description="DDP workers on Ray Train; 0: the same loop in this process")
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    max_failures: int = Field(1, ge=0, description="worker or node failures survived by restarting the workers "
+                              "from the last checkpoint")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement of the workers: STRICT_SPREAD puts each rank on its own node")
+    address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS or a local Ray")
+    tracking_uri: str = Field("sqlite:///runs/mlflow.db", description="MLflow tracking URI")
+    artifact_root: str | None = Field("runs/mlartifacts", description="artifact store of new MLflow experiments "
+                                      "(null: the tracking server's default)")
+    experiment: str = "token-pooling"
+    parent_run_id: str | None = Field(None, description="MLflow parent run (set by the stage DAG)")
+    tags: dict[str, str] = Field(default_factory=dict, description="extra MLflow tags (the DAG's stage records)")
+    checkpoint_artifact_mb: float = Field(200, ge=0, description="log the final checkpoint to MLflow if smaller")
+    debug_fail_at_step: int | None = Field(None, ge=1, description="debug: raise once at this global step")
+    debug_pause_at_step: int | None = Field(None, ge=1, description="debug: rank 0 pauses once at this global step "
+                                            "(for debug_pause_s) so that a fault can be injected mid-epoch")
+    debug_pause_s: float = Field(120.0, gt=0, description="debug: how long the pause lasts")
+    progress_bar: bool = Field(True, description="a per-step bar when stdout is a terminal")
+    log_every: int = Field(50, ge=1, description="steps between the loop's reads of the loss from the device: "
+                           "the non-finite check and the progress bar's loss; each read makes the host wait "
+                           "for the GPU")
+    compile: CompileMode = Field("none", description="torch.compile the model (fullgraph) in this mode")
+
+    @model_validator(mode="after")
+    def _compile_fits_the_device(self) -> TrainConfig:
+        if self.compile == "reduce-overhead" and not self.use_gpu:
+            raise ValueError("train.compile 'reduce-overhead' captures CUDA graphs: it needs train.use_gpu: true")
+        return self
