@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.errors import InputError
+
 with warnings.catch_warnings():
     # fvcore.nn's focal loss calls torch.jit.script at import, which torch 2.11 deprecates with a
     # FutureWarning that every process counting FLOPs (the evaluate stage's Ray tasks too) would print.
@@ -133,3 +135,28 @@ def format_report(report: FlopReport) -> str:
     if report.keep is not None:
         lines.append(f"effective keep: {','.join(map(str, report.keep))}")
     return "\n".join(lines)
+
+
+def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none", keep: str | None = None,
+                level: int | None = None, iters: int = 5) -> FlopReport:
+    """``pipeline flops``: the count of timm model ``name`` (or a DeiT of width ``embed_dim``) downsampled by
+    ``method`` at ``keep`` (``"K_1,...,K_L"``) or the paper's sparsity ``level``; InputError for arguments that
+    do not fit together."""
+    from pipeline.methods import downsamples, method_spec
+    from pipeline.models import create_model, parse_keep
+    from pipeline.sparsity import level_keep
+
+    if level is not None and keep is not None:
+        raise InputError("give --keep or --level, not both")
+    if level is not None and embed_dim is not None:
+        raise InputError(f"--level holds the paper's keep lists of its models, not of {name} at width "
+                         f"{embed_dim}; name the model (e.g. --model deit_e252_patch16_224) or give --keep")
+    if embed_dim is not None and embed_dim < 1:
+        raise InputError(f"--embed-dim {embed_dim}: a width is at least 1 (DeiT-S is 384)")
+    if iters < 1:
+        raise InputError(f"--iters {iters}: clustering runs at least 1 iteration")
+    if keep is not None and not downsamples(method):
+        raise InputError("--keep without --method keeps every token (method none); give --method too")
+    keeps = level_keep(name, level) if level is not None else None if keep is None else parse_keep(keep)
+    options = {"iters": iters} if "iters" in method_spec(method).options else {}
+    return count_flops(create_model(name, embed_dim=embed_dim, method=method, keep=keeps, options=options))

@@ -1,0 +1,42 @@
+"""``python -m pipeline``: the command line. Each command group is a module that parses, loads its config
+and calls into pipeline/; this module assembles them and turns the project's errors into one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.cli import analysis, bench, data, experiments, info, train
+from pipeline.errors import PipelineError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for group in (info, bench, data, train, experiments, analysis):
+        group.add_commands(commands)
+    return parser
+
+
+def _dash_values(argv: list[str]) -> str | None:
+    """argparse reads a value that starts with '-' (``--keep -5,3``) as an option and answers "expected one
+    argument"; the way to give one is ``--keep=-5,3``."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag.startswith("--") and "=" not in flag and len(value) > 1 and value[0] == "-" and \
+                (value[1].isdigit() or value[1] == "."):
+            return f"{flag} {value}: a value that starts with '-' reads as an option; write {flag}={value}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    dash = _dash_values(argv)
+    if dash is not None:
+        print(f"error: {dash}", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PipelineError as err:  # ours, on purpose: one line; anything else keeps its traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2

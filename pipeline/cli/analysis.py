@@ -1,0 +1,114 @@
+"""``viz clusters`` and ``analyze redundancy | reconstruction``: what downsampling keeps, per block."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipeline.cli.common import int_list, log
+from pipeline.errors import InputError
+
+
+def _subject(args: argparse.Namespace):
+    from pipeline.analysis import load_subject
+
+    return load_subject(checkpoint=args.checkpoint, model=args.model, weights=args.weights)
+
+
+def cmd_viz_clusters(args: argparse.Namespace) -> int:
+    from pipeline.analysis import beton_images, cluster_maps, read_images
+    from pipeline.analysis.clustermap import default_layers
+    from pipeline.models import parse_keep
+
+    subject = _subject(args)
+    methods = args.method.split(",") if args.method else [subject.method] if subject.method else None
+    keep = parse_keep(args.keep) if args.keep else subject.keep
+    if not methods or keep is None:
+        raise InputError("--method and --keep are needed (a base checkpoint or a timm model has no method of its own)")
+    if args.images:
+        pictures, names = read_images(args.images, subject.res), [Path(p).stem for p in args.images]
+    elif args.data:
+        import numpy as np
+
+        pictures = np.concatenate(list(beton_images(args.data, subject, count=args.count, batch=args.count)))
+        names = [f"{Path(args.data).stem}{i:04d}" for i in range(len(pictures))]
+    else:
+        raise InputError("give --images PATH... or --data BETON")
+    layers = int_list(args.layers, "--layers") or default_layers(subject.depth)
+    files = cluster_maps(subject, pictures, names, methods=methods, keep=keep, layers=layers, out=args.out,
+                         sheet_layer=args.sheet_layer, log=log)
+    print("\n".join(str(f) for f in files))
+    return 0
+
+
+def cmd_analyze_redundancy(args: argparse.Namespace) -> int:
+    from pipeline.analysis.artifacts import write_redundancy
+    from pipeline.analysis.probe import first_batches
+
+    subject = _subject(args)
+    data = first_batches(args.data, subject, batches=args.batches, batch=args.batch_size)
+    try:
+        alphas = [float(a) for a in args.qk_norm_alpha.split(",")] if args.qk_norm_alpha else []
+    except ValueError:
+        raise InputError(f"--qk-norm-alpha must be comma-separated numbers, e.g. 5,10; got {args.qk_norm_alpha!r}") \
+            from None
+    print("\n".join(str(f) for f in write_redundancy(subject, data, args.out, qk_alphas=alphas, log=log)))
+    return 0
+
+
+def cmd_analyze_reconstruction(args: argparse.Namespace) -> int:
+    from pipeline.analysis.artifacts import write_reconstruction
+    from pipeline.analysis.probe import first_batches
+    subject = _subject(args)
+    ks = int_list(args.k, "--k")
+    if ks is None and subject.keep is None:
+        ks = [max(1, subject.num_tokens // 4)]
+    data = first_batches(args.data, subject, batches=args.batches, batch=args.batch_size)
+    methods = args.method.split(",") if args.method else None
+    files = write_reconstruction(subject, data, args.out, methods=methods, ks=ks,
+                                 keep=subject.keep if ks is None else None, log=log)
+    print("\n".join(str(f) for f in files))
+    return 0
+
+
+def _add_subject_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default=None, help="a `pipeline train` checkpoint (directory or .pt)")
+    parser.add_argument("--model", default=None, help="or a timm model name (random weights unless --weights)")
+    parser.add_argument("--weights", default=None, help="a timm state-dict file for --model")
+    parser.add_argument("--out", type=Path, required=True, help="output folder for the PNGs and CSVs")
+
+
+def add_commands(commands) -> None:
+    viz = commands.add_parser("viz", help="pictures of what downsampling keeps")
+    viz_commands = viz.add_subparsers(dest="viz_command", required=True, metavar="SUBCOMMAND")
+    clusters = viz_commands.add_parser("clusters", help="token groups drawn over images, per block and per method")
+    _add_subject_args(clusters)
+    clusters.add_argument("--images", nargs="+", default=None, metavar="PATH", help="image files")
+    clusters.add_argument("--data", default=None, help="or a .beton: its first --count images")
+    clusters.add_argument("--count", type=int, default=4, help="images from --data (default 4)")
+    clusters.add_argument("--method", default=None,
+                          help="method(s), comma-separated (default: the checkpoint's own)")
+    clusters.add_argument("--keep", default=None, help="K_1..K_L, comma-separated (default: the checkpoint's own)")
+    clusters.add_argument("--layers", default=None, help="1-based blocks to draw, e.g. 3,6,9 (default: up to 4)")
+    clusters.add_argument("--sheet-layer", type=int, default=None,
+                          help="the block of the side-by-side sheet of all methods (default: the middle of --layers)")
+    clusters.set_defaults(func=cmd_viz_clusters)
+
+    analyze = commands.add_parser("analyze", help="token redundancy and reconstruction error per block")
+    analyze_commands = analyze.add_subparsers(dest="analyze_command", required=True, metavar="SUBCOMMAND")
+    redundancy = analyze_commands.add_parser("redundancy", help="cosine similarity and clusters for 90%%/99%% of "
+                                             "the variance, before and after attention")
+    reconstruction = analyze_commands.add_parser("reconstruction", help="eq. 2 error of each method per block")
+    for parser in (redundancy, reconstruction):
+        _add_subject_args(parser)
+        parser.add_argument("--data", required=True, help="a .beton (its first images are used)")
+        parser.add_argument("--batches", type=int, default=4, help="batches to average over (default 4)")
+        parser.add_argument("--batch-size", type=int, default=64)
+    redundancy.add_argument("--qk-norm-alpha", default=None,
+                            help="also with normalised queries and keys at these fixed alphas, e.g. 5,10")
+    redundancy.set_defaults(func=cmd_analyze_redundancy)
+    reconstruction.add_argument("--k", default=None,
+                                help="K at every block, comma-separated for several (default: the checkpoint's "
+                                     "keep list, else N/4)")
+    reconstruction.add_argument("--method", default=None, help="methods, comma-separated (default: all but conv)")
+    reconstruction.set_defaults(func=cmd_analyze_reconstruction)

@@ -1,0 +1,234 @@
+"""``bench ops | throughput | loop | loader | kernels``: the measurements (pipeline/bench/)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import get_args
+
+from pipeline.cli.common import add_config_args, int_list, log
+from pipeline.config import PatchEmbed, load_config
+from pipeline.errors import InputError, MissingFileError
+
+
+def cmd_bench_ops(args: argparse.Namespace) -> int:
+    from pipeline.bench.ops import format_table, machine_line, run_ops_benchmark
+
+    config = load_config(args.config, args.overrides)
+    timings = run_ops_benchmark(config.bench, config.pooling, seed=config.seed,
+                                log=lambda line: print(line, file=sys.stderr, flush=True))
+    table = format_table(timings)
+    print(f"machine: {machine_line(config.bench.device)}")
+    print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(f"machine: {machine_line(config.bench.device)}\n\n{table}\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _bench_overrides(args: argparse.Namespace, section: str, flags: tuple[str, ...]) -> list[str]:
+    """``--set`` overrides of a model benchmark's section from its command-line flags."""
+    overrides = list(args.overrides)
+    if args.methods is not None:
+        overrides.append(f"{section}.methods=[{args.methods}]")
+    for flag in flags:
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{section}.{flag}={getattr(args, flag)}")
+    for flag in ("train", "profile"):
+        if getattr(args, flag, False):
+            overrides.append(f"{section}.{flag}=true")
+    if args.keep is not None:
+        overrides += [f"{section}.keep=[{args.keep}]", f"{section}.level=null"]
+    if args.level is not None:
+        overrides += [f"{section}.level={args.level}", f"{section}.keep=null"]
+    return overrides
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from pipeline.bench.ops import machine_line
+    from pipeline.bench.throughput import format_throughput, run_throughput
+
+    flags = ("model", "batch", "dtype", "compile", "device", "patch_embed", "calls")
+    config = load_config(args.config, _bench_overrides(args, "bench_throughput", flags))
+    result = run_throughput(config.bench_throughput, config.pooling,
+                            log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"machine: {machine_line(config.bench_throughput.device)}")
+    print(format_throughput(config.bench_throughput, result))
+    return 0
+
+
+def cmd_bench_loop(args: argparse.Namespace) -> int:
+    from pipeline.bench.loop import format_loop, run_loop_bench
+    from pipeline.bench.ops import machine_line
+
+    flags = ("model", "batch", "dtype", "compile", "device", "patch_embed", "steps", "repeats", "log_every")
+    config = load_config(args.config, _bench_overrides(args, "bench_loop", flags))
+    rows = run_loop_bench(config.bench_loop, config.pooling, log=log)
+    print(f"machine: {machine_line(config.bench_loop.device)}")
+    print(format_loop(config.bench_loop, rows))
+    return 0
+
+
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from pipeline.bench.kernels import run_kernel_bench
+
+    print(run_kernel_bench(args.device, args.batch))
+    return 0
+
+
+def cmd_bench_loader(args: argparse.Namespace) -> int:
+    from pipeline.bench.ops import machine_line
+
+    if args.folder is not None and not args.folder.is_dir():
+        raise MissingFileError(f"--folder {args.folder}: no such folder; give an image folder PATH/<class>/<images> "
+                               "or leave --folder out to generate one")
+    print(f"machine: {machine_line('cpu')}")
+    print(_imagenet_like(args) if args.imagenet_like else _fmnist_loaders(args))
+    return 0
+
+
+def _fmnist_loaders(args: argparse.Namespace) -> str:
+    from pipeline.bench.loader import LoaderBenchSettings, format_loader_table, prepare_data, run_loader_benchmark
+
+    settings = LoaderBenchSettings(images=args.images or 5000, size=args.size, res=args.res or 128, batch=args.batch,
+                                   workers=args.workers, epochs=args.epochs or 4)
+    folder, beton = prepare_data(args.work_dir, settings, args.folder, log)
+    return format_loader_table(run_loader_benchmark(folder, beton, settings, log), settings)
+
+
+def _imagenet_like(args: argparse.Namespace) -> str:
+    import os
+
+    from pipeline.bench.loader import format_imagenet_like, run_imagenet_like, write_imagenet_like
+
+    threads = int_list(args.threads, "--threads") or sorted({1, os.cpu_count() or 1})
+    stores = [_store(text) for text in args.store or ["jpg:256:90"]]
+    step_rates, res, images = _step_rates(args.step_rates), args.res or 224, args.images or 3000
+    if min(threads) < 1 or images < 1:
+        raise InputError("--threads and --images must be positive")
+    folder = args.folder or args.work_dir / f"imagenet_like_{images}"
+    stats = write_imagenet_like(folder, images, classes=10, seed=0, log=log)
+    rates = run_imagenet_like(folder, stores, threads, args.batch, res, args.epochs or 3, log)
+    return format_imagenet_like(stats, rates, step_rates, res, args.batch)
+
+
+def _store(text: str):
+    """``MODE:MAX_RES:QUALITY[:COMPRESS_PROBABILITY]`` -> ``WriteSettings``."""
+    import os
+
+    from pipeline.data import WriteSettings
+
+    parts = text.split(":")
+    try:
+        mode, max_res, quality = parts[0], int(parts[1]), int(parts[2])
+        probability = float(parts[3]) if len(parts) == 4 else 0.5
+    except (IndexError, ValueError):
+        raise InputError(f"--store {text!r}: give MODE:MAX_RES:QUALITY[:COMPRESS_PROBABILITY], for example "
+                         "jpg:256:90 or proportion:256:90:0.5") from None
+    if mode not in ("jpg", "raw", "smart", "proportion") or len(parts) > 4:
+        raise InputError(f"--store {text!r}: MODE is one of jpg, raw, smart, proportion")
+    return WriteSettings(mode=mode, max_res=max_res, quality=quality, compress_probability=probability,
+                         workers=os.cpu_count() or 1)
+
+
+def _step_rates(text: str) -> dict[str, float]:
+    rates = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        try:
+            rates[name.strip()] = float(value)
+        except ValueError:
+            raise InputError(f"--step-rates {text!r}: give NAME=IMAGES_PER_S pairs, comma-separated") from None
+    if not rates or min(rates.values()) <= 0:
+        raise InputError(f"--step-rates {text!r}: give at least one positive NAME=IMAGES_PER_S")
+    return rates
+
+
+def _add_bench_kernels(bench_commands) -> None:
+    kernels = bench_commands.add_parser("kernels", help="K-Medoids' Triton kernels against torch, the patch "
+                                        "embedding's variants, and the clustering step's products in float32 and "
+                                        "bf16, at DeiT-S size (CUDA)")
+    kernels.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                         help="cpu: a dry run of the code under TRITON_INTERPRET=1 (no meaningful times)")
+    kernels.add_argument("--batch", type=int, default=256)
+    kernels.set_defaults(func=cmd_bench_kernels)
+
+
+def _add_bench_loader(bench_commands) -> None:
+    loader = bench_commands.add_parser("loader", help="FFCV against torchvision's DataLoader on one JPEG folder; "
+                                       "--imagenet-like: FFCV's host work per core at ImageNet's sizes")
+    loader.add_argument("--folder", type=Path, default=None,
+                        help="an image folder to read (default: generated in --work-dir)")
+    loader.add_argument("--work-dir", type=Path, default=Path("runs/bench_loader"), help="where data is written")
+    loader.add_argument("--images", type=int, default=None,
+                        help="images in the generated folder (default 5000; 3000 with --imagenet-like)")
+    loader.add_argument("--size", type=int, default=160, help="side of the generated Fashion-MNIST JPEGs")
+    loader.add_argument("--res", type=int, default=None,
+                        help="output resolution (default 128; 224, DeiT's, with --imagenet-like)")
+    loader.add_argument("--batch", type=int, default=128)
+    loader.add_argument("--workers", type=int, default=2, help="the same for both loaders")
+    loader.add_argument("--epochs", type=int, default=None,
+                        help="the first is reported apart, compilation (default 4; 3 with --imagenet-like)")
+    imagenet = loader.add_argument_group("--imagenet-like")
+    imagenet.add_argument("--imagenet-like", action="store_true",
+                          help="JPEGs of ImageNet's sizes and natural-image statistics, stored as --store, loaded "
+                               "with DeiT's random-resized crop and flip, one decoding thread a core")
+    imagenet.add_argument("--store", action="append", default=None, metavar="MODE:MAX_RES:QUALITY[:P]",
+                          help="how the .beton stores them, as `data write` flags (repeatable; default jpg:256:90, "
+                               "configs/experiments/paper_deit_imagenet.yaml's); P: proportion's compress probability")
+    imagenet.add_argument("--threads", default=None, help="decoding threads to time, comma-separated (default: 1 and "
+                          "every core)")
+    imagenet.add_argument("--step-rates", default="unmodified=8331,wkmedoids=9085",
+                          help="a GPU's training-step images/s, NAME=RATE,... (default: DeiT-S, H200, bf16, batch "
+                               "128, compiled: docs/benchmarks.md)")
+    loader.set_defaults(func=cmd_bench_loader)
+
+
+def add_model_bench_args(parser: argparse.ArgumentParser, dtypes: tuple[str, ...]) -> None:
+    """The flags ``bench throughput`` and ``bench loop`` share; each sets a key of the command's section."""
+    add_config_args(parser, required=False)
+    parser.add_argument("--model", default=None, help="timm model name")
+    parser.add_argument("--methods", "--method", dest="methods", default=None,
+                        help="downsampling method(s), comma-separated, timed in one run")
+    parser.add_argument("--keep", default=None, help="K_1..K_L, comma-separated")
+    parser.add_argument("--level", type=int, default=None, help="the paper's sparsity level")
+    parser.add_argument("--batch", type=int, default=None, help="batch size")
+    parser.add_argument("--dtype", choices=dtypes, default=None, help="autocast dtype (default fp32)")
+    parser.add_argument("--compile", choices=("none", "default", "reduce-overhead", "max-autotune"),
+                        default=None, help="torch.compile every model in this mode (default none)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
+    parser.add_argument("--patch-embed", choices=get_args(PatchEmbed), default=None,
+                        help="every model's patch embedding: timm's convolution (default) or the same function as "
+                             "one matmul")
+
+
+def add_commands(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
+    ops = bench_commands.add_parser("ops", help="time each method against one transformer block")
+    add_config_args(ops, required=False)
+    ops.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    ops.set_defaults(func=cmd_bench_ops)
+    throughput = bench_commands.add_parser("throughput", help="images/s of a downsampling model against the "
+                                           "unmodified one, and the realised fraction of the FLOP saving")
+    add_model_bench_args(throughput, dtypes=("fp32", "bf16", "fp16"))
+    throughput.add_argument("--calls", type=int, default=None,
+                            help="calls a timed sample queues back to back before one device sync (default 10 on "
+                                 "CUDA: throughput; 1 measures each call's latency from an idle GPU)")
+    throughput.add_argument("--train", action="store_true",
+                            help="time a training step (forward, backward, AdamW) instead of inference")
+    throughput.add_argument("--profile", action="store_true",
+                            help="also log a profile of one call of each model (stderr): on CUDA the device time by "
+                                 "kernel group and the longest kernels, then torch.profiler's table")
+    throughput.set_defaults(func=cmd_bench_throughput)
+    loop = bench_commands.add_parser("loop", help="the training loop against the bare step it runs (loop "
+                                     "efficiency), on batches already on the device")
+    add_model_bench_args(loop, dtypes=("fp32", "bf16"))
+    loop.add_argument("--steps", type=int, default=None, help="steps of a timed epoch (default 20)")
+    loop.add_argument("--repeats", type=int, default=None, help="timed pairs; the median is reported (default 3)")
+    loop.add_argument("--log-every", type=int, default=None, help="the loop's train.log_every (default 50)")
+    loop.set_defaults(func=cmd_bench_loop)
+    _add_bench_loader(bench_commands)
+    _add_bench_kernels(bench_commands)

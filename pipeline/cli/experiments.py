@@ -1,0 +1,107 @@
+"""``run``, ``report`` and ``select``: the stage DAG, its report, and a pick from its Pareto front."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.cli.common import add_config_args
+from pipeline.config import ConfigError, load_config
+from pipeline.errors import MissingFileError
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.dag.plan import count_plan
+    from pipeline.dag.runner import run_experiment
+
+    overrides = list(args.overrides)
+    if args.tracking_uri:
+        overrides.append(f"train.tracking_uri={args.tracking_uri}")
+    config = load_config(args.config, overrides)
+    if config.experiment is None:
+        raise ConfigError(f"{args.config}: `pipeline run` needs an experiment section; see configs/experiments/")
+    if args.plan:
+        print(json.dumps(count_plan(config).as_dict()))
+        return 0
+    run_experiment(config, force=args.force, address=args.address, log=lambda line: print(line, flush=True))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pipeline.report import read_csv, write_report
+
+    folder = _find_run_folder(args.run, args.tracking_uri)
+    rows = read_csv(folder / "results.csv")
+    out = args.out or folder
+    files = write_report(rows, out, title=f"Experiment {folder.name}")
+    print((out / "report.md").read_text())
+    print(f"wrote {', '.join(str(p) for p in files.values())}", file=sys.stderr)
+    return 0
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    from pipeline.budget import best_under_budget, candidates, open_store
+
+    models = candidates(open_store(args.tracking_uri), args.experiment)
+    pick = best_under_budget(models, max_gflops=args.max_gflops, min_images_per_s=args.min_images_per_s,
+                             device=args.device)
+    print(f"model: {pick.uri}\ntop1: {pick.top1:.2f}\ngflops: {pick.gflops:.4f}\n"
+          f"images_per_s: {pick.images_per_s:.1f} ({pick.device})\nmethod: {pick.method}\nlevel: {pick.level}")
+    return 0
+
+
+def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
+    """RUN: a folder with results.csv, an experiment name under runs/experiments, or an MLflow parent run id."""
+    base = Path("runs/experiments")
+    if run is None:
+        found = sorted(base.glob("*/results.csv"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise MissingFileError("no experiment results under runs/experiments; run `python -m pipeline run` first")
+        return found[-1].parent
+    for candidate in (Path(run), base / run):
+        if (candidate / "results.csv").is_file():
+            return candidate
+    from pipeline.tracking import store_missing
+
+    if store_missing(tracking_uri):  # reading must not create a store: MLflow would make an empty database there
+        raise MissingFileError(f"{run!r} is neither a folder with results.csv nor an experiment under {base}, and "
+                               f"there is no MLflow store at {tracking_uri} to look the run up in")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        local = client.download_artifacts(run, "report")
+    except Exception as err:  # noqa: BLE001 - MLflow raises several types for an unknown run
+        raise MissingFileError(f"{run!r} is neither a folder with results.csv, an experiment under {base}, nor an "
+                                f"MLflow run in {tracking_uri} with a report ({err})") from None
+    return Path(local)
+
+
+def add_commands(commands) -> None:
+    run = commands.add_parser("run", help="the stage DAG: base, K search, finetune sweep, evaluate, select")
+    add_config_args(run, required=True)
+    run.add_argument("--force", default=None, metavar="STAGE",
+                     help="rerun STAGE (base, ksearch, finetune, evaluate, select) and everything after it")
+    run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the config's SQLite store)")
+    run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    run.add_argument("--plan", action="store_true", help="print the number of stages per kind and exit")
+    run.set_defaults(func=cmd_run)
+    report = commands.add_parser("report", help="print the results table and write report.md with plots")
+    report.add_argument("run", nargs="?", default=None,
+                        help="results folder, experiment name or MLflow parent run id (default: the latest)")
+    report.add_argument("--out", type=Path, default=None, help="write the report here instead")
+    report.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
+    report.set_defaults(func=cmd_report)
+    select = commands.add_parser("select", help="the best model of an experiment under a GFLOPs or speed budget")
+    select.add_argument("--experiment", required=True, help="experiment.name of a `pipeline run`")
+    budget = select.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--max-gflops", type=float, default=None)
+    budget.add_argument("--min-images-per-s", type=float, default=None,
+                        help="measured images/s, as the evaluate stage timed them")
+    select.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="only models timed on this device (default: any)")
+    select.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
+    select.set_defaults(func=cmd_select)

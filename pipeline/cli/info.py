@@ -1,0 +1,62 @@
+"""``config show``, ``methods`` and ``flops``: what a config, the registry and a model are."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.cli.common import add_config_args
+from pipeline.config import dump_config, load_config, write_resolved
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    print(dump_config(config), end="")
+    if args.out is not None:
+        print(f"wrote {write_resolved(config, args.out)}", file=sys.stderr)
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from pipeline.methods import METHODS
+
+    for name, spec in METHODS.items():
+        needs = "significance scores" if spec.needs_scores else "-"
+        kind = "learnable" if spec.learnable else "parameter-free"
+        options = ", ".join(f"{k}={v}" for k, v in spec.options.items()) or "-"
+        print(f"{name:11s} {spec.summary:30s} {kind:15s} needs: {needs:20s} options: {options}")
+    return 0
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.flops import format_report, model_flops
+
+    report = model_flops(args.model, embed_dim=args.embed_dim, method=args.method, keep=args.keep, level=args.level,
+                         iters=args.iters)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0
+
+
+def add_commands(commands) -> None:
+    config = commands.add_parser("config", help="validate and print a resolved config")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = config_commands.add_parser("show", help="print the resolved config (defaults, file, --set)")
+    add_config_args(show, required=False)
+    show.add_argument("--out", type=Path, default=None, help="also write config.yaml into this directory")
+    show.set_defaults(func=cmd_config_show)
+
+    methods = commands.add_parser("methods", help="list the downsampling methods")
+    methods.set_defaults(func=cmd_methods)
+
+    flops = commands.add_parser("flops", help="GFLOPs of a (downsampling) model, with a breakdown (fvcore)")
+    flops.add_argument("--model", default="deit_small_patch16_224", help="timm model name")
+    flops.add_argument("--embed-dim", type=int, default=None, help="a DeiT of this width instead of --model's")
+    flops.add_argument("--method", default="none", help="downsampling method (python -m pipeline methods)")
+    flops.add_argument("--keep", default=None, help="K_1..K_L, comma-separated (default: keep all)")
+    flops.add_argument("--level", type=int, default=None, help="the paper's sparsity level (configs/sparsity/)")
+    flops.add_argument("--iters", type=int, default=5, help="clustering iterations (they cost FLOPs for K-Means)")
+    flops.add_argument("--json", action="store_true", help="print a JSON object with a 'gflops' field")
+    flops.set_defaults(func=cmd_flops)
