@@ -170,3 +170,20 @@ def test_step_totals_name_the_single_step_of_a_nonfinite_loss():
     totals.add(torch.tensor(math.inf), 4)
     with pytest.raises(FloatingPointError, match=r"not finite at step 11 \(epoch 3\)"):
         totals.read(epoch=2, step=11)
+
+
+def test_train_init_is_read_once_per_process(monkeypatch, data, tmp_path):
+    """The driver's check of ``train.init`` and the job that loads it, in one process, share one read."""
+    from pipeline.train import run_training
+
+    base = run_training(config(data, tmp_path, "train.name=base", "recipe.epochs=1"))
+    reads, load = [], torch.load
+
+    def counted(file, *args, **kwargs):
+        reads.append(Path(file).parent)
+        return load(file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    run_training(config(data, tmp_path, "train.name=tuned", "recipe.epochs=1", "train.mode=finetune",
+                        f"train.init={base.checkpoint}", "pooling.method=powerbert", "pooling.keep=[12,8,4]"))
+    assert reads.count(Path(base.checkpoint)) == 1, reads

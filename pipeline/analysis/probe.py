@@ -88,15 +88,9 @@ def load_subject(checkpoint: str | Path | None = None, model: str | None = None,
     if (checkpoint is None) == (model is None):
         raise AnalysisError("give exactly one of --checkpoint (a `pipeline train` checkpoint) or --model (a timm name)")
     if model is not None:
-        import timm
+        from pipeline.models import create_model
 
-        from pipeline.models import load_weights
-
-        if model not in timm.list_models():
-            raise AnalysisError(f"unknown timm model {model!r}; for example deit_small_patch16_224")
-        net = timm.create_model(model, pretrained=False)
-        if weights is not None:
-            load_weights(net, weights)
+        net = create_model(model, weights=weights)
         return _subject(net, net.state_dict(), model if weights is None else f"{model} ({Path(weights).name})")
     return _checkpoint_subject(Path(checkpoint))
 
@@ -125,7 +119,7 @@ def with_method(subject: Subject, method: str, keep: Sequence[int] | None, *,
     ``variant`` (carry, qk_norm, alpha) defaults to the one the subject was trained with, and so do
     the method's options when ``method`` is the subject's own (a ToMe model matched on tokens stays so).
     """
-    from pipeline.models.deit import load_state
+    from pipeline.models.weights import load_state
 
     net = copy.deepcopy(subject.model)
     variant = subject.variant if variant is None else variant

@@ -16,9 +16,9 @@ from torch import nn
 
 from pipeline.errors import InputError
 from pipeline.methods import downsamples
-from pipeline.models.deit import load_weights
 from pipeline.models.downsampling import apply_downsampling
 from pipeline.models.patch_embed import use_patch_embed
+from pipeline.models.weights import load_weights
 
 ARCH_OVERRIDES = ("img_size", "patch_size", "embed_dim", "depth", "num_heads")
 

@@ -65,6 +65,25 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: not a readable checkpoint ({type(err).__name__}: {err})") from None
 
 
+_INIT: dict[tuple[str, int, int], dict[str, Any]] = {}  # the last train.init read in this process
+
+
+def load_init(path: str | Path) -> dict[str, Any]:
+    """``load_checkpoint`` of a ``train.init`` checkpoint, read once per process: the driver's checks and a
+    job in the same process (``train.workers: 0``, Tune trials) share it. The key holds the file's size
+    and modification time, so a rewritten file is read again."""
+    file = checkpoint_file(path)
+    stat = file.stat() if file.is_file() else None
+    key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns) if stat else None
+    if key is None or key not in _INIT:
+        state = load_checkpoint(path)
+        _INIT.clear()
+        if key is None:
+            return state
+        _INIT[key] = state
+    return _INIT[key]
+
+
 def check_architecture(state: dict[str, Any], expected: dict[str, Any], path: str | Path) -> None:
     """Raises CheckpointError naming each architecture field that differs."""
     found = state.get("arch")
@@ -79,7 +98,7 @@ def check_architecture(state: dict[str, Any], expected: dict[str, Any], path: st
 
 def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str | Path) -> None:
     """Loads a checkpoint's weights; parameters the new mode adds (retention, alpha, convs) may be absent."""
-    from pipeline.models.deit import load_state
+    from pipeline.models.weights import load_state
 
     try:
         load_state(model, state["model"], path)

@@ -68,14 +68,14 @@ def check_data(config: Config) -> None:
 def check_model(config: Config) -> None:
     """The model builds (names, widths, method, keep list), and ``train.init`` fits it."""
     from pipeline.train.build import arch_signature, build_model
-    from pipeline.train.checkpoint import check_architecture, load_checkpoint
+    from pipeline.train.checkpoint import check_architecture, load_init
 
     model = build_model(config)
     mode = config.train.mode
     if mode in ("ksearch", "finetune", "baseline") and config.train.init is None:
         raise ConfigError(f"train.mode={mode} starts from a base model: set train.init to its checkpoint")
     if config.train.init is not None:
-        check_architecture(load_checkpoint(config.train.init), arch_signature(model), config.train.init)
+        check_architecture(load_init(config.train.init), arch_signature(model), config.train.init)
 
 
 def check_resources(config: Config) -> None:

@@ -23,7 +23,7 @@ from pipeline.errors import JobError
 from pipeline.models import data_config, project_retention, retention_keep, retention_penalty, unwrap
 from pipeline.runtime import autocast, compile_model, cuda_settings, step_marker
 from pipeline.train.build import arch_signature, build_model
-from pipeline.train.checkpoint import check_architecture, load_checkpoint, load_model_weights, save_checkpoint
+from pipeline.train.checkpoint import check_architecture, load_init, load_model_weights, save_checkpoint
 from pipeline.train.recipe import Recipe, build_recipe
 from pipeline.train.session import LocalSession, RaySession, Session
 from pipeline.train.state import gather, gather_rng, restore, seed_worker, training_state
@@ -93,7 +93,7 @@ def init_from(config: Config, model: nn.Module) -> None:
     from pipeline.models import load_weights
 
     if config.train.init is not None:
-        state = load_checkpoint(config.train.init)
+        state = load_init(config.train.init)
         check_architecture(state, arch_signature(model), config.train.init)
         load_model_weights(model, state, config.train.init)
     elif config.model.weights is not None:

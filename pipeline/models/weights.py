@@ -1,0 +1,38 @@
+"""Loading weights into a model: a timm state-dict file, or a state dict (a checkpoint's), tolerating only
+the parameters that downsampling adds or drops. Every path that loads weights into a network comes here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.errors import InputError, MissingFileError
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Loads a timm state dict (a bare dict, or under 'model' / 'state_dict') with no key renaming."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"weights file not found: {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            state = state[key]
+    load_state(model, state, path)
+
+
+def load_state(model: nn.Module, state: dict[str, Any], source: str | Path) -> None:
+    """``load_state_dict`` that tolerates only the parameters downsampling adds or drops.
+
+    A new variant's per-block alpha, conv layers and retention weights may be absent; a K-search
+    state dict's retention weights may be extra. Anything else raises ValueError naming ``source``.
+    """
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
+    unexpected = [k for k in unexpected if not k.endswith("retention")]
+    if missing or unexpected:
+        raise InputError(f"{source}: state dict does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
