@@ -455,7 +455,7 @@ def test_triton_kmedoids_under_the_interpreter():
     torch iterations' (one-hot matmuls) and the CPU's native kernel's, on random inputs."""
     pytest.importorskip("triton")
     code = _CLUSTERING_PRELUDE + """
-from pipeline.pooling.clustering import _SWAP_RTOL, _kmedoids_dense, sq_dists
+from pipeline.pooling.clustering import SWAP_RTOL, kmedoids_dense, sq_dists
 from pipeline.pooling.kmedoids_triton import kmedoids_triton
 cases += [((2, 48, 3, 10), False, 5), ((2, 48, 3, 30), True, 3), ((2, 64, 16, 20), False, 5)]
 for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
@@ -467,9 +467,9 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
         x = (torch.randn(b, n // 2, m, generator=g) * 30).repeat(1, 2, 1)
     start, d = w.topk(k, dim=-1).indices, sq_dists(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
-    med, assign = kmedoids_triton(d, w, start, iters, _SWAP_RTOL)
-    on_cpu = native.kmedoids(lib, d, w, start, iters, _SWAP_RTOL)
-    for other in (_kmedoids_dense(d, w, start, iters), on_cpu):
+    med, assign = kmedoids_triton(d, w, start, iters, SWAP_RTOL)
+    on_cpu = native.kmedoids(lib, d, w, start, iters, SWAP_RTOL)
+    for other in (kmedoids_dense(d, w, start, iters), on_cpu):
         assert torch.equal(med, other[0]) and torch.equal(assign, other[1])
     if case == 8:  # float64 has no such rounding: the reference would break these ties differently
         assert (d < 0).any(), "the case must reach negative distances"

@@ -12,11 +12,11 @@ import torch
 
 from pipeline.pooling import native, token_pool
 from pipeline.pooling.clustering import (
-    _SWAP_RTOL,
-    _kmeans_gram_iterations,
+    SWAP_RTOL,
     _kmeans_gram_op,
-    _kmedoids_dense,
     _kmedoids_op,
+    kmeans_gram_iterations,
+    kmedoids_dense,
     sq_dists,
 )
 from tests import reference as ref
@@ -62,8 +62,8 @@ def test_native_kmedoids_matches_the_reference_and_the_torch_iterations(lib, sha
     x, w, start = _case(b, n, m, k, kind, seed=n + k)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     d = sq_dists(x)
-    med, assign = native.kmedoids(lib, d, w, start, iters, _SWAP_RTOL)
-    torch_med, torch_assign = _kmedoids_dense(d, w, start, iters)
+    med, assign = native.kmedoids(lib, d, w, start, iters, SWAP_RTOL)
+    torch_med, torch_assign = kmedoids_dense(d, w, start, iters)
     assert torch.equal(med, torch_med) and torch.equal(assign, torch_assign)  # the same bits
     if kind == "negative":  # float64 has no such rounding: the reference breaks these ties differently
         assert (d < 0).any(), "the case must reach negative distances"
@@ -80,7 +80,7 @@ def test_native_kmeans_matches_the_reference_and_the_torch_iterations(lib, shape
     x, w, start = _case(b, n, m, k, kind, seed=n + k + 1)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     assign = native.kmeans_gram(lib, _gram(x), w, start, iters)
-    assert torch.equal(assign, _kmeans_gram_iterations(_gram(x), w, start, iters))
+    assert torch.equal(assign, kmeans_gram_iterations(_gram(x), w, start, iters))
     for s in range(b):
         ws = w[s].double().numpy() if weighted else np.ones(n)
         assert assign[s].tolist() == ref.kmeans(x[s].double().numpy(), ws, start[s].tolist(), iters)
@@ -95,7 +95,7 @@ def test_native_kmeans_keeps_the_centre_of_an_empty_cluster(lib):
     for iters in (1, 2, 5):
         got = native.kmeans_gram(lib, _gram(x), None, start, iters)
         assert got[0].tolist() == ref.kmeans(x[0].double().numpy(), np.ones(6), [0, 1, 2], iters)
-        assert torch.equal(got, _kmeans_gram_iterations(_gram(x), None, start, iters))
+        assert torch.equal(got, kmeans_gram_iterations(_gram(x), None, start, iters))
     assert 1 not in native.kmeans_gram(lib, _gram(x), None, start, 1)[0].tolist(), "the case must empty a cluster"
 
 
@@ -104,7 +104,7 @@ def test_the_float64_kernels_match_the_references(lib, weighted):
     x, w, start = _case(3, 40, 6, 9, "random", seed=5)
     x = x.double()
     w = w.double() / w.amax() if weighted else None
-    med, assign = native.kmedoids(lib, sq_dists(x), w, start, 4, _SWAP_RTOL)
+    med, assign = native.kmedoids(lib, sq_dists(x), w, start, 4, SWAP_RTOL)
     means = native.kmeans_gram(lib, _gram(x), w, start, 4)
     for s in range(3):
         ws = w[s].numpy() if weighted else np.ones(40)
@@ -127,7 +127,7 @@ def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, mo
     assert calls == ["kmedoids", "kmeans_gram"]
     # one iteration: the medoids are the starting ones, in a tensor of the op's own
     assert torch.equal(med, start) and med.data_ptr() != start.data_ptr()
-    assert native.kmedoids(lib, sq_dists(x)[:0], None, start[:0], 3, _SWAP_RTOL)[0].shape == (0, 7)
+    assert native.kmedoids(lib, sq_dists(x)[:0], None, start[:0], 3, SWAP_RTOL)[0].shape == (0, 7)
     assert native.kmeans_gram(lib, _gram(x)[:0], None, start[:0], 3).shape == (0, 30)
 
 

@@ -251,11 +251,11 @@ def test_cluster_on_metric_matches_clustering_the_metric_itself(method):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kmedoids_torch_iterations_agree_with_the_native_kernel(weighted):
     # The op's torch default (one-hot matmuls: CUDA without Triton) against what the CPU runs.
-    from pipeline.pooling.clustering import _kmedoids, _kmedoids_dense, sq_dists
+    from pipeline.pooling.clustering import _kmedoids, kmedoids_dense, sq_dists
 
     tokens, scores, _ = _batch(8, 3, 40, 5)
     w = scores / scores.amax(-1, keepdim=True) if weighted else None
     start = scores.topk(9, dim=-1).indices
-    dense = _kmedoids_dense(sq_dists(tokens), w, start, 5)
+    dense = kmedoids_dense(sq_dists(tokens), w, start, 5)
     native = _kmedoids(tokens, w, start, 5)
     assert torch.equal(dense[0], native[0]) and torch.equal(dense[1], native[1])

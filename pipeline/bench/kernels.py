@@ -32,7 +32,7 @@ from pipeline.errors import InputError, JobError
 from pipeline.models.patch_embed import use_patch_embed
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
-from pipeline.pooling.clustering import _SWAP_RTOL, _kmeans_gram_iterations, _kmedoids_dense, sq_dists
+from pipeline.pooling.clustering import SWAP_RTOL, kmeans_gram_iterations, kmedoids_dense, sq_dists
 from pipeline.pooling.common import dense_segments, one_hot, pool_segments
 from pipeline.runtime import cuda_settings, inference
 
@@ -103,13 +103,13 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
              "|---:|---:|---|---|---:|---|"]
     for k in ks:
         start = w.topk(k, dim=-1).indices
-        tilings = {f"({bn}, {bj})": partial(kt.kmedoids_triton, d, w, start, 5, _SWAP_RTOL, block_n=bn, block_j=bj)
+        tilings = {f"({bn}, {bj})": partial(kt.kmedoids_triton, d, w, start, 5, SWAP_RTOL, block_n=bn, block_j=bj)
                    for bn in (16, 32) for bj in (64, 128)}
-        times = _timing_cells(timer, device, partial(_kmedoids_dense, d, w, start, 5),
-                              partial(kt.kmedoids_triton, d, w, start, 5, _SWAP_RTOL), tilings)
+        times = _timing_cells(timer, device, partial(kmedoids_dense, d, w, start, 5),
+                              partial(kt.kmedoids_triton, d, w, start, 5, SWAP_RTOL), tilings)
         pool_ms = timer(partial(token_pool, x, k, weights=w, validate=False))
-        med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, _SWAP_RTOL)
-        med_d, assign_d = _kmedoids_dense(d, w, start, 5)
+        med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, SWAP_RTOL)
+        med_d, assign_d = kmedoids_dense(d, w, start, 5)
         same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
         lines.append(f"| {k} | {times} | {pool_ms:.3f} | {same} |")
     return "\n".join(lines)
@@ -123,7 +123,7 @@ def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -
     timer = _timer(device)
     x, w = _deit_s_tokens(device, batch, seed=1)
     gram = torch.bmm(x, x.transpose(1, 2))
-    compiled = torch.compile(_kmeans_gram_iterations, fullgraph=True, dynamic=False) if device == "cuda" else None
+    compiled = torch.compile(kmeans_gram_iterations, fullgraph=True, dynamic=False) if device == "cuda" else None
     lines = [f"K-Means, batch {batch}: the Gram matrix (bmm, TF32) {timer(lambda: torch.bmm(x, x.transpose(1, 2))):.3f}"
              " ms", "",
              "| K | torch Gram-form iterations ms | CUDA graph ms | compiled (inductor) ms "
@@ -131,7 +131,7 @@ def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -
              "|---:|---:|---:|---:|---:|---|"]
     for k in ks:
         start = w.topk(k, dim=-1).indices
-        eager = partial(_kmeans_gram_iterations, gram, w, start, 5)
+        eager = partial(kmeans_gram_iterations, gram, w, start, 5)
         graphed = _graphed(eager, device)
         if compiled is None:
             fast, other = "-", torch.ops.tokenpool.kmeans_gram(gram, w, start, 5)
@@ -211,7 +211,7 @@ def precision_table(device: str, batch: int, k: int = 147) -> str:
     start = w.topk(k, dim=-1).indices
     d64 = sq_dists(x.double())
     d32 = sq_dists(x)
-    med32, assign = _kmedoids_dense(d32, w, start, 5)
+    med32, assign = kmedoids_dense(d32, w, start, 5)
     means64 = pool_segments(x.double(), w.double(), None, assign, k, None)[0]
     rows = []
 
@@ -221,7 +221,7 @@ def precision_table(device: str, batch: int, k: int = 147) -> str:
                     else f"| {name} | {timer(fn):.3f} | {error(out)} |")
 
     def distance_error(d: Tensor) -> str:
-        med, assign_d = _kmedoids_dense(d, w, start, 5)
+        med, assign_d = kmedoids_dense(d, w, start, 5)
         return (f"max error / mean distance {((d.double() - d64).abs().amax() / d64.mean()):.2e}; K-Medoids alike: "
                 f"medoids {(med == med32).float().mean():.4f}, assign {(assign_d == assign).float().mean():.4f}")
 

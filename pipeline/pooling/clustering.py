@@ -57,7 +57,7 @@ INITS = ("topk", "random")
 _WEIGHT_FLOOR = 1e-12
 # A medoid is replaced only by a member cheaper by more than this relative margin. Two-member
 # clusters tie exactly (unweighted), and float32 rounding must not flip a tie into a swap.
-_SWAP_RTOL = 1e-4
+SWAP_RTOL = 1e-4
 
 
 def sq_dists(x: Tensor) -> Tensor:
@@ -151,11 +151,11 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     """
     gram = torch.bmm(x, x.transpose(1, 2))
     if use_dense(x):
-        return _kmeans_gram_iterations(gram, w, start, iters)
+        return kmeans_gram_iterations(gram, w, start, iters)
     return _kmeans_gram_op(gram, w, start, iters)
 
 
-def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
     """The Gram-form iterations in torch ops: gram (B, N, N), w (B, N) or None, start (B, K) -> (B, N)."""
     b, n, _ = gram.shape
     k = start.shape[1]
@@ -180,14 +180,14 @@ def _kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters
 def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
     """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op, for the CPU path: native code on
     the CPU, the torch iterations on any other device."""
-    return _kmeans_gram_iterations(gram, w, start, iters)
+    return kmeans_gram_iterations(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cpu")
 def _kmeans_gram_cpu(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
     lib = native.for_tensor(gram)
     if lib is None:
-        return _kmeans_gram_iterations(gram, w, start, iters)
+        return kmeans_gram_iterations(gram, w, start, iters)
     return native.kmeans_gram(lib, gram, w, start, iters)
 
 
@@ -205,7 +205,7 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
     ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op, ``tokenpool::kmedoids``: Triton
     kernels on CUDA (``kmedoids_triton``, two an iteration), native code on the CPU (``native.kmedoids``,
-    one call for all of them), and the torch iterations (``_kmedoids_dense``) where neither is at hand.
+    one call for all of them), and the torch iterations (``kmedoids_dense``) where neither is at hand.
     """
     return _kmedoids_op(sq_dists(x), w, medoids, iters)
 
@@ -218,7 +218,7 @@ def _reach(d: Tensor) -> Tensor:
     return reach
 
 
-def _kmedoids_dense(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def kmedoids_dense(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
     """The iterations in dense torch ops: the (B, N, K) costs are one batched matmul of the
     column-weighted d against the one-hot membership, ``log(one-hot)`` putting +inf off the members.
     What runs without the Triton or the native kernel (the op's default), and the reference that
@@ -241,7 +241,7 @@ def _swap(cost: Tensor, med: Tensor) -> Tensor:
     the current medoid (B, 1, K) by the relative margin; ties to the lowest index. -> (B, 1, K)."""
     best_cost, best = cost.min(1, keepdim=True)
     current = cost.gather(1, med)  # the current medoid is a member of its cluster
-    return torch.where(best_cost < current * (1.0 - _SWAP_RTOL), best, med)
+    return torch.where(best_cost < current * (1.0 - SWAP_RTOL), best, med)
 
 
 @torch.library.custom_op("tokenpool::kmedoids", mutates_args=())
@@ -254,7 +254,7 @@ def _kmedoids_op(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tu
 def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
     if kmedoids_triton is None or d.dtype != torch.float32:  # the kernel sums in float32
         return _kmedoids_dense_owned(d, w, medoids, iters)
-    return kmedoids_triton(d, w, medoids, iters, _SWAP_RTOL)
+    return kmedoids_triton(d, w, medoids, iters, SWAP_RTOL)
 
 
 @_kmedoids_op.register_kernel("cpu")
@@ -262,13 +262,13 @@ def _kmedoids_cpu(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> t
     lib = native.for_tensor(d)
     if lib is None:
         return _kmedoids_dense_owned(d, w, medoids, iters)
-    return native.kmedoids(lib, d, w, medoids, iters, _SWAP_RTOL)
+    return native.kmedoids(lib, d, w, medoids, iters, SWAP_RTOL)
 
 
 def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """``_kmedoids_dense`` with medoids the op owns: with iters=1 they are a view of the input, which a
+    """``kmedoids_dense`` with medoids the op owns: with iters=1 they are a view of the input, which a
     custom op may not return."""
-    med, assign = _kmedoids_dense(d, w, medoids, iters)
+    med, assign = kmedoids_dense(d, w, medoids, iters)
     return med.clone(), assign
 
 
