@@ -9,6 +9,7 @@ the finetune run's checkpoint artifact.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mlflow.tracking import MlflowClient
@@ -16,6 +17,8 @@ from mlflow.tracking import MlflowClient
 from pipeline.dag.records import DONE, STAGE_KIND, TRAINED_RUN
 from pipeline.errors import InputError, MissingFileError
 from pipeline.tracking import store_missing
+
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # experiment.name's pattern: safe inside a quoted filter
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,20 @@ def open_store(tracking_uri: str) -> MlflowClient:
 
 
 def registered_versions(client: MlflowClient, experiment: str) -> dict[str, str]:
-    """{finetune run id: models:/NAME/VERSION} of the experiment's registered MLflow models."""
+    """{finetune run id: models:/NAME/VERSION} of the experiment's registered image classifiers."""
+    from pipeline.serving.publish import SERVING, SERVING_TAG
+
     name = f"token-pooling-{experiment}"
     versions = client.search_model_versions(f"name = '{name}'")
-    return {v.run_id: f"models:/{name}/{v.version}" for v in versions if v.source.startswith("models:/")}
+    return {v.run_id: f"models:/{name}/{v.version}" for v in versions if v.tags.get(SERVING_TAG) == SERVING}
 
 
 def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
     """Every evaluated model of the newest DAG run named ``experiment``, in whichever MLflow experiment
     (``train.experiment``) it was recorded."""
+    if not EXPERIMENT_NAME.fullmatch(experiment):
+        raise InputError(f"--experiment {experiment!r}: an experiment.name holds only letters, digits, '_', '.' and "
+                         "'-'; no experiment can have this name")
     ids = [e.experiment_id for e in client.search_experiments()]
     parents = client.search_runs(
         ids, filter_string=f"tags.`{STAGE_KIND}` = 'dag' and attributes.run_name = '{experiment}'",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,9 +28,27 @@ class TrackingError(PipelineError, RuntimeError):
     """The tracking store cannot be used; says which URI and how to fix it."""
 
 
+def redact(uri: str) -> str:
+    """``uri`` without its user and password (``http://user:secret@host:5000`` -> ``http://***@host:5000``):
+    the form every message and log line of this project shows."""
+    parts = urllib.parse.urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
+def refuse_credentials(uri: str) -> None:
+    """TrackingError for a URI that carries a user or password: they would be printed and logged with it."""
+    if redact(uri) != uri:
+        raise TrackingError(f"the tracking URI {redact(uri)} holds a user and password; give it without them and "
+                            "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or ~/.mlflow/credentials), "
+                            "which MLflow reads and this project never prints")
+
+
 def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
     """Fails fast when a tracking server does not answer or refuses the credentials, or a SQLite store's
     folder cannot be created; creates nothing (``create_store`` does, once every check passed)."""
+    refuse_credentials(uri)
     if uri.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout) as response:
@@ -50,7 +69,9 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
 
 
 def store_missing(uri: str) -> bool:
-    """A SQLite store that does not exist (reading it must not create it); servers count as present."""
+    """A SQLite store that does not exist (reading it must not create it); servers count as present. Refuses
+    a URI with credentials in it (``refuse_credentials``)."""
+    refuse_credentials(uri)
     return uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()
 
 

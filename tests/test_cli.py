@@ -34,9 +34,9 @@ def parser_help(capsys, *args: str) -> str:
 def test_help_lists_only_working_commands(capsys):
     out = run("--help").stdout  # once as a user runs it
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
-    assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "viz",
-                      "analyze"}
-    subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels"},
+    assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "serve",
+                      "viz", "analyze"}
+    subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels", "serve"},
                    "analyze": {"redundancy", "reconstruction"}, "viz": {"clusters"},
                    "data": {"write", "folder", "check"}, "config": {"show"}}
     for command, expected in subcommands.items():

@@ -190,17 +190,13 @@ def beton_images(beton: str | Path, subject: Subject, *, count: int | None = Non
     Read through the validation pipeline (centre crop at the subject's resolution) with the
     identity normalisation, so the batches are the pixels the model's validation loader sees.
     """
-    from pipeline.data.loaders import LoaderSpec, check_dataset, ffcv_loader
+    from pipeline.data.loaders import check_dataset, read_pixels
 
     # A clear error for a missing, truncated or edited file (or its metadata), before FFCV reads it.
     total = int(check_dataset(beton)["num_images"])
     if count is not None and not 1 <= count <= total:
         raise AnalysisError(f"{beton} holds {total} images; asked for {count}")
-    spec = LoaderSpec(str(beton), train=False, batch_size=batch, res=subject.res, mean=(0.0,) * 3,
-                      std=(1.0 / 255,) * 3, workers=1, flip=False, crop_pct=subject.crop_pct)
-    # Only the wanted indices: the iterator then runs to its end (an abandoned FFCV iterator can abort at exit).
-    for images, _ in ffcv_loader(spec, indices=np.arange(total if count is None else count)):
-        yield images.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
+    yield from read_pixels(beton, subject.res, subject.crop_pct, total if count is None else count, batch)
 
 
 def first_batches(beton: str | Path, subject: Subject, *, batches: int, batch: int) -> list[np.ndarray]:

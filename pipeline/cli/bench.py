@@ -204,6 +204,33 @@ def add_model_bench_args(parser: argparse.ArgumentParser, dtypes: tuple[str, ...
                              "one matmul")
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.bench.serve import format_load, load_test
+
+    if not args.image.is_file():
+        raise MissingFileError(f"--image {args.image}: no such file; `pipeline serve` prints the path of an example")
+    if args.clients < 1 or args.seconds <= 0:
+        raise InputError("--clients and --seconds must be positive")
+    result = load_test(args.url.rstrip("/"), args.image.read_bytes(), clients=args.clients, seconds=args.seconds,
+                       top_k=args.top_k)
+    print(json.dumps(result.as_dict()) if args.json else format_load(args.url, result))
+    return 1 if result.errors else 0
+
+
+def _add_bench_serve(bench_commands) -> None:
+    serve = bench_commands.add_parser("serve", help="a bounded load test of a running `pipeline serve`: "
+                                      "requests/s, p50 and p99, errors, and whether every answer was the same")
+    serve.add_argument("--url", default="http://127.0.0.1:5000", help="the server (default http://127.0.0.1:5000)")
+    serve.add_argument("--image", type=Path, required=True, help="an image file to send, again and again")
+    serve.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    serve.add_argument("--seconds", type=float, default=10.0, help="how long (default 10)")
+    serve.add_argument("--top-k", type=int, default=3)
+    serve.add_argument("--json", action="store_true", help="one JSON object (with the answer when all agree)")
+    serve.set_defaults(func=cmd_bench_serve)
+
+
 def add_commands(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
@@ -232,3 +259,4 @@ def add_commands(commands) -> None:
     loop.set_defaults(func=cmd_bench_loop)
     _add_bench_loader(bench_commands)
     _add_bench_kernels(bench_commands)
+    _add_bench_serve(bench_commands)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pipeline.cli.common import add_config_args
 from pipeline.config import ConfigError, load_config
-from pipeline.errors import MissingFileError
+from pipeline.errors import InputError, MissingFileError
+from pipeline.serving.server import DEFAULT_STORE
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -42,12 +43,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_select(args: argparse.Namespace) -> int:
+def _pick(args: argparse.Namespace):
     from pipeline.budget import best_under_budget, candidates, open_store
 
     models = candidates(open_store(args.tracking_uri), args.experiment)
-    pick = best_under_budget(models, max_gflops=args.max_gflops, min_images_per_s=args.min_images_per_s,
+    return best_under_budget(models, max_gflops=args.max_gflops, min_images_per_s=args.min_images_per_s,
                              device=args.device)
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    pick = _pick(args)
     print(f"model: {pick.uri}\ntop1: {pick.top1:.2f}\ngflops: {pick.gflops:.4f}\n"
           f"images_per_s: {pick.images_per_s:.1f} ({pick.device})\nmethod: {pick.method}\nlevel: {pick.level}")
     return 0
@@ -79,6 +84,40 @@ def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
                                 f"MLflow run in {tracking_uri} with a report ({err})") from None
     return Path(local)
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pipeline.serving.server import serve
+
+    if (args.model is None) == (args.experiment is None):
+        raise InputError("give a MODEL (token-pooling-demo@best) or --experiment NAME with a budget, not both")
+    if args.experiment is not None and args.max_gflops is None and args.min_images_per_s is None:
+        raise InputError("--experiment needs a budget: --max-gflops X or --min-images-per-s Y")
+    model = args.model if args.model is not None else _pick(args).uri
+    return serve(model, host=args.host, port=args.port, workers=args.workers, tracking_uri=args.tracking_uri,
+                 verbose=args.verbose, log=lambda line: print(line, flush=True))
+
+
+def _add_budget_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    budget = parser.add_mutually_exclusive_group(required=required)
+    budget.add_argument("--max-gflops", type=float, default=None)
+    budget.add_argument("--min-images-per-s", type=float, default=None,
+                        help="measured images/s, as the evaluate stage timed them")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="only models timed on this device (default: any)")
+    parser.add_argument("--tracking-uri", default=DEFAULT_STORE)
+
+
+def _add_serve_command(commands) -> None:
+    serve = commands.add_parser("serve", help="serve a registered model over HTTP: images in, class names out")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="NAME@ALIAS (token-pooling-demo@best), NAME/VERSION, a models:/ URI or a model folder")
+    serve.add_argument("--experiment", default=None, help="or the best model of this experiment under a budget")
+    _add_budget_args(serve, required=False)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=5000)
+    serve.add_argument("--workers", type=int, default=1, help="server processes")
+    serve.add_argument("--verbose", action="store_true", help="the server's access log")
+    serve.set_defaults(func=cmd_serve)
+
 
 def add_commands(commands) -> None:
     run = commands.add_parser("run", help="the stage DAG: base, K search, finetune sweep, evaluate, select")
@@ -93,15 +132,10 @@ def add_commands(commands) -> None:
     report.add_argument("run", nargs="?", default=None,
                         help="results folder, experiment name or MLflow parent run id (default: the latest)")
     report.add_argument("--out", type=Path, default=None, help="write the report here instead")
-    report.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
+    report.add_argument("--tracking-uri", default=DEFAULT_STORE)
     report.set_defaults(func=cmd_report)
     select = commands.add_parser("select", help="the best model of an experiment under a GFLOPs or speed budget")
     select.add_argument("--experiment", required=True, help="experiment.name of a `pipeline run`")
-    budget = select.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--max-gflops", type=float, default=None)
-    budget.add_argument("--min-images-per-s", type=float, default=None,
-                        help="measured images/s, as the evaluate stage timed them")
-    select.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="only models timed on this device (default: any)")
-    select.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
+    _add_budget_args(select, required=True)
     select.set_defaults(func=cmd_select)
+    _add_serve_command(commands)

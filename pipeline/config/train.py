@@ -45,6 +45,15 @@ class TrainConfig(Section):
     compile: CompileMode = Field("none", description="torch.compile the model (fullgraph) in this mode")
 
     @model_validator(mode="after")
+    def _no_credentials_in_the_uri(self) -> TrainConfig:
+        from pipeline.tracking import redact
+
+        if redact(self.tracking_uri) != self.tracking_uri:
+            raise ValueError(f"train.tracking_uri {redact(self.tracking_uri)} holds a user and password; give it "
+                             "without them and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+        return self
+
+    @model_validator(mode="after")
     def _compile_fits_the_device(self) -> TrainConfig:
         if self.compile == "reduce-overhead" and not self.use_gpu:
             raise ValueError("train.compile 'reduce-overhead' captures CUDA graphs: it needs train.use_gpu: true")

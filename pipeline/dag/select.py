@@ -56,7 +56,7 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.serving import log_model
+    from pipeline.serving.publish import SERVING, SERVING_TAG, log_model
 
     client, name = ctx.client, f"token-pooling-{ctx.config.experiment.name}"
     mlflow.set_tracking_uri(ctx.config.train.tracking_uri)  # the registry resolves models:/ sources through it
@@ -65,9 +65,10 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
     except MlflowException:
         client.create_registered_model(name, description="Pareto-optimal models of `pipeline run` (MLflow models: "
                                        "mlflow.pyfunc.load_model('models:/NAME@best'))")
-    # Versions of earlier releases pointed at the raw checkpoint file; only MLflow-model versions are reused.
+    # Versions of earlier releases hold a raw checkpoint or a model of tensors in, logits out; only image
+    # classifiers are reused.
     versions = {v.run_id: v.version for v in client.search_model_versions(f"name = '{name}'")
-                if v.source.startswith("models:/")}
+                if v.tags.get(SERVING_TAG) == SERVING}
     aliases = []
     for alias, row in picks:
         version = versions.get(row["run_id"])
@@ -76,10 +77,18 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
                                              "speed_setting")}
             uri = log_model(ctx.config.train.tracking_uri, row["run_id"], row["checkpoint"], metadata)
             version = versions[row["run_id"]] = client.create_model_version(
-                name, uri, run_id=row["run_id"], tags=version_tags(row), model_id=uri.rsplit("/", 1)[-1]).version
+                name, uri, run_id=row["run_id"], tags={**version_tags(row), SERVING_TAG: SERVING},
+                model_id=uri.rsplit("/", 1)[-1]).version
         client.set_registered_model_alias(name, alias, version)
         aliases.append(f"{name}@{alias}")
     return aliases
+
+
+def _store_flag(tracking_uri: str) -> str:
+    """The ``--tracking-uri`` a command needs to find this store, or nothing for the default one."""
+    from pipeline.serving.server import DEFAULT_STORE
+
+    return "" if tracking_uri == DEFAULT_STORE else f" --tracking-uri {tracking_uri}"
 
 
 def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
@@ -102,7 +111,8 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     ctx.log(f"mlflow:  {ctx.config.train.tracking_uri} (experiment {ctx.config.train.experiment!r}, "
             f"parent run {ctx.parent}); `mlflow ui --backend-store-uri {ctx.config.train.tracking_uri}`")
     if aliases:
-        ctx.log(f"registry: {', '.join(aliases)} (MLflow models: mlflow.pyfunc.load_model, mlflow models serve; "
-                "pickled modules: load them only from a store you trust)")
+        ctx.log(f"registry: {', '.join(aliases)} (image classifiers; serve one with `python -m pipeline serve "
+                f"{aliases[0]}{_store_flag(ctx.config.train.tracking_uri)}`; pickled modules: load them only from a "
+                "store you trust)")
     return {"rows": rows, "front": front, "files": {k: str(v) for k, v in files.items()}, "aliases": aliases,
             "parent_run_id": ctx.parent}

@@ -249,6 +249,16 @@ def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
                   drop_last=spec.train if spec.drop_last is None else spec.drop_last)
 
 
+def read_pixels(beton: str | Path, res: int, crop_pct: float, count: int, batch: int = 64) -> Iterator[np.ndarray]:
+    """The first ``count`` images of a ``.beton`` as uint8 ``(B, res, res, 3)`` batches, in file order: the
+    pixels the validation loader sees (centre crop of ``crop_pct``, resized), before normalisation."""
+    spec = LoaderSpec(str(beton), train=False, batch_size=batch, res=res, mean=(0.0,) * 3, std=(1.0 / 255,) * 3,
+                      workers=1, flip=False, crop_pct=crop_pct)
+    # Only the wanted indices: the iterator then runs to its end (an abandoned FFCV iterator can abort at exit).
+    for images, _ in ffcv_loader(spec, indices=np.arange(count)):
+        yield images.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
 def set_resolution(loader, res: int) -> None:
     """Progressive resizing (ffcv-imagenet): changes the random-resized-crop output size for the next epoch."""
     from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder

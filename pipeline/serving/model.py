@@ -1,0 +1,158 @@
+"""The served model: an MLflow pyfunc that takes images and answers with class names.
+
+It carries what a client would otherwise need to know: the model's preprocessing (timm's evaluation
+transform from the model's data config: resize, centre crop, interpolation, mean and std; grayscale and
+RGBA made RGB) and the dataset's class names. One column, ``image``, takes per row:
+
+- an encoded image (JPEG, PNG, WebP, ...), as bytes, or base64 in JSON;
+- a uint8 array (H, W) or (H, W, C), C in 1, 3, 4 (any size: it is resized as a decoded image is);
+- the normalised float tensor (3, H, W) at the model's input size, which earlier versions took.
+
+Per image it returns the top-1 class (``index``, ``label``, ``probability``) and the ``top_k`` classes
+(``params: {"top_k": 5}``). Input it cannot use raises ``BadInput`` (HTTP 400 from the scoring server), one
+line naming the image and what was wrong. This module imports neither the training code nor Ray.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from typing import Any
+
+import mlflow
+import numpy as np
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import BAD_REQUEST
+
+BAD_INPUT = "bad input: "  # the prefix the scoring app (pipeline.serving.app) finds in a message to cut it to a line
+TOP_K = 5
+
+
+class BadInput(MlflowException):
+    """An image or parameter the model cannot use; HTTP 400 in the scoring server."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(BAD_INPUT + message, error_code=BAD_REQUEST)
+
+
+def _decoded(image: Any, index: int):
+    """A PIL image in RGB from encoded bytes or a uint8 array, else BadInput."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, str):
+        try:
+            image = base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadInput(f"image {index}: a string that is not base64; send the file's bytes base64-encoded") \
+                from None
+    if isinstance(image, (bytes, bytearray)):
+        try:
+            with Image.open(io.BytesIO(image)) as opened:
+                opened.load()
+                return opened.convert("RGB")
+        except UnidentifiedImageError:
+            raise BadInput(f"image {index}: not an image file ({len(image)} bytes); send JPEG, PNG or WebP") from None
+        except (OSError, SyntaxError, ValueError) as err:  # truncated or corrupt data
+            raise BadInput(f"image {index}: a broken image file ({err})") from None
+    array = np.asarray(image)
+    if array.dtype.kind not in "iu" or not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4))) \
+            or array.size == 0:
+        raise BadInput(f"image {index}: an array of shape {array.shape} and dtype {array.dtype}; send uint8 (H, W) "
+                       "or (H, W, 3), an encoded image, or the normalised float (3, H, W) at the model's size")
+    if array.min() < 0 or array.max() > 255:
+        raise BadInput(f"image {index}: pixel values from {array.min()} to {array.max()}; uint8 runs from 0 to 255")
+    array = array.astype(np.uint8)
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[..., 0]
+    return Image.fromarray(array).convert("RGB")
+
+
+class ImageClassifier(mlflow.pyfunc.PythonModel):
+    """The pyfunc: ``artifacts["model"]`` is the pickled ``nn.Module``; ``model_config`` holds ``classes`` and
+    timm's data config (``input_size``, ``interpolation``, ``mean``, ``std``, ``crop_pct``, ``crop_mode``)."""
+
+    def load_context(self, context) -> None:
+        import torch
+        from timm.data import create_transform
+
+        self.model = torch.load(context.artifacts["model"], map_location="cpu", weights_only=False).eval()
+        config = dict(context.model_config)
+        self.classes: list[str] = list(config.pop("classes"))
+        self.size = tuple(config["input_size"])
+        self.transform = create_transform(**config, is_training=False)
+
+    def _tensor(self, image: Any, index: int):
+        import torch
+
+        if isinstance(image, (list, np.ndarray)) and np.asarray(image).dtype.kind == "f":
+            array = np.asarray(image, dtype=np.float32)
+            if array.shape != self.size:
+                raise BadInput(f"image {index}: a float array of shape {array.shape}; a normalised tensor must be "
+                               f"{self.size}, else send uint8 pixels or an encoded image")
+            if not np.isfinite(array).all():
+                raise BadInput(f"image {index}: the float tensor holds NaN or infinity")
+            return torch.from_numpy(array)
+        return self.transform(_decoded(image, index))
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        import torch
+
+        top_k = int((params or {}).get("top_k", TOP_K))
+        if not 1 <= top_k <= len(self.classes):
+            raise BadInput(f"top_k {top_k}: give 1 to {len(self.classes)} (the classes)")
+        images = _column(model_input)
+        batch = torch.stack([self._tensor(image, i) for i, image in enumerate(images)])
+        with torch.no_grad():
+            probs = self.model(batch).float().softmax(-1)
+        values, indices = probs.topk(top_k, dim=-1)
+        rows = []
+        for value, index in zip(values.tolist(), indices.tolist()):
+            ranked = [{"index": i, "label": self.classes[i], "probability": p} for i, p in zip(index, value)]
+            rows.append({**ranked[0], "top_k": ranked})
+        return pd.DataFrame(rows, columns=["index", "label", "probability", "top_k"])
+
+
+def _column(model_input: Any) -> list[Any]:
+    """The images of a request: the ``image`` column of a DataFrame, or a list / array of images."""
+    if isinstance(model_input, pd.DataFrame):
+        if "image" not in model_input.columns:
+            raise BadInput(f"no 'image' column (got {list(model_input.columns)}); send "
+                           '{"dataframe_split": {"columns": ["image"], "data": [[IMAGE], ...]}}')
+        images = list(model_input["image"])
+    elif isinstance(model_input, dict) and "image" in model_input:
+        images = list(model_input["image"])
+    elif isinstance(model_input, (list, np.ndarray)):
+        images = list(model_input)
+    else:
+        raise BadInput(f"{type(model_input).__name__} input; send a column 'image' of images")
+    if not images:
+        raise BadInput("no images; send at least one")
+    return images
+
+
+def signature_and_example(example_image: bytes, num_classes: int):
+    """The signature (a column ``image`` of any of the forms above, the ``top_k`` parameter, the answer's
+    columns) and an input example: ``example_image``, an encoded image, base64 in JSON."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import AnyType, Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+
+    ranked = Object([Property("index", "long"), Property("label", "string"), Property("probability", "double")])
+    signature = ModelSignature(
+        inputs=Schema([ColSpec(AnyType(), "image")]),
+        outputs=Schema([ColSpec("long", "index"), ColSpec("string", "label"), ColSpec("double", "probability"),
+                        ColSpec(Array(ranked), "top_k")]),
+        params=ParamSchema([ParamSpec("top_k", "long", min(TOP_K, num_classes))]),
+    )
+    example = pd.DataFrame({"image": [base64.b64encode(example_image).decode()]})
+    return signature, (example, {"top_k": min(TOP_K, num_classes)})
+
+
+def encode_jpeg(array: np.ndarray, quality: int = 95) -> bytes:
+    """``(H, W, 3)`` uint8 -> JPEG bytes."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()

@@ -1,0 +1,95 @@
+"""Finetuned models into the MLflow Model Registry as image classifiers (``pipeline.serving.model``), so that a
+Pareto pick loads with ``mlflow.pyfunc.load_model("models:/NAME@ALIAS")`` and serves with ``pipeline serve``.
+
+The network is the whole ``nn.Module``, pickled (the pooled blocks are this package's classes), with this
+package as ``code_paths`` so that a fresh process that never imports the training code can unpickle it:
+load models only from a store you trust.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mlflow.tracking import MlflowClient
+
+from pipeline.tracking import log_batch
+
+MODEL_ARTIFACT = "model"
+# On the finetune run: its logged image classifier, for idempotent reruns. Runs of earlier releases carry
+# "pipeline.model_uri" (a model of float tensors in, logits out): a rerun logs the classifier beside it.
+MODEL_URI_TAG = "pipeline.classifier_uri"
+SERVING_TAG, SERVING = "pipeline.serving", "image-classifier"  # on a registered version: what `pipeline serve` serves
+PACKAGE = Path(__file__).resolve().parents[1]
+ENTRY = Path(__file__).resolve().with_name("entry.py")  # the pyfunc, as models-from-code
+
+
+def pip_requirements() -> list[str]:
+    """The packages the served model needs, at the versions installed here."""
+    from importlib.metadata import version
+
+    names = ("torch", "torchvision", "timm", "mlflow", "numpy", "pandas", "pillow")
+    return [f"{name}=={version(name).split('+')[0]}" for name in names]
+
+
+def example_batch(model, images: int = 1):
+    """A fixed (images, 3, H, W) float32 batch at the model's input size (seeded, reproducible)."""
+    import torch
+
+    from pipeline.models import data_config
+
+    size = data_config(model)["input_size"]
+    return torch.randn(images, *size, generator=torch.Generator().manual_seed(0))
+
+
+def model_config(model, classes: list[str]) -> dict[str, Any]:
+    """What the served model needs besides its weights: the class names and timm's data config."""
+    from pipeline.models import data_config
+
+    data = data_config(model)
+    keys = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
+    return {"classes": list(classes), **{key: data[key] for key in keys if key in data}}
+
+
+def _dataset(config, model) -> tuple[list[str], bytes]:
+    """The class names and the first validation image (JPEG, at the model's input size) of the data a
+    checkpoint was trained on."""
+    from pipeline.data.loaders import read_metadata, read_pixels
+    from pipeline.models import data_config
+    from pipeline.serving.model import encode_jpeg
+
+    classes = read_metadata(config.data.train)["classes"]
+    first = next(read_pixels(config.data.val, data_config(model)["input_size"][-1], 1.0, count=1, batch=1))[0]
+    return classes, encode_jpeg(first)
+
+
+def log_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: dict[str, Any]) -> str:
+    """Logs the checkpoint's model as an image classifier on ``run_id`` (once; a rerun reuses it).
+
+    Returns its model URI (``models:/m-...``).
+    """
+    import cloudpickle
+    import mlflow
+    import torch
+
+    from pipeline.serving.model import signature_and_example
+    from pipeline.train.checkpoint import model_from_checkpoint
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    logged = client.get_run(run_id).data.tags.get(MODEL_URI_TAG)
+    if logged is not None:
+        return logged
+    model, config, _ = model_from_checkpoint(checkpoint)
+    classes, example = _dataset(config, model)
+    signature, input_example = signature_and_example(example, len(classes))
+    mlflow.set_tracking_uri(tracking_uri)
+    with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=run_id):
+        # cloudpickle, as mlflow.pytorch pickles: the pooled blocks hold closures (their built operators).
+        torch.save(model, Path(tmp) / "model.pt", pickle_module=cloudpickle)
+        info = mlflow.pyfunc.log_model(
+            name=MODEL_ARTIFACT, python_model=str(ENTRY), artifacts={"model": str(Path(tmp) / "model.pt")},
+            model_config=model_config(model, classes), code_paths=[str(PACKAGE)], signature=signature,
+            input_example=input_example, pip_requirements=pip_requirements(), metadata=metadata)
+    log_batch(client, run_id, tags={MODEL_URI_TAG: info.model_uri})
+    return info.model_uri

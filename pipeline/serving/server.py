@@ -1,0 +1,131 @@
+"""``pipeline serve``: a registered image classifier behind MLflow's scoring server, on this machine.
+
+The server runs as ``python -m uvicorn pipeline.serving.app:app`` with this interpreter, so it works
+whether or not the virtual environment is activated (``mlflow models serve`` starts ``uvicorn`` from the
+``PATH``: "exec: uvicorn: not found" outside the venv). It binds to loopback unless told otherwise, and
+prints its URL and a ``curl`` line that sends a real image once it answers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.errors import InputError, JobError, MissingFileError
+
+DEFAULT_STORE = "sqlite:///runs/mlflow.db"
+SERVE_DIR = Path("runs/serve")  # the downloaded models and their example images
+_SHORT = re.compile(r"^[A-Za-z0-9_.-]+(@[A-Za-z0-9_.-]+|/\d+)$")  # NAME@ALIAS or NAME/VERSION
+
+
+def model_uri(model: str) -> str:
+    """``NAME@ALIAS`` or ``NAME/VERSION`` of the registry -> ``models:/...``; URIs and folders as they are."""
+    if "://" in model or model.startswith(("models:/", "runs:/")) or Path(model).is_dir():
+        return model
+    if _SHORT.match(model):
+        return f"models:/{model}"
+    raise InputError(f"{model!r}: give a registered model as NAME@ALIAS (token-pooling-demo@best) or NAME/VERSION, "
+                     "a models:/ or runs:/ URI, or a model folder")
+
+
+def fetch(uri: str, tracking_uri: str) -> Path:
+    """The model's files in a local folder under ``SERVE_DIR`` (downloaded once per model version)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.tracking import redact, store_missing
+
+    if Path(uri).is_dir():
+        return Path(uri)
+    if store_missing(tracking_uri):
+        raise MissingFileError(f"there is no MLflow store at {redact(tracking_uri)}; pass --tracking-uri, or run "
+                               "`python -m pipeline run` first")
+    mlflow.set_tracking_uri(tracking_uri)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar a file of the model's code
+    try:
+        info = mlflow.models.get_model_info(uri)
+    except (MlflowException, OSError) as err:
+        raise MissingFileError(f"{uri}: no such model in {redact(tracking_uri)} ({str(err).splitlines()[0]}); "
+                               "`python -m pipeline select --experiment NAME --max-gflops X` names one") from None
+    folder = SERVE_DIR / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{uri}-{info.model_uuid}")
+    if not (folder / "MLmodel").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(folder))
+    config = mlflow.models.Model.load(str(folder)).flavors.get("python_function", {}).get("config") or {}
+    if "classes" not in config:
+        raise InputError(f"{uri} is not an image classifier of this project (a model of tensors in, logits out, "
+                         "registered by an earlier release); run `python -m pipeline run` again to register "
+                         "classifiers")
+    return folder
+
+
+def example_image(folder: Path) -> Path:
+    """The model's input example (a validation image) as a JPEG beside the model, for the ``curl`` line."""
+    target = folder / "example.jpg"
+    if not target.is_file():
+        example = json.loads((folder / "serving_input_example.json").read_text())
+        target.write_bytes(base64.b64decode(example["dataframe_split"]["data"][0][0]))
+    return target
+
+
+def curl_line(url: str, image: Path, top_k: int = 3) -> str:
+    body = ('{\\"dataframe_split\\": {\\"columns\\": [\\"image\\"], \\"data\\": [[\\"$(base64 -w0 ' + str(image)
+            + ')\\"]]}, \\"params\\": {\\"top_k\\": ' + str(top_k) + '}}')
+    return f"curl -s {url}/invocations -H 'Content-Type: application/json' -d \"{body}\""
+
+
+def _ready(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise JobError(f"the scoring server exited with status {process.returncode} before it answered; its "
+                           "output is above")
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    process.terminate()
+    raise JobError(f"the scoring server did not answer {url}/ping within {timeout:.0f} s")
+
+
+def serve(model: str, *, host: str, port: int, workers: int, tracking_uri: str, verbose: bool,
+          log: Callable[[str], None] = print) -> int:
+    """Serves ``model`` until interrupted; returns the server's exit status (0 after Ctrl-C)."""
+    if workers < 1 or not 0 < port < 65536:
+        raise InputError(f"--workers {workers} --port {port}: give at least one worker and a port in 1..65535")
+    uri = model_uri(model)
+    folder = fetch(uri, tracking_uri)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    command = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", str(workers),
+               "--log-level", "info" if verbose else "warning", "pipeline.serving.app:app"]
+    from pipeline.serving.app import MODEL_ENV
+
+    env = {**os.environ, MODEL_ENV: str(folder.resolve())}
+    log(f"serving {uri} from {folder} on {host}:{port} ({workers} worker(s)) ...")
+    process = subprocess.Popen(command, env=env)
+    try:
+        _ready(url, process, timeout=300)
+        log(f"ready: {url}  (POST {url}/invocations; GET {url}/ping; Ctrl-C stops it)")
+        log("send an image:\n  " + curl_line(url, example_image(folder).resolve()))
+        return process.wait()
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log("stopped")
+        return 0

@@ -1,0 +1,202 @@
+"""``pipeline serve`` on a real process: a tiny trained model registered as an image classifier, served from a
+shell without the virtual environment on its PATH, answering images with class names as the model in this
+process does, refusing bad input with HTTP 400 and staying up, and holding a bounded load."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from PIL import Image
+
+from pipeline.config import load_config
+from pipeline.data import open_source, write_folder
+from tests.conftest import write_synthetic_pair
+from tests.processes import ROOT, free_port, stop
+
+TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
+NAME = "tiny-serve"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """A tiny model trained one epoch, logged and registered as ``tiny-serve@best`` as the select stage does."""
+    from pipeline.serving.publish import SERVING, SERVING_TAG, log_model
+    from pipeline.train import run_training
+    from pipeline.train.checkpoint import model_from_checkpoint
+
+    root = write_synthetic_pair(tmp_path_factory.mktemp("serve"), 128, 32)
+    store = f"sqlite:///{root / 'mlflow.db'}"
+    config = load_config(TINY, [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}",
+                                "train.workers=0", f"train.storage_path={root / 'ray'}", f"train.tracking_uri={store}",
+                                f"train.artifact_root={root / 'artifacts'}", "recipe.epochs=1", "train.name=serve"])
+    result = run_training(config)
+    uri = log_model(store, result.run_id, result.checkpoint, {"method": "none"})
+    client = MlflowClient(tracking_uri=store)
+    client.create_registered_model(NAME)
+    version = client.create_model_version(NAME, uri, run_id=result.run_id, tags={SERVING_TAG: SERVING},
+                                          model_id=uri.rsplit("/", 1)[-1]).version
+    client.set_registered_model_alias(NAME, "best", version)
+    write_folder(open_source("synthetic:classes=4,count=8,size=16,seed=1"), root / "jpegs", size=None,
+                 log=lambda _: None)
+    model, _, _ = model_from_checkpoint(result.checkpoint)
+    return {"root": root, "store": store, "model": model, "jpegs": sorted((root / "jpegs").rglob("*.jpg"))}
+
+
+def expected(model, images: list[Image.Image]) -> torch.Tensor:
+    """Class probabilities of the model in this process: the pixels, normalised as its data config says."""
+    from timm.data import create_transform, resolve_model_data_config
+
+    transform = create_transform(**resolve_model_data_config(model), is_training=False)
+    with torch.no_grad():
+        return model(torch.stack([transform(image.convert("RGB")) for image in images])).softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def server(trained):
+    """``python -m pipeline serve tiny-serve@best`` with a PATH that lacks the virtual environment."""
+    port, log = free_port(), trained["root"] / "serve.log"
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "pipeline", "serve", f"{NAME}@best", "--port", str(port),
+               "--tracking-uri", trained["store"]]
+    proc = subprocess.Popen(command, cwd=trained["root"], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and "send an image:" not in log.read_text() and proc.poll() is None:
+        time.sleep(0.5)
+    text = log.read_text()
+    assert "send an image:" in text, text[-3000:]
+    yield {"url": f"http://127.0.0.1:{port}", "log": log, "proc": proc, "text": text}
+    stop(proc, grace=20)
+
+
+def post(url: str, payload: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}/invocations", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def images_payload(encoded: list[bytes], top_k: int = 3) -> dict:
+    return {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(b).decode()] for b in encoded]},
+            "params": {"top_k": top_k}}
+
+
+def encode(image: Image.Image, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def check_answers(answers: list[dict], probs: torch.Tensor, classes: list[str], top_k: int = 3) -> None:
+    values, indices = probs.topk(top_k, dim=-1)
+    assert len(answers) == len(probs)
+    for answer, value, index in zip(answers, values.tolist(), indices.tolist()):
+        assert [c["index"] for c in answer["top_k"]] == index
+        assert [c["label"] for c in answer["top_k"]] == [classes[i] for i in index]
+        np.testing.assert_allclose([c["probability"] for c in answer["top_k"]], value, rtol=1e-5, atol=1e-6)
+        assert (answer["index"], answer["label"]) == (index[0], classes[index[0]])
+
+
+CLASSES = [f"class_{i:03d}" for i in range(4)]  # the synthetic source's class names, from the dataset metadata
+
+
+def test_the_printed_curl_line_sends_an_image_and_gets_class_names(server):
+    curl = re.search(r"^  (curl .+)$", server["text"], flags=re.M).group(1)
+    assert curl.startswith(f"curl -s {server['url']}/invocations ")
+    answer = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, check=True,
+                                       timeout=60).stdout)
+    assert answer["predictions"][0]["label"] in CLASSES and len(answer["predictions"][0]["top_k"]) == 3
+
+
+def test_jpegs_are_answered_as_the_model_in_this_process_answers(trained, server):
+    files = trained["jpegs"][:4]
+    status, body = post(server["url"], images_payload([f.read_bytes() for f in files]))
+    assert status == 200, body
+    check_answers(body["predictions"], expected(trained["model"], [Image.open(f) for f in files]), CLASSES)
+
+
+def test_png_grayscale_and_large_images(trained, server):
+    picture = Image.open(trained["jpegs"][0]).convert("RGB")
+    gray = picture.convert("L")
+    large = picture.resize((1600, 1200), Image.BICUBIC)
+    status, body = post(server["url"], images_payload([encode(picture, "PNG"), encode(gray, "PNG"),
+                                                       encode(large, "JPEG")]))
+    assert status == 200, body
+    large_decoded = Image.open(io.BytesIO(encode(large, "JPEG")))
+    check_answers(body["predictions"], expected(trained["model"], [picture, gray, large_decoded]), CLASSES)
+
+
+def test_uint8_arrays_and_the_normalised_tensors_of_earlier_clients(trained, server):
+    picture = Image.open(trained["jpegs"][1]).convert("RGB")
+    pixels, gray = np.asarray(picture), np.asarray(picture.convert("L"))  # (H, W, 3) and (H, W)
+    status, body = post(server["url"], {"inputs": {"image": [pixels.tolist(), gray.tolist()]},
+                                        "params": {"top_k": 3}})
+    assert status == 200, body
+    check_answers(body["predictions"], expected(trained["model"], [picture, picture.convert("L")]), CLASSES)
+    from timm.data import create_transform, resolve_model_data_config
+
+    tensor = create_transform(**resolve_model_data_config(trained["model"]), is_training=False)(picture)
+    status, body = post(server["url"], {"inputs": [tensor.tolist()], "params": {"top_k": 3}})
+    assert status == 200, body
+    check_answers(body["predictions"], expected(trained["model"], [picture]), CLASSES)
+
+
+BAD = [
+    (images_payload([b"just some text, not an image"]), "image 0: not an image file"),
+    (lambda jpeg: images_payload([jpeg[: len(jpeg) // 2]]), "image 0: a broken image file"),
+    ({"dataframe_split": {"columns": ["image"], "data": [["%%% not base64 %%%"]]}}, "a string that is not base64"),
+    ({"dataframe_split": {"columns": ["image"], "data": []}}, "no images; send at least one"),
+    ({"inputs": {"image": [[[0.5, 0.2], [0.1, 0.3]]]}}, "image 0: a float array of shape (2, 2)"),
+    ({"inputs": {"image": [[[[1, 2, 3, 4, 5]]]]}}, "image 0: an array of shape (1, 1, 5)"),
+    ({"inputs": {"image": [[[300, 2], [1, 2]]]}}, "pixel values from 1 to 300"),
+    (lambda jpeg: {**images_payload([jpeg]), "params": {"top_k": 99}}, "top_k 99: give 1 to 4"),
+]
+
+
+@pytest.mark.parametrize(("payload", "says"), BAD, ids=[says.split(":")[0][:30] for _, says in BAD])
+def test_bad_input_gets_400_with_one_line_and_the_server_stays_up(trained, server, payload, says):
+    jpeg = trained["jpegs"][0].read_bytes()
+    status, body = post(server["url"], payload(jpeg) if callable(payload) else payload)
+    assert status == 400 and says in body["message"], body
+    assert "\n" not in body["message"] and "Failed to predict" not in body["message"], body
+    status, body = post(server["url"], images_payload([jpeg]))
+    assert status == 200 and body["predictions"][0]["label"] in CLASSES
+
+
+def test_a_bounded_load_is_answered_without_errors_and_always_alike(trained, server):
+    image = trained["jpegs"][2]
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "bench", "serve", "--url", server["url"], "--image",
+                           str(image), "--clients", "4", "--seconds", "3", "--json"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["errors"] == {} and result["requests"] > 4 and result["distinct_answers"] == 1, result
+    check_answers(result["answer"]["predictions"], expected(trained["model"], [Image.open(image)]), CLASSES)
+    assert result["p99_ms"] >= result["p50_ms"] > 0
+
+
+def test_serve_refuses_what_it_cannot_serve(trained):
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    for args, says in ((["nope@best"], "models:/nope@best: no such model"),
+                       (["a b c"], "give a registered model as NAME@ALIAS"),
+                       (["--experiment", "demo"], "--experiment needs a budget")):
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "serve", *args, "--tracking-uri", trained["store"],
+                               "--port", str(free_port())], cwd=trained["root"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
