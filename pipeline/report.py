@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import plots
+from pipeline.errors import InputError
 from pipeline.methods import keeps_all
 from pipeline.pareto import Point, best_at_budgets, pareto_front
 
@@ -20,6 +21,9 @@ COSTS = {"gflops": lambda r: r["gflops"], "images_per_s": lambda r: 1.0 / r["ima
 COST_LABELS = {"gflops": "GFLOPs lower", "images_per_s": "measured images/s higher"}
 
 
+REQUIRED_COLUMNS = ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s")  # what the report reads
+
+
 def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Sequence[str] = COLUMNS) -> Path:
     return plots.write_csv(rows, path, columns)
 
@@ -28,10 +32,19 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
     """The results table back, with numbers and keep lists parsed."""
     rows = []
     with path.open() as handle:
-        for row in csv.DictReader(handle):
-            for key in ("gflops", "top1", "images_per_s", "train_top1"):
-                row[key] = float(row[key]) if row.get(key) not in (None, "", "None") else None
-            row["keep"] = json.loads(row["keep"]) if row.get("keep") not in (None, "", "None") else None
+        reader = csv.DictReader(handle)
+        missing = [column for column in REQUIRED_COLUMNS if column not in (reader.fieldnames or [])]
+        if missing:
+            raise InputError(f"{path} lacks the column(s) {', '.join(missing)}; it was not written by `pipeline run` "
+                             "or was edited; run `pipeline run` again to write it")
+        for line, row in enumerate(reader, start=2):
+            try:
+                for key in ("gflops", "top1", "images_per_s", "train_top1"):
+                    row[key] = float(row[key]) if row.get(key) not in (None, "", "None") else None
+                row["keep"] = json.loads(row["keep"]) if row.get("keep") not in (None, "", "None") else None
+            except (ValueError, TypeError) as err:
+                raise InputError(f"{path}, line {line}: a value that is not a number or a keep list ({err}); run "
+                                 "`pipeline run` again to write it") from None
             rows.append(row)
     return rows
 

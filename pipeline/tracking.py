@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from pipeline.console import redact
 from pipeline.errors import PipelineError
 
 RUN_KEY_TAG = "pipeline.run_key"
@@ -26,15 +26,6 @@ MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 
 class TrackingError(PipelineError, RuntimeError):
     """The tracking store cannot be used; says which URI and how to fix it."""
-
-
-def redact(uri: str) -> str:
-    """``uri`` without its user and password (``http://user:secret@host:5000`` -> ``http://***@host:5000``):
-    the form every message and log line of this project shows."""
-    parts = urllib.parse.urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 def refuse_credentials(uri: str) -> None:

@@ -3,8 +3,11 @@ nothing written or created on the way."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from PIL import Image
 
 from pipeline.cli import main
 from pipeline.methods import build_downsampler
@@ -143,3 +146,195 @@ def test_catalogue_of_wrong_inputs_gives_one_clear_line_and_writes_nothing(argv,
     assert code == 2 and says in err, err
     assert "Traceback" not in err
     assert sorted(os.listdir(tmp_path)) == ["fake.beton"]  # no store, folder or partial file left behind
+
+
+# ---- what a new user's probe found (each with its fix) ----
+
+def test_a_rerun_under_the_same_name_with_another_config_is_refused(tmp_path):
+    """`pipeline train` reruns a run folder only under the config that made it: another learning rate,
+    seed, dataset or width is refused with the keys that differ, as are fewer epochs than done; more epochs
+    continue it, and --restart sets the earlier run aside and starts over."""
+    from pipeline.config import ConfigError, load_config
+    from pipeline.train import run_training
+    from tests.conftest import write_synthetic_pair
+
+    data = write_synthetic_pair(tmp_path, 64, 32)
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_synthetic.yaml"
+
+    def config(*extra: str):
+        return load_config(tiny, [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}",
+                                  "train.workers=0", f"train.storage_path={tmp_path / 'ray'}",
+                                  f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "train.name=same",
+                                  f"train.artifact_root={tmp_path / 'art'}", "recipe.epochs=1", *extra])
+
+    first = run_training(config())
+    for change, says in ((["recipe.lr=0.1", "seed=3"], "recipe.lr: 0.002 -> 0.1; seed: 0 -> 3"),
+                         ([f"data.train={data / 'val.beton'}"], "data.train: "),
+                         (["model.embed_dim=32"], "model.embed_dim: 24 -> 32")):
+        with pytest.raises(ConfigError, match="names a run of another config") as refused:
+            run_training(config(*change))
+        assert says in str(refused.value) and "--restart" in str(refused.value)
+    more = run_training(config("recipe.epochs=2"))
+    assert more.summary["epoch"] == 2 and more.run_id == first.run_id
+    with pytest.raises(ConfigError, match=r"recipe.epochs=1, but the run 'same' has done 2 epochs"):
+        run_training(config())
+    fresh = run_training(config("recipe.lr=0.1"), restart=True)
+    assert fresh.summary["epoch"] == 1 and list((tmp_path / "ray").glob("same.restarted-*"))
+
+
+def test_a_directory_link_back_into_the_tree_is_not_followed(tmp_path):
+    from pipeline.data import open_source
+
+    for name in ("class_a", "class_b"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8), (10, 20, 30)).save(tmp_path / name / "one.png")
+    (tmp_path / "class_a" / "up").symlink_to("..")
+    (tmp_path / "class_a" / "self").symlink_to(".")
+    source = open_source(f"imagefolder:{tmp_path}")
+    assert len(source) == 2 and sorted(source.labels.tolist()) == [0, 1]
+    assert sorted(Path(p).name for p in source.skipped_links) == ["self", "up"]
+
+
+def test_data_check_refuses_labels_beyond_the_classes(tmp_path, capsys):
+    import json
+
+    from pipeline.data import WriteSettings, open_source, write_beton
+
+    out = tmp_path / "x.beton"
+    write_beton(open_source("synthetic:classes=4,count=8,size=8"), out, WriteSettings(mode="raw", max_res=None),
+                log=lambda _: None)
+    meta_path = tmp_path / "x.beton.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(num_classes=3, classes=meta["classes"][:3])
+    meta_path.write_text(json.dumps(meta))
+    code, _, err = run(capsys, "data", "check", str(out))
+    assert code == 2 and "its labels run from 0 to 3, but its metadata says num_classes=3" in err, err
+
+
+def test_thin_images_keep_a_pixel_a_side_and_the_write_ends(tmp_path):
+    """2000 x 2 at --max-res 256 became 256 x 0 in FFCV's resize, which failed in a writer process while
+    the parent waited forever."""
+    from ffcv.reader import Reader
+
+    from pipeline.data import WriteSettings, open_source, write_beton
+
+    for name, size in (("wide", (2000, 2)), ("tall", (2, 2000))):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        Image.new("RGB", size, (100, 50, 0)).save(tmp_path / "src" / name / "x.png")
+    write_beton(open_source(f"imagefolder:{tmp_path / 'src'}"), tmp_path / "thin.beton",
+                WriteSettings(mode="jpg", max_res=256), log=lambda _: None)
+    stored = Reader(str(tmp_path / "thin.beton")).metadata["f0"]
+    assert sorted(zip(stored["width"].tolist(), stored["height"].tolist())) == [(1, 256), (256, 1)]
+
+
+WRITER_FAILS = """
+import sys
+from pipeline.data import WriteSettings, open_source, write
+from pipeline.errors import PipelineError
+
+def broken(self, index):
+    raise RuntimeError("a writer process fails on its first image")
+
+write._Samples.__getitem__ = broken
+try:
+    write.write_beton(open_source("synthetic:classes=2,count=50,size=8"), sys.argv[1], WriteSettings(mode="raw"),
+                      log=lambda _: None)
+except PipelineError as err:
+    print("refused:", err)
+"""
+
+
+def test_a_writer_process_that_fails_at_once_ends_the_write(tmp_path):
+    """A writer process that dies before the watchdog first looks (it used to miss those) ends the write."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", WRITER_FAILS, str(tmp_path / "x.beton")], capture_output=True,
+                          text=True, timeout=120)
+    assert "refused: a writer process failed" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert not (tmp_path / "x.beton").exists()
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["data", "write", "--source", "synthetic:classes=10,count=4", "--out", "a.beton"],
+     "count=4 is below classes=10: 6 class(es) would have no image"),
+    (["config", "show", "--set", "seed=-1"], "seed: Input should be greater than or equal to 0"),
+    (["config", "show", "--set", "train.tracking_uri=http://bob:hunter2@localhost:5000"],
+     "http://***@localhost:5000 holds a user and password"),
+    (["analyze", "redundancy", "--model", "vit_tiny_patch16_224", "--data", "x.beton", "--batches", "0",
+      "--out", "o"], "--batches 0 --batch-size 64: both must be >= 1"),
+    (["select", "--experiment", "it's", "--max-gflops", "1", "--tracking-uri", "sqlite:///m.db"],
+     "an experiment.name holds only letters"),
+])
+def test_more_of_the_probes_inputs_get_one_line(argv, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    if "x.beton" in argv:
+        from pipeline.data import WriteSettings, open_source, write_beton
+
+        write_beton(open_source("synthetic:classes=2,count=4,size=8"), tmp_path / "x.beton",
+                    WriteSettings(mode="raw", max_res=None), log=lambda _: None)
+    if argv[0] == "select":
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri="sqlite:///m.db").search_experiments()
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and says in err and "Traceback" not in err, err
+    assert "hunter2" not in err
+
+
+def test_config_show_refuses_a_binary_file_and_an_out_that_is_a_file(tmp_path, capsys):
+    binary = tmp_path / "x.yaml"
+    binary.write_bytes(bytes(range(256)))
+    code, _, err = run(capsys, "config", "show", str(binary))
+    assert code == 2 and "not a text file" in err
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    code, _, err = run(capsys, "config", "show", "--out", str(taken))
+    assert code == 2 and "is a file; give the folder" in err
+    code, _, err = run(capsys, "report", str(tmp_path), "--out", str(taken))
+    assert code == 2 and ("is a file; give a folder" in err), err
+
+
+def test_report_of_a_malformed_results_csv(tmp_path, capsys):
+    (tmp_path / "results.csv").write_text("arch,level\nM16,lam0\n")
+    code, _, err = run(capsys, "report", str(tmp_path))
+    assert code == 2 and "lacks the column(s) method, keep, gflops, top1, images_per_s" in err, err
+    (tmp_path / "results.csv").write_text("arch,level,method,keep,gflops,top1,images_per_s\nM16,l,x,[1],cheap,1,1\n")
+    code, _, err = run(capsys, "report", str(tmp_path))
+    assert code == 2 and "line 2: a value that is not a number" in err, err
+
+
+def test_models_refuse_what_they_cannot_run_and_take_an_empty_batch():
+    from pipeline.errors import InputError
+    from pipeline.models import create_model
+
+    with pytest.raises(InputError, match="alpha must be a finite number > 0"):
+        create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=2, qk_norm="fixed", alpha=float("nan"))
+    with pytest.raises(InputError, match=r"patches of \(32, 32\) do not fit in images of \(16, 16\)"):
+        create_model("vit_tiny_patch16_224", img_size=16, patch_size=32, depth=2)
+    net = create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, depth=3, num_classes=5,
+                       method="wkmedoids", keep=[12, 8, 4]).eval()
+    with torch.no_grad():
+        assert net(torch.randn(0, 3, 16, 16)).shape == (0, 5)  # as timm's unmodified model answers
+
+
+def test_kmeans_refuses_tokens_whose_squares_overflow():
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError, match="squared norms overflow float32"):
+        token_pool(torch.randn(2, 8, 4) * 1e20, 3, method="kmeans")
+    token_pool(torch.randn(2, 8, 4) * 1e15, 3, method="kmeans")  # large but representable: fine
+
+
+def test_the_cli_turns_off_mlflows_telemetry_unless_the_user_set_it():
+    import os
+    import subprocess
+    import sys
+
+    code = "from pipeline.cli import main; main(['methods']); import os; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip().splitlines()[-1] == "true"
+    env["MLFLOW_DISABLE_TELEMETRY"] = "false"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip().splitlines()[-1] == "false"

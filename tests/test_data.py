@@ -382,7 +382,7 @@ def test_bad_sources_name_the_problem(tmp_path):
 
 
 def test_unwritable_output_is_refused_before_any_work(tmp_path):
-    source = open_source("synthetic:count=4,size=8")
+    source = open_source("synthetic:classes=2,count=4,size=8")
     with pytest.raises(DataWriteError, match="cannot create the folder /proc/no inside /proc"):
         write_beton(source, Path("/proc/no/x.beton"), RAW, log=lambda _: None)
     blocker = tmp_path / "file"
@@ -536,12 +536,12 @@ def test_the_numba_finalizer_keyerror_is_dropped_and_nothing_else(monkeypatch, c
     Dispatcher finalizer raise a KeyError that Python ignores (seen with a fresh numba cache: `make
     demo`'s evaluate stage printed it about 20 times). The hook drops exactly that traceback: a
     KeyError raised elsewhere, or another error from that finalizer, still reaches the previous hook."""
-    from pipeline.data import loaders
+    from pipeline import console
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_type))
-    loaders.quiet_numba_finalizer()
-    loaders.quiet_numba_finalizer()  # idempotent: one hook, wrapping the previous one once
+    console.quiet_numba_finalizer()
+    console.quiet_numba_finalizer()  # idempotent: one hook, wrapping the previous one once
 
     def unraisable(filename: str, error: type[Exception]):
         code = compile(f"def finalizer():\n    raise {error.__name__}('x')\n", filename, "exec")

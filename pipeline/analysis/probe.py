@@ -203,5 +203,9 @@ def first_batches(beton: str | Path, subject: Subject, *, batches: int, batch: i
     """Up to ``batches`` batches of ``batch`` images from the start of a ``.beton`` (fewer if it is smaller)."""
     from pipeline.data.loaders import read_metadata
 
+    if batches < 1 or batch < 1:
+        raise AnalysisError(f"--batches {batches} --batch-size {batch}: both must be >= 1 (the analyses average "
+                            "over that many batches of that many images)")
+
     count = min(batches * batch, int(read_metadata(beton)["num_images"]))
     return list(beton_images(beton, subject, count=count, batch=batch))

@@ -179,7 +179,8 @@ def host_loader(beton: Path, workers: int, batch: int, res: int, seed: int = 0):
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import ToTensor, ToTorchImage
 
-    from pipeline.data.loaders import label_pipeline, quiet_numba_finalizer, train_decode
+    from pipeline.console import quiet_numba_finalizer
+    from pipeline.data.loaders import label_pipeline, train_decode
 
     quiet_numba_finalizer()
     spec = LoaderSpec(str(beton), train=True, batch_size=batch, res=res, mean=(0.5,) * 3, std=(0.5,) * 3,

@@ -4,9 +4,11 @@ and calls into pipeline/; this module assembles them and turns the project's err
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pipeline.cli import analysis, bench, data, experiments, info, train
+from pipeline.console import VERBOSE_ENV, quiet_driver
 from pipeline.errors import PipelineError
 
 
@@ -35,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {dash}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_driver()
     try:
         return args.func(args)
     except PipelineError as err:  # ours, on purpose: one line; anything else keeps its traceback

@@ -27,13 +27,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.plan:
         print(json.dumps(count_plan(config).as_dict()))
         return 0
-    run_experiment(config, force=args.force, address=args.address, log=lambda line: print(line, flush=True))
+    try:
+        run_experiment(config, force=args.force, address=args.address, log=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again; finished stages are skipped and unfinished trainings "
+              "resume from their last checkpoints", file=sys.stderr)
+        return 130
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from pipeline.report import read_csv, write_report
 
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise InputError(f"--out {args.out} is a file; give a folder for report.md and the plots")
     folder = _find_run_folder(args.run, args.tracking_uri)
     rows = read_csv(folder / "results.csv")
     out = args.out or folder
@@ -127,6 +134,8 @@ def add_commands(commands) -> None:
     run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the config's SQLite store)")
     run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     run.add_argument("--plan", action="store_true", help="print the number of stages per kind and exit")
+    run.add_argument("--verbose", action="store_true",
+                       help="also Ray Train's and Tune's per-report and per-checkpoint lines (PIPELINE_VERBOSE=1)")
     run.set_defaults(func=cmd_run)
     report = commands.add_parser("report", help="print the results table and write report.md with plots")
     report.add_argument("run", nargs="?", default=None,

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline.config.base import CONFIG_DIR, ConfigError
 from pipeline.config.root import Config
+from pipeline.console import redact
 
 
 class _Loader(yaml.SafeLoader):
@@ -35,15 +36,15 @@ def _yaml(text: str) -> Any:
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"a.b=3"`` -> (["a", "b"], 3); the value is read as YAML, so types come out right."""
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, for example pooling.iters=3")
+        raise ConfigError(f"--set {redact(item)!r}: expected KEY=VALUE with a dotted key, for example pooling.iters=3")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"--set {item!r}: the key {key!r} has an empty part")
+        raise ConfigError(f"--set {redact(item)!r}: the key {key!r} has an empty part")
     try:
         value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({err})") from None
+        raise ConfigError(f"--set {redact(item)!r}: the value is not valid YAML ({err})") from None
     return parts, value
 
 
@@ -55,6 +56,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         data = _yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a config is YAML text); see configs/ for examples") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -74,7 +77,7 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, item: str) -> 
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+            raise ConfigError(f"--set {redact(item)!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
         node = child
     node[parts[-1]] = value
 
@@ -116,8 +119,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         parts, value = parse_override(item)
         _set_path(data, parts, value, item)
         for depth in range(1, len(parts)):  # sections the override created come from it too
-            sources.setdefault(tuple(parts[:depth]), f"--set {item}")
-        _flatten_sources(value, f"--set {item}", tuple(parts), sources)
+            sources.setdefault(tuple(parts[:depth]), f"--set {redact(item)}")
+        _flatten_sources(value, f"--set {redact(item)}", tuple(parts), sources)
     try:
         return Config.model_validate(data)
     except ValidationError as err:
@@ -149,6 +152,8 @@ def dump_config(config: Config) -> str:
 def write_resolved(config: Config, directory: str | Path) -> Path:
     """Writes ``config.yaml`` (the resolved config, headed by the git SHA and hash) into ``directory``."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--out {directory} is a file; give the folder to write config.yaml into")
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "config.yaml"
     header = f"# resolved config; git {git_sha(Path(__file__).parent)}; hash {config_hash(config)}\n"

@@ -21,7 +21,8 @@ from pipeline.methods import METHODS
 class Config(Section):
     """The whole config: every command reads the sections it needs (``pipeline config show`` prints them)."""
 
-    seed: int = 0
+    # Each rank seeds NumPy with seed * 1000 + rank, and NumPy takes 32-bit seeds.
+    seed: int = Field(0, ge=0, lt=2**32 // 1000 - 1, description="the run's seed (>= 0)")
     pooling: PoolingConfig = Field(default_factory=PoolingConfig)
     bench: BenchOpsConfig = Field(default_factory=BenchOpsConfig)
     bench_throughput: BenchThroughputConfig = Field(default_factory=BenchThroughputConfig)

@@ -46,7 +46,7 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _no_credentials_in_the_uri(self) -> TrainConfig:
-        from pipeline.tracking import redact
+        from pipeline.console import redact
 
         if redact(self.tracking_uri) != self.tracking_uri:
             raise ValueError(f"train.tracking_uri {redact(self.tracking_uri)} holds a user and password; give it "

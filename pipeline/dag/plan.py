@@ -12,22 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import METHOD_OPTION_FIELDS, Config, ExperimentConfig, PoolingConfig, StageRecipe
+from pipeline.config.identity import ADDED_OPTIONS, identity_content
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, keeps_all
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
-# Where a stage reads its result from; excluded from the identity.
-_VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
-             ("train", "tracking_uri"), ("train", "address"), ("train", "storage_path"), ("train", "artifact_root"),
-             ("train", "progress_bar")}
-# How a stage runs, not what it learns: the same function either way; excluded from the identity too.
-_EXECUTION_ONLY = {("train", "compile"), ("train", "log_every"), ("model", "patch_embed")}
-# Method options added after stage identities were first recorded, at the value that does what the code
-# did before them: left out of the identity, so that the stages recorded then still count.
-_ADDED_OPTIONS = {"significance": "eq4"}
-
-
 @dataclass(frozen=True)
 class Arch:
     """One point of the width axis: a label (``M96`` or a model name) and its model overrides."""
@@ -61,26 +51,6 @@ def stage_id(kind: str, config: Config | None, upstream: list[str], meta: dict[s
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def identity_content(config: Config) -> dict[str, Any]:
-    """What decides a training stage's result: the resolved config without where results go, without
-    the benchmark sections and execution-only settings (``train.compile``, ``model.patch_embed``), and
-    with the pooling section only for finetunes, as the method's resolved options (a changed default
-    that changes nothing changes no identity)."""
-    content = config.model_dump(mode="json")
-    for section, key in _VOLATILE | _EXECUTION_ONLY:
-        content.get(section, {}).pop(key, None)
-    for section in ("experiment", "bench", "bench_throughput", "bench_loop"):
-        content.pop(section, None)
-    pool = config.pooling
-    if config.train.mode == "finetune":
-        options = {key: value for key, value in pool.options().items() if _ADDED_OPTIONS.get(key, value) != value}
-        content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
-                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": options}
-    else:
-        content.pop("pooling", None)
-    return content
-
-
 # The pooling settings that every finetune of a sweep shares (the experiment sets the method and the
 # keep list per stage).
 _SHARED_POOLING = ("iters", "init", "cluster_on", "significance", "carry", "qk_norm", "alpha")
@@ -96,7 +66,7 @@ def dag_id(config: Config) -> str:
     meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
     values, defaults = config.pooling.model_dump(include=set(_SHARED_POOLING)), PoolingConfig().model_dump()
     shared = {key: value for key, value in values.items()
-              if value != defaults[key] and value != _ADDED_OPTIONS.get(key)}
+              if value != defaults[key] and value != ADDED_OPTIONS.get(key)}
     if shared:
         meta["pooling"] = shared
     return stage_id("dag", config, [], meta)

@@ -7,17 +7,16 @@ Normalisation and the validation crop come from the model's data config
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
 from pipeline.config import DataConfig
+from pipeline.console import quiet_numba_finalizer
 from pipeline.data.write import metadata_path
 from pipeline.errors import InputError, MissingFileError, PipelineError
 
@@ -106,6 +105,15 @@ def beton_samples(beton: str | Path) -> int:
     return int(header[0]["num_samples"])
 
 
+def label_range(beton: str | Path) -> tuple[int, int]:
+    """The smallest and largest label a ``.beton`` holds, read from its index (no image is decoded)."""
+    from ffcv.reader import Reader
+
+    reader = Reader(str(beton))
+    labels = reader.metadata[f"f{reader.field_names.index('label')}"]
+    return (int(labels.min()), int(labels.max())) if len(labels) else (0, -1)
+
+
 def check_dataset(beton: str | Path, num_classes: int | None = None, full_checksum: bool = False
                   ) -> dict[str, Any]:
     """Refuses a ``.beton`` whose metadata disagrees with the config or with the file itself; returns
@@ -128,6 +136,11 @@ def check_dataset(beton: str | Path, num_classes: int | None = None, full_checks
     if meta["num_classes"] != len(meta["classes"]):
         raise DatasetMismatchError(f"{beton}: its metadata says num_classes={meta['num_classes']} but lists "
                                    f"{len(meta['classes'])} classes; write the dataset again")
+    low, high = label_range(beton)
+    if low < 0 or high >= meta["num_classes"]:
+        raise DatasetMismatchError(f"{beton}: its labels run from {low} to {high}, but its metadata says "
+                                   f"num_classes={meta['num_classes']} (labels 0..{meta['num_classes'] - 1}); the file "
+                                   "or its metadata was edited, or they belong to different writes; write it again")
     if num_classes is not None and meta["num_classes"] != num_classes:
         raise DatasetMismatchError(f"{beton} holds {meta['num_classes']} classes ({meta['source']}) but the config "
                                    f"says data.num_classes={num_classes}; fix the config or point at the right file")
@@ -192,38 +205,6 @@ def label_pipeline(spec: LoaderSpec) -> list:
     if spec.device != "cpu":
         ops.append(ToDevice(torch.device(spec.device), non_blocking=True))
     return ops
-
-
-def _from_numba_finalizer(traceback: TracebackType | None) -> bool:
-    """Whether a traceback passes through numba's ``Dispatcher`` finalizer."""
-    while traceback is not None:
-        code = traceback.tb_frame.f_code
-        if code.co_name == "finalizer" and Path(code.co_filename).parts[-3:] == ("numba", "core", "dispatcher.py"):
-            return True
-        traceback = traceback.tb_next
-    return False
-
-
-def quiet_numba_finalizer() -> None:
-    """Drops one known, harmless traceback from the output.
-
-    When an FFCV loader is garbage-collected in a process that has built more than one (FFCV 1.0.2,
-    numba 0.68: build two, drop them, ``gc.collect()``), numba's ``Dispatcher`` finalizer raises
-    ``KeyError`` while it unloads the compiled pipeline. Python ignores the exception anyway
-    ("Exception ignored in: <finalize object ...>"), but the evaluate stage printed its traceback
-    about 20 times a demo. Every other unraisable exception still reaches the previous hook.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "quiets_numba_finalizer", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if unraisable.exc_type is KeyError and _from_numba_finalizer(unraisable.exc_traceback):
-            return
-        previous(unraisable)
-
-    hook.quiets_numba_finalizer = True
-    sys.unraisablehook = hook
 
 
 def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):

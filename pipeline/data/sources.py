@@ -7,6 +7,7 @@ every writer and loader downstream sees RGB.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class Source:
     arrays: np.ndarray | None = None
     grayscale: bool = False
     non_images: list[str] = field(default_factory=list)
+    skipped_links: list[str] = field(default_factory=list)  # directory links into folders walked already
     synthetic_seed: int | None = None
     synthetic_size: int = 32
 
@@ -95,17 +97,28 @@ class Source:
 
     def subset(self, keep: np.ndarray) -> Source:
         """The samples at positions ``keep`` (used to drop files that failed validation)."""
-        return Source(self.spec, self.classes, [self.items[i] for i in keep], self.labels[keep], self.arrays,
-                      self.grayscale, self.non_images, self.synthetic_seed, self.synthetic_size)
+        return dataclasses.replace(self, items=[self.items[i] for i in keep], labels=self.labels[keep])
 
 
-def _scan_class(directory: Path) -> tuple[list[str], list[str]]:
-    images, others = [], []
-    for root, _dirs, files in os.walk(directory, followlinks=True):
+def _scan_class(directory: Path, tree: Path) -> tuple[list[str], list[str], list[str]]:
+    """The image files and the other files under ``directory``, and the directory links skipped: a link is
+    followed out of the ``tree`` (a class folder on another disk), never back into it (a loop, or another
+    class's images read twice), nor into a folder already walked."""
+    images, others, skipped = [], [], []
+    inside, walked = os.path.realpath(tree), {os.path.realpath(directory)}
+    for root, dirs, files in os.walk(directory, followlinks=True):
+        for name in list(dirs):
+            path = os.path.join(root, name)
+            target = os.path.realpath(path)
+            into_tree = os.path.islink(path) and (target == inside or target.startswith(inside + os.sep))
+            if into_tree or target in walked:
+                dirs.remove(name)
+                skipped.append(path)
+            walked.add(target)
         for name in sorted(files):
             path = os.path.join(root, name)
             (images if name.lower().endswith(IMAGE_EXTENSIONS) else others).append(path)
-    return sorted(images), sorted(others)
+    return sorted(images), sorted(others), sorted(skipped)
 
 
 def imagefolder_source(path: str | Path, limit: int | None = None) -> Source:
@@ -122,8 +135,10 @@ def imagefolder_source(path: str | Path, limit: int | None = None) -> Source:
     items: list[str] = []
     labels: list[int] = []
     non_images: list[str] = []
+    skipped_links: list[str] = []
     for index, name in enumerate(classes):
-        images, others = _scan_class(root / name)
+        images, others, skipped = _scan_class(root / name, root)
+        skipped_links += skipped
         if not images:
             raise SourceError(f"imagefolder:{root}: the class folder {name!r} holds no image files "
                               f"(extensions {', '.join(IMAGE_EXTENSIONS)}); remove it or add its images, "
@@ -132,7 +147,7 @@ def imagefolder_source(path: str | Path, limit: int | None = None) -> Source:
         labels += [index] * len(images)
         non_images += others
     source = Source(f"imagefolder:{root.resolve()}", classes, items, np.asarray(labels, dtype=np.int64),
-                    non_images=non_images)
+                    non_images=non_images, skipped_links=skipped_links)
     return _limit(source, limit)
 
 
@@ -190,6 +205,9 @@ def synthetic_source(options: dict[str, int], limit: int | None, seed: int = 0) 
     size = options.get("size", 32)
     if classes < 1 or count < 1 or size < 4:
         raise SourceError(f"synthetic: need classes >= 1, count >= 1 and size >= 4, got {options}")
+    if count < classes:
+        raise SourceError(f"synthetic: count={count} is below classes={classes}: {classes - count} class(es) would "
+                          f"have no image; give count >= {classes}")
     labels = np.arange(count, dtype=np.int64) % classes
     source = Source(f"synthetic:classes={classes},count={count},size={size},seed={options.get('seed', seed)}",
                     [f"class_{i:03d}" for i in range(classes)], list(range(count)), labels,

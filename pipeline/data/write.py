@@ -115,16 +115,31 @@ def validate_files(source: Source, settings: WriteSettings, log=print) -> tuple[
 
 
 class _Samples:
-    """What FFCV's writer indexes: ``(image, label)`` with ``image`` ``(H, W, 3)`` uint8."""
+    """What FFCV's writer indexes: ``(image, label)`` with ``image`` ``(H, W, 3)`` uint8, its longest side at
+    most ``max_res``.
 
-    def __init__(self, source: Source) -> None:
-        self.source = source
+    Resized here rather than by FFCV: FFCV scales both sides by the same ratio and truncates, so an image of
+    2000 x 2 at 256 px became 256 x 0, which OpenCV refuses inside a writer process. Here each side keeps at
+    least one pixel; otherwise it is FFCV's own resize (the same truncation, OpenCV's INTER_AREA), and FFCV
+    then leaves the image as it is.
+    """
+
+    def __init__(self, source: Source, max_res: int | None = None) -> None:
+        self.source, self.max_res = source, max_res
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        return self.source.image(index), int(self.source.labels[index])
+        image = self.source.image(index)
+        height, width = image.shape[:2]
+        if self.max_res is not None and max(height, width) > self.max_res:
+            import cv2
+
+            ratio = self.max_res / max(height, width)
+            size = (max(1, int(width * ratio)), max(1, int(height * ratio)))
+            image = cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+        return image, int(self.source.labels[index])
 
 
 def _check_output(out: Path, overwrite: bool) -> None:
@@ -166,14 +181,13 @@ def _check_space(out: Path, source: Source, settings: WriteSettings) -> None:
                              f"{need / 1e9:.2f} GB; free space or choose another --out")
 
 
-def _watch_workers(done: threading.Event, failed: list[str]) -> None:
-    """Interrupts the main thread if one of FFCV's writer processes exits with an error."""
-    seen: set[multiprocessing.Process] = set()
+def _watch_workers(done: threading.Event, failed: list[str], workers: list[multiprocessing.Process]) -> None:
+    """Interrupts the main thread if one of FFCV's writer processes (``workers``, as they start) exits with
+    an error: FFCV's writer would wait for it forever."""
     while not done.wait(0.1):
-        seen.update(multiprocessing.active_children())  # keeps dead ones too: active_children() drops them
-        for child in seen:
-            if child.exitcode not in (None, 0):
-                failed.append(f"{child.name} exited with code {child.exitcode}")
+        for worker in list(workers):
+            if worker.exitcode not in (None, 0):
+                failed.append(f"{worker.name} exited with code {worker.exitcode}")
                 _thread.interrupt_main()
                 return
 
@@ -195,6 +209,7 @@ def _abandon_queues() -> None:
 
 
 def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None:
+    from ffcv import writer as ffcv_writer
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
 
@@ -202,11 +217,21 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None
                                      jpeg_quality=settings.quality, compress_probability=settings.compress_probability),
               "label": IntField()}
     writer = DatasetWriter(str(tmp), fields, num_workers=max(settings.workers, 1))
-    done, failed = threading.Event(), []
-    watchdog = threading.Thread(target=_watch_workers, args=(done, failed), daemon=True)
+    done, failed, workers = threading.Event(), [], []
+
+    class Tracked(multiprocessing.Process):
+        """FFCV's worker process, kept in ``workers`` once started: one that fails before the watchdog first
+        looks has already left ``multiprocessing.active_children()``."""
+
+        def start(self) -> None:
+            super().start()
+            workers.append(self)
+
+    watchdog = threading.Thread(target=_watch_workers, args=(done, failed, workers), daemon=True)
     watchdog.start()
+    ffcv_writer.Process = Tracked  # the name ffcv.writer starts its workers by
     try:
-        writer.from_indexed_dataset(_Samples(source), chunksize=100)
+        writer.from_indexed_dataset(_Samples(source, settings.max_res), chunksize=100)
     except KeyboardInterrupt:
         if not failed:
             raise
@@ -218,6 +243,7 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None
         raise DataWriteError(f"a writer process failed ({failed[0]}); the disk may be full or the source "
                              "changed during the write, see the traceback above") from None
     finally:
+        ffcv_writer.Process = multiprocessing.Process
         done.set()
 
 
@@ -273,6 +299,7 @@ def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=pr
             "settings": settings.as_dict(),
             "skipped": skipped,
             "non_image_files": source.non_images,
+            "skipped_links": source.skipped_links,
             "bytes": tmp.stat().st_size,
             "sha256": sha256_file(tmp),
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -287,6 +314,10 @@ def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=pr
     log(f"wrote {out} ({len(source)} images, {len(source.classes)} classes, {metadata['bytes'] / 1e6:.1f} MB, "
         f"{len(source) / max(seconds, 1e-9):.0f} img/s; {len(skipped)} skipped, "
         f"{len(source.non_images)} non-image files ignored)")
+    links = source.skipped_links
+    if links:
+        log(f"not followed: {len(links)} directory link(s) into a folder already read (they would loop or read it "
+            f"twice): {', '.join(links[:5])}{' ...' if len(links) > 5 else ''}")
     return metadata
 
 

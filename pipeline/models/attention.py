@@ -101,7 +101,7 @@ def attend(
             scores=found[:, num_prefix:] if scores else None,
             keys=k.mean(dim=1)[:, num_prefix:] if keys else None,
         )
-    out = out.transpose(1, 2).reshape(b, t, -1)
+    out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)  # not -1: B may be 0
     return attn.proj_drop(attn.proj(attn.norm(out))), stats
 
 

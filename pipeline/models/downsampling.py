@@ -15,6 +15,7 @@ The next block then sees K_l + prefix tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,6 +278,8 @@ def apply_downsampling(
     options = method_spec(method).resolve(method, options)
     if qk_norm not in (None, *QK_NORM):
         raise InputError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
+    if not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
+        raise InputError(f"alpha must be a finite number > 0 (the scale of the normalised logits), got {alpha!r}")
     if soft_extract and (downsamples(method) or keep is not None):
         raise InputError("soft_extract is the K search: use it with method='none' and no keep list")
     num_tokens = model.patch_embed.num_patches

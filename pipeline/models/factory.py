@@ -75,6 +75,10 @@ def create_model(
         raise InputError(f"timm cannot build {name!r} with {arch}: {detail}{err}") from None
     except (TypeError, RuntimeError) as err:
         raise InputError(f"timm cannot build {name!r} with {arch}: {err}") from None
+    grid = getattr(getattr(model, "patch_embed", None), "grid_size", (1, 1))
+    if min(grid) < 1:
+        raise InputError(f"{name!r}: patches of {model.patch_embed.patch_size} do not fit in images of "
+                         f"{model.patch_embed.img_size}; give model.patch_size at most model.img_size")
     if downsamples(method) or keep is not None or carry or qk_norm is not None or soft_extract or options:
         apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
                            soft_extract=soft_extract, **(options or {}))

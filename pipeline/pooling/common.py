@@ -74,6 +74,11 @@ def check_tokens(tokens: Tensor, *, name: str = "tokens", finite: bool = True) -
     # One host sync at entry, never inside the iterations; callers on a hot path pass validate=False.
     if finite and not bool(torch.isfinite(tokens).all()):
         raise InputError(f"{name} contains NaN or inf values; check the upstream layer or the input data")
+    # Distances and similarities square the tokens in float32 (at least): finite tokens above ~1e19 overflow
+    # there, and every token would join one cluster.
+    if finite and not bool(torch.isfinite(tokens.float().square().sum(-1)).all()):
+        raise InputError(f"{name} are too large: their squared norms overflow float32 (largest |value| "
+                         f"{float(tokens.abs().max()):.3g}); scale them down, as a normalisation layer would")
 
 
 def check_per_token(

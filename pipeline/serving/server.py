@@ -43,7 +43,8 @@ def fetch(uri: str, tracking_uri: str) -> Path:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.tracking import redact, store_missing
+    from pipeline.console import redact
+    from pipeline.tracking import store_missing
 
     if Path(uri).is_dir():
         return Path(uri)

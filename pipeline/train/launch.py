@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError
+from pipeline.console import say
 from pipeline.errors import JobError, MissingFileError
 
 
@@ -129,6 +131,15 @@ def quiet_local_cleaner() -> None:
     logging.getLogger(_CLEANER_LOGGER).addFilter(_not_the_state_api_warning)
 
 
+def setup_local_worker() -> None:
+    """Ray worker setup hook of a local Ray: the cleaner's warning off, and the console quiet
+    (``pipeline.console.quiet_ray_worker``)."""
+    from pipeline.console import quiet_ray_worker
+
+    quiet_local_cleaner()
+    quiet_ray_worker()
+
+
 def connect_ray(address: str | None) -> None:
     """A local Ray by default, or the cluster at ``address`` (or ``RAY_ADDRESS``)."""
     import ray
@@ -146,7 +157,7 @@ def connect_ray(address: str | None) -> None:
     # processes inherit this environment, and Ray Train passes the variable on to its controller.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     ray.init(logging_level=logging.WARNING, include_dashboard=False,
-             runtime_env={"worker_process_setup_hook": f"{__name__}.{quiet_local_cleaner.__name__}"})
+             runtime_env={"worker_process_setup_hook": f"{__name__}.{setup_local_worker.__name__}"})
 
 
 def make_trainer(config: Config):
@@ -186,14 +197,70 @@ def run_local(config: Config, on_epoch: Callable[[dict[str, float]], None] | Non
     return TrainResult(checkpoint=str(directory), summary=json.loads((directory / "summary.json").read_text()))
 
 
-def run_training(config: Config, address: str | None = None,
-                 on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
-    """Runs (or resumes: same ``train.name`` and ``train.storage_path``) one training job.
+RUN_RECORD = "run_config.json"  # in STORAGE/NAME: the identity of the config that made the run
 
-    ``on_epoch`` (single-process jobs only) gets each epoch's metrics once its checkpoint is written.
+
+def run_folder(config: Config) -> Path | None:
+    """``train.storage_path/train.name``, where the run's checkpoints live (None on object storage)."""
+    storage = config.train.storage_path
+    return None if "://" in storage else Path(storage) / config.train.name
+
+
+def epochs_done(folder: Path) -> int:
+    """The newest epoch a checkpoint of the run in ``folder`` holds (Ray's or the local session's), 0 if none."""
+    done = 0
+    for summary in [*folder.glob("checkpoint_*/summary.json"), *folder.glob("local_checkpoints/epoch_*/summary.json")]:
+        try:
+            done = max(done, int(json.loads(summary.read_text())["epoch"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return done
+
+
+def check_rerun(config: Config, restart: bool = False) -> None:
+    """A run folder resumes only under the config that made it, with at least as many epochs as it has done.
+
+    ``restart`` sets the folder aside (renamed, not deleted) and starts over. A folder without the record,
+    written by an earlier release, is not checked; the record is written once this passes.
+    """
+    from pipeline.config.identity import identity_differences, run_identity
+
+    folder = run_folder(config)
+    if folder is None:
+        return
+    name = config.train.name
+    if restart and folder.exists():
+        aside = folder.with_name(f"{folder.name}.restarted-{time.strftime('%Y%m%d-%H%M%S')}")
+        folder.rename(aside)
+        say(f"[restart] {name}: the earlier run is now {aside}")
+    record, identity = folder / RUN_RECORD, run_identity(config)
+    if record.is_file():
+        differs = identity_differences(json.loads(record.read_text()), identity)
+        way_out = ("give a new train.name, or pass --restart to set the earlier run aside (it is kept) and start "
+                   "over")
+        if differs:
+            raise ConfigError(f"train.name {name!r} names a run of another config in {folder.parent}: "
+                              f"{'; '.join(differs[:6])}{' ...' if len(differs) > 6 else ''}; only more epochs of "
+                              f"the same config resume a run: {way_out}")
+        done = epochs_done(folder)
+        if config.recipe.epochs < done:
+            raise ConfigError(f"recipe.epochs={config.recipe.epochs}, but the run {name!r} has done {done} epochs; "
+                              f"give recipe.epochs >= {done} to continue it, or {way_out}")
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(identity, indent=2, sort_keys=True) + "\n")
+
+
+def run_training(config: Config, address: str | None = None,
+                 on_epoch: Callable[[dict[str, float]], None] | None = None, *, restart: bool = False) -> TrainResult:
+    """Runs (or resumes: same ``train.name`` and ``train.storage_path``, same config) one training job.
+
+    ``on_epoch`` (single-process jobs only) gets each epoch's metrics once its checkpoint is written;
+    ``restart`` sets an earlier run of the same name aside first (``check_rerun``).
     """
     config = resolve_paths(config)
     preflight(config)
+    check_rerun(config, restart)
     if config.train.workers == 0:
         return run_local(config, on_epoch)
     if on_epoch is not None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config
+from pipeline.console import say
 from pipeline.data.loaders import loader_spec, progressive_res, set_resolution, shared_loader
 from pipeline.errors import JobError
 from pipeline.models import data_config, project_retention, retention_keep, retention_penalty, unwrap
@@ -98,17 +99,6 @@ def init_from(config: Config, model: nn.Module) -> None:
         load_model_weights(model, state, config.train.init)
     elif config.model.weights is not None:
         load_weights(model, config.model.weights)
-
-
-def say(line: str) -> None:
-    """One line of rank 0's progress on stdout, flushed.
-
-    Not ``print``: in a Ray Train 2.60 worker ``print`` is patched to log each line and, because Ray's
-    workers write through their own ``sys.stdout`` wrapper, also to print it, so the driver showed every
-    line twice.
-    """
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def debug_hooks(config: Config, step: int, lead: bool) -> None:

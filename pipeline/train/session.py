@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeline.config import Config
+from pipeline.console import say
 from pipeline.train.checkpoint import SUMMARY_FILE, CheckpointError, load_checkpoint
 
 EPOCH_DIR = "epoch_{:05d}"  # named by the epoch it ends, from 1
@@ -74,7 +75,7 @@ class RaySession:
         import ray.train
 
         if self.folder is not None:
-            found = newest_stored_state(self.folder, after_epoch=-1)
+            found = newest_stored_state(self.folder, after_epoch=-1, announce=self.rank == 0)
             if found is not None:
                 return found
         checkpoint = ray.train.get_checkpoint()
@@ -109,8 +110,8 @@ class LocalSession:
         return model.to(self.device)
 
     def latest(self) -> dict[str, Any] | None:
-        found = latest_local_checkpoint(self.folder)
-        return None if found is None else load_checkpoint(found)
+        complete = sorted(d for d in self.folder.glob("epoch_*") if (d / SUMMARY_FILE).is_file())
+        return newest_readable(reversed(complete), announce=True)
 
     def checkpoint_dir(self, epoch: int, scratch: Path) -> Path:
         return self.folder / EPOCH_DIR.format(epoch + 1)  # written in place: it is the kept copy
@@ -128,7 +129,25 @@ def ray_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def newest_stored_state(folder: Path, after_epoch: int) -> dict[str, Any] | None:
+def newest_readable(directories, *, announce: bool) -> dict[str, Any] | None:
+    """The state of the first readable checkpoint of ``directories`` (newest first), or None. Passing over an
+    unreadable one (deleted, truncated, half-copied) is said in one line when ``announce`` (rank 0)."""
+    passed = []
+    for directory in directories:
+        try:
+            state = load_checkpoint(directory)
+        except CheckpointError as err:
+            passed.append(f"{directory.name} ({err})")
+            continue
+        if passed and announce:
+            say(f"[rank 0] resuming from {directory.name}: the newer {'; '.join(passed)} could not be read")
+        return state
+    if passed and announce:
+        say(f"[rank 0] no checkpoint could be read ({'; '.join(passed)}); starting over")
+    return None
+
+
+def newest_stored_state(folder: Path, after_epoch: int, announce: bool = False) -> dict[str, Any] | None:
     """The newest readable checkpoint in ``folder``'s ``checkpoint_*`` directories (Ray's names) past
     ``after_epoch`` (0-based, as checkpoints record it), or None; a half-copied one is passed over."""
     found = []
@@ -139,12 +158,7 @@ def newest_stored_state(folder: Path, after_epoch: int) -> dict[str, Any] | None
             continue
         if epoch > after_epoch:
             found.append((epoch, directory))
-    for _, directory in sorted(found, reverse=True):
-        try:
-            return load_checkpoint(directory)
-        except CheckpointError:
-            continue
-    return None
+    return newest_readable((directory for _, directory in sorted(found, reverse=True)), announce=announce)
 
 
 def local_checkpoints(config: Config) -> Path:

@@ -1,0 +1,73 @@
+"""What decides a training's result: the part of a config that names it. A DAG stage's id hashes it
+(``pipeline.dag.plan``), and ``pipeline train`` resumes a run only under the same one (``run_identity``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config.root import Config
+
+# Where a stage reads its result from; excluded from the identity.
+VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
+             ("train", "tracking_uri"), ("train", "address"), ("train", "storage_path"), ("train", "artifact_root"),
+             ("train", "progress_bar")}
+# How a stage runs, not what it learns: the same function either way; excluded from the identity too.
+EXECUTION_ONLY = {("train", "compile"), ("train", "log_every"), ("model", "patch_embed")}
+# Method options added after stage identities were first recorded, at the value that does what the code
+# did before them: left out of the identity, so that the stages recorded then still count.
+ADDED_OPTIONS = {"significance": "eq4"}
+
+
+def identity_content(config: Config) -> dict[str, Any]:
+    """What decides a training stage's result: the resolved config without where results go, without
+    the benchmark sections and execution-only settings (``train.compile``, ``model.patch_embed``), and
+    with the pooling section only for finetunes, as the method's resolved options (a changed default
+    that changes nothing changes no identity)."""
+    content = config.model_dump(mode="json")
+    for section, key in VOLATILE | EXECUTION_ONLY:
+        content.get(section, {}).pop(key, None)
+    for section in ("experiment", "bench", "bench_throughput", "bench_loop"):
+        content.pop(section, None)
+    pool = config.pooling
+    if config.train.mode == "finetune":
+        options = {key: value for key, value in pool.options().items() if ADDED_OPTIONS.get(key, value) != value}
+        content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
+                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": options}
+    else:
+        content.pop("pooling", None)
+    return content
+
+
+# How a single ``pipeline train`` run is run, beyond EXECUTION_ONLY: faults it injects, restarts it survives,
+# checkpoints it keeps, where its workers sit and which MLflow experiment it logs to may change between
+# reruns, and so may the epochs (more epochs continue the run). ``train.init`` is part of it: a DAG stage
+# has it in its upstream ids instead.
+RUN_EXECUTION = {("train", "debug_fail_at_step"), ("train", "debug_pause_at_step"), ("train", "debug_pause_s"),
+                 ("train", "max_failures"), ("train", "keep_checkpoints"), ("train", "placement"),
+                 ("train", "cpus_per_worker"), ("train", "checkpoint_artifact_mb"), ("train", "experiment"),
+                 ("recipe", "epochs")}
+
+
+def run_identity(config: Config) -> dict[str, Any]:
+    """The identity of a ``pipeline train`` run: ``identity_content`` without ``RUN_EXECUTION``, with ``train.init``."""
+    content = identity_content(config)
+    for section, key in RUN_EXECUTION:
+        content.get(section, {}).pop(key, None)
+    content.setdefault("train", {})["init"] = config.train.init
+    return content
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``KEY: RECORDED -> CURRENT`` for every dotted key both hold with different values (a key only one of
+    them holds comes from another release's schema and is left out)."""
+    old, new = _flat(recorded), _flat(current)
+    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in sorted(old.keys() & new.keys()) if old[key] != new[key]]

@@ -1,0 +1,124 @@
+"""What reaches the console: the stage, per-epoch progress, sweep counters, failures, evaluations and the
+Pareto table. The rest of what Ray, Tune and FFCV say is kept off it, and stays in Ray's log folder.
+
+``PIPELINE_VERBOSE=1`` (or ``--verbose`` on ``pipeline run`` and ``pipeline train``) shows everything again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+VERBOSE_ENV = "PIPELINE_VERBOSE"
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")  # scheme://user[:password]@
+# Ray Train and Tune log each report ("Reporting training result N: TrainingReport(...)"), each checkpoint
+# ("Checkpoint successfully created at ..."), the worker group's start and the process group's setup at INFO:
+# 8 lines a rank and epoch, on every worker.
+_RAY_LIBRARIES = ("ray.train", "ray.tune", "ray.air")
+_LIBRARY_LOG = "pipeline-ray-libraries-{pid}.log"
+
+
+def say(line: str) -> None:
+    """One line of rank 0's progress on stdout, flushed.
+
+    Not ``print``: in a Ray Train 2.60 worker ``print`` is patched to log each line and, because Ray's
+    workers write through their own ``sys.stdout`` wrapper, also to print it, so the driver showed every
+    line twice.
+    """
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def redact(text: str) -> str:
+    """``text`` with the user and password of every URI in it hidden (``http://user:secret@host:5000`` ->
+    ``http://***@host:5000``): the form every message and log line of this project shows."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").lower() in ("1", "true", "yes")
+
+
+class _OffTheConsole(logging.Filter):
+    """Keeps the Ray libraries' INFO records off a console handler; their warnings and errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith(_RAY_LIBRARIES)
+
+
+def _log_folder() -> Path:
+    """The folder of this Ray worker's own log files (its stderr goes to ``.../logs/worker-*.err``)."""
+    try:
+        target = Path(os.readlink("/proc/self/fd/2"))
+    except OSError:
+        target = Path()
+    if target.parent.name == "logs":
+        return target.parent
+    import tempfile
+
+    return Path(tempfile.gettempdir())
+
+
+def quiet_ray_worker() -> None:
+    """Ray worker setup hook: the Ray libraries' INFO records go to ``pipeline-ray-libraries-PID.log`` in Ray's
+    log folder instead of the worker's stderr, which Ray copies to the driver's console."""
+    if verbose():
+        return
+    console = logging.getLogger("ray")
+    for handler in console.handlers:
+        handler.addFilter(_OffTheConsole())
+    keep = logging.FileHandler(_log_folder() / _LIBRARY_LOG.format(pid=os.getpid()), delay=True)
+    keep.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s -- %(message)s"))
+    for name in _RAY_LIBRARIES:
+        logging.getLogger(name).addHandler(keep)
+
+
+def quiet_driver() -> None:
+    """This process (every command): MLflow's usage telemetry off unless the user set it; numba's known finalizer
+    traceback dropped; and, unless verbose, Tune's legacy reporter, which prints nothing at ``verbose=0`` (its
+    newer one prints each sweep's configuration box and a TensorBoard hint even then), and no progress bar or
+    note from MLflow for each model the select stage logs."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("DO_NOT_TRACK", "true")
+    quiet_numba_finalizer()
+    if not verbose():
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar for each file a model logs
+        logging.getLogger("mlflow.pyfunc").setLevel(logging.WARNING)  # "Validating input example ...", per model
+
+
+def _from_numba_finalizer(traceback: TracebackType | None) -> bool:
+    """Whether a traceback passes through numba's ``Dispatcher`` finalizer."""
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if code.co_name == "finalizer" and Path(code.co_filename).parts[-3:] == ("numba", "core", "dispatcher.py"):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def quiet_numba_finalizer() -> None:
+    """Drops one known, harmless traceback from the output.
+
+    When an FFCV loader is garbage-collected in a process that has built more than one (FFCV 1.0.2,
+    numba 0.68: build two, drop them, ``gc.collect()``), numba's ``Dispatcher`` finalizer raises
+    ``KeyError`` while it unloads the compiled pipeline. Python ignores the exception anyway
+    ("Exception ignored in: <finalize object ...>"), but the evaluate stage printed its traceback
+    about 20 times a demo. Every other unraisable exception still reaches the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_numba_finalizer", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is KeyError and _from_numba_finalizer(unraisable.exc_traceback):
+            return
+        previous(unraisable)
+
+    hook.quiets_numba_finalizer = True
+    sys.unraisablehook = hook
