@@ -86,9 +86,9 @@ def submit(client, entrypoint: str, submission_id: str, wait_s: float = 120.0) -
         try:
             client.submit_job(entrypoint=entrypoint, submission_id=submission_id,
                               runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES,
-                                           # Ray Train's per-report INFO lines off the job's log stream
-                                           # (pipeline/console.py; PIPELINE_VERBOSE=1 keeps them)
-                                           "worker_process_setup_hook": "pipeline.console.quiet_ray_worker",
+                                           # Ray Train's per-report lines off the job's log (they stay in Ray's
+                                           # log folder); PIPELINE_VERBOSE=1 keeps them
+                                           "worker_process_setup_hook": "pipeline.console.quiet_train_reports",
                                            "env_vars": {k: v for k, v in os.environ.items()
                                                         if k == "PIPELINE_VERBOSE"}})
             return

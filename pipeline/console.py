@@ -16,11 +16,6 @@ from typing import Any
 
 VERBOSE_ENV = "PIPELINE_VERBOSE"
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")  # scheme://user[:password]@
-# Ray Train and Tune log each report ("Reporting training result N: TrainingReport(...)"), each checkpoint
-# ("Checkpoint successfully created at ..."), the worker group's start and the process group's setup at INFO:
-# 8 lines a rank and epoch, on every worker.
-_RAY_LIBRARIES = ("ray.train", "ray.tune", "ray.air")
-_LIBRARY_LOG = "pipeline-ray-libraries-{pid}.log"
 
 
 def say(line: str) -> None:
@@ -44,13 +39,6 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "").lower() in ("1", "true", "yes")
 
 
-class _OffTheConsole(logging.Filter):
-    """Keeps the Ray libraries' INFO records off a console handler; their warnings and errors pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not record.name.startswith(_RAY_LIBRARIES)
-
-
 def _log_folder() -> Path:
     """The folder of this Ray worker's own log files (its stderr goes to ``.../logs/worker-*.err``)."""
     try:
@@ -64,18 +52,25 @@ def _log_folder() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def quiet_ray_worker() -> None:
-    """Ray worker setup hook: the Ray libraries' INFO records go to ``pipeline-ray-libraries-PID.log`` in Ray's
-    log folder instead of the worker's stderr, which Ray copies to the driver's console."""
+def quiet_train_reports() -> None:
+    """Ray worker setup hook: Ray Train's "Reporting training result N: TrainingReport(...)" lines (one a
+    rank and epoch) go to ``ray-train-reports-PID.log`` in the worker's log folder, not to the console.
+
+    Ray Train logs them from a logger named by its file's path (``logging.getLogger(__file__)`` in
+    ``ray/train/v2/_internal/execution/context.py``), so ``LoggingConfig(log_level=...)``, which filters
+    the ``ray.train`` loggers, lets them through to the root logger's console handler."""
+    import importlib.util
+
     if verbose():
         return
-    console = logging.getLogger("ray")
-    for handler in console.handlers:
-        handler.addFilter(_OffTheConsole())
-    keep = logging.FileHandler(_log_folder() / _LIBRARY_LOG.format(pid=os.getpid()), delay=True)
-    keep.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s -- %(message)s"))
-    for name in _RAY_LIBRARIES:
-        logging.getLogger(name).addHandler(keep)
+    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
+    if spec is None or spec.origin is None:
+        return
+    reports = logging.getLogger(spec.origin)
+    reports.propagate = False
+    keep = logging.FileHandler(_log_folder() / f"ray-train-reports-{os.getpid()}.log", delay=True)
+    keep.setFormatter(logging.Formatter("%(asctime)s %(levelname)s -- %(message)s"))
+    reports.addHandler(keep)
 
 
 def quiet_driver() -> None:
@@ -90,6 +85,7 @@ def quiet_driver() -> None:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar for each file a model logs
         logging.getLogger("mlflow.pyfunc").setLevel(logging.WARNING)  # "Validating input example ...", per model
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial ... tables"
 
 
 def _from_numba_finalizer(traceback: TracebackType | None) -> bool:

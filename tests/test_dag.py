@@ -350,6 +350,15 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Quiet by default: the stage, per-epoch progress, sweep counters, evaluations and the Pareto table, not
+    # Ray Train's per-report and per-checkpoint lines nor numba's finalizer tracebacks.
+    output = proc.stdout + proc.stderr
+    for noise in ("Reporting training result", "Checkpoint successfully created", "Exception ignored",
+                  "Configuration for experiment", "Setting up process group"):
+        assert noise not in output, noise
+    for line in ("[run] tiny-base-M16", "epoch 1/1 loss", "[sweep] tiny-finetune: 1 of 1", "[evaluate] 1/1",
+                 "Pareto front"):
+        assert line in output, line
     rows = (data / "experiments" / "tiny" / "results.csv").read_text().splitlines()
     assert len(rows) == 2 and ",firstk," in rows[1], rows
     finetunes = runs_by_kind(data)["finetune"]

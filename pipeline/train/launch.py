@@ -132,12 +132,12 @@ def quiet_local_cleaner() -> None:
 
 
 def setup_local_worker() -> None:
-    """Ray worker setup hook of a local Ray: the cleaner's warning off, and the console quiet
-    (``pipeline.console.quiet_ray_worker``)."""
-    from pipeline.console import quiet_ray_worker
+    """Ray worker setup hook of a local Ray: the cleaner's warning off, and Ray Train's report lines off the
+    console (``pipeline.console.quiet_train_reports``)."""
+    from pipeline.console import quiet_train_reports
 
     quiet_local_cleaner()
-    quiet_ray_worker()
+    quiet_train_reports()
 
 
 def connect_ray(address: str | None) -> None:
@@ -161,9 +161,10 @@ def connect_ray(address: str | None) -> None:
 
 
 def make_trainer(config: Config):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from pipeline.console import verbose
     from pipeline.train.loop import train_worker
 
     train = config.train
@@ -176,7 +177,10 @@ def make_trainer(config: Config):
         torch_config=TorchConfig(backend="nccl" if train.use_gpu else "gloo"),
         run_config=RunConfig(name=train.name, storage_path=train.storage_path,
                              failure_config=FailureConfig(max_failures=train.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=train.keep_checkpoints)),
+                             checkpoint_config=CheckpointConfig(num_to_keep=train.keep_checkpoints),
+                             # Ray Train's INFO lines (each report, each checkpoint, the worker group's start)
+                             # stay in Ray's logs/train/ray-train-sys-*.log; the console gets its warnings.
+                             logging_config=LoggingConfig(log_level="INFO" if verbose() else "WARNING")),
     )
 
 
