@@ -2,11 +2,14 @@
 loader that starts at epoch 1 (a resumed run) against one that went through epoch 0 first?"""
 import sys
 from pathlib import Path
-import numpy as np, torch
+
+import numpy as np
+import torch
+
 sys.path.insert(0, ".")
-from tests.test_data import IDENTITY
 from pipeline.data import open_source, write_folder
 from pipeline.data.loaders import LoaderSpec, build_loader
+from tests.test_data import IDENTITY
 
 root = Path(sys.argv[1])
 if not (root / "folder").exists():
@@ -24,11 +27,17 @@ def spec(workers):
                       seed=3, **IDENTITY)
 
 for workers in (0, 2):
-    a = build_loader("torch", spec(workers)); e0, o0 = epoch(a, 0); e1, o1 = epoch(a, 1)
+    a = build_loader("torch", spec(workers))
+    e0, o0 = epoch(a, 0)
+    e1, o1 = epoch(a, 1)
     torch.rand(5)  # the model's draws between loaders
-    b = build_loader("torch", spec(workers)); f0, p0 = epoch(b, 0)
-    c = build_loader("torch", spec(workers)); g1, q1 = epoch(c, 1)  # a resumed run
-    print(f"workers={workers}: epoch 0 same in two loaders: images {np.array_equal(e0, f0)}, order {np.array_equal(o0, p0)}; "
-          f"epoch 1 resumed = epoch 1 continued: images {np.array_equal(e1, g1)}, order {np.array_equal(o1, q1)}")
-w0 = build_loader("torch", spec(0)); w2 = build_loader("torch", spec(2))
+    b = build_loader("torch", spec(workers))
+    f0, p0 = epoch(b, 0)
+    c = build_loader("torch", spec(workers))
+    g1, q1 = epoch(c, 1)  # a resumed run
+    print(f"workers={workers}: epoch 0 same in two loaders: images {np.array_equal(e0, f0)}, "
+          f"order {np.array_equal(o0, p0)}; epoch 1 resumed = epoch 1 continued: images {np.array_equal(e1, g1)}, "
+          f"order {np.array_equal(o1, q1)}")
+w0 = build_loader("torch", spec(0))
+w2 = build_loader("torch", spec(2))
 print("workers 0 vs 2, epoch 0 images equal:", np.array_equal(epoch(w0, 0)[0], epoch(w2, 0)[0]))

@@ -4,7 +4,7 @@ B = 64, N = 196, D = 384, 5 iterations, weighted, top-K start; the CPU path (``i
 sums for the feature form) and the CUDA path's dense ops (``dense_segments(True)``). Run from the
 repo root:
 
-    PYTHONPATH=. python docs/data/cpu/session11/kmeans_gram.py
+    python benchmarks/kmeans_gram_form.py
 """
 import time
 

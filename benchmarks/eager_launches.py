@@ -1,10 +1,11 @@
 """Kernel-running ops of one eager DeiT-S level-3 forward under one held bf16 autocast context (docs/benchmarks.md)."""
 
 import torch
+
+from pipeline.bench.profiling import OpCounter
 from pipeline.models import create_model
-from pipeline.models.execution import inference
 from pipeline.pooling.common import dense_segments
-from pipeline.profiling import OpCounter
+from pipeline.runtime import inference
 from pipeline.sparsity import level_keep
 
 

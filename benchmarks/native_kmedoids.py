@@ -4,7 +4,7 @@ against the native kernel now (``pipeline/pooling/native.c`` through ``tokenpool
 
 Run from the repository root (git must reach commit c9803d9):
 
-    PYTHONPATH=. python docs/data/cpu/session12/kmedoids_native.py > docs/data/cpu/session12/kmedoids_native.txt
+    python benchmarks/native_kmedoids.py > docs/data/cpu/2026-11-27_native-kernels/kmedoids_native.txt
 
 B = 64, N = 196, 384 dims, 5 iterations, weighted (DeiT-S's first pooling block at batch 64); each
 call pair is timed back to back, the ratio is native time / before time, medians over 15 pairs.

@@ -1,8 +1,8 @@
-"""Paired timing, CPU: K-Means' Gram-form iterations in torch ops (``_kmeans_gram_iterations``, what the CPU
+"""Paired timing, CPU: K-Means' Gram-form iterations in torch ops (``kmeans_gram_iterations``, what the CPU
 ran before session 12 and what the CUDA path still traces) against the native kernel that the CPU path runs
 now (``tokenpool::kmeans_gram``, ``pipeline/pooling/clustering_cpu.c``), on the same Gram matrix.
 
-    PYTHONPATH=. python docs/data/cpu/session12/kmeans_native.py > docs/data/cpu/session12/kmeans_native.txt
+    python benchmarks/native_kmeans.py > docs/data/cpu/2026-11-27_native-kernels/kmeans_native.txt
 
 B = 64, N = 196, 384 dims, 5 iterations, weighted (DeiT-S's first pooling block at batch 64); each call
 pair is timed back to back, the ratio is native time / torch time, medians over 15 pairs.
@@ -26,12 +26,12 @@ for k in (147, 98, 49):
     x, scores = torch.randn(64, 196, 384, generator=gen), torch.rand(64, 196, generator=gen)
     w = clustering.effective_weights(x, scores, None)
     start, gram = scores.topk(k, dim=-1).indices, torch.bmm(x, x.transpose(1, 2))
-    same = torch.equal(clustering._kmeans_gram_iterations(gram, w, start, 5),
+    same = torch.equal(clustering.kmeans_gram_iterations(gram, w, start, 5),
                        clustering._kmeans_gram_op(gram, w, start, 5))
     olds, news = [], []
     for _ in range(15):
         t0 = time.perf_counter()
-        clustering._kmeans_gram_iterations(gram, w, start, 5)
+        clustering.kmeans_gram_iterations(gram, w, start, 5)
         t1 = time.perf_counter()
         clustering._kmeans_gram_op(gram, w, start, 5)
         t2 = time.perf_counter()

@@ -1,6 +1,6 @@
 """One DeiT-S attention with the eq. 4 scores on the CPU, three ways, timed in one run (session 8).
 
-    python docs/data/cpu/session8/joint_attention.py > docs/data/cpu/session8/joint_attention.txt
+    python benchmarks/attention_with_scores_cpu.py > docs/data/cpu/2026-11-26_joint-attention/joint_attention.txt
 
 q, k, v are strided views of one (B, T, 3, H, D) tensor, as the models make them; batch 64, 6 heads,
 T = 197, head dim 64, 2 threads. Each call of a variant follows a call of the fused attention alone

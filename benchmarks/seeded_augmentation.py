@@ -1,6 +1,6 @@
 """Seeded FFCV crop and flip against FFCV's own, side by side: training images/s through the train pipeline.
 
-PYTHONPATH=. python docs/data/cpu/session13/seeded_loader.py   (writes a synthetic JPEG .beton to /tmp first)
+python benchmarks/seeded_augmentation.py   (writes a synthetic JPEG .beton to /tmp first)
 
 Each pair times one epoch of each loader (alternating which goes first); the figure is the median of
 the per-pair ratios (seeded / FFCV's), after one warm-up epoch each (numba compilation).
@@ -13,8 +13,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.data import WriteSettings, open_source, write_beton
-from pipeline.data import loaders
+from pipeline.data import WriteSettings, loaders, open_source, write_beton
 from pipeline.data.loaders import LoaderSpec, ffcv_loader
 
 BETON = Path("/tmp/seeded_bench.beton")
