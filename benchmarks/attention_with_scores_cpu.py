@@ -1,4 +1,4 @@
-"""One DeiT-S attention with the eq. 4 scores on the CPU, three ways, timed in one run (session 8).
+"""One DeiT-S attention with the eq. 4 scores on the CPU, three ways, timed in one run (2026-11-26).
 
     python benchmarks/attention_with_scores_cpu.py > docs/data/cpu/2026-11-26_joint-attention/joint_attention.txt
 
@@ -26,7 +26,7 @@ def fused_alone():
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-def fused_then_scores():  # what the CPU ran before session 8, and what CUDA runs
+def fused_then_scores():  # what the CPU ran before 2026-11-26, and what CUDA runs
     return fused_alone(), sig.significance_torch(q, k, None, scale)
 
 

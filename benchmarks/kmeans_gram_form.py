@@ -1,5 +1,5 @@
 """Paired timing, CPU: K-Means' iterations in the feature form (explicit centres; what the code ran
-before session 11) against the Gram form (centres as coefficients over the tokens), at DeiT-S size:
+before 2026-11-27) against the Gram form (centres as coefficients over the tokens), at DeiT-S size:
 B = 64, N = 196, D = 384, 5 iterations, weighted, top-K start; the CPU path (``index_add_`` segment
 sums for the feature form) and the CUDA path's dense ops (``dense_segments(True)``). Run from the
 repo root:

@@ -1,6 +1,6 @@
 """``jobs/gpu/checks.sh``, the script a lent GPU machine runs, run here on the CPU (DEVICE=cpu, batch 2).
 
-Device time on those machines is minutes a session: a broken line of the script must fail here first.
+Device time on those machines is a few minutes a lease: a broken line of the script must fail here first.
 """
 
 from __future__ import annotations

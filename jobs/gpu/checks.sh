@@ -20,7 +20,7 @@
 # Outputs: OUT/card.txt, OUT/PART.md (stdout) and OUT/PART.log (stderr, progress).
 # DEVICE (default cuda), BATCH (256) and TRAIN_BATCH (128) change the bench parts' setting: the tests run the
 # script on the CPU with DEVICE=cpu BATCH=2, so that a broken line shows here, not on the lent machine.
-# The lent machines return at most 8 files (the first H200 run of session 11 lost its test log and
+# The lent machines return at most 8 files (the first H200 run of 2026-11-27 lost its test log and
 # kernel tables so): write the parts to a local OUT and finish with the part `pack`, which puts the
 # whole OUT folder in one archive, PACK (default OUT.tgz). DEADLINE (seconds since the epoch) skips
 # every part, or SPLIT run, whose time limit would end after it, so that `pack` still runs in time.
