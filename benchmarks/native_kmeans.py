@@ -1,6 +1,6 @@
 """Paired timing, CPU: K-Means' Gram-form iterations in torch ops (``kmeans_gram_iterations``, what the CPU
-ran before the native kernels (2026-11-27) and what the CUDA path still traces) against the native kernel that the CPU path runs
-now (``tokenpool::kmeans_gram``, ``pipeline/pooling/clustering_cpu.c``), on the same Gram matrix.
+ran before the native kernels (2026-11-27) and what the CUDA path still traces) against the native kernel
+that the CPU path runs now (``tokenpool::kmeans_gram``, ``pipeline/pooling/clustering_cpu.c``), on the same Gram matrix.
 
     python benchmarks/native_kmeans.py > docs/data/cpu/2026-11-27_native-kernels/kmeans_native.txt
 
