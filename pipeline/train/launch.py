@@ -184,7 +184,8 @@ def make_trainer(config: Config):
     )
 
 
-def run_local(config: Config, on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
+def run_local(config: Config, on_epoch: Callable[[dict[str, float]], None] | None = None, *,
+              restart: bool = False) -> TrainResult:
     """``train.workers: 0``: the loop in this process (Tune trials, quick runs)."""
     from pipeline.train.loop import train_local
     from pipeline.train.session import latest_local_checkpoint, local_checkpoints
@@ -194,6 +195,7 @@ def run_local(config: Config, on_epoch: Callable[[dict[str, float]], None] | Non
 
         if not torch.cuda.is_available():
             raise ConfigError("train.use_gpu is true but this machine has no CUDA device")
+    check_rerun(config, restart)
     train_local(config, on_epoch)
     directory = latest_local_checkpoint(local_checkpoints(config))
     if directory is None:
@@ -264,13 +266,13 @@ def run_training(config: Config, address: str | None = None,
     """
     config = resolve_paths(config)
     preflight(config)
-    check_rerun(config, restart)
     if config.train.workers == 0:
-        return run_local(config, on_epoch)
+        return run_local(config, on_epoch, restart=restart)
     if on_epoch is not None:
         raise ConfigError("per-epoch reports (a sweep trial) need a single-process job: train.workers: 0")
     connect_ray(address or config.train.address)
     check_resources(config)
+    check_rerun(config, restart)
     try:
         result = make_trainer(config).fit()
     except Exception as err:  # Ray wraps the worker's exception; keep its message, drop Ray's frames
