@@ -451,13 +451,16 @@ cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), 
 
 
 def test_triton_kmedoids_under_the_interpreter():
-    """The fused K-Medoids kernel gives the brute-force reference's medoids and assignment, and the
-    torch iterations' (one-hot matmuls) and the CPU's native kernel's, on random inputs."""
+    """Both K-Medoids kernels (two launches an iteration, and one program an image for every iteration)
+    give the brute-force reference's medoids and assignment, and the torch iterations' (one-hot matmuls)
+    and the CPU's native kernel's: on random inputs, exact ties (small integers, every token twice),
+    rounding below zero, K = 1, K = N - 1 and odd N."""
     pytest.importorskip("triton")
     code = _CLUSTERING_PRELUDE + """
 from pipeline.pooling.clustering import SWAP_RTOL, kmedoids_dense, sq_dists
-from pipeline.pooling.kmedoids_triton import kmedoids_triton
-cases += [((2, 48, 3, 10), False, 5), ((2, 48, 3, 30), True, 3), ((2, 64, 16, 20), False, 5)]
+from pipeline.pooling.kmedoids_triton import kmedoids_fused_triton, kmedoids_triton
+cases += [((2, 48, 3, 10), False, 5), ((2, 48, 3, 30), True, 3), ((2, 64, 16, 20), False, 5),
+          ((2, 13, 4, 1), True, 3), ((2, 13, 4, 12), False, 4)]
 for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     g = torch.Generator().manual_seed(n + k)
     x, w = torch.randn(b, n, m, generator=g), torch.rand(b, n, generator=g) + 0.1
@@ -469,7 +472,8 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     w = w / w.amax(-1, keepdim=True) if weighted else None
     med, assign = kmedoids_triton(d, w, start, iters, SWAP_RTOL)
     on_cpu = native.kmedoids(lib, d, w, start, iters, SWAP_RTOL)
-    for other in (kmedoids_dense(d, w, start, iters), on_cpu):
+    for other in (kmedoids_dense(d, w, start, iters), on_cpu, kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL),
+                  kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL, tile=16)):
         assert torch.equal(med, other[0]) and torch.equal(assign, other[1])
     if case == 8:  # float64 has no such rounding: the reference would break these ties differently
         assert (d < 0).any(), "the case must reach negative distances"
@@ -481,7 +485,7 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
         assert (med[s].tolist(), assign[s].tolist()) == want, (s, want)
     print("ok", b, n, m, k, weighted, iters)
 """
-    assert _interpret(code).count("ok") == 9
+    assert _interpret(code).count("ok") == 11
 
 
 def _interpret(code: str) -> str:

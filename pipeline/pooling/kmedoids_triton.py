@@ -139,3 +139,78 @@ def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rt
         _assign_kernel[rows](d, meds[i - 1], meds[i], best[i - 1], cost, assign, n, k, keep, SWAP=True,
                              BLOCK_N=block_n, BLOCK_K=block_k)
     return meds[iters - 1], assign
+
+
+@triton.jit
+def _fused_kernel(D, W, MED_IN, MED_OUT, ASSIGN, COST, N, K, iters, keep, HAS_W: tl.constexpr,
+                  BLOCK_K: tl.constexpr, TILE: tl.constexpr):
+    """Every iteration of one image's K-Medoids in one program: the assignment, then ``iters - 1`` times
+    the costs, each cluster's cheapest member (a running minimum of the packed ``(cost, token)``, lowest
+    cost then lowest token), the swap rule and the assignment again. The medoids stay in registers; the
+    (N,) assignment and costs pass through global memory (an image's rows stay in L2), with a barrier
+    between the phases, since the program's threads read what the others wrote."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    med = tl.load(MED_IN + b * K + offs_k, mask=mask_k, other=0)
+    rows = D + b * N * N
+    for it in range(iters):
+        if it > 0:
+            for n0 in range(0, N, TILE):
+                offs_n = n0 + tl.arange(0, TILE)
+                mask_n = offs_n < N
+                a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
+                acc = tl.zeros([TILE], tl.float32)
+                for j0 in range(0, N, TILE):
+                    offs_j = j0 + tl.arange(0, TILE)
+                    mask_j = offs_j < N
+                    a_j = tl.load(ASSIGN + b * N + offs_j, mask=mask_j, other=-2)
+                    dist = tl.load(rows + offs_n[:, None] * N + offs_j[None, :],
+                                   mask=mask_n[:, None] & mask_j[None, :], other=0.0)
+                    if HAS_W:
+                        dist = dist * tl.load(W + b * N + offs_j, mask=mask_j, other=0.0)[None, :]
+                    acc += tl.sum(tl.where(a_n[:, None] == a_j[None, :], dist, 0.0), axis=1)
+                tl.store(COST + b * N + offs_n, acc, mask=mask_n)
+            tl.debug_barrier()
+            best = tl.full([BLOCK_K], _EMPTY, tl.int64)
+            for n0 in range(0, N, TILE):
+                offs_n = n0 + tl.arange(0, TILE)
+                mask_n = offs_n < N
+                a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
+                packed = _pack(tl.load(COST + b * N + offs_n, mask=mask_n, other=0.0), offs_n)
+                bids = tl.where(a_n[None, :] == offs_k[:, None], packed[None, :], _EMPTY)
+                best = tl.minimum(best, tl.min(bids, axis=1))
+            best_cost, best_token = _unpack(best)
+            current = tl.load(COST + b * N + med, mask=mask_k, other=0.0)
+            med = tl.where(mask_k & (best_cost < current * keep), best_token, med)
+            tl.debug_barrier()
+        for n0 in range(0, N, TILE):
+            offs_n = n0 + tl.arange(0, TILE)
+            mask_n = offs_n < N
+            vals = tl.load(rows + offs_n[:, None] * N + med[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                           other=float("inf"))
+            vals = tl.where(offs_n[:, None] == med[None, :], float("-inf"), vals)
+            vals = tl.where(mask_k[None, :], vals, float("inf"))
+            tl.store(ASSIGN + b * N + offs_n, tl.argmin(vals, axis=1, tie_break_left=True), mask=mask_n)
+        tl.debug_barrier()
+    tl.store(MED_OUT + b * K + offs_k, med, mask=mask_k)
+
+
+def kmedoids_fused_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float, *,
+                          tile: int = 32, num_warps: int = 8) -> tuple[Tensor, Tensor]:
+    """The same iterations as ``kmedoids_triton`` in one launch: one program per image runs all of them
+    (``_fused_kernel``), where ``kmedoids_triton`` launches two kernels an iteration on a (B, tiles) grid.
+    Which is faster on a GPU is ``bench kernels``' question (an earlier one-program-per-image kernel left
+    an H100 nearly idle); ``tile`` and ``num_warps`` are its knobs."""
+    b, n, _ = d.shape
+    k = medoids.shape[1]
+    d = d.contiguous()
+    med_out = torch.empty_like(medoids)
+    assign = torch.empty(b, n, device=d.device, dtype=torch.int64)
+    cost = torch.empty(b, n, device=d.device, dtype=torch.float32)
+    has_w = w is not None
+    w_arg = w.contiguous() if has_w else cost  # never read without HAS_W
+    if b:
+        _fused_kernel[(b,)](d, w_arg, medoids.contiguous(), med_out, assign, cost, n, k, iters, 1.0 - rtol,
+                            HAS_W=has_w, BLOCK_K=max(16, triton.next_power_of_2(k)), TILE=tile, num_warps=num_warps)
+    return med_out, assign
