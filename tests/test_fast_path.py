@@ -593,7 +593,7 @@ def test_bench_kernels_dry_run_under_the_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 147 ", "| 98 ", "| 49 "))]
     assert len(rows) == 6, proc.stdout  # K-Medoids' three, then K-Means'
-    assert all(row.endswith("medoids 1.0000, assign 1.0000 |") for row in rows[:3]), proc.stdout
+    assert all(row.endswith("medoids 1.0000, assign 1.0000; fused 1.0000, 1.0000 |") for row in rows[:3]), proc.stdout
     # K-Means: no CUDA graph and no compiled figure off CUDA; the CPU path's op gives the torch iterations'
     assert all(row.split(" | ")[2:4] == ["-", "-"] and row.endswith("| 1.0000 |") for row in rows[3:]), proc.stdout
     assert "| reshape + matmul (PatchMatmul, patch_embed: matmul) |" in proc.stdout
@@ -811,3 +811,29 @@ def test_the_cuda_backward_of_the_scores_traces_with_fake_tensors(carry):
     assert (dbias is None) == (not carry) and rest == [None, None]
     if carry:
         assert dbias.shape == bias.shape and dbias.dtype == torch.float32
+
+
+def test_the_cuda_kernel_of_kmedoids_follows_the_switch():
+    """``PIPELINE_KMEDOIDS_KERNEL`` picks the CUDA path's kernel (run here under Triton's interpreter on CPU
+    tensors, calling the op's CUDA kernel function itself): the two-launch kernels by default, the fused
+    one with ``fused``; the same medoids and assignment either way."""
+    pytest.importorskip("triton")
+    code = """
+import os, torch
+from pipeline.pooling import clustering
+from pipeline.pooling.clustering import _kmedoids_cuda, sq_dists
+calls = []
+for name in ("kmedoids_triton", "kmedoids_fused_triton"):
+    real = getattr(clustering, name)
+    setattr(clustering, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+g = torch.Generator().manual_seed(0)
+x, w = torch.randn(2, 30, 6, generator=g), torch.rand(2, 30, generator=g) + 0.1
+start, d = w.topk(8, -1).indices, sq_dists(x)
+tiled = _kmedoids_cuda(d, w, start, 4)
+os.environ["PIPELINE_KMEDOIDS_KERNEL"] = "fused"
+fused = _kmedoids_cuda(d, w, start, 4)
+assert calls == ["kmedoids_triton", "kmedoids_fused_triton"], calls
+assert torch.equal(tiled[0], fused[0]) and torch.equal(tiled[1], fused[1])
+print("ok")
+"""
+    assert _interpret(code).count("ok") == 1

@@ -41,19 +41,21 @@ def test_clustering_matches_cpu(method, dtype):
     assert gpu.tokens.dtype == dtype
 
 
+@pytest.mark.parametrize("kernel", ["tiled", "fused"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("k", [147, 98, 49, 12])
-def test_triton_kmedoids_matches_the_torch_iterations(k, weighted):
-    """The fused kernel against the one-hot torch iterations on the same (B, N, N) distances, at
-    DeiT-S size; float32 sums in a different order may flip a rare near-tie, nothing more."""
+def test_triton_kmedoids_matches_the_torch_iterations(k, weighted, kernel):
+    """Both Triton kernels (two launches an iteration; every iteration in one program an image) against
+    the one-hot torch iterations on the same (B, N, N) distances, at DeiT-S size; float32 sums in a
+    different order may flip a rare near-tie, nothing more."""
     from pipeline.pooling.clustering import SWAP_RTOL, kmedoids_dense, sq_dists
-    from pipeline.pooling.kmedoids_triton import kmedoids_triton
+    from pipeline.pooling.kmedoids_triton import kmedoids_fused_triton, kmedoids_triton
 
     gen = torch.Generator().manual_seed(k)
     x, w = torch.randn(64, 196, 384, generator=gen).cuda(), torch.rand(64, 196, generator=gen).cuda() + 0.1
     start, d = w.topk(k, dim=-1).indices, sq_dists(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
-    med, assign = kmedoids_triton(d, w, start, 5, SWAP_RTOL)
+    med, assign = (kmedoids_triton if kernel == "tiled" else kmedoids_fused_triton)(d, w, start, 5, SWAP_RTOL)
     med_t, assign_t = kmedoids_dense(d, w, start, 5)
     assert (med == med_t).float().mean() > 0.99 and (assign == assign_t).float().mean() > 0.99
     assert (assign.gather(1, med) == torch.arange(k, device="cuda")).all()  # every medoid in its own cluster

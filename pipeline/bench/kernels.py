@@ -1,7 +1,8 @@
 """``pipeline bench kernels``: kernel-level timings on CUDA, for docs/benchmarks.md.
 
 1. K-Medoids' iterations (5 assignments, 4 updates) at DeiT-S size (B=256, N=196, 384 dims):
-   the Triton kernels at several tilings against the one-hot torch iterations, on the same
+   the Triton kernels at several tilings, and the fused kernel (every iteration of an image in one
+   program) at several tiles and warp counts, against the one-hot torch iterations, on the same
    distances, both also replayed from a CUDA graph (GPU time without launch cost), and the whole
    weighted ``token_pool`` call, next to one bf16 DeiT-S block.
 2. K-Means' iterations in the Gram form (5 assignments, 4 updates) at the same size: the torch
@@ -98,19 +99,25 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
         block_ms = timer(lambda: block(tokens))
     lines = [f"one DeiT-S block, bf16, batch {batch}: {block_ms:.3f} ms; distance matrix (sq_dists, TF32): "
              f"{timer(lambda: sq_dists(x)):.3f} ms", "",
-             "| K | torch one-hot iterations ms | Triton (BLOCK_N, BLOCK_J) ms | CUDA graph: torch / Triton ms "
+             "| K | torch one-hot iterations ms | Triton (BLOCK_N, BLOCK_J), and fused in one program, ms "
+             "| CUDA graph: torch / Triton ms "
              "| whole token_pool ms | same result |",
              "|---:|---:|---|---|---:|---|"]
     for k in ks:
         start = w.topk(k, dim=-1).indices
         tilings = {f"({bn}, {bj})": partial(kt.kmedoids_triton, d, w, start, 5, SWAP_RTOL, block_n=bn, block_j=bj)
                    for bn in (16, 32) for bj in (64, 128)}
+        tilings |= {f"fused (tile {t}, {nw} warps)": partial(kt.kmedoids_fused_triton, d, w, start, 5, SWAP_RTOL,
+                                                             tile=t, num_warps=nw)
+                    for t, nw in ((16, 4), (32, 4), (32, 8))}
         times = _timing_cells(timer, device, partial(kmedoids_dense, d, w, start, 5),
                               partial(kt.kmedoids_triton, d, w, start, 5, SWAP_RTOL), tilings)
         pool_ms = timer(partial(token_pool, x, k, weights=w, validate=False))
         med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, SWAP_RTOL)
+        med_f, assign_f = kt.kmedoids_fused_triton(d, w, start, 5, SWAP_RTOL)
         med_d, assign_d = kmedoids_dense(d, w, start, 5)
-        same = f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}"
+        same = (f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}; "
+                f"fused {(med_f == med_d).float().mean():.4f}, {(assign_f == assign_d).float().mean():.4f}")
         lines.append(f"| {k} | {times} | {pool_ms:.3f} | {same} |")
     return "\n".join(lines)
 

@@ -22,6 +22,8 @@ device whether it has converged (no host sync).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -46,9 +48,9 @@ from pipeline.pooling.common import (
 )
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
-    from pipeline.pooling.kmedoids_triton import kmedoids_triton
+    from pipeline.pooling.kmedoids_triton import kmedoids_fused_triton, kmedoids_triton
 except ImportError:  # pragma: no cover - depends on the install
-    kmedoids_triton = None
+    kmedoids_triton = kmedoids_fused_triton = None
 
 CLUSTER_METHODS = ("kmeans", "kmedoids")
 INITS = ("topk", "random")
@@ -250,10 +252,18 @@ def _kmedoids_op(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tu
     return _kmedoids_dense_owned(d, w, medoids, iters)
 
 
+KMEDOIDS_KERNEL_ENV = "PIPELINE_KMEDOIDS_KERNEL"  # "tiled" (default: two launches an iteration) or "fused"
+
+
 @_kmedoids_op.register_kernel("cuda")
 def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    if kmedoids_triton is None or d.dtype != torch.float32:  # the kernel sums in float32
+    """Triton on CUDA: ``kmedoids_triton`` (two launches an iteration over (B, tiles) grids, the kernel last
+    timed on a GPU), or with ``PIPELINE_KMEDOIDS_KERNEL=fused`` ``kmedoids_fused_triton`` (one program an
+    image for every iteration; not yet timed on a GPU: ``jobs/gpu/checks.sh`` compares the two)."""
+    if kmedoids_triton is None or d.dtype != torch.float32:  # the kernels sum in float32
         return _kmedoids_dense_owned(d, w, medoids, iters)
+    if os.environ.get(KMEDOIDS_KERNEL_ENV, "tiled") == "fused":
+        return kmedoids_fused_triton(d, w, medoids, iters, SWAP_RTOL)
     return kmedoids_triton(d, w, medoids, iters, SWAP_RTOL)
 
 
