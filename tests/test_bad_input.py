@@ -338,3 +338,74 @@ def test_the_cli_turns_off_mlflows_telemetry_unless_the_user_set_it():
     env["MLFLOW_DISABLE_TELEMETRY"] = "false"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.strip().splitlines()[-1] == "false"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["flops", "--embed-dim", "0"], "--embed-dim 0: a width is at least 1"),
+    (["flops", "--method", "kmedoids", "--keep", "-5,3"], "--keep -5,3: a value that starts with '-' reads as an "
+                                                          "option; write --keep=-5,3"),
+    (["flops", "--model", "deit_tiny_patch16_224", "--method", "kmedoids", "--keep=-5,3,1,1,1,1,1,1,1,1,1,1"],
+     "is -5: a number of tokens cannot be negative"),
+])
+def test_flops_arguments_get_one_line(argv, says, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and says in err and "Traceback" not in err, err
+
+
+def _tiny_training(tmp_path: Path, data: Path, *extra: str):
+    from pipeline.config import load_config
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_synthetic.yaml"
+    return load_config(tiny, [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}",
+                              "train.workers=0", f"train.storage_path={tmp_path / 'ray'}",
+                              f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "train.name=damaged",
+                              f"train.artifact_root={tmp_path / 'art'}", *extra])
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_an_unreadable_newest_checkpoint_is_passed_over_saying_so(damage, tmp_path, capsys):
+    """The newest checkpoint's file deleted or cut short: the rerun resumes from the one before and says
+    which it passed over, where it used to stop on the missing file."""
+    from pipeline.train import run_training
+    from tests.conftest import write_synthetic_pair
+
+    data = write_synthetic_pair(tmp_path, 64, 32)
+    run_training(_tiny_training(tmp_path, data, "recipe.epochs=2", "train.keep_checkpoints=2"))
+    newest = tmp_path / "ray" / "damaged" / "local_checkpoints" / "epoch_00002" / "checkpoint.pt"
+    if damage == "deleted":
+        newest.unlink()
+    else:
+        newest.write_bytes(newest.read_bytes()[:1000])
+    capsys.readouterr()
+    result = run_training(_tiny_training(tmp_path, data, "recipe.epochs=3", "train.keep_checkpoints=3"))
+    out = capsys.readouterr().out
+    assert "resuming from epoch_00001: the newer epoch_00002" in out and "could not be read" in out, out
+    assert "resuming from the checkpoint of epoch 1" in out and result.summary["epoch"] == 3
+
+
+def test_ctrl_c_says_where_training_stopped(tmp_path):
+    """Ctrl-C during `pipeline train` prints one line (where it stopped, that a rerun resumes), no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import write_synthetic_pair
+
+    data = write_synthetic_pair(tmp_path, 256, 32)
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_synthetic.yaml"
+    command = [sys.executable, "-m", "pipeline", "train", str(tiny), "--set", f"data.train={data / 'train.beton'}",
+               "--set", f"data.val={data / 'val.beton'}", "--set", "train.workers=0", "--set", "recipe.epochs=50",
+               "--set", f"train.storage_path={tmp_path / 'ray'}", "--set",
+               f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+               "--set", f"train.artifact_root={tmp_path / 'a'}"]
+    proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not list((tmp_path / "ray").glob("*/local_checkpoints/epoch_00001")):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: tiny stopped after the checkpoint of epoch" in err and "run the same command again" in err
+    assert "Traceback" not in err, err[-2000:]

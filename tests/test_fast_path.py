@@ -777,7 +777,8 @@ def test_significance_kernels_compile_for_hopper(dtype, has_bias):
 
 @pytest.mark.parametrize("flag", [False, True])
 def test_kmedoids_kernels_compile_for_hopper(flag):
-    """As above, for K-Medoids' two kernels: the swap (SWAP) and the weights (HAS_W) on and off."""
+    """As above, for K-Medoids' kernels (the two-launch pair and the fused one): the swap (SWAP) and the weights
+    (HAS_W) on and off."""
     pytest.importorskip("triton")
     from pipeline.pooling import kmedoids_triton as km
 
@@ -785,6 +786,8 @@ def test_kmedoids_kernels_compile_for_hopper(flag):
     types |= {name: "*i64" for name in ("MED_IN", "MED_OUT", "BEST", "ASSIGN")}
     _hopper_compile(km._assign_kernel, types, dict(SWAP=flag, BLOCK_N=km._BLOCK_N, BLOCK_K=256))
     _hopper_compile(km._cost_kernel, types, dict(HAS_W=flag, BLOCK_N=km._BLOCK_N, BLOCK_J=km._BLOCK_J))
+    for tile in (16, 32):  # the fused kernel, as bench kernels tiles it
+        _hopper_compile(km._fused_kernel, types, dict(HAS_W=flag, BLOCK_K=256, TILE=tile))
 
 
 @pytest.mark.parametrize("carry", [False, True])

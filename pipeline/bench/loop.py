@@ -133,20 +133,18 @@ def run_loop_bench(cfg: BenchLoopConfig, pooling: PoolingConfig, log: Callable[[
         return [time_method(cfg, method, keep, pooling, device, log) for method in cfg.methods]
 
 
+COLUMNS = ("model", "bare step images/s", "loop images/s", "loop efficiency", "device reads an epoch")
+
+
 def format_loop(cfg: BenchLoopConfig, rows: list[LoopRow]) -> str:
     keep = bench_keep(cfg)
-    lines = [
-        f"model {cfg.model}, training, batch {cfg.batch}, {cfg.dtype}, compile {cfg.compile}, "
-        f"keep {','.join(map(str, keep)) if keep else 'all'}, {cfg.steps} steps an epoch, log_every {cfg.log_every}, "
-        f"median of {cfg.repeats} pairs",
-        "",
-        "| model | bare step images/s | loop images/s | loop efficiency | device reads an epoch |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        reads = "-" if row.reads is None else str(row.reads)
-        lines.append(f"| {row.label} | {row.step_images_per_s:.1f} | {row.loop_images_per_s:.1f} | "
-                     f"{row.efficiency:.3f} | {reads} |")
-    lines += ["", "loop efficiency: median over pairs of (time of the bare steps / time of the loop's epoch of as "
-              "many steps); both feed batches already on the device and share the model and its fused AdamW."]
-    return "\n".join(lines)
+    setting = (f"model {cfg.model}, training, batch {cfg.batch}, {cfg.dtype}, compile {cfg.compile}, "
+               f"keep {','.join(map(str, keep)) if keep else 'all'}, {cfg.steps} steps an epoch, "
+               f"log_every {cfg.log_every}, median of {cfg.repeats} pairs")
+    cells = [(row.label, f"{row.step_images_per_s:.1f}", f"{row.loop_images_per_s:.1f}", f"{row.efficiency:.3f}",
+              "-" if row.reads is None else str(row.reads)) for row in rows]
+    table = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+    table += ["| " + " | ".join(cell) + " |" for cell in cells]
+    note = ("loop efficiency: median over pairs of (time of the bare steps / time of the loop's epoch of as many "
+            "steps); both feed batches already on the device and share the model and its fused AdamW.")
+    return "\n".join([setting, "", *table, "", note])

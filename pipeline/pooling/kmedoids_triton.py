@@ -59,6 +59,34 @@ def _unpack(key):
 
 
 @triton.jit
+def _nearest(ROWS, N, offs_n, mask_n, med, mask_k):
+    """The nearest medoid of tokens ``offs_n`` (an image's distance ``ROWS``): d[n, med_k], -inf where n is
+    med_k (a medoid joins its own cluster), +inf off the K clusters; ties to the lowest cluster index."""
+    vals = tl.load(ROWS + offs_n[:, None] * N + med[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                   other=float("inf"))
+    vals = tl.where(offs_n[:, None] == med[None, :], float("-inf"), vals)
+    vals = tl.where(mask_k[None, :], vals, float("inf"))
+    return tl.argmin(vals, axis=1, tie_break_left=True)
+
+
+@triton.jit
+def _own_cluster_costs(ROWS, W_ROW, ASSIGN_ROW, N, offs_n, mask_n, a_n, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_J: tl.constexpr):
+    """Each token's cost as the medoid of its own cluster: sum_{j in cluster} w_j d[n, j] (an image's rows)."""
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j0 in range(0, N, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        mask_j = offs_j < N
+        a_j = tl.load(ASSIGN_ROW + offs_j, mask=mask_j, other=-2)
+        dist = tl.load(ROWS + offs_n[:, None] * N + offs_j[None, :], mask=mask_n[:, None] & mask_j[None, :],
+                       other=0.0)
+        if HAS_W:
+            dist = dist * tl.load(W_ROW + offs_j, mask=mask_j, other=0.0)[None, :]
+        acc += tl.sum(tl.where(a_n[:, None] == a_j[None, :], dist, 0.0), axis=1)
+    return acc
+
+
+@triton.jit
 def _assign_kernel(D, MED_IN, MED_OUT, BEST, COST, ASSIGN, N, K, keep, SWAP: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """With SWAP, first the update: each cluster's cheapest member (BEST, packed) replaces its medoid when
@@ -76,11 +104,7 @@ def _assign_kernel(D, MED_IN, MED_OUT, BEST, COST, ASSIGN, N, K, keep, SWAP: tl.
         current = tl.load(COST + b * N + med, mask=mask_k, other=0.0)
         med = tl.where(best_cost < current * keep, best, med)
         tl.store(MED_OUT + b * K + offs_k, med, mask=mask_k)
-    vals = tl.load(D + b * N * N + offs_n[:, None] * N + med[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                   other=float("inf"))
-    vals = tl.where(offs_n[:, None] == med[None, :], float("-inf"), vals)
-    vals = tl.where(mask_k[None, :], vals, float("inf"))
-    tl.store(ASSIGN + b * N + offs_n, tl.argmin(vals, axis=1, tie_break_left=True), mask=mask_n)
+    tl.store(ASSIGN + b * N + offs_n, _nearest(D + b * N * N, N, offs_n, mask_n, med, mask_k), mask=mask_n)
 
 
 @triton.jit
@@ -92,16 +116,7 @@ def _cost_kernel(D, W, ASSIGN, COST, BEST, N, K, HAS_W: tl.constexpr, BLOCK_N: t
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for j0 in range(0, N, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        mask_j = offs_j < N
-        a_j = tl.load(ASSIGN + b * N + offs_j, mask=mask_j, other=-2)
-        dist = tl.load(D + b * N * N + offs_n[:, None] * N + offs_j[None, :], mask=mask_n[:, None] & mask_j[None, :],
-                       other=0.0)
-        if HAS_W:
-            dist = dist * tl.load(W + b * N + offs_j, mask=mask_j, other=0.0)[None, :]
-        acc += tl.sum(tl.where(a_n[:, None] == a_j[None, :], dist, 0.0), axis=1)
+    acc = _own_cluster_costs(D + b * N * N, W + b * N, ASSIGN + b * N, N, offs_n, mask_n, a_n, HAS_W, BLOCK_N, BLOCK_J)
     tl.store(COST + b * N + offs_n, acc, mask=mask_n)
     tl.atomic_min(BEST + b * K + a_n, _pack(acc, offs_n), mask=mask_n)
 
@@ -160,16 +175,7 @@ def _fused_kernel(D, W, MED_IN, MED_OUT, ASSIGN, COST, N, K, iters, keep, HAS_W:
                 offs_n = n0 + tl.arange(0, TILE)
                 mask_n = offs_n < N
                 a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
-                acc = tl.zeros([TILE], tl.float32)
-                for j0 in range(0, N, TILE):
-                    offs_j = j0 + tl.arange(0, TILE)
-                    mask_j = offs_j < N
-                    a_j = tl.load(ASSIGN + b * N + offs_j, mask=mask_j, other=-2)
-                    dist = tl.load(rows + offs_n[:, None] * N + offs_j[None, :],
-                                   mask=mask_n[:, None] & mask_j[None, :], other=0.0)
-                    if HAS_W:
-                        dist = dist * tl.load(W + b * N + offs_j, mask=mask_j, other=0.0)[None, :]
-                    acc += tl.sum(tl.where(a_n[:, None] == a_j[None, :], dist, 0.0), axis=1)
+                acc = _own_cluster_costs(rows, W + b * N, ASSIGN + b * N, N, offs_n, mask_n, a_n, HAS_W, TILE, TILE)
                 tl.store(COST + b * N + offs_n, acc, mask=mask_n)
             tl.debug_barrier()
             best = tl.full([BLOCK_K], _EMPTY, tl.int64)
@@ -187,11 +193,7 @@ def _fused_kernel(D, W, MED_IN, MED_OUT, ASSIGN, COST, N, K, iters, keep, HAS_W:
         for n0 in range(0, N, TILE):
             offs_n = n0 + tl.arange(0, TILE)
             mask_n = offs_n < N
-            vals = tl.load(rows + offs_n[:, None] * N + med[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                           other=float("inf"))
-            vals = tl.where(offs_n[:, None] == med[None, :], float("-inf"), vals)
-            vals = tl.where(mask_k[None, :], vals, float("inf"))
-            tl.store(ASSIGN + b * N + offs_n, tl.argmin(vals, axis=1, tie_break_left=True), mask=mask_n)
+            tl.store(ASSIGN + b * N + offs_n, _nearest(rows, N, offs_n, mask_n, med, mask_k), mask=mask_n)
         tl.debug_barrier()
     tl.store(MED_OUT + b * K + offs_k, med, mask=mask_k)
 
