@@ -457,7 +457,7 @@ def test_triton_kmedoids_under_the_interpreter():
     rounding below zero, K = 1, K = N - 1 and odd N."""
     pytest.importorskip("triton")
     code = _CLUSTERING_PRELUDE + """
-from pipeline.pooling.clustering import SWAP_RTOL, kmedoids_dense, sq_dists
+from pipeline.pooling.clustering import SWAP_RTOL, gram, kmedoids_dense, sq_dists
 from pipeline.pooling.kmedoids_triton import kmedoids_fused_triton, kmedoids_triton
 cases += [((2, 48, 3, 10), False, 5), ((2, 48, 3, 30), True, 3), ((2, 64, 16, 20), False, 5),
           ((2, 13, 4, 1), True, 3), ((2, 13, 4, 12), False, 4)]
@@ -466,14 +466,16 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     x, w = torch.randn(b, n, m, generator=g), torch.rand(b, n, generator=g) + 0.1
     if case in (6, 7):  # small integers, every token twice: exact float32 distances with many exact ties
         x = torch.randint(-2, 3, (b, n // 2, m), generator=g).float().repeat(1, 2, 1)
-    if case == 8:  # float tokens twice: rounding gives distances below zero (the packed minimum's sign path)
-        x = (torch.randn(b, n // 2, m, generator=g) * 30).repeat(1, 2, 1)
+    if case == 8:  # near-duplicate float tokens: distances round below zero (the packed minimum's sign path)
+        base = torch.randn(b, n // 2, m, generator=g) * 30
+        x = torch.cat([base, base + 3e-5 * torch.randn(base.shape, generator=g)], dim=1)
     start, d = w.topk(k, dim=-1).indices, sq_dists(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     med, assign = kmedoids_triton(d, w, start, iters, SWAP_RTOL)
     on_cpu = native.kmedoids(lib, d, w, start, iters, SWAP_RTOL)
     for other in (kmedoids_dense(d, w, start, iters), on_cpu, kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL),
-                  kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL, tile=16)):
+                  kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL, tile=16),
+                  kmedoids_fused_triton(gram(x), w, start, iters, SWAP_RTOL, gram=True)):  # distances on load
         assert torch.equal(med, other[0]) and torch.equal(assign, other[1])
     if case == 8:  # float64 has no such rounding: the reference would break these ties differently
         assert (d < 0).any(), "the case must reach negative distances"
@@ -614,7 +616,7 @@ def test_bench_kernels_refuses_an_empty_batch():
 
 def _custom_op_args(name: str) -> tuple:
     """A custom op and CPU inputs as the models pass them: (op, args)."""
-    from pipeline.pooling.clustering import sq_dists
+    from pipeline.pooling.clustering import gram
 
     q, k = _qk(2, 3, 11, 16, seed=9)
     gen = torch.Generator().manual_seed(9)
@@ -628,7 +630,7 @@ def _custom_op_args(name: str) -> tuple:
         "scores": (ops.attention_significance.default, (q, k, bias, 0.25, None)),
         "scores from lse": (ops.attention_significance.default, (q, k, bias, 0.25, lse)),
         "joint": (ops.attention_with_significance.default, (q, k, v, bias, 0.25)),
-        "kmedoids": (ops.kmedoids.default, (sq_dists(x), w, w.topk(6, dim=-1).indices, 3)),
+        "kmedoids": (ops.kmedoids.default, (gram(x), w, w.topk(6, dim=-1).indices, 3)),
         "kmeans_gram": (ops.kmeans_gram.default, (x @ x.transpose(1, 2), w, w.topk(6, dim=-1).indices, 3)),
         "scores backward": (ops.attention_significance_backward.default,
                             (q.detach(), k.detach(), bias, 0.25, torch.randn(2, 11, generator=gen), lse, True)),
@@ -818,24 +820,24 @@ def test_the_cuda_backward_of_the_scores_traces_with_fake_tensors(carry):
 
 def test_the_cuda_kernel_of_kmedoids_follows_the_switch():
     """``PIPELINE_KMEDOIDS_KERNEL`` picks the CUDA path's kernel (run here under Triton's interpreter on CPU
-    tensors, calling the op's CUDA kernel function itself): the two-launch kernels by default, the fused
-    one with ``fused``; the same medoids and assignment either way."""
+    tensors, calling the op's CUDA kernel function itself): the fused one on the Gram matrix by default,
+    the two-launch kernels with ``tiled``; the same medoids and assignment either way."""
     pytest.importorskip("triton")
     code = """
 import os, torch
 from pipeline.pooling import clustering
-from pipeline.pooling.clustering import _kmedoids_cuda, sq_dists
+from pipeline.pooling.clustering import _kmedoids_cuda, gram
 calls = []
 for name in ("kmedoids_triton", "kmedoids_fused_triton"):
     real = getattr(clustering, name)
     setattr(clustering, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
 g = torch.Generator().manual_seed(0)
 x, w = torch.randn(2, 30, 6, generator=g), torch.rand(2, 30, generator=g) + 0.1
-start, d = w.topk(8, -1).indices, sq_dists(x)
-tiled = _kmedoids_cuda(d, w, start, 4)
-os.environ["PIPELINE_KMEDOIDS_KERNEL"] = "fused"
-fused = _kmedoids_cuda(d, w, start, 4)
-assert calls == ["kmedoids_triton", "kmedoids_fused_triton"], calls
+start, g = w.topk(8, -1).indices, gram(x)
+fused = _kmedoids_cuda(g, w, start, 4)
+os.environ["PIPELINE_KMEDOIDS_KERNEL"] = "tiled"
+tiled = _kmedoids_cuda(g, w, start, 4)
+assert calls == ["kmedoids_fused_triton", "kmedoids_triton"], calls
 assert torch.equal(tiled[0], fused[0]) and torch.equal(tiled[1], fused[1])
 print("ok")
 """

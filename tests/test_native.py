@@ -40,8 +40,9 @@ def _case(b: int, n: int, m: int, k: int, kind: str, seed: int):
     x, w = torch.randn(b, n, m, generator=g), torch.rand(b, n, generator=g) + 0.1
     if kind == "ties":
         x = torch.randint(-2, 3, (b, n // 2, m), generator=g).float().repeat(1, 2, 1)
-    if kind == "negative":
-        x = (torch.randn(b, n // 2, m, generator=g) * 30).repeat(1, 2, 1)
+    if kind == "negative":  # near-duplicate pairs: (G_ii + G_jj) - 2 G_ij rounds below zero
+        base = torch.randn(b, n // 2, m, generator=g) * 30
+        x = torch.cat([base, base + 3e-5 * torch.randn(base.shape, generator=g)], dim=1)
     return x, w, w.topk(k, dim=-1).indices
 
 
@@ -122,7 +123,7 @@ def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, mo
 
     for name in ("kmedoids", "kmeans_gram"):
         monkeypatch.setattr(native, name, counted(name))
-    med, assign = _kmedoids_op(sq_dists(x), w, start, 1)
+    med, assign = _kmedoids_op(_gram(x), w, start, 1)
     _kmeans_gram_op(_gram(x), w, start, 2)
     assert calls == ["kmedoids", "kmeans_gram"]
     # one iteration: the medoids are the starting ones, in a tensor of the op's own

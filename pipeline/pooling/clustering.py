@@ -62,10 +62,25 @@ _WEIGHT_FLOOR = 1e-12
 SWAP_RTOL = 1e-4
 
 
+def gram(x: Tensor) -> Tensor:
+    """The Gram matrices X X^T, (B, N, D) -> (B, N, N): one batched matmul, the only (B, N, D) read of an
+    iteration's inputs (K-Means and K-Medoids both iterate on it)."""
+    return torch.bmm(x, x.transpose(1, 2))
+
+
+def dists_from_gram(g: Tensor) -> Tensor:
+    """Squared distances ||x_i - x_j||^2 = (G_ii + G_jj) - 2 G_ij from the Gram matrices g (B, N, N).
+
+    The diagonal is exactly 0, and the Triton kernel that reads g instead of the distances
+    (``kmedoids_triton._dist``) rounds in the same order, so both see the same distances.
+    """
+    diag = g.diagonal(dim1=1, dim2=2)  # (B, N)
+    return torch.sub(diag.unsqueeze(2) + diag.unsqueeze(1), g, alpha=2.0)
+
+
 def sq_dists(x: Tensor) -> Tensor:
-    """All pairwise squared distances ||x_i - x_j||^2, (B, N, D) -> (B, N, N), one batched matmul."""
-    norms = torch.linalg.vector_norm(x, dim=-1).square()  # (B, N), no (B, N, D) temporary
-    return torch.baddbmm(norms.unsqueeze(1) + norms.unsqueeze(2), x, x.transpose(1, 2), alpha=-2.0)
+    """All pairwise squared distances ||x_i - x_j||^2, (B, N, D) -> (B, N, N), as K-Medoids sees them."""
+    return dists_from_gram(gram(x))
 
 
 def effective_weights(tokens: Tensor, weights: Tensor | None, sizes: Tensor | None) -> Tensor | None:
@@ -151,10 +166,10 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     torch iterations' GPU time, and compiled K-Means ran 0.504x with them, 0.862x with the traced torch
     iterations: docs/benchmarks.md.)
     """
-    gram = torch.bmm(x, x.transpose(1, 2))
+    g = gram(x)
     if use_dense(x):
-        return kmeans_gram_iterations(gram, w, start, iters)
-    return _kmeans_gram_op(gram, w, start, iters)
+        return kmeans_gram_iterations(g, w, start, iters)
+    return _kmeans_gram_op(g, w, start, iters)
 
 
 def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
@@ -199,17 +214,18 @@ def _kmeans_gram_fake(gram: Tensor, w: Tensor | None, start: Tensor, iters: int)
 
 
 def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """Voronoi iterations on the token distance matrix, computed once.
+    """Voronoi iterations on the token distance matrix.
 
     x (B, N, D), w (B, N) or None (uniform), medoids (B, K) token indices
     -> (medoids (B, K), last assignment (B, N)).
 
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
-    ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op, ``tokenpool::kmedoids``: Triton
-    kernels on CUDA (``kmedoids_triton``, two an iteration), native code on the CPU (``native.kmedoids``,
-    one call for all of them), and the torch iterations (``kmedoids_dense``) where neither is at hand.
+    ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op on the Gram matrix,
+    ``tokenpool::kmedoids``: on CUDA one Triton kernel that derives the distances as it reads them
+    (``kmedoids_fused_triton``), native code on the CPU (``native.kmedoids``, one call for all of them),
+    and the torch iterations (``kmedoids_dense``) where neither is at hand.
     """
-    return _kmedoids_op(sq_dists(x), w, medoids, iters)
+    return _kmedoids_op(gram(x), w, medoids, iters)
 
 
 def _reach(d: Tensor) -> Tensor:
@@ -247,28 +263,31 @@ def _swap(cost: Tensor, med: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("tokenpool::kmedoids", mutates_args=())
-def _kmedoids_op(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """K-Medoids iterations on distances d (B, N, N): one opaque op for ``torch.compile``."""
-    return _kmedoids_dense_owned(d, w, medoids, iters)
+def _kmedoids_op(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    """K-Medoids iterations on the Gram matrices g (B, N, N) (``gram``): one opaque op for
+    ``torch.compile``, which launches one kernel on CUDA."""
+    return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
 
 
-KMEDOIDS_KERNEL_ENV = "PIPELINE_KMEDOIDS_KERNEL"  # "tiled" (default: two launches an iteration) or "fused"
+KMEDOIDS_KERNEL_ENV = "PIPELINE_KMEDOIDS_KERNEL"  # "fused" (default: one launch) or "tiled" (two an iteration)
 
 
 @_kmedoids_op.register_kernel("cuda")
-def _kmedoids_cuda(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """Triton on CUDA: ``kmedoids_triton`` (two launches an iteration over (B, tiles) grids, the kernel last
-    timed on a GPU), or with ``PIPELINE_KMEDOIDS_KERNEL=fused`` ``kmedoids_fused_triton`` (one program an
-    image for every iteration; not yet timed on a GPU: ``jobs/gpu/checks.sh`` compares the two)."""
-    if kmedoids_triton is None or d.dtype != torch.float32:  # the kernels sum in float32
-        return _kmedoids_dense_owned(d, w, medoids, iters)
-    if os.environ.get(KMEDOIDS_KERNEL_ENV, "tiled") == "fused":
-        return kmedoids_fused_triton(d, w, medoids, iters, SWAP_RTOL)
-    return kmedoids_triton(d, w, medoids, iters, SWAP_RTOL)
+def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    """Triton on CUDA: ``kmedoids_fused_triton`` (one program an image for every iteration, reading the Gram
+    matrix: one launch), or with ``PIPELINE_KMEDOIDS_KERNEL=tiled`` the distances and ``kmedoids_triton``
+    (two launches an iteration over (B, tiles) grids, the kernel behind the last GPU figures, kept so that
+    ``jobs/gpu/checks.sh`` can time the two against each other)."""
+    if kmedoids_triton is None or g.dtype != torch.float32:  # the kernels sum in float32
+        return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
+    if os.environ.get(KMEDOIDS_KERNEL_ENV, "fused") == "tiled":
+        return kmedoids_triton(dists_from_gram(g), w, medoids, iters, SWAP_RTOL)
+    return kmedoids_fused_triton(g, w, medoids, iters, SWAP_RTOL, gram=True)
 
 
 @_kmedoids_op.register_kernel("cpu")
-def _kmedoids_cpu(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def _kmedoids_cpu(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    d = dists_from_gram(g)
     lib = native.for_tensor(d)
     if lib is None:
         return _kmedoids_dense_owned(d, w, medoids, iters)
@@ -283,8 +302,8 @@ def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: i
 
 
 @_kmedoids_op.register_fake
-def _kmedoids_fake(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    b, n, _ = d.shape
+def _kmedoids_fake(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    b, n, _ = g.shape
     return medoids.new_empty(b, medoids.shape[1]), medoids.new_empty(b, n)
 
 

@@ -59,11 +59,24 @@ def _unpack(key):
 
 
 @triton.jit
-def _nearest(ROWS, N, offs_n, mask_n, med, mask_k):
+def _dist(ROWS, N, offs_r, mask_r, offs_c, mask_c, other, GRAM: tl.constexpr):
+    """d[r, c] of an image's ``ROWS``, ``other`` off the rows ``mask_r`` and columns ``mask_c``. With GRAM the rows hold the Gram
+    matrix G = X X^T and d[r, c] = (G[r, r] + G[c, c]) - 2 G[r, c], in the order of ``clustering.dists_from_gram``
+    (2 G is exact, so one rounding each way, fused or not): the distances are never written."""
+    mask = mask_r[:, None] & mask_c[None, :]
+    vals = tl.load(ROWS + offs_r[:, None] * N + offs_c[None, :], mask=mask, other=0.0)
+    if GRAM:
+        diag_r = tl.load(ROWS + offs_r * (N + 1), mask=mask_r, other=0.0)
+        diag_c = tl.load(ROWS + offs_c * (N + 1), mask=mask_c, other=0.0)
+        vals = (diag_r[:, None] + diag_c[None, :]) - 2.0 * vals
+    return tl.where(mask, vals, other)
+
+
+@triton.jit
+def _nearest(ROWS, N, offs_n, mask_n, med, mask_k, GRAM: tl.constexpr):
     """The nearest medoid of tokens ``offs_n`` (an image's distance ``ROWS``): d[n, med_k], -inf where n is
     med_k (a medoid joins its own cluster), +inf off the K clusters; ties to the lowest cluster index."""
-    vals = tl.load(ROWS + offs_n[:, None] * N + med[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                   other=float("inf"))
+    vals = _dist(ROWS, N, offs_n, mask_n, med, mask_k, float("inf"), GRAM)
     vals = tl.where(offs_n[:, None] == med[None, :], float("-inf"), vals)
     vals = tl.where(mask_k[None, :], vals, float("inf"))
     return tl.argmin(vals, axis=1, tie_break_left=True)
@@ -71,15 +84,14 @@ def _nearest(ROWS, N, offs_n, mask_n, med, mask_k):
 
 @triton.jit
 def _own_cluster_costs(ROWS, W_ROW, ASSIGN_ROW, N, offs_n, mask_n, a_n, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_J: tl.constexpr):
+                       BLOCK_J: tl.constexpr, GRAM: tl.constexpr):
     """Each token's cost as the medoid of its own cluster: sum_{j in cluster} w_j d[n, j] (an image's rows)."""
     acc = tl.zeros([BLOCK_N], tl.float32)
     for j0 in range(0, N, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         mask_j = offs_j < N
         a_j = tl.load(ASSIGN_ROW + offs_j, mask=mask_j, other=-2)
-        dist = tl.load(ROWS + offs_n[:, None] * N + offs_j[None, :], mask=mask_n[:, None] & mask_j[None, :],
-                       other=0.0)
+        dist = _dist(ROWS, N, offs_n, mask_n, offs_j, mask_j, 0.0, GRAM)
         if HAS_W:
             dist = dist * tl.load(W_ROW + offs_j, mask=mask_j, other=0.0)[None, :]
         acc += tl.sum(tl.where(a_n[:, None] == a_j[None, :], dist, 0.0), axis=1)
@@ -104,7 +116,7 @@ def _assign_kernel(D, MED_IN, MED_OUT, BEST, COST, ASSIGN, N, K, keep, SWAP: tl.
         current = tl.load(COST + b * N + med, mask=mask_k, other=0.0)
         med = tl.where(best_cost < current * keep, best, med)
         tl.store(MED_OUT + b * K + offs_k, med, mask=mask_k)
-    tl.store(ASSIGN + b * N + offs_n, _nearest(D + b * N * N, N, offs_n, mask_n, med, mask_k), mask=mask_n)
+    tl.store(ASSIGN + b * N + offs_n, _nearest(D + b * N * N, N, offs_n, mask_n, med, mask_k, False), mask=mask_n)
 
 
 @triton.jit
@@ -116,7 +128,8 @@ def _cost_kernel(D, W, ASSIGN, COST, BEST, N, K, HAS_W: tl.constexpr, BLOCK_N: t
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
-    acc = _own_cluster_costs(D + b * N * N, W + b * N, ASSIGN + b * N, N, offs_n, mask_n, a_n, HAS_W, BLOCK_N, BLOCK_J)
+    acc = _own_cluster_costs(D + b * N * N, W + b * N, ASSIGN + b * N, N, offs_n, mask_n, a_n, HAS_W, BLOCK_N, BLOCK_J,
+                             False)
     tl.store(COST + b * N + offs_n, acc, mask=mask_n)
     tl.atomic_min(BEST + b * K + a_n, _pack(acc, offs_n), mask=mask_n)
 
@@ -158,7 +171,7 @@ def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rt
 
 @triton.jit
 def _fused_kernel(D, W, MED_IN, MED_OUT, ASSIGN, COST, N, K, iters, keep, HAS_W: tl.constexpr,
-                  BLOCK_K: tl.constexpr, TILE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, TILE: tl.constexpr, GRAM: tl.constexpr):
     """Every iteration of one image's K-Medoids in one program: the assignment, then ``iters - 1`` times
     the costs, each cluster's cheapest member (a running minimum of the packed ``(cost, token)``, lowest
     cost then lowest token), the swap rule and the assignment again. The medoids stay in registers; the
@@ -175,7 +188,8 @@ def _fused_kernel(D, W, MED_IN, MED_OUT, ASSIGN, COST, N, K, iters, keep, HAS_W:
                 offs_n = n0 + tl.arange(0, TILE)
                 mask_n = offs_n < N
                 a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
-                acc = _own_cluster_costs(rows, W + b * N, ASSIGN + b * N, N, offs_n, mask_n, a_n, HAS_W, TILE, TILE)
+                acc = _own_cluster_costs(rows, W + b * N, ASSIGN + b * N, N, offs_n, mask_n, a_n, HAS_W, TILE, TILE,
+                                         GRAM)
                 tl.store(COST + b * N + offs_n, acc, mask=mask_n)
             tl.debug_barrier()
             best = tl.full([BLOCK_K], _EMPTY, tl.int64)
@@ -193,17 +207,19 @@ def _fused_kernel(D, W, MED_IN, MED_OUT, ASSIGN, COST, N, K, iters, keep, HAS_W:
         for n0 in range(0, N, TILE):
             offs_n = n0 + tl.arange(0, TILE)
             mask_n = offs_n < N
-            tl.store(ASSIGN + b * N + offs_n, _nearest(rows, N, offs_n, mask_n, med, mask_k), mask=mask_n)
+            tl.store(ASSIGN + b * N + offs_n, _nearest(rows, N, offs_n, mask_n, med, mask_k, GRAM), mask=mask_n)
         tl.debug_barrier()
     tl.store(MED_OUT + b * K + offs_k, med, mask=mask_k)
 
 
 def kmedoids_fused_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float, *,
-                          tile: int = 32, num_warps: int = 8) -> tuple[Tensor, Tensor]:
+                          gram: bool = False, tile: int = 32, num_warps: int = 8) -> tuple[Tensor, Tensor]:
     """The same iterations as ``kmedoids_triton`` in one launch: one program per image runs all of them
     (``_fused_kernel``), where ``kmedoids_triton`` launches two kernels an iteration on a (B, tiles) grid.
-    Which is faster on a GPU is ``bench kernels``' question (an earlier one-program-per-image kernel left
-    an H100 nearly idle); ``tile`` and ``num_warps`` are its knobs."""
+    With ``gram`` ``d`` is the Gram matrix X X^T and the kernel derives each distance it reads
+    (``_dist``), so the distances cost no kernel of their own. Which kernel is faster on a GPU is
+    ``bench kernels``' question (an earlier one-program-per-image kernel left an H100 nearly idle);
+    ``tile`` and ``num_warps`` are its knobs."""
     b, n, _ = d.shape
     k = medoids.shape[1]
     d = d.contiguous()
@@ -214,5 +230,6 @@ def kmedoids_fused_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: i
     w_arg = w.contiguous() if has_w else cost  # never read without HAS_W
     if b:
         _fused_kernel[(b,)](d, w_arg, medoids.contiguous(), med_out, assign, cost, n, k, iters, 1.0 - rtol,
-                            HAS_W=has_w, BLOCK_K=max(16, triton.next_power_of_2(k)), TILE=tile, num_warps=num_warps)
+                            HAS_W=has_w, BLOCK_K=max(16, triton.next_power_of_2(k)), TILE=tile, GRAM=gram,
+                            num_warps=num_warps)
     return med_out, assign
