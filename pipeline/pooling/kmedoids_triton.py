@@ -60,9 +60,11 @@ def _unpack(key):
 
 @triton.jit
 def _dist(ROWS, N, offs_r, mask_r, offs_c, mask_c, other, GRAM: tl.constexpr):
-    """d[r, c] of an image's ``ROWS``, ``other`` off the rows ``mask_r`` and columns ``mask_c``. With GRAM the rows hold the Gram
-    matrix G = X X^T and d[r, c] = (G[r, r] + G[c, c]) - 2 G[r, c], in the order of ``clustering.dists_from_gram``
-    (2 G is exact, so one rounding each way, fused or not): the distances are never written."""
+    """d[r, c] of an image's ``ROWS``, ``other`` off the rows ``mask_r`` and columns ``mask_c``.
+
+    With GRAM the rows hold the Gram matrix G = X X^T and d[r, c] = (G[r, r] + G[c, c]) - 2 G[r, c], in the
+    order of ``clustering.dists_from_gram`` (2 G is exact, so one rounding each way, fused or not): the
+    distances are never written."""
     mask = mask_r[:, None] & mask_c[None, :]
     vals = tl.load(ROWS + offs_r[:, None] * N + offs_c[None, :], mask=mask, other=0.0)
     if GRAM:
