@@ -490,6 +490,46 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     assert _interpret(code).count("ok") == 11
 
 
+def test_triton_cluster_means_under_the_interpreter():
+    """The merge kernel (``cluster_means_triton``, one launch a pooled block) gives the brute-force reference's
+    weighted means and the one-hot torch ops' (the op's reference): with and without weights, an empty
+    cluster (its starting token, or 0 / 0 without ``start``), K = 1, odd N, the models' strided token slice,
+    and on small integers with unit weights the same bits."""
+    pytest.importorskip("triton")
+    code = """
+import numpy as np, torch
+from tests import reference as ref
+from pipeline.pooling.means_triton import cluster_means_triton
+from pipeline.pooling.merge import _means_dense
+cases = [((2, 12, 8, 3), True, False), ((3, 31, 20, 7), False, True), ((2, 49, 70, 1), True, True),
+         ((1, 196, 384, 147), True, True), ((2, 13, 16, 12), False, False), ((2, 40, 24, 9), False, True)]
+for case, ((b, n, m, k), weighted, strided) in enumerate(cases):
+    g = torch.Generator().manual_seed(n + k)
+    wide = torch.randn(b, n + 1, m, generator=g)
+    if case == 5:  # small integers: every sum exact, so any order of summation gives the same bits
+        wide = torch.randint(-3, 4, wide.shape, generator=g).float()
+    x = wide[:, 1:] if strided else wide[:, 1:].contiguous()  # the models pass the slice x[:, p:]
+    w = torch.rand(b, n, generator=g) + 0.1 if weighted else None
+    assign = torch.randint(0, max(k - 1, 1), (b, n), generator=g)  # cluster k - 1 stays empty when k > 1
+    start = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b)])
+    nan = cluster_means_triton(x, w, assign, k, None)
+    torch.testing.assert_close(nan, _means_dense(x, w, assign, k, None), rtol=1e-5, atol=1e-6, equal_nan=True)
+    got = cluster_means_triton(x, w, assign, k, start)
+    want = _means_dense(x, w, assign, k, start)
+    if case == 5:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for s in range(b):
+        ws = w[s].double().numpy() if weighted else np.ones(n)
+        for j, mean in enumerate(ref.cluster_means(x[s].double().numpy(), ws, assign[s].tolist(), k)):
+            expected = x[s, start[s, j]].double().numpy() if mean is None else mean
+            np.testing.assert_allclose(got[s, j].numpy(), expected, rtol=1e-5, atol=1e-5)
+            assert (mean is None) == bool(torch.isnan(nan[s, j]).all()), (case, s, j)
+    print("ok", case)
+"""
+    assert _interpret(code).count("ok") == 6
+
+
 def _interpret(code: str) -> str:
     """Runs ``code`` in a fresh process with TRITON_INTERPRET=1 (it must be set before triton is
     imported); returns its stdout, failing the test on a non-zero exit."""
@@ -600,7 +640,7 @@ def test_bench_kernels_dry_run_under_the_interpreter():
     assert all(row.split(" | ")[2:4] == ["-", "-"] and row.endswith("| 1.0000 |") for row in rows[3:]), proc.stdout
     assert "| reshape + matmul (PatchMatmul, patch_embed: matmul) |" in proc.stdout
     precision = [line for line in proc.stdout.splitlines() if line.startswith(("| distances", "| segment means"))]
-    assert len(precision) == 5, proc.stdout
+    assert len(precision) == 6, proc.stdout
     assert "K-Medoids alike: medoids 1.0000, assign 1.0000 |" in precision[0], "float32 against itself"
     env.pop("TRITON_INTERPRET")
     refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

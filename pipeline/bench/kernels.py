@@ -33,8 +33,9 @@ from pipeline.errors import InputError, JobError
 from pipeline.models.patch_embed import use_patch_embed
 from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
-from pipeline.pooling.clustering import SWAP_RTOL, kmeans_gram_iterations, kmedoids_dense, sq_dists
-from pipeline.pooling.common import dense_segments, one_hot, pool_segments
+from pipeline.pooling.clustering import SWAP_RTOL, gram, kmeans_gram_iterations, kmedoids_dense, sq_dists
+from pipeline.pooling.common import dense_segments, one_hot
+from pipeline.pooling.merge import _means_dense, pool_segments
 from pipeline.runtime import cuda_settings, inference
 
 Timer = Callable[[Callable[[], object]], float]
@@ -92,7 +93,7 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
     """K-Medoids' iterations at DeiT-S size (N=196, 384 dims), Triton against torch, per K."""
     timer = _timer(device)
     x, w = _deit_s_tokens(device, batch, seed=0)
-    d = sq_dists(x)
+    d, g = sq_dists(x), gram(x)
     block = timm.create_model("deit_small_patch16_224").blocks[0].to(device).eval()
     tokens = torch.randn(batch, 197, 384, device=device)
     with inference(device, "bf16" if device == "cuda" else "fp32"):  # weights cast once
@@ -110,11 +111,15 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
         tilings |= {f"fused (tile {t}, {nw} warps)": partial(kt.kmedoids_fused_triton, d, w, start, 5, SWAP_RTOL,
                                                              tile=t, num_warps=nw)
                     for t, nw in ((16, 4), (32, 4), (32, 8))}
+        # what the CUDA path runs: the fused kernel on the Gram matrix, each distance derived as it is read
+        tilings |= {f"fused on the Gram matrix (tile {t}, {nw} warps)":
+                    partial(kt.kmedoids_fused_triton, g, w, start, 5, SWAP_RTOL, gram=True, tile=t, num_warps=nw)
+                    for t, nw in ((32, 4), (32, 8))}
         times = _timing_cells(timer, device, partial(kmedoids_dense, d, w, start, 5),
                               partial(kt.kmedoids_triton, d, w, start, 5, SWAP_RTOL), tilings)
         pool_ms = timer(partial(token_pool, x, k, weights=w, validate=False))
         med_t, assign_t = kt.kmedoids_triton(d, w, start, 5, SWAP_RTOL)
-        med_f, assign_f = kt.kmedoids_fused_triton(d, w, start, 5, SWAP_RTOL)
+        med_f, assign_f = kt.kmedoids_fused_triton(g, w, start, 5, SWAP_RTOL, gram=True)
         med_d, assign_d = kmedoids_dense(d, w, start, 5)
         same = (f"medoids {(med_t == med_d).float().mean():.4f}, assign {(assign_t == assign_d).float().mean():.4f}; "
                 f"fused {(med_f == med_d).float().mean():.4f}, {(assign_f == assign_d).float().mean():.4f}")
@@ -238,8 +243,9 @@ def precision_table(device: str, batch: int, k: int = 147) -> str:
     row("distances (B, N, N), float32 (sq_dists)", lambda: sq_dists(x), distance_error)
     row("distances, bf16 tokens, float32 accumulation and output", lambda: _bf16_distances(x), distance_error)
     with dense_segments(True):
-        row("segment means (B, K, 384), one-hot bmm, float32", lambda: pool_segments(x, w, None, assign, k, None)[0],
-            means_error)
+        row("segment means (B, K, 384), tokenpool::cluster_means (one Triton kernel on CUDA), float32",
+            lambda: pool_segments(x, w, None, assign, k, None)[0], means_error)
+    row("segment means, one-hot bmm, float32", lambda: _means_dense(x, w, assign, k, None), means_error)
     row("segment means, one-hot bmm, bf16 inputs, float32 output", lambda: _bf16_means(x, w, assign, k), means_error)
     with dense_segments(False):
         row("segment means, index_add_ (atomic adds, order not fixed)",

@@ -38,14 +38,15 @@ from pipeline.pooling.common import (
     check_metric,
     check_per_token,
     check_tokens,
+    gather_rows,
     identity_result,
     one_hot,
-    pool_segments,
     segment_means,
     uniform_noise,
     use_dense,
     work_dtype,
 )
+from pipeline.pooling.merge import pool_segments
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.pooling.kmedoids_triton import kmedoids_fused_triton, kmedoids_triton
@@ -125,7 +126,7 @@ def _kmeans(x: Tensor, w: Tensor | None, start: Tensor, iters: int, gram: bool |
         gram = x.shape[1] <= 2 * x.shape[2]
     if gram:
         return _kmeans_gram(x, w, start, iters)
-    return _kmeans_features(x, w, _gather_rows(x, start), iters)
+    return _kmeans_features(x, w, gather_rows(x, start), iters)
 
 
 def _kmeans_features(x: Tensor, w: Tensor | None, centres: Tensor, iters: int) -> Tensor:
@@ -378,13 +379,8 @@ def token_pool(
         else:
             medoids, assign = _kmedoids(space, w, start, iters)
     # No K-Medoids cluster is empty; an empty K-Means cluster outputs the token its centre started from.
-    fallback = _gather_rows(x, start) if method == "kmeans" else None
     in_sizes = None if sizes is None else sizes.to(dtype)
-    pooled, out_sizes = pool_segments(x, w, in_sizes, assign, k, fallback=fallback)
+    pooled, out_sizes = pool_segments(x, w, in_sizes, assign, k, start if method == "kmeans" else None)
     index = medoids if method == "kmedoids" else None
     return PoolResult(tokens=pooled.to(tokens.dtype), sizes=out_sizes, assign=assign, index=index)
 
-
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """Rows of x (B, N, D) at index (B, K) -> (B, K, D)."""
-    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))

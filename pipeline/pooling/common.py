@@ -322,25 +322,6 @@ def segment_means(part: Partition, rows: Tensor, d: int) -> tuple[Tensor, Tensor
     return sums[..., :d] / total, total
 
 
-def pool_segments(
-    tokens: Tensor, weights: Tensor | None, sizes: Tensor | None, assign: Tensor, k: int, fallback: Tensor | None
-) -> tuple[Tensor, Callable[[], Tensor]]:
-    """Weighted mean of the tokens in each segment, and the summed sizes of each segment.
-
-    Args:
-        tokens: (B, N, M).
-        weights: (B, N) strictly positive, or None for a plain mean.
-        sizes: (B, N) the number of original tokens each input stands for, or None for ones.
-        assign: (B, N) int64 segment of each token, in [0, k).
-        k: number of segments.
-        fallback: (B, K, M), returned for a segment with no members (its size is 0); None when
-            the caller guarantees that no segment is empty.
-
-    Returns:
-        ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
-    """
-    part = Partition(assign, k, dtype=tokens.dtype)
-    means, total = part.mean(tokens, weights)
-    if fallback is not None:  # an empty segment: 0 / 0, replaced by its fallback
-        means = torch.where(total > 0, means, fallback)
-    return means, lambda: part.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """Rows of x (B, N, D) at index (B, K) -> (B, K, D)."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))

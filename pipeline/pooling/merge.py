@@ -1,0 +1,111 @@
+"""The merge of Algorithm 1 (its last line): each cluster's weighted mean of the tokens, and the sizes.
+
+On the CUDA path the means are one custom op, ``tokenpool::cluster_means``: one Triton kernel on CUDA
+(``means_triton``, no (B, K, N) membership in memory), the one-hot torch ops on other devices (the
+reference the kernel is tested against). Its backward is the closed form below, in torch ops. The CPU
+path keeps ``Partition``'s ``index_add_`` sums, which autograd differentiates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from pipeline.pooling.common import Partition, gather_rows, one_hot, use_dense
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
+    from pipeline.pooling.means_triton import cluster_means_triton
+except ImportError:  # pragma: no cover - depends on the install
+    cluster_means_triton = None
+
+
+def pool_segments(
+    tokens: Tensor, weights: Tensor | None, sizes: Tensor | None, assign: Tensor, k: int, start: Tensor | None
+) -> tuple[Tensor, Callable[[], Tensor]]:
+    """Weighted mean of the tokens in each segment, and the summed sizes of each segment.
+
+    Args:
+        tokens: (B, N, M).
+        weights: (B, N) strictly positive, or None for a plain mean.
+        sizes: (B, N) the number of original tokens each input stands for, or None for ones.
+        assign: (B, N) int64 segment of each token, in [0, k).
+        k: number of segments.
+        start: (B, K) token indices: a segment with no members outputs the token at its index (its size
+            is 0); None when the caller guarantees that no segment is empty.
+
+    Returns:
+        ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
+    """
+    if use_dense(tokens):
+        means = cluster_means(tokens, weights, assign, k, start)
+    else:
+        means, total = Partition(assign, k, dtype=tokens.dtype).mean(tokens, weights)
+        if start is not None:  # an empty segment: 0 / 0, replaced by its starting token
+            means = torch.where(total > 0, means, gather_rows(tokens, start))
+
+    def summed_sizes() -> Tensor:
+        part = Partition(assign, k, dtype=tokens.dtype)
+        return part.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()
+
+    return means, summed_sizes
+
+
+@torch.library.custom_op("tokenpool::cluster_means", mutates_args=())
+def cluster_means(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+    """Weighted cluster means, x (B, N, M), w (B, N) or None, assign (B, N) in [0, k), start (B, K) or None
+    -> (B, K, M); an empty cluster gives x at its ``start`` index (0 / 0 without ``start``)."""
+    return _means_dense(x, w, assign, k, start)
+
+
+def _means_dense(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+    """The means in torch ops: a one-hot (B, K, N) membership, weighted, times the tokens."""
+    member = one_hot(assign, k, x.dtype)
+    if w is not None:
+        member = member * w.unsqueeze(1)
+    total = member.sum(-1, keepdim=True)  # (B, K, 1)
+    means = torch.bmm(member, x) / total
+    return means if start is None else torch.where(total > 0, means, gather_rows(x, start))
+
+
+@cluster_means.register_kernel("cuda")
+def _cluster_means_cuda(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+    if cluster_means_triton is None or x.dtype != torch.float32 or (w is not None and w.dtype != torch.float32):
+        return _means_dense(x, w, assign, k, start)
+    return cluster_means_triton(x, w, assign, k, start)
+
+
+@cluster_means.register_fake
+def _cluster_means_fake(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], k, x.shape[2])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, assign, k, start = inputs
+    ctx.save_for_backward(x, w, assign, start, output)
+    ctx.k = k
+
+
+def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+    """With T_k = sum_{n in k} w_n and the mean mu_k of a member cluster k = a(n):
+    d mu_k / d x_n = w_n / T_k, and d mu_k / d w_n = (x_n - mu_k) / T_k; an empty cluster's output is the
+    token at its ``start``, whose gradient it passes on."""
+    x, w, assign, start, means = ctx.saved_tensors
+    b, n, m = x.shape
+    ones = torch.ones_like(assign, dtype=grad.dtype) if w is None else w.to(grad.dtype)
+    total = grad.new_zeros(b, ctx.k).scatter_add_(1, assign, ones)  # (B, K)
+    rows = assign.unsqueeze(-1).expand(b, n, m)
+    per_member = (grad / total.clamp_min(torch.finfo(grad.dtype).tiny).unsqueeze(-1)).gather(1, rows)  # (B, N, M)
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = per_member if w is None else per_member * w.unsqueeze(-1)
+        if start is not None:
+            empty = (total == 0).unsqueeze(-1)
+            grad_x = grad_x.scatter_add(1, start.unsqueeze(-1).expand(b, ctx.k, m), torch.where(empty, grad, 0.0))
+    if w is not None and ctx.needs_input_grad[1]:
+        grad_w = ((x - means.gather(1, rows)) * per_member).sum(-1)
+    return grad_x, grad_w, None, None, None
+
+
+cluster_means.register_autograd(_backward, setup_context=_setup_context)
