@@ -49,9 +49,10 @@ from pipeline.pooling.common import (
 from pipeline.pooling.merge import pool_segments
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
+    from pipeline.pooling.kmeans_triton import kmeans_fused_triton
     from pipeline.pooling.kmedoids_triton import kmedoids_fused_triton, kmedoids_triton
 except ImportError:  # pragma: no cover - depends on the install
-    kmedoids_triton = kmedoids_fused_triton = None
+    kmedoids_triton = kmedoids_fused_triton = kmeans_fused_triton = None
 
 CLUSTER_METHODS = ("kmeans", "kmedoids")
 INITS = ("topk", "random")
@@ -158,19 +159,21 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     iteration is one (K, N) x (N, N) product, where the feature form takes two (K, N) x (N, D) products and
     reads the (B, N, D) tokens twice. See ``_kmeans``.
 
-    On this CPU at DeiT-S size (B = 64, N = 196, D = 384, 5 iterations) the torch iterations took
-    0.43-0.69 of the feature form's time with the dense torch ops. On the CUDA path (``use_dense``) the
-    iterations are the torch ops, which ``torch.compile`` traces and fuses; on the CPU they are one custom
-    op, ``tokenpool::kmeans_gram``, whose kernel is native code (``native.kmeans_gram``: its update costs
-    N^2 where the dense product costs K N^2), with the torch iterations where the library is not built.
-    (Two Triton kernels an iteration ran the CUDA path for a while; on an H200 they took 2.2 times the
-    torch iterations' GPU time, and compiled K-Means ran 0.504x with them, 0.862x with the traced torch
-    iterations: docs/benchmarks.md.)
+    The iterations are one custom op, ``tokenpool::kmeans_gram``: on CUDA one Triton kernel that runs every
+    iteration of an image in one program (``kmeans_fused_triton``), native code on the CPU
+    (``native.kmeans_gram``: its update costs N^2 where the dense product costs K N^2), and the torch
+    iterations (``kmeans_gram_iterations``) where neither is at hand. ``PIPELINE_KMEANS_KERNEL=torch``
+    runs the torch iterations on the CUDA path instead, for ``torch.compile`` to trace (what the last GPU
+    figures ran: compiled K-Means 0.862x the unmodified model on an H200, where two Triton kernels an
+    iteration gave 0.504x; docs/benchmarks.md), so that ``jobs/gpu/checks.sh`` can time the two.
     """
     g = gram(x)
-    if use_dense(x):
+    if use_dense(x) and os.environ.get(KMEANS_KERNEL_ENV, "fused") == "torch":
         return kmeans_gram_iterations(g, w, start, iters)
     return _kmeans_gram_op(g, w, start, iters)
+
+
+KMEANS_KERNEL_ENV = "PIPELINE_KMEANS_KERNEL"  # "fused" (default: one launch on CUDA) or "torch" (traced ops)
 
 
 def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
@@ -196,9 +199,16 @@ def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters:
 
 @torch.library.custom_op("tokenpool::kmeans_gram", mutates_args=())
 def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
-    """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op, for the CPU path: native code on
-    the CPU, the torch iterations on any other device."""
+    """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op: one Triton kernel on CUDA, native
+    code on the CPU, the torch iterations on any other device."""
     return kmeans_gram_iterations(gram, w, start, iters)
+
+
+@_kmeans_gram_op.register_kernel("cuda")
+def _kmeans_gram_cuda(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+    if kmeans_fused_triton is None or gram.dtype != torch.float32:  # the kernel sums in float32
+        return kmeans_gram_iterations(gram, w, start, iters)
+    return kmeans_fused_triton(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cpu")
