@@ -61,6 +61,51 @@ def test_triton_kmedoids_matches_the_torch_iterations(k, weighted, kernel):
     assert (assign.gather(1, med) == torch.arange(k, device="cuda")).all()  # every medoid in its own cluster
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("k", [147, 98, 49, 12])
+def test_fused_kernels_on_the_gram_matrix_match_the_torch_iterations(k, weighted):
+    """What the CUDA path runs: K-Medoids' fused kernel deriving the distances from the Gram matrix, and
+    K-Means' fused kernel, against the one-hot torch iterations at DeiT-S size; float32 sums in a different
+    order may flip a rare near-tie, nothing more."""
+    from pipeline.pooling.clustering import SWAP_RTOL, dists_from_gram, gram, kmeans_gram_iterations, kmedoids_dense
+    from pipeline.pooling.kmeans_triton import kmeans_fused_triton
+    from pipeline.pooling.kmedoids_triton import kmedoids_fused_triton
+
+    gen = torch.Generator().manual_seed(k)
+    x, w = torch.randn(64, 196, 384, generator=gen).cuda(), torch.rand(64, 196, generator=gen).cuda() + 0.1
+    start, g = w.topk(k, dim=-1).indices, gram(x)
+    w = w / w.amax(-1, keepdim=True) if weighted else None
+    med, assign = kmedoids_fused_triton(g, w, start, 5, SWAP_RTOL, gram=True)
+    med_t, assign_t = kmedoids_dense(dists_from_gram(g), w, start, 5)
+    assert (med == med_t).float().mean() > 0.99 and (assign == assign_t).float().mean() > 0.99
+    assign_k = kmeans_fused_triton(g, w, start, 5)
+    assert (assign_k == kmeans_gram_iterations(g, w, start, 5)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("k", [147, 49, 1])
+def test_triton_cluster_means_match_the_one_hot_product(k, weighted):
+    """The merge kernel on the models' strided token slice, with an empty cluster's start token, against the
+    one-hot torch product; and its gradients against the CPU path's autograd."""
+    from pipeline.pooling.common import dense_segments
+    from pipeline.pooling.merge import _means_dense, cluster_means, pool_segments
+
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(64, 197, 384, generator=gen).cuda()[:, 1:]
+    w = torch.rand(64, 196, generator=gen).cuda() + 0.1 if weighted else None
+    assign = torch.randint(0, max(k - 1, 1), (64, 196), generator=gen).cuda()
+    start = torch.stack([torch.randperm(196, generator=gen)[:k] for _ in range(64)]).cuda()
+    torch.testing.assert_close(cluster_means(x, w, assign, k, start), _means_dense(x, w, assign, k, start),
+                               rtol=1e-5, atol=1e-5)
+    grads = []
+    for dense in (True, False):
+        xd = x.detach().clone().requires_grad_()
+        with dense_segments(dense):
+            (pool_segments(xd, w, None, assign, k, start)[0] * 0.5).sum().backward()
+        grads.append(xd.grad)
+    torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["powerbert", "random", "importance", "tome", "wkmedoids", "kmeans"])
 def test_deterministic_on_gpu(name):
     tokens = torch.randn(4, 196, 32, device="cuda")

@@ -61,3 +61,18 @@ def test_the_gpu_checks_refuse_a_bad_part_and_skip_what_the_deadline_leaves_no_t
     assert not (tmp_path / "b" / "compiled-default.md").exists()
     deadline = checks(tmp_path / "c", "pack", DEADLINE="soon")
     assert deadline.returncode == 2 and "DEADLINE must be seconds since the epoch" in deadline.stderr
+
+
+def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
+    """The fused kernels' GPU run: tests, compiled throughput with the fused kernels, the training step,
+    bench kernels (which refuses the CPU without the interpreter: its line ran) and the compiled throughput
+    with the previous kernels in OUT/previous."""
+    out = tmp_path / "gpu"
+    proc = checks(out, "pooling", BATCH="2", TRAIN_BATCH="2", COMPILE="none", METHODS="kmeans",
+                  PREVIOUS_METHODS="kmeans", TRAIN_METHODS="kmeans", DEADLINE=str(int(time.time()) + 500))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0", "0", "2", "0"], proc.stdout
+    assert "TRITON_INTERPRET=1" in (out / "kernels.log").read_text()
+    for table in (out / "compiled-none.md", out / "train-none.md", out / "previous" / "compiled-none.md"):
+        assert re.search(r"^\| kmeans \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", table.read_text(), flags=re.M), table
+    assert "tests/test_gpu.py" in (out / "tests.log").read_text() or "skipped" in (out / "tests.log").read_text()

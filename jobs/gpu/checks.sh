@@ -12,6 +12,10 @@
 #   fp32      inference, fp32, batch 256, eager
 #   loop      bench loop: the training loop against its bare step (loop efficiency), bf16 (fp32 on the CPU),
 #             batch 128, compiled (COMPILE), LOOP_STEPS (100) steps an epoch, the unmodified model and WK-Medoids
+#   pooling   the fused clustering kernels against the kernels they replace: their GPU tests, bench kernels, the
+#             compiled throughput of every method (METHODS), the same with the previous kernels
+#             (PIPELINE_KMEDOIDS_KERNEL=tiled PIPELINE_KMEANS_KERNEL=torch; PREVIOUS_METHODS, in OUT/previous),
+#             and the training step of TRAIN_METHODS (wkmedoids); each under its own limit, in that order
 #   pack      every output so far in one archive (below)
 # SPLIT=1 runs eager, compiled, train and fp32 once per method (OUT/PART-METHOD.*), each under the
 # part's limit, so that one method's slow compilation cannot take the later methods' results; each
@@ -81,7 +85,8 @@ for part in "$@"; do
            echo "   exit $?"; tail -3 "$out/tests.log" ;;
     kernels) fits "${KERNELS_S:-90}" kernels || continue
            echo "== kernels ($(date +%T))"
-           timeout "${KERNELS_S:-90}" python3 -m pipeline bench kernels > "$out/kernels.md" 2> "$out/kernels.log"
+           timeout "${KERNELS_S:-90}" python3 -m pipeline bench kernels --device "$device" > "$out/kernels.md" \
+             2> "$out/kernels.log"
            echo "   exit $?"; cat "$out/kernels.md" ;;
     eager) bench eager "${EAGER_S:-180}" "$methods" --dtype bf16 --batch "$batch" ;;
     compiled) bench "compiled-$mode" "${COMPILED_S:-330}" "$methods" --dtype bf16 --batch "$batch" --compile "$mode" ;;
@@ -96,7 +101,13 @@ for part in "$@"; do
             --compile "$mode" --steps "${LOOP_STEPS:-100}" ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} \
             > "$out/loop-$mode.md" 2> "$out/loop-$mode.log"
           echo "   exit $? ($(date +%T))"; cat "$out/loop-$mode.md" ;;
+    pooling) TESTS=${TESTS:-"gram_matrix or cluster_means or kmedoids"} TESTS_S=${TESTS_S:-60} bash "$0" tests
+             COMPILED_S=${COMPILED_S:-200} bash "$0" compiled
+             TRAIN_METHODS=${TRAIN_METHODS:-wkmedoids} TRAIN_S=${TRAIN_S:-100} bash "$0" train
+             KERNELS_S=${KERNELS_S:-60} bash "$0" kernels
+             OUT="$out/previous" PIPELINE_KMEDOIDS_KERNEL=tiled PIPELINE_KMEANS_KERNEL=torch \
+               METHODS=${PREVIOUS_METHODS:-wkmedoids,kmeans} COMPILED_S=${PREVIOUS_S:-120} bash "$0" compiled ;;
     pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
-    *) echo "unknown part $part (tests kernels eager compiled train fp32 loop pack)"; exit 2 ;;
+    *) echo "unknown part $part (tests kernels eager compiled train fp32 loop pooling pack)"; exit 2 ;;
   esac
 done
