@@ -168,18 +168,25 @@ def test_joint_attention_gradient_matches_autograd_through_the_softmax(outputs):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_blocks_take_attention_and_scores_from_one_set_of_logits():
-    """On the CPU a block that needs scores runs the joint op; with dropout, or on the CUDA path, the
-    fused attention and the separate scores."""
+def test_blocks_take_attention_and_scores_from_one_set_of_logits():
+    """A block that needs scores runs the joint op: on the CPU always, on the CUDA path without autograd
+    (inference; its CUDA kernel is one pass). With autograd on the CUDA path, or with dropout, the fused
+    attention and the separate scores, whose backward is the fused attention's."""
     from pipeline.pooling.common import dense_segments
 
     model = apply_downsampling(tiny(), "wkmedoids", KEEP).eval()
     cpu = count_ops(lambda: model(images())).ops
+    def training_step() -> None:
+        with torch.enable_grad():
+            model(images()).sum().backward()
+
     with dense_segments(True):
         cuda = count_ops(lambda: model(images())).ops
+        cuda_training = count_ops(training_step).ops
     joint, scores = "tokenpool.attention_with_significance.default", "tokenpool.attention_significance.default"
     assert cpu.get(joint) == 4 and scores not in cpu, cpu  # every block of KEEP pools
-    assert joint not in cuda and cuda.get(scores) == 4, cuda
+    assert cuda.get(joint) == 4 and scores not in cuda, cuda
+    assert joint not in cuda_training and cuda_training.get(scores) == 4, cuda_training
     dropping = apply_downsampling(tiny(attn_drop_rate=0.1), "wkmedoids", KEEP).train()
     with torch.no_grad():
         assert joint not in count_ops(lambda: dropping(images())).ops
@@ -403,6 +410,26 @@ from pipeline.models.significance_triton import significance_and_lse_triton, sig
     torch.testing.assert_close(significance_and_lse_triton(q, k, bias, d ** -0.5)[1], lse, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(significance_triton(q, k, bias, d ** -0.5, lse=lse + 0.6931472), want / 2,
                                rtol=1e-4, atol=1e-4)
+    print("ok", b, h, t, d, dtype, carry)
+"""
+    assert _interpret(code).count("ok") == 4
+
+
+def test_triton_attention_with_scores_under_the_interpreter():
+    """The one-pass kernel of the joint op (``attention_with_columns_triton``: the attention output and eq. 4
+    from one set of logits, every key of a head in one tile) against the float64 softmax, on timm's packed
+    q, k, v, with and without sizes (size-0 keys included); its output laid out (B, T, H, D)."""
+    pytest.importorskip("triton")
+    code = """
+from pipeline.models.significance_triton import attention_with_columns_triton
+""" + _SIGNIFICANCE_CASES + """
+    v = _
+    probs = (logits + (bias.double()[:, None, None, :] if carry else 0)).softmax(-1)  # (B, H, T, T)
+    out, scores = attention_with_columns_triton(q, k, v, bias, d ** -0.5)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), probs @ v.double(), **tol)
+    torch.testing.assert_close(scores.double(), probs.sum((1, 2)), rtol=1e-5, atol=1e-4)
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     print("ok", b, h, t, d, dtype, carry)
 """
     assert _interpret(code).count("ok") == 4

@@ -106,6 +106,26 @@ def test_triton_cluster_means_match_the_one_hot_product(k, weighted):
     torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("carry", [False, True])
+def test_one_pass_attention_with_scores_matches_the_torch_path_on_gpu(dtype, carry):
+    """The joint op's CUDA kernel (attention and eq. 4 from one pass, what inference runs on the CUDA path)
+    against its torch form in float32, on timm's packed q, k, v."""
+    from pipeline.models.significance import attention_and_significance, attention_and_significance_torch
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(2, 197, 3, 6, 64, generator=gen).permute(2, 0, 3, 1, 4).cuda().to(dtype).unbind(0)
+    sizes = torch.randint(0, 3, (2, 197), generator=gen).float().cuda()
+    sizes[:, 0] = 1
+    bias = sizes.log() if carry else None
+    out, scores = attention_and_significance(q, k, v, 0.125, bias)
+    ref_out, ref_scores = attention_and_significance_torch(q.float(), k.float(), v.float(), bias, 0.125)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), ref_out, **tol)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-3, atol=1e-2)
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+
+
 @pytest.mark.parametrize("name", ["powerbert", "random", "importance", "tome", "wkmedoids", "kmeans"])
 def test_deterministic_on_gpu(name):
     tokens = torch.randn(4, 196, 32, device="cuda")

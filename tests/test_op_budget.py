@@ -49,7 +49,7 @@ def test_the_clustering_methods_keep_the_op_budget(method, powerbert_ops):
     ops = _cuda_path_ops(method)
     assert ops <= BUDGET, f"{method}: {ops} CUDA-path ops a DeiT-S level-3 forward, over the budget of {BUDGET}"
     assert ops <= powerbert_ops + PER_BLOCK * pooled_blocks, (method, ops, powerbert_ops, pooled_blocks)
-    assert powerbert_ops == 435, "PoWER-BERT's count moved: the budget is set against 435"
+    assert powerbert_ops <= 435, "PoWER-BERT dispatches more than the 435 the budget was set against"
 
 
 _LAUNCHES = """

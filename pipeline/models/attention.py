@@ -7,7 +7,10 @@ attention as an additive bias and normalised queries and keys as pre-scaled quer
 significance scores of eq. 4 come from ``attention_significance``, which never forms the normalised
 probabilities. Where the fused kernel can return its row log-sum-exps (``fused_attention_lse``:
 cuDNN's or flash attention), it hands them to the scores, which then cost one pass over the logits
-instead of two. On the CPU a block that needs the scores takes both from one set of logits
+instead of two. Without autograd (inference) and up to 256 tokens, the CUDA path takes the output
+and the scores from one pass instead (``attention_and_significance``, whose CUDA kernel is
+``attention_with_columns_triton``: every key of a head in one tile, each row normalised exactly,
+P V and the column sums together). On the CPU a block that needs the scores takes both from one set of logits
 (``attention_and_significance``), unless attention dropout is active; ``dense_segments(True)``
 gives it the CUDA path (op counts), with the CPU's flash kernel. A method with
 ``significance: cls`` gets the class token's row of eq. 4 instead (``cls_significance``, one query
@@ -23,7 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.models.significance import attention_and_significance, attention_significance, cls_significance
+from pipeline.models.significance import (
+    FUSED_MAX_TOKENS,
+    attention_and_significance,
+    attention_significance,
+    cls_significance,
+)
 from pipeline.pooling.common import use_dense
 from pipeline.pooling.factories import check_significance
 
@@ -81,7 +89,7 @@ def attend(
     dropout = attn.attn_drop.p if attn.training else 0.0
     eq4 = scores and significance == "eq4"
     found = None
-    if eq4 and dropout == 0.0 and not use_dense(q):  # the CPU: one set of logits for both
+    if eq4 and dropout == 0.0 and (not use_dense(q) or _one_pass(q)):  # one set of logits for both
         out, found = attention_and_significance(q, k, v, scale, log_sizes)
     else:
         bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
@@ -103,6 +111,14 @@ def attend(
         )
     out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)  # not -1: B may be 0
     return attn.proj_drop(attn.proj(attn.norm(out))), stats
+
+
+def _one_pass(q: Tensor) -> bool:
+    """Whether the CUDA path takes attention and eq. 4 from one pass over the logits (the joint op's Triton
+    kernel, ``attention_with_columns_triton``): without autograd (its backward recomputes the (B, H, T, T)
+    probabilities in torch, where training keeps the fused attention's backward) and at most
+    ``FUSED_MAX_TOKENS`` tokens."""
+    return not torch.is_grad_enabled() and q.shape[2] <= FUSED_MAX_TOKENS
 
 
 def fused_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float

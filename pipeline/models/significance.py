@@ -29,9 +29,15 @@ from torch import Tensor
 from pipeline.errors import InputError
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
-    from pipeline.models.significance_triton import significance_and_lse_triton, significance_backward_triton
+    from pipeline.models.significance_triton import (
+        FUSED_MAX_TOKENS,
+        attention_with_columns_triton,
+        significance_and_lse_triton,
+        significance_backward_triton,
+    )
 except ImportError:  # pragma: no cover - depends on the install
-    significance_and_lse_triton = significance_backward_triton = None
+    significance_and_lse_triton = significance_backward_triton = attention_with_columns_triton = None
+    FUSED_MAX_TOKENS = 0
 
 
 def _logits(q: Tensor, k: Tensor, bias: Tensor | None, scale: float) -> Tensor:
@@ -76,11 +82,12 @@ _CHUNK_BYTES = 4 << 20
 def attention_and_significance_torch(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
                                      ) -> tuple[Tensor, Tensor]:
     """Softmax attention and eq. 4 from one unnormalised exponential: (B, H, T, D) q, k, v
-    -> ((B, H, T, D) output in v's dtype, (B, T) float32 scores). The rows are normalised on the
-    (T, D) output and in the column sum, never on the (T, T) matrix; the batch goes in chunks."""
-    b, h, t, _ = q.shape
+    -> ((B, H, T, D) output in v's dtype, laid out as (B, T, H, D) like the fused attention kernels' and the
+    Triton kernel's, (B, T) float32 scores). The rows are normalised on the (T, D) output and in the column
+    sum, never on the (T, T) matrix; the batch goes in chunks."""
+    b, h, t, d = v.shape
     step = max(1, _CHUNK_BYTES // (h * t * t * 4))
-    out = v.new_empty(v.shape)
+    out = v.new_empty(b, t, h, d).permute(0, 2, 1, 3)  # laid out (B, T, H, D): merging the heads is a view
     scores = q.new_empty(b, t, dtype=torch.float32)
     for i in range(0, b, step):
         part = slice(i, i + step)
@@ -97,9 +104,24 @@ def _joint_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
     return attention_and_significance_torch(q, k, v, bias, scale)
 
 
+def joint_kernel_fits(q: Tensor) -> bool:
+    """Whether the joint op runs the one-pass Triton kernel on q's device (``attention_with_columns_triton``):
+    CUDA, at most ``FUSED_MAX_TOKENS`` tokens (every key of a head in one tile), a head dim up to 256."""
+    return q.is_cuda and attention_with_columns_triton is not None and q.shape[2] <= FUSED_MAX_TOKENS \
+        and q.shape[-1] <= 256
+
+
+@_joint_op.register_kernel("cuda")
+def _joint_cuda(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    if not joint_kernel_fits(q):
+        return attention_and_significance_torch(q, k, v, bias, scale)
+    return attention_with_columns_triton(q, k, v, bias, scale)
+
+
 @_joint_op.register_fake
 def _joint_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    return v.new_empty(v.shape), q.new_empty(q.shape[0], q.shape[2], dtype=torch.float32)
+    b, h, t, d = v.shape
+    return v.new_empty(b, t, h, d).permute(0, 2, 1, 3), q.new_empty(b, t, dtype=torch.float32)
 
 
 def _through_softmax(probs: Tensor, dprobs: Tensor, q: Tensor, k: Tensor, bias: Tensor | None, scale: float,

@@ -226,3 +226,71 @@ def significance_and_lse_triton(q: Tensor, k: Tensor, bias: Tensor | None, scale
         _row_lse[grid](q, k, bias_arg, row_lse, *args, **meta)
     _column_sums[grid](q, k, bias_arg, row_lse, per_head, *args, **meta)
     return per_head.view(b, h, t).sum(1), row_lse.view(b, h, t) if lse is None else row_lse.new_empty(0)
+
+
+@triton.jit
+def _attention_with_columns(Q, K, V, BIAS, OUT, COLS, T, H, scale,
+                            sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod, sbb, sbt,
+                            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One program per (batch x head): every key of the head in one tile (T <= BLOCK_N), the queries BLOCK_M at
+    a time: logits, each row normalised exactly (its maximum and sum are at hand), P V, and the column sums of
+    P in registers; then the head's column sums to COLS (B*H, T). Nothing of size T x T reaches memory."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < T
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(_ptrs(K, b, h, offs_n, offs_d, skb, skh, skt, skd), mask=mask_nd, other=0.0)
+    v = tl.load(_ptrs(V, b, h, offs_n, offs_d, svb, svh, svt, svd), mask=mask_nd, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + b * sbb + offs_n * sbt, mask=mask_n, other=0.0).to(tl.float32)
+    cols = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, T, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < T
+        q = tl.load(_ptrs(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd), mask=mask_m[:, None] & mask_d[None, :],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_BIAS:
+            s += bias[None, :]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        top = tl.max(s, axis=1)
+        top = tl.where(top == float("-inf"), 0.0, top)  # a row of size-0 keys only: all zeros, not NaN
+        p = tl.exp(s - top[:, None])
+        total = tl.sum(p, axis=1)
+        p = p / tl.where(total > 0, total, 1.0)[:, None]
+        cols += tl.sum(tl.where(mask_m[:, None], p, 0.0), axis=0)
+        out = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        tl.store(_ptrs(OUT, b, h, offs_m, offs_d, sob, soh, sot, sod), out.to(OUT.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(COLS + bh * T + offs_n, cols, mask=mask_n)
+
+
+FUSED_MAX_TOKENS = 256  # the joint kernel holds every key of a head in one tile
+
+
+def attention_with_columns_triton(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
+                                  *, block_m: int = 32, num_warps: int = 8) -> tuple[Tensor, Tensor]:
+    """Softmax attention (no dropout) and eq. 4 in one pass over the logits: q, k, v (B, H, T, D) with
+    T <= ``FUSED_MAX_TOKENS``, bias (B, T) added to every logit row -> (the (B, H, T, D) output in v's dtype,
+    laid out as (B, T, H, D) so that merging the heads is a view, as with the fused attention kernels;
+    the (B, T) float32 scores). Two launches: the pass (``_attention_with_columns``) and the sum over heads."""
+    b, h, t, d = q.shape
+    if t > FUSED_MAX_TOKENS:
+        raise ValueError(f"attention_with_columns_triton holds at most {FUSED_MAX_TOKENS} tokens, got {t}")
+    out = torch.empty(b, t, h, d, device=q.device, dtype=v.dtype).permute(0, 2, 1, 3)
+    cols = torch.empty(b * h, t, device=q.device, dtype=torch.float32)
+    has_bias = bias is not None
+    precision = None  # half-precision inputs: the default (fp32 accumulation)
+    if q.dtype == torch.float32:
+        precision = "tf32" if q.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    if b * h:
+        _attention_with_columns[(b * h,)](
+            q, k, v, bias if has_bias else cols, out, cols, t, h, float(scale), *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(), *((bias.stride(0), bias.stride(1)) if has_bias else (0, 0)), HAS_BIAS=has_bias,
+            PRECISION=precision, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(t)),
+            BLOCK_D=max(16, triton.next_power_of_2(d)), HEAD_DIM=d, num_warps=num_warps)
+    return out, cols.view(b, h, t).sum(1)
