@@ -893,8 +893,27 @@ def test_kmedoids_kernels_compile_for_hopper(flag):
     types |= {name: "*i64" for name in ("MED_IN", "MED_OUT", "BEST", "ASSIGN")}
     _hopper_compile(km._assign_kernel, types, dict(SWAP=flag, BLOCK_N=km._BLOCK_N, BLOCK_K=256))
     _hopper_compile(km._cost_kernel, types, dict(HAS_W=flag, BLOCK_N=km._BLOCK_N, BLOCK_J=km._BLOCK_J))
-    for tile in (16, 32):  # the fused kernel, as bench kernels tiles it
-        _hopper_compile(km._fused_kernel, types, dict(HAS_W=flag, BLOCK_K=256, TILE=tile))
+    for tile in (16, 32):  # the fused kernel, as bench kernels tiles it, on distances and on the Gram matrix
+        _hopper_compile(km._fused_kernel, types, dict(HAS_W=flag, BLOCK_K=256, TILE=tile, GRAM=flag))
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_kmeans_and_merge_kernels_compile_for_hopper(flag):
+    """As above, for K-Means' fused kernel, the merge kernel and the one-pass attention with scores, as their
+    launchers configure them: weights, start tokens and sizes on and off."""
+    pytest.importorskip("triton")
+    from pipeline.models import significance_triton as st
+    from pipeline.pooling import kmeans_triton as kmt
+    from pipeline.pooling import means_triton as mt
+
+    types = {name: "*fp32" for name in ("G", "W", "PROJ", "CSQ", "X", "OUT", "BIAS", "COLS")}
+    types |= {name: "*i64" for name in ("START", "ASSIGN")} | {"scale": "fp32"}
+    _hopper_compile(kmt._kmeans_kernel, types, dict(HAS_W=flag, BLOCK_K=256, TILE=32, PRECISION="tf32"))
+    _hopper_compile(mt._means_kernel, types, dict(HAS_W=flag, HAS_START=flag, BLOCK_K=256, BLOCK_M=mt._BLOCK_M,
+                                                  TILE_N=mt._TILE_N, PRECISION="tf32"))
+    attention = types | {name: "*bf16" for name in ("Q", "K", "V")} | {"OUT": "*bf16"}
+    _hopper_compile(st._attention_with_columns, attention, dict(HAS_BIAS=flag, PRECISION=None, BLOCK_M=32,
+                                                                BLOCK_N=256, BLOCK_D=64, HEAD_DIM=64))
 
 
 @pytest.mark.parametrize("carry", [False, True])

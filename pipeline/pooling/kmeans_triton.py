@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pipeline.pooling.means_triton import membership
+
 
 @triton.jit
 def _assign(PROJ, CSQ, ASSIGN, b, N, K, offs_k, mask_k, TILE: tl.constexpr):
@@ -45,13 +47,7 @@ def _assign(PROJ, CSQ, ASSIGN, b, N, K, offs_k, mask_k, TILE: tl.constexpr):
 @triton.jit
 def _coef(ASSIGN, W, b, N, offs_n, offs_k, total, HAS_W: tl.constexpr):
     """The weighted, normalised membership C[k, n] = w_n [a_n = k] / T_k of tokens ``offs_n``, (BLOCK_K, TILE)."""
-    mask_n = offs_n < N
-    a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
-    if HAS_W:
-        w_n = tl.load(W + b * N + offs_n, mask=mask_n, other=0.0)
-    else:
-        w_n = mask_n.to(tl.float32)
-    return tl.where(offs_k[:, None] == a_n[None, :], w_n[None, :] / total[:, None], 0.0)
+    return membership(ASSIGN, W, b, N, offs_n, offs_k, HAS_W) / total[:, None]
 
 
 @triton.jit

@@ -22,6 +22,19 @@ _TILE_N = 32  # tokens per step of the product; tl.dot needs at least 16
 
 
 @triton.jit
+def membership(ASSIGN, W, b, N, offs_n, offs_k, HAS_W: tl.constexpr):
+    """The weighted membership of tokens ``offs_n`` of image b, (BLOCK_K, TILE): w_n where token n is in
+    cluster k, else 0 (w = 1 without HAS_W; 0 past the end), built in registers from the assignment."""
+    mask_n = offs_n < N
+    a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
+    if HAS_W:
+        w_n = tl.load(W + b * N + offs_n, mask=mask_n, other=0.0)
+    else:
+        w_n = mask_n.to(tl.float32)
+    return tl.where(offs_k[:, None] == a_n[None, :], w_n[None, :], 0.0)
+
+
+@triton.jit
 def _means_kernel(X, W, ASSIGN, START, OUT, N, M, K, sxb, sxn, HAS_W: tl.constexpr, HAS_START: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr):
     """out[b, k, m] = sum_{n: assign[b, n] = k} w[b, n] x[b, n, m] / sum_{n: assign[b, n] = k} w[b, n] for
@@ -36,12 +49,7 @@ def _means_kernel(X, W, ASSIGN, START, OUT, N, M, K, sxb, sxn, HAS_W: tl.constex
     for n0 in range(0, N, TILE_N):
         offs_n = n0 + tl.arange(0, TILE_N)
         mask_n = offs_n < N
-        a_n = tl.load(ASSIGN + b * N + offs_n, mask=mask_n, other=-1)
-        if HAS_W:
-            w_n = tl.load(W + b * N + offs_n, mask=mask_n, other=0.0)
-        else:
-            w_n = mask_n.to(tl.float32)
-        member = tl.where(offs_k[:, None] == a_n[None, :], w_n[None, :], 0.0)  # (BLOCK_K, TILE_N)
+        member = membership(ASSIGN, W, b, N, offs_n, offs_k, HAS_W)  # (BLOCK_K, TILE_N)
         x = tl.load(X + b * sxb + offs_n[:, None] * sxn + offs_m[None, :], mask=mask_n[:, None] & mask_m[None, :],
                     other=0.0)
         acc += tl.dot(member, x, input_precision=PRECISION)
