@@ -93,8 +93,8 @@ def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, No
     token at its ``start``, whose gradient it passes on."""
     x, w, assign, start, means = ctx.saved_tensors
     b, n, m = x.shape
-    ones = torch.ones_like(assign, dtype=grad.dtype) if w is None else w.to(grad.dtype)
-    total = grad.new_zeros(b, ctx.k).scatter_add_(1, assign, ones)  # (B, K)
+    member = one_hot(assign, ctx.k, grad.dtype)  # (B, K, N): sums without atomics, the same bits every run
+    total = (member if w is None else member * w.to(grad.dtype).unsqueeze(1)).sum(-1)  # (B, K)
     rows = assign.unsqueeze(-1).expand(b, n, m)
     per_member = (grad / total.clamp_min(torch.finfo(grad.dtype).tiny).unsqueeze(-1)).gather(1, rows)  # (B, N, M)
     grad_x = grad_w = None
@@ -102,6 +102,7 @@ def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, No
         grad_x = per_member if w is None else per_member * w.unsqueeze(-1)
         if start is not None:
             empty = (total == 0).unsqueeze(-1)
+            # an image's start tokens are distinct: no two adds meet, so the order cannot change the sum
             grad_x = grad_x.scatter_add(1, start.unsqueeze(-1).expand(b, ctx.k, m), torch.where(empty, grad, 0.0))
     if w is not None and ctx.needs_input_grad[1]:
         grad_w = ((x - means.gather(1, rows)) * per_member).sum(-1)
