@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.errors import InputError
 from pipeline.methods import build_downsampler
 from pipeline.pooling import select_importance, select_topk, significance, token_pool, tome_merge
 
@@ -115,3 +116,21 @@ def test_validate_false_skips_value_checks_only():
         token_pool(TOKENS, 0, weights=SCORES, validate=False)
     with pytest.raises(ValueError, match="weights must have shape"):
         token_pool(TOKENS, 3, weights=SCORES[:, :5], validate=False)
+
+
+@pytest.mark.parametrize("variable,choices", [("PIPELINE_KMEANS_KERNEL", "fused, torch"),
+                                              ("PIPELINE_KMEDOIDS_KERNEL", "fused, tiled")])
+def test_a_misspelt_kernel_switch_is_refused_by_name(monkeypatch, variable, choices):
+    """The kernel switches take their listed values only: a typo would otherwise run the default kernel
+    silently and a GPU comparison would time the same kernel twice."""
+    from pipeline.pooling.clustering import kernel_choice
+    from pipeline.pooling.common import dense_segments
+
+    monkeypatch.setenv(variable, "tiledd")
+    with pytest.raises(InputError, match=f"{variable}='tiledd' is not a kernel choice: use one of {choices}"):
+        kernel_choice(variable, tuple(choices.split(", ")))
+    if variable == "PIPELINE_KMEANS_KERNEL":  # read on the CUDA path by every K-Means call
+        with dense_segments(True), pytest.raises(InputError, match=variable):
+            token_pool(torch.randn(1, 8, 4), 3, method="kmeans", init_scores=torch.rand(1, 8))
+    monkeypatch.delenv(variable)
+    assert kernel_choice(variable, tuple(choices.split(", "))) == "fused"

@@ -168,12 +168,22 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     iteration gave 0.504x; docs/benchmarks.md), so that ``jobs/gpu/checks.sh`` can time the two.
     """
     g = gram(x)
-    if use_dense(x) and os.environ.get(KMEANS_KERNEL_ENV, "fused") == "torch":
+    if use_dense(x) and kernel_choice(KMEANS_KERNEL_ENV, ("fused", "torch")) == "torch":
         return kmeans_gram_iterations(g, w, start, iters)
     return _kmeans_gram_op(g, w, start, iters)
 
 
 KMEANS_KERNEL_ENV = "PIPELINE_KMEANS_KERNEL"  # "fused" (default: one launch on CUDA) or "torch" (traced ops)
+
+
+def kernel_choice(variable: str, choices: tuple[str, ...]) -> str:
+    """The value of the environment variable that picks a CUDA kernel, ``choices[0]`` when unset; an
+    InputError naming the variable and its values for anything else."""
+    value = os.environ.get(variable, choices[0])
+    if value not in choices:
+        raise InputError(f"{variable}={value!r} is not a kernel choice: use one of {', '.join(choices)} "
+                         f"(unset means {choices[0]})")
+    return value
 
 
 def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
@@ -291,7 +301,7 @@ def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> 
     ``jobs/gpu/checks.sh`` can time the two against each other)."""
     if kmedoids_triton is None or g.dtype != torch.float32:  # the kernels sum in float32
         return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
-    if os.environ.get(KMEDOIDS_KERNEL_ENV, "fused") == "tiled":
+    if kernel_choice(KMEDOIDS_KERNEL_ENV, ("fused", "tiled")) == "tiled":
         return kmedoids_triton(dists_from_gram(g), w, medoids, iters, SWAP_RTOL)
     return kmedoids_fused_triton(g, w, medoids, iters, SWAP_RTOL, gram=True)
 
