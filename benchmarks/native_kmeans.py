@@ -10,10 +10,11 @@ pair is timed back to back, the ratio is native time / torch time, medians over 
 
 import platform
 import statistics
-import time
+from functools import partial
 
 import torch
 
+from pipeline.bench.timing import time_paired
 from pipeline.pooling import clustering, native
 
 assert native.library() is not None, "the native kernels did not build"
@@ -28,14 +29,8 @@ for k in (147, 98, 49):
     start, gram = scores.topk(k, dim=-1).indices, torch.bmm(x, x.transpose(1, 2))
     same = torch.equal(clustering.kmeans_gram_iterations(gram, w, start, 5),
                        clustering._kmeans_gram_op(gram, w, start, 5))
-    olds, news = [], []
-    for _ in range(15):
-        t0 = time.perf_counter()
-        clustering.kmeans_gram_iterations(gram, w, start, 5)
-        t1 = time.perf_counter()
-        clustering._kmeans_gram_op(gram, w, start, 5)
-        t2 = time.perf_counter()
-        olds.append(t1 - t0)
-        news.append(t2 - t1)
+    olds, news = time_paired(partial(clustering._kmeans_gram_op, gram, w, start, 5),
+                             partial(clustering.kmeans_gram_iterations, gram, w, start, 5), warmup=1, repeats=15,
+                             device=torch.device("cpu"))
     ratio = statistics.median(n / o for o, n in zip(olds, news))
     print(f"| {k} | {statistics.median(olds) * 1e3:.2f} | {statistics.median(news) * 1e3:.2f} | {ratio:.3f} | {same} |")

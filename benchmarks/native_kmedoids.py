@@ -13,10 +13,11 @@ call pair is timed back to back, the ratio is native time / before time, medians
 import platform
 import statistics
 import subprocess
-import time
+from functools import partial
 
 import torch
 
+from pipeline.bench.timing import time_paired
 from pipeline.pooling import clustering, native
 
 source = subprocess.run(["git", "show", "c9803d9:pipeline/pooling/clustering.py"], capture_output=True, text=True,
@@ -25,6 +26,8 @@ source = subprocess.run(["git", "show", "c9803d9:pipeline/pooling/clustering.py"
 for line in ('@torch.library.custom_op("tokenpool::kmedoids", mutates_args=())',
              '@_kmedoids_op.register_kernel("cuda")', "@_kmedoids_op.register_fake"):
     source = source.replace(line, "")
+# pool_segments has moved to pipeline.pooling.merge since; _kmedoids_rows does not use it
+source = source.replace("    pool_segments,\n", "", 1)
 before: dict = {}
 exec(compile(source, "clustering@c9803d9", "exec"), before)
 
@@ -36,19 +39,15 @@ for k in (147, 98, 49):
     gen = torch.Generator().manual_seed(k)
     x, scores = torch.randn(64, 196, 384, generator=gen), torch.rand(64, 196, generator=gen)
     w = clustering.effective_weights(x, scores, None)
-    start, d = scores.topk(k, dim=-1).indices, clustering.sq_dists(x)
+    # the op iterates on the Gram matrix (since 2026-11-28); the code before took the distances
+    start, g = scores.topk(k, dim=-1).indices, clustering.gram(x)
+    d = clustering.dists_from_gram(g)
     old = before["_kmedoids_rows"](d, w, start, 5)
-    new = clustering._kmedoids_op(d, w, start, 5)
+    new = clustering._kmedoids_op(g, w, start, 5)
     same = torch.equal(old[0], new[0]) and torch.equal(old[1], new[1])
-    olds, news = [], []
-    for _ in range(15):
-        t0 = time.perf_counter()
-        before["_kmedoids_rows"](d, w, start, 5)
-        t1 = time.perf_counter()
-        clustering._kmedoids_op(d, w, start, 5)
-        t2 = time.perf_counter()
-        olds.append(t1 - t0)
-        news.append(t2 - t1)
+    olds, news = time_paired(partial(clustering._kmedoids_op, g, w, start, 5),
+                             partial(before["_kmedoids_rows"], d, w, start, 5), warmup=1, repeats=15,
+                             device=torch.device("cpu"))
     ratio = statistics.median(n / o for o, n in zip(olds, news))
     print(f"| {k} | {statistics.median(olds) * 1e3:.2f} | {statistics.median(news) * 1e3:.2f} | {ratio:.3f} | {same} |")
 assert native.library() is not None, "the native kernel did not build"

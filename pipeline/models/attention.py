@@ -27,10 +27,10 @@ from torch import Tensor, nn
 
 from pipeline.errors import InputError
 from pipeline.models.significance import (
-    FUSED_MAX_TOKENS,
     attention_and_significance,
     attention_significance,
     cls_significance,
+    one_pass_fits,
 )
 from pipeline.pooling.common import use_dense
 from pipeline.pooling.factories import check_significance
@@ -116,9 +116,9 @@ def attend(
 def _one_pass(q: Tensor) -> bool:
     """Whether the CUDA path takes attention and eq. 4 from one pass over the logits (the joint op's Triton
     kernel, ``attention_with_columns_triton``): without autograd (its backward recomputes the (B, H, T, T)
-    probabilities in torch, where training keeps the fused attention's backward) and at most
-    ``FUSED_MAX_TOKENS`` tokens."""
-    return not torch.is_grad_enabled() and q.shape[2] <= FUSED_MAX_TOKENS
+    probabilities in torch, where training keeps the fused attention's backward) and where the kernel
+    takes the shape (``one_pass_fits``)."""
+    return not torch.is_grad_enabled() and one_pass_fits(q)
 
 
 def fused_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float

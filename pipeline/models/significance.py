@@ -104,16 +104,16 @@ def _joint_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
     return attention_and_significance_torch(q, k, v, bias, scale)
 
 
-def joint_kernel_fits(q: Tensor) -> bool:
-    """Whether the joint op runs the one-pass Triton kernel on q's device (``attention_with_columns_triton``):
-    CUDA, at most ``FUSED_MAX_TOKENS`` tokens (every key of a head in one tile), a head dim up to 256."""
-    return q.is_cuda and attention_with_columns_triton is not None and q.shape[2] <= FUSED_MAX_TOKENS \
-        and q.shape[-1] <= 256
+def one_pass_fits(q: Tensor) -> bool:
+    """Whether the joint op's CUDA kernel runs the one-pass Triton kernel for queries q (B, H, T, D)
+    (``attention_with_columns_triton``): Triton at hand, at most ``FUSED_MAX_TOKENS`` tokens (every key of
+    a head in one tile), a head dim up to 256."""
+    return attention_with_columns_triton is not None and q.shape[2] <= FUSED_MAX_TOKENS and q.shape[-1] <= 256
 
 
 @_joint_op.register_kernel("cuda")
 def _joint_cuda(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    if not joint_kernel_fits(q):
+    if not one_pass_fits(q):
         return attention_and_significance_torch(q, k, v, bias, scale)
     return attention_with_columns_triton(q, k, v, bias, scale)
 

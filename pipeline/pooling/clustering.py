@@ -62,6 +62,19 @@ _WEIGHT_FLOOR = 1e-12
 # A medoid is replaced only by a member cheaper by more than this relative margin. Two-member
 # clusters tie exactly (unweighted), and float32 rounding must not flip a tie into a swap.
 SWAP_RTOL = 1e-4
+# The environment variables that pick a CUDA kernel, for timing the kernels against each other on a GPU:
+KMEDOIDS_KERNEL_ENV = "PIPELINE_KMEDOIDS_KERNEL"  # "fused" (default: one launch) or "tiled" (two an iteration)
+KMEANS_KERNEL_ENV = "PIPELINE_KMEANS_KERNEL"  # "fused" (default: one launch on CUDA) or "torch" (traced ops)
+
+
+def kernel_choice(variable: str, choices: tuple[str, ...]) -> str:
+    """The value of the environment variable that picks a CUDA kernel, ``choices[0]`` when unset; an
+    InputError naming the variable and its values for anything else."""
+    value = os.environ.get(variable, choices[0])
+    if value not in choices:
+        raise InputError(f"{variable}={value!r} is not a kernel choice: use one of {', '.join(choices)} "
+                         f"(unset means {choices[0]})")
+    return value
 
 
 def gram(x: Tensor) -> Tensor:
@@ -173,18 +186,6 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     return _kmeans_gram_op(g, w, start, iters)
 
 
-KMEANS_KERNEL_ENV = "PIPELINE_KMEANS_KERNEL"  # "fused" (default: one launch on CUDA) or "torch" (traced ops)
-
-
-def kernel_choice(variable: str, choices: tuple[str, ...]) -> str:
-    """The value of the environment variable that picks a CUDA kernel, ``choices[0]`` when unset; an
-    InputError naming the variable and its values for anything else."""
-    value = os.environ.get(variable, choices[0])
-    if value not in choices:
-        raise InputError(f"{variable}={value!r} is not a kernel choice: use one of {', '.join(choices)} "
-                         f"(unset means {choices[0]})")
-    return value
-
 
 def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
     """The Gram-form iterations in torch ops: gram (B, N, N), w (B, N) or None, start (B, K) -> (B, N)."""
@@ -289,8 +290,6 @@ def _kmedoids_op(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tu
     ``torch.compile``, which launches one kernel on CUDA."""
     return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
 
-
-KMEDOIDS_KERNEL_ENV = "PIPELINE_KMEDOIDS_KERNEL"  # "fused" (default: one launch) or "tiled" (two an iteration)
 
 
 @_kmedoids_op.register_kernel("cuda")

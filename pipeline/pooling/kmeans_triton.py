@@ -71,7 +71,7 @@ def _kmeans_kernel(G, W, START, ASSIGN, PROJ, CSQ, N, K, iters, HAS_W: tl.conste
         total = tl.zeros([BLOCK_K], tl.float32)
         for n0 in range(0, N, TILE):
             offs_n = n0 + tl.arange(0, TILE)
-            total += tl.sum(_coef(ASSIGN, W, b, N, offs_n, offs_k, tl.full([BLOCK_K], 1.0, tl.float32), HAS_W), axis=1)
+            total += tl.sum(membership(ASSIGN, W, b, N, offs_n, offs_k, HAS_W), axis=1)
         filled = mask_k & (total > 0)
         total = tl.where(filled, total, 1.0)  # an empty (or absent) cluster's row of C is all zeros
         csq = tl.zeros([BLOCK_K], tl.float32)

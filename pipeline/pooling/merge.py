@@ -38,16 +38,18 @@ def pool_segments(
     Returns:
         ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
     """
+    part = None  # the CPU path's partition, which the sizes reuse; the CUDA path builds one only for them
     if use_dense(tokens):
         means = cluster_means(tokens, weights, assign, k, start)
     else:
-        means, total = Partition(assign, k, dtype=tokens.dtype).mean(tokens, weights)
+        part = Partition(assign, k, dtype=tokens.dtype)
+        means, total = part.mean(tokens, weights)
         if start is not None:  # an empty segment: 0 / 0, replaced by its starting token
             means = torch.where(total > 0, means, gather_rows(tokens, start))
 
     def summed_sizes() -> Tensor:
-        part = Partition(assign, k, dtype=tokens.dtype)
-        return part.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()
+        sums = part or Partition(assign, k, dtype=tokens.dtype)
+        return sums.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()
 
     return means, summed_sizes
 
