@@ -1,0 +1,235 @@
+"""What a keep list costs: a model's time (or GFLOPs) as a sum of per-block curves in the token counts.
+
+Every block of a ViT has the same parts, so one block's cost depends only on the tokens it receives
+and keeps. Block l receives ``n`` non-prefix tokens (``N`` in block 1, ``K_{l-1}`` after) and keeps
+``k = K_l``; with ``p`` prefix tokens (class, distillation, registers) riding along it costs
+
+    attn(n) + pool(n, k) + mlp(k)
+
+where ``attn`` is the first half (norm, qkv, attention, projection, residual) at ``n + p`` tokens,
+``mlp`` the second half at ``k + p`` tokens, and ``pool`` the downsampling step, 0 when the block keeps
+every token (``k == n``) or only the prefix (``k == 0``: a slice). A model costs ``fixed`` (patch
+embedding, final norm, head) plus its blocks. The curves are piecewise linear between measured points
+(``pipeline bench blocks`` measures them; ``pipeline.budget_search`` builds the GFLOPs ones), so the
+cost of a soft keep list (the K search's expected token counts) is differentiable in it
+(``CostModel.expected``).
+
+Written here rather than taken from a library: the latency lookup tables of ProxylessNAS, FBNet or
+HALP are per-architecture research code, none of them installable, and none models a pooling step
+whose cost depends on both the tokens in and the tokens out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.errors import InputError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A piecewise-linear function of a token count: ``xs`` strictly increasing, ``ys`` the costs."""
+
+    xs: tuple[int, ...]
+    ys: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.xs) != len(self.ys) or not self.xs:
+            raise InputError(f"a cost curve needs as many costs as token counts, at least one ({len(self.xs)} "
+                             f"counts, {len(self.ys)} costs)")
+        if any(b <= a for a, b in zip(self.xs, self.xs[1:])):
+            raise InputError(f"a cost curve's token counts must increase strictly, got {list(self.xs)}")
+
+    def __call__(self, x: float) -> float:
+        """The cost at ``x`` tokens: linear between the two nearest points, extended linearly past the ends."""
+        if len(self.xs) == 1:
+            return self.ys[0]
+        i = min(max(bisect.bisect_right(self.xs, x) - 1, 0), len(self.xs) - 2)
+        x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[i], self.ys[i + 1]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def at(self, x: Tensor) -> Tensor:
+        """``self(x)`` for a tensor of token counts, differentiable in ``x`` (the slope of its segment)."""
+        xs = torch.tensor(self.xs, dtype=x.dtype, device=x.device)
+        ys = torch.tensor(self.ys, dtype=x.dtype, device=x.device)
+        if len(self.xs) == 1:
+            return ys[0] + 0.0 * x
+        i = (torch.searchsorted(xs, x.detach(), right=True) - 1).clamp(0, len(self.xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class PoolSurface:
+    """The downsampling step's cost over (tokens in ``n``, tokens kept ``k``): one curve in ``k`` per
+    measured ``n`` (points with ``k <= n``), linear in ``n`` between two measured ``n``."""
+
+    ns: tuple[int, ...]
+    curves: tuple[Curve, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ns) != len(self.curves) or not self.ns:
+            raise InputError("a pooling surface needs one curve in k per token count n, at least one")
+        for n, curve in zip(self.ns, self.curves):
+            if curve.xs[-1] > n:
+                raise InputError(f"the pooling curve at n={n} has a point at k={curve.xs[-1]} > n")
+
+    def _bracket(self, n: float) -> tuple[int, float]:
+        if len(self.ns) == 1:
+            return 0, 0.0
+        i = min(max(bisect.bisect_right(self.ns, n) - 1, 0), len(self.ns) - 2)
+        return i, (n - self.ns[i]) / (self.ns[i + 1] - self.ns[i])
+
+    def __call__(self, n: float, k: float) -> float:
+        i, t = self._bracket(n)
+        if len(self.ns) == 1:
+            return self.curves[0](min(k, self.ns[0]))
+        lo, hi = self.curves[i](min(k, self.ns[i])), self.curves[i + 1](min(k, self.ns[i + 1]))
+        return (1 - t) * lo + t * hi
+
+    def at(self, n: Tensor, k: Tensor) -> Tensor:
+        """``self(n, k)`` for scalar tensors, differentiable in both."""
+        i, _ = self._bracket(float(n.detach()))
+        if len(self.ns) == 1:
+            return self.curves[0].at(torch.minimum(k, n.new_tensor(float(self.ns[0]))))
+        n0, n1 = self.ns[i], self.ns[i + 1]
+        lo = self.curves[i].at(torch.minimum(k, k.new_tensor(float(n0))))
+        hi = self.curves[i + 1].at(torch.minimum(k, k.new_tensor(float(n1))))
+        t = (n - n0) / (n1 - n0)
+        return (1 - t) * lo + t * hi
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A model's cost as a function of its keep list (see the module docstring).
+
+    Attributes:
+        unit: ``"ms"`` (a measured latency table) or ``"gflops"``.
+        num_tokens: N, the non-prefix tokens after the patch embedding.
+        prefix: p, the prefix tokens every block carries.
+        depth: L, the blocks.
+        fixed: the cost outside the blocks.
+        attn: the first half of a block against the non-prefix tokens it receives.
+        mlp: the second half against the non-prefix tokens it keeps.
+        pool: the downsampling step against (received, kept).
+        key: what the figures depend on (device, dtype, batch, versions, kernels, model, method...).
+        predicted: True when the figures are used for another machine than the one that measured them.
+    """
+
+    unit: str
+    num_tokens: int
+    prefix: int
+    depth: int
+    fixed: float
+    attn: Curve
+    mlp: Curve
+    pool: PoolSurface
+    key: dict[str, Any] = field(default_factory=dict)
+    predicted: bool = False
+
+    def block(self, n: int, k: int) -> float:
+        """One block's cost, receiving ``n`` non-prefix tokens and keeping ``k <= n``."""
+        step = self.pool(n, k) if 0 < k < n else 0.0
+        return self.attn(n) + step + self.mlp(k)
+
+    def predict(self, keep: list[int]) -> float:
+        """The whole model's cost at an effective keep list (non-increasing, each at most N)."""
+        check_keep(keep, self.num_tokens, self.depth)
+        total, n = self.fixed, self.num_tokens
+        for k in keep:
+            total += self.block(n, k)
+            n = k
+        return total
+
+    def unmodified(self) -> float:
+        """The cost with every token kept in every block (no pooling step anywhere)."""
+        return self.predict([self.num_tokens] * self.depth)
+
+    def expected(self, soft_keep: Tensor) -> Tensor:
+        """The cost of a soft keep list (L,) of real token counts, differentiable in it.
+
+        A block whose count is below what it receives pays the pooling step at those counts; the
+        decision whether it pools is made on the values (no gradient), the cost's slope follows the curves.
+        """
+        if soft_keep.shape != (self.depth,):
+            raise InputError(f"a soft keep list has one count per block: expected ({self.depth},), "
+                             f"got {tuple(soft_keep.shape)}")
+        n = soft_keep.new_tensor(float(self.num_tokens))
+        total = soft_keep.new_tensor(float(self.fixed))
+        for k in soft_keep:
+            total = total + self.attn.at(n) + self.mlp.at(k)
+            if 0 < float(k.detach()) < float(n.detach()):
+                total = total + self.pool.at(n, k)
+            n = k
+        return total
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["schema_version"] = SCHEMA_VERSION
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, where: str = "the cost table") -> CostModel:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise InputError(f"{where} has schema_version {version!r}; this release reads {SCHEMA_VERSION} "
+                             "(measure it again with `pipeline bench blocks`)")
+        try:
+            pool = data["pool"]
+            return cls(
+                unit=data["unit"], num_tokens=int(data["num_tokens"]), prefix=int(data["prefix"]),
+                depth=int(data["depth"]), fixed=float(data["fixed"]),
+                attn=Curve(tuple(data["attn"]["xs"]), tuple(data["attn"]["ys"])),
+                mlp=Curve(tuple(data["mlp"]["xs"]), tuple(data["mlp"]["ys"])),
+                pool=PoolSurface(tuple(pool["ns"]), tuple(Curve(tuple(c["xs"]), tuple(c["ys"]))
+                                                          for c in pool["curves"])),
+                key=dict(data.get("key", {})), predicted=bool(data.get("predicted", False)),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise InputError(f"{where} is not a cost table: {type(err).__name__}: {err}") from None
+
+
+def check_keep(keep: list[int], num_tokens: int, depth: int) -> None:
+    """InputError unless ``keep`` is an effective keep list: ``depth`` non-increasing counts in [0, N]."""
+    if len(keep) != depth:
+        raise InputError(f"the keep list {keep} has {len(keep)} entries; the model has {depth} blocks")
+    previous = num_tokens
+    for layer, k in enumerate(keep):
+        if not 0 <= k <= previous:
+            raise InputError(f"keep[{layer}] is {k}: an effective keep list is non-increasing and in [0, "
+                             f"{num_tokens}] (block {layer + 1} receives {previous} tokens)")
+        previous = k
+
+
+def save_cost_model(model: CostModel, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def load_cost_model(path: str | Path) -> CostModel:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no cost table at {path}; measure one with `pipeline bench blocks`")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path} is not valid JSON ({err}); measure it again with `pipeline bench blocks`") from None
+    return CostModel.from_json(data, where=str(path))
+
+
+def key_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``NAME: RECORDED != CURRENT`` for every key field whose values differ (a field only one side has too)."""
+    names = sorted(recorded.keys() | current.keys())
+    return [f"{name}: {recorded.get(name)!r} != {current.get(name)!r}" for name in names
+            if recorded.get(name) != current.get(name)]
