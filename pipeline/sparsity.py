@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.config import CONFIG_DIR, ConfigError
+from pipeline.config.loading import parse_yaml
 
 SPARSITY_DIR = CONFIG_DIR / "sparsity"
 
@@ -41,7 +41,7 @@ def load_sparsity(path: str | Path) -> SparsityFile:
         names = ", ".join(p.stem for p in sparsity_files())
         raise ConfigError(f"sparsity file not found: {path}; the shipped ones are: {names}")
     try:
-        return SparsityFile.model_validate(yaml.safe_load(path.read_text()))
+        return SparsityFile.model_validate(parse_yaml(path.read_text(), str(path)))
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
         raise ConfigError(f"{path}: {problems}") from None

@@ -175,3 +175,68 @@ def test_scientific_notation_without_a_dot_is_a_float(tmp_path):
     path.write_text("recipe:\n  lr: 2e-3\n  min_lr: 1E-5\n")
     config = load_config(path, ["recipe.warmup_lr=5e-7"])
     assert (config.recipe.lr, config.recipe.min_lr, config.recipe.warmup_lr) == (2e-3, 1e-5, 5e-7)
+
+
+def _with_line(text: str, after: str, line: str) -> tuple[str, int, int]:
+    """``text`` with ``line`` inserted after the first line that starts with ``after``; the 1-based numbers of
+    that line and of the inserted one."""
+    lines = text.splitlines()
+    first = next(i for i, existing in enumerate(lines) if existing.startswith(after))
+    lines.insert(first + 1, line)
+    return "\n".join(lines) + "\n", first + 1, first + 2
+
+
+def test_a_key_given_twice_in_a_training_config_is_refused_naming_it_and_both_lines(tmp_path):
+    # PyYAML alone keeps the later value: the run would train 50 epochs where the file first says 10.
+    source = CONFIG_DIR / "train" / "fmnist_base.yaml"
+    assert yaml.safe_load(_with_line(source.read_text(), "  epochs:", "  epochs: 50")[0])["recipe"]["epochs"] == 50
+    text, first, second = _with_line(source.read_text(), "  epochs:", "  epochs: 50")
+    path = tmp_path / "base.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: line {second}: the key 'epochs' is given twice in one mapping (first on line "
+                              f"{first}); YAML would keep the later value silently: keep one")
+
+
+def test_a_section_given_twice_in_an_experiment_config_is_refused(tmp_path):
+    source = CONFIG_DIR / "experiments" / "tiny.yaml"
+    text = source.read_text()
+    first = text.splitlines().index("experiment:") + 1
+    path = tmp_path / "tiny.yaml"
+    path.write_text(text + "experiment:\n  name: other\n")
+    with pytest.raises(ConfigError, match=rf"tiny.yaml: line {len(text.splitlines()) + 1}: the key 'experiment' is "
+                                          rf"given twice in one mapping \(first on line {first}\)"):
+        load_config(path)
+
+
+def test_a_level_given_twice_in_a_sparsity_file_is_refused(tmp_path):
+    from pipeline.sparsity import load_sparsity
+
+    path = tmp_path / "s.yaml"
+    path.write_text("model: x\nlevels:\n  0: {keep: [1], powerbert: 1.0, kmedoids: 2.0}\n"
+                    "  0: {keep: [2], powerbert: 1.0, kmedoids: 2.0}\n")
+    with pytest.raises(ConfigError, match=r"s.yaml: line 4: the key 0 is given twice .*first on line 3"):
+        load_sparsity(path)
+
+
+def test_merge_keys_may_be_overridden_and_repeated_overrides_keep_the_later():
+    from pipeline.config.loading import parse_yaml
+
+    assert parse_yaml("a: &x {k: 1, j: 2}\nb:\n  <<: *x\n  k: 3\n", "t") == {"a": {"k": 1, "j": 2},
+                                                                           "b": {"k": 3, "j": 2}}
+    assert load_config(None, ["seed=1", "pooling.iters=2", "seed=4", "pooling.iters=3"]).seed == 4
+    assert load_config(None, ["pooling.iters=2", "pooling.iters=3"]).pooling.iters == 3
+    with pytest.raises(ConfigError, match=r"--set 'bench.keep=\{a: 1, a: 2\}': line 1: the key 'a' is given twice"):
+        load_config(None, ["bench.keep={a: 1, a: 2}"])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_every_yaml_under_configs_loads_with_the_one_loader(path: Path):
+    """No shipped file gives a key twice, and each one's sections all reach its typed config."""
+    from pipeline.config.loading import parse_yaml
+    from pipeline.sparsity import load_sparsity
+
+    loaded = load_sparsity(path) if path.parent.name == "sparsity" else load_config(path)
+    raw = parse_yaml(path.read_text(), str(path))
+    assert raw and set(raw) <= loaded.model_fields_set

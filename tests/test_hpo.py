@@ -177,13 +177,14 @@ def test_a_base_recorded_without_its_settings_gets_them_from_the_chosen_runs_par
     sweep = config.experiment.base.sweep
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp_id = client.create_experiment("x", artifact_location=str(tmp_path / "artifacts"))
-    logged = {"recipe.lr": "0.00128", "recipe.weight_decay": "0.057", "recipe.warmup_epochs": "0.5",
+    # str(5e-05) is "5e-05", which YAML 1.1 (yaml.safe_load) reads as a string; the pipeline's loader reads a float.
+    logged = {"recipe.lr": "0.00128", "recipe.weight_decay": str(5e-05), "recipe.warmup_epochs": "0.5",
               "recipe.label_smoothing": "0.1", "model.drop_path": "0.05", "recipe.epochs": "12"}
     run = client.create_run(exp_id)
     for key, value in logged.items():
         client.log_param(run.info.run_id, key, value)
     settings = recorded_settings(client, run.info.run_id, sweep)
-    assert settings == {"recipe.lr": 0.00128, "recipe.weight_decay": 0.057, "recipe.warmup_epochs": 0.5,
+    assert settings == {"recipe.lr": 0.00128, "recipe.weight_decay": 5e-05, "recipe.warmup_epochs": 0.5,
                         "recipe.label_smoothing": 0.1, "model.drop_path": 0.05}
     chosen = chosen_config(config, settings)
     assert (chosen.recipe.lr, chosen.recipe.warmup_epochs, chosen.model.drop_path) == (0.00128, 0.5, 0.05)

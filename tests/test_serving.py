@@ -1,10 +1,12 @@
 """``pipeline serve`` on a real process: a tiny trained model registered as an image classifier, served from a
 shell without the virtual environment on its PATH, answering images with class names as the model in this
-process does, refusing bad input with HTTP 400 and staying up, and holding a bounded load."""
+process does, refusing bad input with HTTP 400 (decompression bombs, images over the pixel cap and requests
+with too many images included) and bodies over the cap with 413, staying up, and holding a bounded load."""
 
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import os
@@ -14,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
 
 import numpy as np
 import pytest
@@ -28,6 +31,8 @@ from tests.processes import ROOT, free_port, stop
 
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
 NAME = "tiny-serve"
+# The served process's limits: small, so that small requests cross them (the defaults are far above).
+MAX_IMAGES, MAX_PIXELS, MAX_BODY_MB = 6, 2_000_000, 1
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,8 @@ def server(trained):
     port, log = free_port(), trained["root"] / "serve.log"
     env = {**os.environ, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "pipeline", "serve", f"{NAME}@best", "--port", str(port),
-               "--tracking-uri", trained["store"]]
+               "--tracking-uri", trained["store"], "--max-images", str(MAX_IMAGES), "--max-pixels", str(MAX_PIXELS),
+               "--max-body-mb", str(MAX_BODY_MB)]
     proc = subprocess.Popen(command, cwd=trained["root"], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 240
@@ -157,7 +163,30 @@ def test_uint8_arrays_and_the_normalised_tensors_of_earlier_clients(trained, ser
     check_answers(body["predictions"], expected(trained["model"], [picture]), CLASSES)
 
 
+def png_1bit(width: int, height: int, truncate: bool = False) -> bytes:
+    """A black 1-bit grayscale PNG, written chunk by chunk: a large one is small on disk (its rows compress to
+    almost nothing). ``truncate`` cuts the compressed pixels in half, so that decoding it fails."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([1, 0, 0, 0, 0])  # 1 bit, grayscale
+    pixels = zlib.compress((b"\0" * (1 + (width + 7) // 8)) * height, 9)  # filter byte + packed row, per row
+    if truncate:
+        pixels = pixels[: len(pixels) // 2]
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+BOMB = (15000, 15000)  # 225 MP: over PIL's own decompression-bomb error limit (2 x 89.5 MP)
+OVER_CAP = (2000, 1200)  # 2.4 MP: over the served cap, under PIL's limits
+
+
 BAD = [
+    (lambda _: images_payload([png_1bit(*BOMB)]), "image 0: a decompression bomb"),
+    # The second image is broken past its header: the refusal names its size, so it came before any decoding.
+    (lambda jpeg: images_payload([jpeg, png_1bit(*OVER_CAP, truncate=True)]),
+     f"image 1: 2000 x 1200 pixels, over the cap of {MAX_PIXELS:,} per image"),
+    # None is an image: the count is refused before the first would be found not to be one.
+    (images_payload([b"not an image"] * (MAX_IMAGES + 1)), f"{MAX_IMAGES + 1} images in one request, over the cap"),
     (images_payload([b"just some text, not an image"]), "image 0: not an image file"),
     (lambda jpeg: images_payload([jpeg[: len(jpeg) // 2]]), "image 0: a broken image file"),
     ({"dataframe_split": {"columns": ["image"], "data": [["%%% not base64 %%%"]]}}, "a string that is not base64"),
@@ -177,6 +206,74 @@ def test_bad_input_gets_400_with_one_line_and_the_server_stays_up(trained, serve
     assert "\n" not in body["message"] and "Failed to predict" not in body["message"], body
     status, body = post(server["url"], images_payload([jpeg]))
     assert status == 200 and body["predictions"][0]["label"] in CLASSES
+
+
+def test_the_planted_images_are_what_their_tests_say():
+    """The refusals above are the server's limits at work: PIL alone reads the bomb's header and refuses it, and
+    fails to decode the image over the cap; the bomb is small on disk."""
+    bomb = png_1bit(*BOMB)
+    assert len(bomb) < 40_000
+    with pytest.raises(Image.DecompressionBombError):
+        Image.open(io.BytesIO(bomb))
+    with Image.open(io.BytesIO(png_1bit(*OVER_CAP, truncate=True))) as over:
+        assert over.size == OVER_CAP and over.size[0] * over.size[1] > MAX_PIXELS
+        with pytest.raises(OSError):
+            over.load()
+
+
+def test_as_many_images_as_the_cap_are_answered(trained, server):
+    files = (trained["jpegs"] * MAX_IMAGES)[:MAX_IMAGES]
+    status, body = post(server["url"], images_payload([f.read_bytes() for f in files]))
+    assert status == 200, body
+    check_answers(body["predictions"], expected(trained["model"], [Image.open(f) for f in files]), CLASSES)
+
+
+def raw_post(url: str, declared: int | None, chunks: list[bytes]) -> tuple[int, dict]:
+    """POST /invocations with a declared Content-Length (sending none of the body) or, with ``declared=None``,
+    the ``chunks`` in chunked encoding."""
+    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    try:
+        connection.putrequest("POST", "/invocations")
+        connection.putheader("Content-Type", "application/json")
+        if declared is not None:
+            connection.putheader("Content-Length", str(declared))
+            connection.endheaders()
+        else:
+            connection.putheader("Transfer-Encoding", "chunked")
+            connection.endheaders()
+            for piece in chunks:
+                connection.send(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            connection.send(b"0\r\n\r\n")
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_a_body_over_the_cap_gets_413_with_one_line_and_the_server_stays_up(trained, server):
+    cap = MAX_BODY_MB * 2**20
+    # A client that sends its whole body before it reads (urllib): read to its end, then refused.
+    status, body = post(server["url"], {"pad": " " * cap})
+    assert status == 413 and f"a request body of {cap + 11:,} bytes, over this server's cap of 1 MiB" \
+        in body["message"], body
+    assert "\n" not in body["message"], body
+    status, body = raw_post(server["url"], None, [b" " * 2**16] * (cap // 2**16 + 1))  # chunked: no length declared
+    assert status == 413 and f"{cap + 2**16:,} bytes, over this server's cap" in body["message"], body
+    # Declared far over the cap: refused on its header, before a byte of it is sent.
+    status, body = raw_post(server["url"], 100 * cap, [])
+    assert status == 413 and f"a request body of {100 * cap:,} bytes" in body["message"], body
+    jpeg = trained["jpegs"][0].read_bytes()
+    status, body = raw_post(server["url"], None, [json.dumps(images_payload([jpeg])).encode()])  # under it: answered
+    assert status == 200 and body["predictions"][0]["label"] in CLASSES, body
+
+
+def test_serve_refuses_limits_it_cannot_keep(capsys):
+    from pipeline.cli import main
+
+    assert main(["serve", "x@best", "--max-pixels", "100000000", "--max-images", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "--max-pixels 100000000: Value error, 100000000 is over PIL's decompression-bomb limit" in error
+    assert "--max-images 0: Input should be greater than or equal to 1" in error
 
 
 def test_a_bounded_load_is_answered_without_errors_and_always_alike(trained, server):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.common import add_config_args
 from pipeline.config import ConfigError, load_config
+from pipeline.config.serve import MAX_BODY_MB, MAX_IMAGES, MAX_PIXELS, ServeConfig
 from pipeline.errors import InputError, MissingFileError
 from pipeline.serving.server import DEFAULT_STORE
 
@@ -98,9 +99,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError("give a MODEL (token-pooling-demo@best) or --experiment NAME with a budget, not both")
     if args.experiment is not None and args.max_gflops is None and args.min_images_per_s is None:
         raise InputError("--experiment needs a budget: --max-gflops X or --min-images-per-s Y")
+    limits = _serve_limits(args)
     model = args.model if args.model is not None else _pick(args).uri
     return serve(model, host=args.host, port=args.port, workers=args.workers, tracking_uri=args.tracking_uri,
-                 verbose=args.verbose, log=lambda line: print(line, flush=True))
+                 verbose=args.verbose, limits=limits, log=lambda line: print(line, flush=True))
+
+
+def _serve_limits(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    given = {key: getattr(args, key) for key in ServeConfig.model_fields if getattr(args, key) is not None}
+    try:
+        return ServeConfig(**given)
+    except ValidationError as err:
+        problems = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}" for e in err.errors())
+        raise ConfigError(problems) from None
 
 
 def _add_budget_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -123,6 +136,12 @@ def _add_serve_command(commands) -> None:
     serve.add_argument("--port", type=int, default=5000)
     serve.add_argument("--workers", type=int, default=1, help="server processes")
     serve.add_argument("--verbose", action="store_true", help="the server's access log")
+    limits = serve.add_argument_group("limits per request (over them: HTTP 400, or 413 for the body)")
+    limits.add_argument("--max-pixels", type=int, default=None,
+                        help=f"pixels per image, read from its header before decoding (default {MAX_PIXELS})")
+    limits.add_argument("--max-images", type=int, default=None, help=f"images per request (default {MAX_IMAGES})")
+    limits.add_argument("--max-body-mb", type=float, default=None,
+                        help=f"request body in MiB (default {MAX_BODY_MB:g})")
     serve.set_defaults(func=cmd_serve)
 
 

@@ -1,5 +1,9 @@
 """Loading a config: model defaults, then a YAML file, then dotted ``--set`` overrides (dinov2's order),
-with errors that name the key and where it came from; and writing the resolved config beside a run."""
+with errors that name the key and where it came from; and writing the resolved config beside a run.
+
+``Loader`` is the one YAML loader of the pipeline (configs, experiment files, ``configs/sparsity/``): a key
+given twice in one file's mapping is an error, while repeated ``--set`` overrides of one key apply in order,
+the later winning."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import hashlib
 import json
 import re
 import subprocess
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +23,36 @@ from pipeline.config.root import Config
 from pipeline.console import redact
 
 
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); this loader reads it as a float."""
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping (PyYAML alone keeps the later value, silently)."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"line {second}: the key {key!r} is given twice in one mapping (first on line {first}); "
+                         "YAML would keep the later value silently: keep one")
+        self.key, self.first, self.second = key, first, second
 
 
-_Loader.add_implicit_resolver(
+class Loader(yaml.SafeLoader):
+    """The YAML loader of every file the pipeline reads: PyYAML's safe loader that refuses a key given twice in
+    one mapping (``DuplicateKeyError``, naming the key and both lines), and reads ``1e-3`` as a float (YAML 1.1
+    wants ``1.0e-3`` and reads ``1e-3`` as a string). Merge keys (``<<: *base``) may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # PyYAML's own error names an unhashable key
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise DuplicateKeyError(key, lines[key], line)
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
     list("-+0123456789."),
@@ -30,7 +60,18 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """``text`` read with ``Loader``; a ConfigError naming ``source`` (a file, ...) and the line if it is not
+    valid YAML or gives a key twice in one mapping."""
+    try:
+        return _yaml(text)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML: {err}") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -43,6 +84,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {redact(item)!r}: the key {key!r} has an empty part")
     try:
         value = _yaml(raw) if raw.strip() else ""
+    except DuplicateKeyError as err:
+        raise ConfigError(f"--set {redact(item)!r}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {redact(item)!r}: the value is not valid YAML ({err})") from None
     return parts, value
@@ -53,9 +96,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         shipped = sorted(str(p.relative_to(CONFIG_DIR.parent)) for p in CONFIG_DIR.rglob("*.yaml"))
         raise ConfigError(f"config file not found: {path}; the shipped configs are: {', '.join(shipped)}")
     try:
-        data = _yaml(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        data = parse_yaml(path.read_text(), str(path))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file (a config is YAML text); see configs/ for examples") from None
     if data is None:

@@ -10,7 +10,9 @@ RGBA made RGB) and the dataset's class names. One column, ``image``, takes per r
 
 Per image it returns the top-1 class (``index``, ``label``, ``probability``) and the ``top_k`` classes
 (``params: {"top_k": 5}``). Input it cannot use raises ``BadInput`` (HTTP 400 from the scoring server), one
-line naming the image and what was wrong. This module imports neither the training code nor Ray.
+line naming the image and what was wrong; so do more images than ``ServeConfig.max_images`` (counted before
+any is decoded) and an image over ``ServeConfig.max_pixels`` (read from its header before it is decoded).
+This module imports neither the training code nor Ray.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
 
+from pipeline.config.serve import ServeConfig
+
 BAD_INPUT = "bad input: "  # the prefix the scoring app (pipeline.serving.app) finds in a message to cut it to a line
 TOP_K = 5
 
@@ -37,9 +41,9 @@ class BadInput(MlflowException):
         super().__init__(BAD_INPUT + message, error_code=BAD_REQUEST)
 
 
-def _decoded(image: Any, index: int):
-    """A PIL image in RGB from encoded bytes or a uint8 array, else BadInput."""
-    from PIL import Image, UnidentifiedImageError
+def _decoded(image: Any, index: int, max_pixels: int):
+    """A PIL image in RGB from encoded bytes or a uint8 array of at most ``max_pixels`` pixels, else BadInput."""
+    from PIL import Image
 
     if isinstance(image, str):
         try:
@@ -48,25 +52,44 @@ def _decoded(image: Any, index: int):
             raise BadInput(f"image {index}: a string that is not base64; send the file's bytes base64-encoded") \
                 from None
     if isinstance(image, (bytes, bytearray)):
-        try:
-            with Image.open(io.BytesIO(image)) as opened:
-                opened.load()
-                return opened.convert("RGB")
-        except UnidentifiedImageError:
-            raise BadInput(f"image {index}: not an image file ({len(image)} bytes); send JPEG, PNG or WebP") from None
-        except (OSError, SyntaxError, ValueError) as err:  # truncated or corrupt data
-            raise BadInput(f"image {index}: a broken image file ({err})") from None
+        return _decoded_file(bytes(image), index, max_pixels)
     array = np.asarray(image)
     if array.dtype.kind not in "iu" or not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4))) \
             or array.size == 0:
         raise BadInput(f"image {index}: an array of shape {array.shape} and dtype {array.dtype}; send uint8 (H, W) "
                        "or (H, W, 3), an encoded image, or the normalised float (3, H, W) at the model's size")
+    _check_pixels(array.shape[1], array.shape[0], index, max_pixels)
     if array.min() < 0 or array.max() > 255:
         raise BadInput(f"image {index}: pixel values from {array.min()} to {array.max()}; uint8 runs from 0 to 255")
     array = array.astype(np.uint8)
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[..., 0]
     return Image.fromarray(array).convert("RGB")
+
+
+def _check_pixels(width: int, height: int, index: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise BadInput(f"image {index}: {width} x {height} pixels, over the cap of {max_pixels:,} per image; "
+                       "send a smaller image (`pipeline serve --max-pixels` sets the cap)")
+
+
+def _decoded_file(data: bytes, index: int, max_pixels: int):
+    """An encoded image in RGB, its size checked from the header before its pixels are decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as opened:  # reads the header only
+            _check_pixels(*opened.size, index, max_pixels)
+            opened.load()
+            return opened.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        # PIL refuses (or, under -W error, warns about) a declared size before this cap is checked.
+        raise BadInput(f"image {index}: a decompression bomb ({err}); send at most {max_pixels:,} pixels per "
+                       "image") from None
+    except UnidentifiedImageError:
+        raise BadInput(f"image {index}: not an image file ({len(data)} bytes); send JPEG, PNG or WebP") from None
+    except (OSError, SyntaxError, ValueError) as err:  # truncated or corrupt data
+        raise BadInput(f"image {index}: a broken image file ({err})") from None
 
 
 class ImageClassifier(mlflow.pyfunc.PythonModel):
@@ -82,6 +105,11 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         self.classes: list[str] = list(config.pop("classes"))
         self.size = tuple(config["input_size"])
         self.transform = create_transform(**config, is_training=False)
+        self.limits = ServeConfig()
+
+    def set_limits(self, limits: ServeConfig) -> None:
+        """The caps on what one request may ask (``pipeline serve`` sets its flags' here)."""
+        self.limits = limits
 
     def _tensor(self, image: Any, index: int):
         import torch
@@ -94,7 +122,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
             if not np.isfinite(array).all():
                 raise BadInput(f"image {index}: the float tensor holds NaN or infinity")
             return torch.from_numpy(array)
-        return self.transform(_decoded(image, index))
+        return self.transform(_decoded(image, index, self.limits.max_pixels))
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         import torch
@@ -103,6 +131,9 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         if not 1 <= top_k <= len(self.classes):
             raise BadInput(f"top_k {top_k}: give 1 to {len(self.classes)} (the classes)")
         images = _column(model_input)
+        if len(images) > self.limits.max_images:  # before any is decoded
+            raise BadInput(f"{len(images)} images in one request, over the cap of {self.limits.max_images}; "
+                           "split them over several requests (`pipeline serve --max-images` sets the cap)")
         batch = torch.stack([self._tensor(image, i) for i, image in enumerate(images)])
         with torch.no_grad():
             probs = self.model(batch).float().softmax(-1)

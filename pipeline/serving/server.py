@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.config.serve import ServeConfig
 from pipeline.errors import InputError, JobError, MissingFileError
 
 DEFAULT_STORE = "sqlite:///runs/mlflow.db"
@@ -103,8 +104,9 @@ def _ready(url: str, process: subprocess.Popen, timeout: float) -> None:
 
 
 def serve(model: str, *, host: str, port: int, workers: int, tracking_uri: str, verbose: bool,
-          log: Callable[[str], None] = print) -> int:
-    """Serves ``model`` until interrupted; returns the server's exit status (0 after Ctrl-C)."""
+          limits: ServeConfig | None = None, log: Callable[[str], None] = print) -> int:
+    """Serves ``model`` within ``limits`` (default: ``ServeConfig()``) until interrupted; returns the server's
+    exit status (0 after Ctrl-C)."""
     if workers < 1 or not 0 < port < 65536:
         raise InputError(f"--workers {workers} --port {port}: give at least one worker and a port in 1..65535")
     uri = model_uri(model)
@@ -112,10 +114,12 @@ def serve(model: str, *, host: str, port: int, workers: int, tracking_uri: str, 
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     command = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", str(workers),
                "--log-level", "info" if verbose else "warning", "pipeline.serving.app:app"]
-    from pipeline.serving.app import MODEL_ENV
+    from pipeline.serving.app import LIMITS_ENV, MODEL_ENV
 
-    env = {**os.environ, MODEL_ENV: str(folder.resolve())}
-    log(f"serving {uri} from {folder} on {host}:{port} ({workers} worker(s)) ...")
+    limits = limits or ServeConfig()
+    env = {**os.environ, MODEL_ENV: str(folder.resolve()), LIMITS_ENV: limits.model_dump_json()}
+    log(f"serving {uri} from {folder} on {host}:{port} ({workers} worker(s); per request at most "
+        f"{limits.max_images} images of {limits.max_pixels:,} pixels and {limits.max_body_mb:g} MiB) ...")
     process = subprocess.Popen(command, env=env)
     try:
         _ready(url, process, timeout=300)
