@@ -1,12 +1,14 @@
 """The ceiling of token downsampling on a device: timm's DeiT-S, its attention through SDPA and a gather of
 the level-3 keep list between attention and MLP, against the unmodified model, bf16 autocast, paired calls.
 
-    python benchmarks/gpu_ceiling.py [--device cuda] [--batch 256] [--repeats 15] [--no-compile]
+    python benchmarks/gpu_ceiling.py [--device cuda] [--batch 256] [--repeats 15] [--no-compile] [--smoke]
 
 Two ways to pick the kept tokens: ``random`` (no scores: what dropping tokens can save at best) and ``sig``
 (eq. 4 from an explicit softmax(QK^T) beside SDPA, then top-K: what materialising the probabilities costs).
 Speed-up = median of the per-pair ratios (unmodified time / pooled time), eager and then compiled.
 ``pipeline bench throughput`` prints the ``random`` row as its ceiling row (``bench_throughput.ceiling``).
+``--smoke``: DeiT-Ti (the same tokens and blocks) on the CPU, one image, one pair, eager only: checks that
+the script runs (its figures then mean nothing).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def pooled_forward(model: torch.nn.Module, x: torch.Tensor, keep: list[int], mod
 
 
 def row(label: str, pooled: Callable[[], object], base: Callable[[], object], batch: int, repeats: int,
-        device: torch.device) -> str:
-    bt, pt = time_paired(pooled, base, warmup=3, repeats=repeats, device=device)
+        device: torch.device, warmup: int = 3) -> str:
+    bt, pt = time_paired(pooled, base, warmup=warmup, repeats=repeats, device=device)
     return (f"{label}: unmodified {batch / statistics.median(bt):.0f} images/s, pooled "
             f"{batch / statistics.median(pt):.0f}, speed-up {statistics.median(b / p for b, p in zip(bt, pt)):.3f}")
 
@@ -59,15 +61,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15, help="timed pairs")
     parser.add_argument("--no-compile", action="store_true", help="eager rows only")
+    parser.add_argument("--smoke", action="store_true", help="DeiT-Ti, CPU, one image and pair: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.device, args.batch, args.repeats, args.no_compile = "cpu", 1, 1, True
     device = torch.device(args.device)
-    model = timm.create_model(MODEL).eval().to(device)
+    model = timm.create_model("deit_tiny_patch16_224" if args.smoke else MODEL).eval().to(device)
     keep = level_keep(MODEL, 3)
     x = torch.randn(args.batch, 3, 224, 224, device=device)
     with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16):
         for mode in ("random", "sig"):
             print(row(f"eager {mode}", lambda mode=mode: pooled_forward(model, x, keep, mode), lambda: model(x),
-                      args.batch, args.repeats, device), flush=True)
+                      args.batch, args.repeats, device, warmup=0 if args.smoke else 3), flush=True)
         if not args.no_compile:
             compiled = torch.compile(model)
             for mode in ("random", "sig"):
