@@ -1,13 +1,16 @@
-"""Paired timing, CPU: K-Means' Gram-form iterations in torch ops (``kmeans_gram_iterations``, what the CPU
-ran before the native kernels (2026-11-27) and what the CUDA path still traces) against the native kernel
-that the CPU path runs now (``tokenpool::kmeans_gram``, ``pipeline/pooling/clustering_cpu.c``), on the same Gram matrix.
+"""Paired timing, CPU: K-Means' Gram-form iterations in torch ops (``kmeans_gram_iterations``: what runs
+without the native kernel, and what the CUDA path traces with ``PIPELINE_KMEANS_KERNEL=torch``) against the
+native kernel that the CPU path runs (``tokenpool::kmeans_gram``, ``pipeline/pooling/clustering_cpu.c``), on
+the same Gram matrix.
 
     python benchmarks/native_kmeans.py > docs/data/cpu/2026-11-27_native-kernels/kmeans_native.txt
 
 B = 64, N = 196, 384 dims, 5 iterations, weighted (DeiT-S's first pooling block at batch 64); each call
-pair is timed back to back, the ratio is native time / torch time, medians over 15 pairs.
+pair is timed back to back, the ratio is native time / torch time, medians over 15 pairs. ``--smoke``:
+2 images of 24 tokens and one pair, to check that the script runs (its figures then mean nothing).
 """
 
+import argparse
 import platform
 import statistics
 from functools import partial
@@ -17,20 +20,31 @@ import torch
 from pipeline.bench.timing import time_paired
 from pipeline.pooling import clustering, native
 
-assert native.library() is not None, "the native kernels did not build"
-torch.set_num_threads(2)
-print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
-print("| K | torch ms | native ms | native / torch | same assignment |")
-print("|---:|---:|---:|---:|---|")
-for k in (147, 98, 49):
-    gen = torch.Generator().manual_seed(k)
-    x, scores = torch.randn(64, 196, 384, generator=gen), torch.rand(64, 196, generator=gen)
-    w = clustering.effective_weights(x, scores, None)
-    start, gram = scores.topk(k, dim=-1).indices, torch.bmm(x, x.transpose(1, 2))
-    same = torch.equal(clustering.kmeans_gram_iterations(gram, w, start, 5),
-                       clustering._kmeans_gram_op(gram, w, start, 5))
-    olds, news = time_paired(partial(clustering._kmeans_gram_op, gram, w, start, 5),
-                             partial(clustering.kmeans_gram_iterations, gram, w, start, 5), warmup=1, repeats=15,
-                             device=torch.device("cpu"))
-    ratio = statistics.median(n / o for o, n in zip(olds, news))
-    print(f"| {k} | {statistics.median(olds) * 1e3:.2f} | {statistics.median(news) * 1e3:.2f} | {ratio:.3f} | {same} |")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="2 images of 24 tokens, one pair: checks that it runs")
+    args = parser.parse_args()
+    assert native.library() is not None, "the native kernels did not build"
+    batch, n, dim, ks, repeats = (2, 24, 48, (12, 6, 3), 1) if args.smoke else (64, 196, 384, (147, 98, 49), 15)
+    torch.set_num_threads(2)
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
+    print("| K | torch ms | native ms | native / torch | same assignment |")
+    print("|---:|---:|---:|---:|---|")
+    for k in ks:
+        gen = torch.Generator().manual_seed(k)
+        x, scores = torch.randn(batch, n, dim, generator=gen), torch.rand(batch, n, generator=gen)
+        w = clustering.effective_weights(x, scores, None)
+        start, gram = scores.topk(k, dim=-1).indices, torch.bmm(x, x.transpose(1, 2))
+        same = torch.equal(clustering.kmeans_gram_iterations(gram, w, start, 5),
+                           clustering._kmeans_gram_op(gram, w, start, 5))
+        olds, news = time_paired(partial(clustering._kmeans_gram_op, gram, w, start, 5),
+                                 partial(clustering.kmeans_gram_iterations, gram, w, start, 5), warmup=1,
+                                 repeats=repeats, device=torch.device("cpu"))
+        ratio = statistics.median(n / o for o, n in zip(olds, news))
+        print(f"| {k} | {statistics.median(olds) * 1e3:.2f} | {statistics.median(news) * 1e3:.2f} | {ratio:.3f} "
+              f"| {same} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,8 +16,8 @@ from pipeline.bench.profiling import (
     kernel_table,
 )
 
-# Kernel names as the H200 profiles of 2026-11-27 printed them (docs/data/gpu/h200_2026-11-27_run6/, cut at 60
-# characters there), each with the group a reader of that profile puts it in.
+# Kernel names as the H200 profiles of 2026-11-27 printed them (docs/data/gpu/h200_2026-11-27_tome-kmeans-eager/,
+# cut at 60 characters there), each with the group a reader of that profile puts it in.
 H200_KERNELS = [
     ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN", "GEMM, bf16 / fp16"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f...", "attention (fused SDPA)"),

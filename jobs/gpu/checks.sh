@@ -2,7 +2,7 @@
 # The project's GPU checks, as run for docs/benchmarks.md on a lent single-GPU machine.
 #
 # On a bare CUDA image (no network, no ray/mlflow/ffcv) carry the pure-Python wheels first
-# (../shared/gpu/README.md), then:  OUT=DIR bash jobs/gpu/checks.sh PART...
+# (jobs/gpu/README.md), then:  OUT=DIR bash jobs/gpu/checks.sh PART...
 # Parts (each under its own time limit, so one slow part cannot take the others' results):
 #   tests     tests/test_gpu.py (TESTS selects with pytest -k)
 #   kernels   bench kernels: K-Medoids' Triton kernels against the torch iterations, K-Means' iterations, patch embedding

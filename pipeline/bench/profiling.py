@@ -151,7 +151,7 @@ KERNEL_GROUPS = (
     ("scores, eq. 4 (Triton)", r"^_column_sums|^_row_lse|^_row_grad|^_column_grad"),
     ("K-Medoids iterations (Triton)", r"^_assign_kernel|^_cost_kernel"),
     ("GEMM, float32 (TF32)", r"tf32|s1688gemm|s16816gemm|sgemm"),
-    ("GEMM, bf16 / fp16", r"gemm|nvjet|cutlass|cublas"),  # nvjet names carry no dtype (all bf16 in run 6)
+    ("GEMM, bf16 / fp16", r"gemm|nvjet|cutlass|cublas"),  # nvjet names carry no dtype (all bf16 on the H200 2026-11-27)
     ("top-k, sort", r"topk|sort"),
     ("inductor: GELU", r"^triton_.*gelu"),
     ("inductor: LayerNorm, residual", r"^triton_.*layer_norm"),

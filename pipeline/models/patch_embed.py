@@ -1,9 +1,9 @@
 """The patch embedding as one matmul: the same function and parameters as timm's stride-p convolution.
 
 Why: on CUDA, cuDNN runs the 16x16, stride-16 convolution of a ViT's patch embedding as a slow
-implicit GEMM. On an H100 in bf16 at batch 256 it took 1.9 ms, 1.8 ms with ``cudnn.benchmark``,
-and 0.27 ms as a reshape + matmul (``bench kernels``, docs/benchmarks.md). That is about a sixth of a
-compiled DeiT-S forward, paid alike by the unmodified and the downsampled models. timm has no
+implicit GEMM, several times slower than a reshape + matmul of the same patches (``bench kernels``
+times both; docs/benchmarks.md): a large share of a compiled DeiT-S forward, paid alike by the
+unmodified and the downsampled models. timm has no
 switch for it, so ``PatchMatmul`` replaces the convolution module and keeps its parameters
 (``patch_embed.proj.weight`` and ``.bias``), so every state dict still loads.
 """

@@ -18,7 +18,7 @@ op too (``tokenpool::attention_significance_backward``): Triton kernels on CUDA
 On the CPU a block that needs the scores gets its attention output from the same exponentials
 (``attention_and_significance``, custom op ``tokenpool::attention_with_significance``): there the
 fused kernel is no faster than the explicit product, and one set of logits, worked in chunks of
-images, made a DeiT-S attention with scores 2.2x faster (docs/benchmarks.md).
+images, makes a DeiT-S attention with scores about twice as fast (benchmarks/attention_with_scores_cpu.py).
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def significance_and_lse_torch(q: Tensor, k: Tensor, bias: Tensor | None, scale:
 
 # Images per chunk of the joint CPU op: their (H, T, T) float32 exponentials stay in cache across the
 # five passes over them (max, exp, row sums, the two products). At DeiT-S size (T = 197, 6 heads, 4
-# images) one attention with scores at batch 64 took 34.3 ms chunked against 74.3 ms in one piece
-# on this machine's 2 cores, 28.3 ms for the fused attention alone (docs/benchmarks.md).
+# images) chunking halves the time of one attention with scores at batch 64 on 2 CPU cores
+# (benchmarks/attention_with_scores_cpu.py).
 _CHUNK_BYTES = 4 << 20
 
 

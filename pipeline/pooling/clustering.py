@@ -176,9 +176,8 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
     iteration of an image in one program (``kmeans_fused_triton``), native code on the CPU
     (``native.kmeans_gram``: its update costs N^2 where the dense product costs K N^2), and the torch
     iterations (``kmeans_gram_iterations``) where neither is at hand. ``PIPELINE_KMEANS_KERNEL=torch``
-    runs the torch iterations on the CUDA path instead, for ``torch.compile`` to trace (what the last GPU
-    figures ran: compiled K-Means 0.862x the unmodified model on an H200, where two Triton kernels an
-    iteration gave 0.504x; docs/benchmarks.md), so that ``jobs/gpu/checks.sh`` can time the two.
+    runs the torch iterations on the CUDA path instead, for ``torch.compile`` to trace, so that
+    ``jobs/gpu/checks.sh`` can time the two (the figures are in docs/benchmarks.md).
     """
     g = gram(x)
     if use_dense(x) and kernel_choice(KMEANS_KERNEL_ENV, ("fused", "torch")) == "torch":

@@ -182,9 +182,8 @@ def use_dense(t: Tensor) -> bool:
 
 
 # Why compiled graphs never sort: inductor lowers ``sort`` / ``argsort`` to a Triton sorting network
-# whose first compilation can take minutes (pytorch/pytorch#182060); on an H100, ToMe (two argsorts a
-# round) did not finish compiling in 170 s, and PoWER-BERT (one sort a block) took 101 s against 26 s
-# for K-Medoids (docs/benchmarks.md). At the N of a ViT (<= a few hundred tokens) counting pairwise
+# whose first compilation can take minutes (pytorch/pytorch#182060; on an H100 ToMe's two argsorts a
+# round did not compile within 170 s, docs/history.md). At the N of a ViT (<= a few hundred tokens) counting pairwise
 # comparisons is (B, N, N) elementwise work that inductor fuses into one reduction. Eager code keeps
 # the sort: one kernel launch where the comparisons take five or six, and eager GPU forwards of the
 # downsampled models are bound by the host's launch rate.

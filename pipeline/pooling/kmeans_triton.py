@@ -4,8 +4,8 @@ in one program per image.
 Why our own kernel: in torch ops an iteration is about eleven launches (one-hot membership, weights,
 totals, the keep-empty rule, a (K, N) x (N, N) product, the centre norms, the argmin), so five
 iterations cost some fifty launches a pooled block and write a (B, K, N) tensor several times each
-(docs/benchmarks.md: compiled K-Means ran 0.86x the unmodified model on an H200). Two Triton kernels an
-iteration once ran slower than those torch ops; here one launch runs every iteration of an image:
+(docs/benchmarks.md has what that costs a compiled model). Here one launch runs every iteration of an
+image:
 
 - the start: centre k is token start_k, so its row of projections is G[start_k] and its squared norm
   G[start_k, start_k];

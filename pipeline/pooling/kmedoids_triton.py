@@ -12,9 +12,8 @@ kernels that read the distances and write only (B, N) and (B, K) buffers:
 2. ``_assign_kernel``: every program first applies the swap rule to all K clusters of its image
    (from the packed minima and the current medoids' costs), then assigns its tokens.
 
-A profile on an H100 (docs/benchmarks.md) showed the earlier third kernel, which scanned every
-token for every cluster, taking half the GPU time of the iterations (52-70 us a call of 24-25 us
-for the others); the packed minimum folds it into the cost kernel.
+A third kernel that scans every token for every cluster took about half the GPU time of the
+iterations in a profile (docs/history.md); the packed minimum folds it into the cost kernel.
 
 Semantics are those of ``clustering._kmedoids`` (and of the brute-force reference in ``tests/``):
 
@@ -143,8 +142,8 @@ def kmedoids_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rt
     tile both kernels (``bench kernels`` compares tilings).
 
     An assignment, then per further iteration a cost kernel and an assignment that first swaps the
-    medoids; each on a (B, tiles) grid. One program per image for all iterations left the GPU nearly
-    idle (2 programs an SM) and took 0.55-0.65 ms at DeiT-S size on an H100 (docs/benchmarks.md).
+    medoids; each on a (B, tiles) grid, which keeps more of the GPU busy than one program per image
+    (2 programs an SM at DeiT-S size; ``kmedoids_fused_triton`` is that form, ``bench kernels`` times both).
     Each iteration writes its own medoids and packed minima (``meds[i]``, ``best[i]``), so no program
     reads what another program of the same launch writes.
     """
@@ -220,7 +219,7 @@ def kmedoids_fused_triton(d: Tensor, w: Tensor | None, medoids: Tensor, iters: i
     (``_fused_kernel``), where ``kmedoids_triton`` launches two kernels an iteration on a (B, tiles) grid.
     With ``gram`` ``d`` is the Gram matrix X X^T and the kernel derives each distance it reads
     (``_dist``), so the distances cost no kernel of their own. Which kernel is faster on a GPU is
-    ``bench kernels``' question (an earlier one-program-per-image kernel left an H100 nearly idle);
+    ``bench kernels``' question (one program per image can leave a large GPU nearly idle);
     ``tile`` and ``num_warps`` are its knobs."""
     b, n, _ = d.shape
     k = medoids.shape[1]

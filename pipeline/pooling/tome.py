@@ -108,7 +108,7 @@ class BipartiteMerge:
 
 def _merge(match: Matching, r: int, dtype: torch.dtype) -> BipartiteMerge | Partition:
     """The groups of one round. Traced by ``torch.compile``, ``BipartiteMerge`` (its product is a quarter of
-    the partition's: ToMe went from 1.37x to 1.40x compiled on an H200, docs/benchmarks.md); eager code
+    the partition's; docs/history.md has what that gave a compiled ToMe); eager code
     keeps the ``Partition`` of all N tokens, about half the ops a round (eager GPU forwards are bound by
     the host's launch rate). Both give the same means, summed in another order."""
     if torch.compiler.is_compiling():

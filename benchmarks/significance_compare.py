@@ -1,6 +1,7 @@
 """eq. 4 against class-token scores, paired per (width, level, method): the tables of docs/results.md.
 
-    python compare.py results_eq4.csv results_cls.csv [results_eq4_again.csv]
+    cd docs/data/fmnist_significance && python ../../../benchmarks/significance_compare.py \
+        results_eq4.csv results_cls.csv [results_eq4_again.csv] > compare.txt
 
 Prints the top-1 table (first eq. 4 run against the class token), then the paired differences over
 the cells; with a second eq. 4 run also its difference from the first (the run-to-run noise) and the
