@@ -289,7 +289,7 @@ def test_a_method_option_reaches_the_finetunes_that_take_it():
         base = base_stage(config, arch)
         tome, powerbert = (finetune_stage(config, arch, base, m, "L3", [196] * 12, []) for m in ("tome", "powerbert"))
         assert tome.config.pooling.significance is None
-        assert powerbert.config.pooling.options()["significance"] == (significance or "eq4")
+        assert powerbert.config.pooling.method_options()["significance"] == (significance or "eq4")
         ids[significance] = (tome.id, powerbert.id)
     assert ids[None] == ids["eq4"]
     assert ids["cls"][0] == ids[None][0] and ids["cls"][1] != ids[None][1]

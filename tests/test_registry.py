@@ -44,7 +44,7 @@ def toy():
 
 def test_a_registered_method_is_validated_by_the_config(toy):
     config = load_config(None, ["pooling.method=firstk", "pooling.keep=[12, 8, 4]"])
-    assert config.pooling.options() == {"offset": 0}
+    assert config.pooling.method_options() == {"offset": 0}
     with pytest.raises(ConfigError, match=r"pooling.cluster_on applies to kmeans, kmedoids, tome, wkmeans"):
         load_config(None, ["pooling.method=firstk", "pooling.cluster_on=metric"])
     del METHODS["firstk"]
@@ -93,7 +93,7 @@ def test_tome_matches_on_keys_in_training_and_in_the_benchmarks():
     trained = build_model(config).blocks
     assert trained.config.options == {"cluster_on": "metric"} and trained.needs_keys
     bench = BenchOpsConfig(methods=["tome"], keep=[8])
-    assert config.pooling.options("tome") == trained.config.options  # what method_rows builds its rows with
+    assert config.pooling.method_options("tome") == trained.config.options  # what method_rows builds its rows with
     # Side by side on the same tokens: the training model's step and the bench row give the same merge.
     gen = torch.Generator().manual_seed(0)
     tokens, keys = torch.randn(2, 16, 24, generator=gen), torch.randn(2, 16, 12, generator=gen)

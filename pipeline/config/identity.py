@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config.root import Config
+from pipeline.methods import plugin_of
 
 # Where a stage reads its result from; excluded from the identity.
 VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
@@ -22,7 +23,8 @@ def identity_content(config: Config) -> dict[str, Any]:
     """What decides a training stage's result: the resolved config without where results go, without
     the benchmark sections and execution-only settings (``train.compile``, ``model.patch_embed``), and
     with the pooling section only for finetunes, as the method's resolved options (a changed default
-    that changes nothing changes no identity)."""
+    that changes nothing changes no identity), and, for a plugin's method, that plugin's distribution and
+    version."""
     content = config.model_dump(mode="json")
     for section, key in VOLATILE | EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)
@@ -30,9 +32,12 @@ def identity_content(config: Config) -> dict[str, Any]:
         content.pop(section, None)
     pool = config.pooling
     if config.train.mode == "finetune":
-        options = {key: value for key, value in pool.options().items() if ADDED_OPTIONS.get(key, value) != value}
+        options = {key: value for key, value in pool.method_options().items() if ADDED_OPTIONS.get(key, value) != value}
         content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
                               "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": options}
+        plugin = plugin_of(pool.method)
+        if plugin is not None:  # another release of the plugin is another result; the pipeline's own is not
+            content["pooling"]["plugin"] = {"distribution": plugin.distribution, "version": plugin.version}
     else:
         content.pop("pooling", None)
     return content
