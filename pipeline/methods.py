@@ -169,6 +169,15 @@ class _Registry(MutableMapping[str, MethodSpec]):
             raise
         self._state = "loaded"
 
+    def reload_plugins(self) -> None:
+        """Forgets the plugins' methods (and their problems); the next read loads the entry points again (a
+        package installed or removed in a running process). Methods registered in code stay."""
+        for name in self.plugins:
+            del self._specs[name]
+        self.plugins.clear()
+        self.problems.clear()
+        self._state = "unread"
+
     def _add_plugin(self, point: EntryPoint) -> str | None:
         """Registers ``point``'s method; the message naming it when it cannot."""
         dist = point.dist

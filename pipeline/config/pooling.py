@@ -25,7 +25,8 @@ def _typed_option(method: str, key: str, value: Any, default: Any) -> Any:
     for kind, accepted in _OPTION_TYPES:
         if isinstance(default, kind):
             if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
-                raise InputError(f"{where} takes a {kind.__name__} (its default is {default!r}), got {value!r}")
+                raise InputError(f"{where} takes a value of type {kind.__name__} (its default is {default!r}), "
+                                 f"got {value!r}")
             return float(value) if kind is float else value
     return value
 

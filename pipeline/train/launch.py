@@ -280,12 +280,13 @@ def run_training(config: Config, address: str | None = None,
     ``restart`` sets an earlier run of the same name aside first (``check_rerun``).
     """
     config = resolve_paths(config)
+    if config.train.workers > 0:
+        check_reaches_workers(config)
     preflight(config)
     if config.train.workers == 0:
         return run_local(config, on_epoch, restart=restart)
     if on_epoch is not None:
         raise ConfigError("per-epoch reports (a sweep trial) need a single-process job: train.workers: 0")
-    check_reaches_workers(config)
     connect_ray(address or config.train.address)
     check_resources(config)
     check_rerun(config, restart)
