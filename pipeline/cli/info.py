@@ -68,6 +68,7 @@ def add_commands(commands) -> None:
     flops.add_argument("--method", default="none", help="downsampling method (python -m pipeline methods)")
     flops.add_argument("--keep", default=None, help="K_1..K_L, comma-separated (default: keep all)")
     flops.add_argument("--level", type=int, default=None, help="the paper's sparsity level (configs/sparsity/)")
-    flops.add_argument("--iters", type=int, default=5, help="clustering iterations (they cost FLOPs for K-Means)")
+    flops.add_argument("--iters", type=int, default=5,
+                       help="the built-in clustering methods' iterations (they cost FLOPs for K-Means)")
     flops.add_argument("--json", action="store_true", help="print a JSON object with a 'gflops' field")
     flops.set_defaults(func=cmd_flops)
