@@ -187,9 +187,13 @@ class _Registry(MutableMapping[str, MethodSpec]):
         if point.name in self.builtin:
             return (f"{where} ({plugin}, group {PLUGIN_GROUP}) takes the name of the built-in method "
                     f"{point.name!r}, which a plugin may not replace; it is not loaded: rename the entry point")
-        if point.name in self.plugins:
-            return (f"{where} ({plugin}, group {PLUGIN_GROUP}) takes the name {point.name!r} of "
-                    f"{self.plugins[point.name]}'s method; it is not loaded: rename one of them")
+        if point.name in self._specs:
+            owner = (f"{self.plugins[point.name]}'s method" if point.name in self.plugins
+                     else "a method registered in code")
+            return (f"{where} ({plugin}, group {PLUGIN_GROUP}) takes the name {point.name!r} of {owner}; it is not "
+                    "loaded: rename one of them")
+        if not _valid_name(point.name):
+            return f"{where} (group {PLUGIN_GROUP}): a method name is letters, digits and underscores"
         try:
             spec = point.load()
         except Exception as err:  # noqa: BLE001 - any failure of a foreign import, named with its cause
@@ -197,8 +201,6 @@ class _Registry(MutableMapping[str, MethodSpec]):
                     "fix or uninstall that package")
         if not isinstance(spec, MethodSpec):
             return f"{where} (group {PLUGIN_GROUP}) names a {type(spec).__name__}, not a pipeline.methods.MethodSpec"
-        if not _valid_name(point.name):
-            return f"{where} (group {PLUGIN_GROUP}): a method name is letters, digits and underscores"
         self._specs[point.name] = spec
         self.plugins[point.name] = plugin
         return None
