@@ -22,3 +22,8 @@ class MissingFileError(PipelineError, FileNotFoundError):
 
 class JobError(PipelineError, RuntimeError):
     """A training job, sweep or device that did not do what was asked (after its retries)."""
+
+
+class PipelineWarning(UserWarning):
+    """Something the run goes on without (a plugin that does not load); ``python -m pipeline`` prints it as
+    one line, ``warning: ...``."""

@@ -142,7 +142,7 @@ def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none"
     """``pipeline flops``: the count of timm model ``name`` (or a DeiT of width ``embed_dim``) downsampled by
     ``method`` at ``keep`` (``"K_1,...,K_L"``) or the paper's sparsity ``level``; InputError for arguments that
     do not fit together."""
-    from pipeline.methods import downsamples, method_spec
+    from pipeline.methods import downsamples, is_builtin, method_spec
     from pipeline.models import create_model, parse_keep
     from pipeline.sparsity import level_keep
 
@@ -158,5 +158,6 @@ def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none"
     if keep is not None and not downsamples(method):
         raise InputError("--keep without --method keeps every token (method none); give --method too")
     keeps = level_keep(name, level) if level is not None else None if keep is None else parse_keep(keep)
-    options = {"iters": iters} if "iters" in method_spec(method).options else {}
+    # --iters is the built-in clustering methods' option; a plugin's iters keeps its own default
+    options = {"iters": iters} if is_builtin(method) and "iters" in method_spec(method).options else {}
     return count_flops(create_model(name, embed_dim=embed_dim, method=method, keep=keeps, options=options))

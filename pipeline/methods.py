@@ -18,22 +18,27 @@ or, from another installed package, one entry point in the group ``pipeline.meth
 ``MethodSpec`` (``firstk = "mypackage.firstk:SPEC"`` under ``[project.entry-points."pipeline.methods"]``):
 it loads wherever the registry is first read, so in the CLI, the config validation and every Ray worker.
 The config, ``pipeline flops``, the benchmarks, training and the analyses then accept ``method: firstk``
-(docs/architecture.md).
+(docs/architecture.md). Its options are set under ``pooling.options.firstk``, against its ``options``;
+a built-in method's are ``pooling``'s own keys. A plugin may not take a built-in method's name, a
+plugin that does not load is named in a warning while the others load, and the package and version of
+a plugin's method are part of its stages' identities and its runs' MLflow tags (``Plugin``).
 
-The operators live in ``pipeline.pooling``, which never imports this module: the registry names their
-factories by ``"module:attribute"``, so there is no import loop, hidden or not.
+The operators live in ``pipeline.pooling``, which imports this module only for the name it kept for a
+release (``pipeline.pooling.build_downsampler``, on first access): the registry names their factories by
+``"module:attribute"``, so there is no import loop.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import Any
 
-from pipeline.errors import InputError, PipelineError
+from pipeline.errors import InputError, PipelineWarning
 
 PLUGIN_GROUP = "pipeline.methods"  # entry points naming a MethodSpec of another package
 SCORE_OPTIONS = MappingProxyType({"significance": "eq4"})
@@ -112,43 +117,108 @@ _BUILTIN: dict[str, MethodSpec] = {
 }
 
 
-class PluginError(PipelineError, ImportError):
-    """An installed package's ``pipeline.methods`` entry point that cannot be loaded or is not a MethodSpec."""
+class PluginWarning(PipelineWarning):
+    """An entry point of ``PLUGIN_GROUP`` left out of the registry (it does not load, or its name is taken);
+    the other methods load."""
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """Where a method of another package comes from: its distribution, that distribution's version, and
+    the entry point (``name = "module:attribute"``)."""
+
+    distribution: str
+    version: str
+    entry_point: str
+
+    def tags(self) -> dict[str, str]:
+        """The MLflow tags of a run of this method."""
+        return {"pipeline.plugin": self.distribution, "pipeline.plugin_version": self.version}
+
+    def __str__(self) -> str:
+        return f"{self.distribution} {self.version}"
 
 
 class _Registry(MutableMapping[str, MethodSpec]):
     """The methods by name: the built-in ones, then those of installed packages (``PLUGIN_GROUP``),
-    loaded the first time the registry is read."""
+    loaded the first time the registry is read.
+
+    An entry point that does not load, does not name a ``MethodSpec``, or takes a name already taken (a
+    built-in's, or another package's) is left out with a ``PluginWarning`` that names it; every other
+    one loads (``problems`` keeps the messages by name)."""
 
     def __init__(self, builtin: dict[str, MethodSpec]) -> None:
         self._specs = dict(builtin)
-        self._plugins_loaded = False
+        self.builtin = frozenset(builtin)
+        self.plugins: dict[str, Plugin] = {}
+        self.problems: dict[str, str] = {}
+        self._state = "unread"  # "loading" while a plugin's import reads the registry, then "loaded"
 
     def _load_plugins(self) -> None:
-        if self._plugins_loaded:
+        if self._state != "unread":
             return
-        self._plugins_loaded = True
-        for point in entry_points(group=PLUGIN_GROUP):
-            where = f"entry point {point.name} = {point.value!r} of {getattr(point.dist, 'name', 'a package')}"
-            try:
-                spec = point.load()
-            except Exception as err:  # noqa: BLE001 - any failure of a foreign import, named with its cause
-                raise PluginError(f"{where} (group {PLUGIN_GROUP}) does not load: {type(err).__name__}: {err}; "
-                                  "fix or uninstall that package") from err
-            if not isinstance(spec, MethodSpec):
-                raise PluginError(f"{where} (group {PLUGIN_GROUP}) names a {type(spec).__name__}, not a "
-                                  "pipeline.methods.MethodSpec")
-            register_method(point.name, spec)
+        self._state = "loading"
+        try:
+            for point in entry_points(group=PLUGIN_GROUP):
+                problem = self._add_plugin(point)
+                if problem is not None:
+                    self.problems.setdefault(point.name, problem)
+                    warnings.warn(problem, PluginWarning, stacklevel=4)
+        except BaseException:
+            self._state = "unread"  # interrupted: the next read tries again
+            raise
+        self._state = "loaded"
+
+    def reload_plugins(self) -> None:
+        """Forgets the plugins' methods (and their problems); the next read loads the entry points again (a
+        package installed or removed in a running process). Methods registered in code stay."""
+        for name in self.plugins:
+            del self._specs[name]
+        self.plugins.clear()
+        self.problems.clear()
+        self._state = "unread"
+
+    def _add_plugin(self, point: EntryPoint) -> str | None:
+        """Registers ``point``'s method; the message naming it when it cannot."""
+        dist = point.dist
+        plugin = Plugin(dist.name if dist else "an unnamed package", dist.version if dist else "unknown",
+                        f"{point.name} = {point.value}")
+        where = f"entry point {point.name} = {point.value!r} of {dist.name if dist else 'a package'}"
+        if point.name in self.builtin:
+            return (f"{where} ({plugin}, group {PLUGIN_GROUP}) takes the name of the built-in method "
+                    f"{point.name!r}, which a plugin may not replace; it is not loaded: rename the entry point")
+        if point.name in self._specs:
+            owner = (f"{self.plugins[point.name]}'s method" if point.name in self.plugins
+                     else "a method registered in code")
+            return (f"{where} ({plugin}, group {PLUGIN_GROUP}) takes the name {point.name!r} of {owner}; it is not "
+                    "loaded: rename one of them")
+        if not _valid_name(point.name):
+            return f"{where} (group {PLUGIN_GROUP}): a method name is letters, digits and underscores"
+        try:
+            spec = point.load()
+        except Exception as err:  # noqa: BLE001 - any failure of a foreign import, named with its cause
+            return (f"{where} (group {PLUGIN_GROUP}) does not load: {type(err).__name__}: {err}; "
+                    "fix or uninstall that package")
+        if not isinstance(spec, MethodSpec):
+            return f"{where} (group {PLUGIN_GROUP}) names a {type(spec).__name__}, not a pipeline.methods.MethodSpec"
+        self._specs[point.name] = spec
+        self.plugins[point.name] = plugin
+        return None
 
     def __getitem__(self, name: str) -> MethodSpec:
         self._load_plugins()
         return self._specs[name]
 
     def __setitem__(self, name: str, spec: MethodSpec) -> None:
+        if name in self.builtin:
+            raise InputError(f"{name!r} is a built-in method, which register_method may not replace; "
+                             "give your method a name of its own")
         self._specs[name] = spec
+        self.plugins.pop(name, None)
 
     def __delitem__(self, name: str) -> None:
         del self._specs[name]
+        self.plugins.pop(name, None)
 
     def __iter__(self) -> Iterator[str]:
         self._load_plugins()
@@ -166,16 +236,43 @@ class _Registry(MutableMapping[str, MethodSpec]):
 METHODS = _Registry(_BUILTIN)
 
 
+def _valid_name(name: str) -> bool:
+    return name.replace("_", "").isalnum()
+
+
 def register_method(name: str, spec: MethodSpec) -> None:
-    """Adds (or replaces) a method; every consumer reads ``METHODS`` when it needs it."""
-    if not name.replace("_", "").isalnum():
+    """Adds (or replaces) a method of this process; a built-in one's name is refused.
+
+    Only this process knows it: Ray workers, which validate the config again, do not, so the runs that
+    use Ray refuse it (``pipeline.train.launch.check_reaches_workers``); a package's entry point reaches
+    them (docs/architecture.md)."""
+    if not _valid_name(name):
         raise InputError(f"method name must be letters, digits and underscores, got {name!r}")
     METHODS[name] = spec
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is one of this project's own methods (whose options are ``pooling``'s own keys)."""
+    return name in METHODS.builtin
+
+
+def plugin_of(name: str) -> Plugin | None:
+    """The package a method comes from, when an entry point registered it; None for a built-in method or
+    one registered in code."""
+    METHODS._load_plugins()
+    return METHODS.plugins.get(name)
+
+
+def registered_in_code(name: str) -> bool:
+    """Whether ``name`` is a method that ``register_method`` added in this process (no package brings it)."""
+    return name in METHODS and not is_builtin(name) and plugin_of(name) is None
 
 
 def method_spec(name: str) -> MethodSpec:
     """The spec of ``name``; ValueError listing the methods when there is none."""
     spec = METHODS.get(name)
+    if spec is None and name in METHODS.problems:
+        raise InputError(f"method {name!r} is not registered: {METHODS.problems[name]}")
     if spec is None:
         raise InputError(f"unknown downsampling method {name!r}; choose one of {sorted(METHODS)}")
     return spec

@@ -3,6 +3,9 @@
 # Imported here, before any test starts FFCV's loader threads: CPython 3.11 can fail with "AST
 # constructor recursion depth mismatch" when pytest rewrites a module (hypothesis's plugin is
 # otherwise imported lazily at the terminal summary) while another thread is compiling.
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hypothesis  # noqa: F401
@@ -53,38 +56,71 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 PLUGIN_MODULE = '''"""A downsampling method of another package, registered by an entry point (pipeline.methods)."""
+import os
+
 import torch
 
 from pipeline.methods import MethodSpec
 from pipeline.pooling import PoolResult
 
 
-def firstk(*, offset):
-    """Keep K tokens starting at ``offset`` (wrapping), in order."""
+def firstk(*, offset, iters):
+    """Keep K tokens starting at ``offset`` (wrapping), every ``iters``-th, in order: ``iters`` is a name the
+    built-in clustering methods use too, with another default. Each build is noted in ``$TP_PLUGIN_LOG``."""
+    if os.environ.get("TP_PLUGIN_LOG"):
+        with open(os.environ["TP_PLUGIN_LOG"], "a") as log:
+            log.write(f"{os.getpid()} offset={offset} iters={iters}\\n")
 
     def step(tokens, k, *, sizes=None, **_):
         b, n, _ = tokens.shape
         if k >= n:
             return PoolResult(tokens, torch.ones(b, n), torch.arange(n).expand(b, n))
-        index = (torch.arange(k, device=tokens.device) + offset) % n
+        index = (torch.arange(k, device=tokens.device) * iters + offset) % n
         return PoolResult(tokens[:, index], torch.ones(b, k, device=tokens.device),
                           lambda: torch.full((b, n), -1, device=tokens.device))
 
     return step
 
 
-SPEC = MethodSpec("tp_plugin:firstk", "keep K tokens from an offset (a plugin)", options={"offset": 1})
+SPEC = MethodSpec("tp_plugin:firstk", "keep K tokens from an offset (a plugin)", options={"offset": 1, "iters": 1})
 NOT_A_SPEC = "a string"
 '''
 
 
-def write_plugin(root: Path, value: str = "tp_plugin:SPEC") -> Path:
-    """An installed package in ``root`` (put it on PYTHONPATH): the module ``tp_plugin`` and its
-    ``.dist-info``, whose entry point ``firstk`` in the group ``pipeline.methods`` names ``value``."""
-    (root / "tp_plugin").mkdir(parents=True)
-    (root / "tp_plugin" / "__init__.py").write_text(PLUGIN_MODULE)
-    info = root / "tp_plugin-0.1.dist-info"
+def write_package(root: Path, module: str, version: str, entries: dict[str, str], source: str) -> Path:
+    """An installed package in ``root`` (put it on PYTHONPATH), as pip leaves one: the module ``module``
+    (``source``) and its ``.dist-info`` (distribution ``module`` with ``-`` for ``_``), whose entry points
+    in the group ``pipeline.methods`` are ``entries`` (name -> ``"module:attribute"``)."""
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text(source)
+    info = root / f"{module}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[pipeline.methods]\nfirstk = {value}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: {version}\n")
+    lines = "".join(f"{name} = {value}\n" for name, value in entries.items())
+    (info / "entry_points.txt").write_text(f"[pipeline.methods]\n{lines}")
     return root
+
+
+def write_plugin(root: Path, value: str = "tp_plugin:SPEC", version: str = "0.1") -> Path:
+    """The package ``tp-plugin`` in ``root``: the module ``tp_plugin``, whose entry point ``firstk`` names
+    ``value``."""
+    return write_package(root, "tp_plugin", version, {"firstk": value}, PLUGIN_MODULE)
+
+
+@contextmanager
+def plugins_from(site: Path) -> Iterator[None]:
+    """The packages in ``site`` on this process's path, the method registry read again from them; the
+    path, the registry and the imported modules as they were afterwards."""
+    from pipeline.methods import METHODS
+
+    modules = set(sys.modules)
+    sys.path.insert(0, str(site))
+    METHODS.reload_plugins()
+    try:
+        yield
+    finally:
+        sys.path.remove(str(site))
+        for name in set(sys.modules) - modules:
+            if name.split(".")[0] in {p.name for p in site.iterdir()}:
+                del sys.modules[name]
+        METHODS.reload_plugins()

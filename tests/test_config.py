@@ -53,7 +53,7 @@ def test_unknown_key_names_key_file_and_allowed(tmp_path: Path):
         load_config(path)
     message = str(err.value)
     assert str(path) in message and "pooling.iter" in message
-    assert "allowed keys here: alpha, carry, cluster_on, init, iters, keep, level, method, qk_norm" in message
+    assert "allowed keys here: alpha, carry, cluster_on, init, iters, keep, level, method, options, qk_norm" in message
 
 
 def test_unknown_section(tmp_path: Path):
@@ -102,7 +102,7 @@ def test_cross_field_rule():
     with pytest.raises(ConfigError, match="pooling.significance: Input should be 'eq4' or 'cls'"):
         load_config(None, ["pooling.significance=evit"])
     config = load_config(None, ["pooling.method=powerbert", "pooling.significance=cls"])
-    assert config.pooling.options() == {"significance": "cls"}
+    assert config.pooling.method_options() == {"significance": "cls"}
 
 
 @pytest.mark.parametrize("item", ["pooling.iters", "pooling..iters=3", "=3"])

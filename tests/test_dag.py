@@ -22,7 +22,7 @@ from pipeline.dag.records import DONE, STAGE_KIND
 from pipeline.dag.runner import run_experiment
 from pipeline.tracking import TrackingError
 from pipeline.train.checkpoint import model_from_checkpoint
-from tests.conftest import write_plugin, write_synthetic_pair
+from tests.conftest import plugins_from, write_plugin, write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -289,7 +289,7 @@ def test_a_method_option_reaches_the_finetunes_that_take_it():
         base = base_stage(config, arch)
         tome, powerbert = (finetune_stage(config, arch, base, m, "L3", [196] * 12, []) for m in ("tome", "powerbert"))
         assert tome.config.pooling.significance is None
-        assert powerbert.config.pooling.options()["significance"] == (significance or "eq4")
+        assert powerbert.config.pooling.method_options()["significance"] == (significance or "eq4")
         ids[significance] = (tome.id, powerbert.id)
     assert ids[None] == ids["eq4"]
     assert ids["cls"][0] == ids[None][0] and ids["cls"][1] != ids[None][1]
@@ -336,20 +336,62 @@ def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_f
     cloudpickle.loads(cloudpickle.dumps(callback))  # Tune stores its run config with the experiment
 
 
+def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path):
+    """Another release of a plugin, or another value of its option, is another result: its finetune and
+    evaluation get new ids. The built-in methods' stages keep the ids the release before plugins counted
+    recorded (commit 1e154bf computed these three), whatever plugin is installed or configured; a built-in
+    method's option set away from its default gives another id (it gave the default's id before)."""
+    from pipeline.config.identity import identity_content
+    from pipeline.dag.plan import archs, base_stage, evaluate_stage, finetune_stage
+
+    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
+    recorded = ("d8a98bddb9d46ff2", "135039b99e675132", "b459ce2420608641")  # base, wkmedoids L3, its evaluation
+    plugin_ids = []
+    for version in ("0.1", "0.2"):
+        with plugins_from(write_plugin(tmp_path / version, version=version)):
+            for extra in ([], ["pooling.options.firstk.offset=3"]):
+                config = load_config(paper, ["experiment.methods=[firstk, wkmedoids]", *extra])
+                arch = archs(config)[0]
+                base = base_stage(config, arch)
+                ft = {m: finetune_stage(config, arch, base, m, "L3", [196] * 12, []) for m in ("firstk", "wkmedoids")}
+                assert (base.id, ft["wkmedoids"].id, evaluate_stage(config, ft["wkmedoids"]).id) == recorded
+                assert identity_content(ft["firstk"].config)["pooling"]["plugin"] == {"distribution": "tp-plugin",
+                                                                                      "version": version}
+                assert "plugin" not in identity_content(ft["wkmedoids"].config)["pooling"]
+                plugin_ids += [ft["firstk"].id, evaluate_stage(config, ft["firstk"]).id]
+    assert len(set(plugin_ids)) == len(plugin_ids) == 8
+    # A built-in method's option counts where it differs from the method's default, and only then.
+    for extra, same in ((["pooling.iters=5"], True), (["pooling.iters=3"], False), (["pooling.init=random"], False),
+                        (["pooling.cluster_on=metric"], False), (["pooling.significance=eq4"], True)):
+        config = load_config(paper, ["experiment.methods=[wkmedoids]", *extra])
+        arch = archs(config)[0]
+        assert (finetune_stage(config, arch, base_stage(config, arch), "wkmedoids", "L3", [196] * 12, []).id
+                == recorded[1]) is same, extra
+
+
 def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
     """A method of another installed package (entry point group pipeline.methods) goes through the whole
     DAG: config validation in the driver, Ray Train workers for the base, the K search and the finetune
-    (train.workers 1, trial_workers 1), evaluation tasks, and the Pareto table."""
+    (train.workers 1, trial_workers 1), evaluation tasks, and the Pareto table. Its own option comes from
+    the config (offset), a name it shares with the built-in methods keeps its own default (iters: 1, not
+    pooling.iters' 5), and its package and version are tagged on its finetune and evaluation runs."""
     data = write_synthetic_pair(tmp_path, 64, 32)
     plugin = write_plugin(tmp_path / "site")
     overrides = [*tiny_overrides(data), "train.workers=1", "experiment.search.trial_workers=1",
                  "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]", "experiment.methods=[firstk]",
                  "experiment.baseline=false", "experiment.ksearch.epochs=1", "experiment.eval.analysis_images=0",
-                 "experiment.eval.analysis_batch=0", "experiment.register_models=false"]
+                 "experiment.eval.analysis_batch=0", "experiment.register_models=false",
+                 "pooling.options.firstk.offset=3"]
     command = [sys.executable, "-m", "pipeline", "run", str(TINY), *[a for item in overrides for a in ("--set", item)]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    builds = tmp_path / "builds.log"  # the plugin notes each operator it builds, with its options and process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]), "TP_PLUGIN_LOG": str(builds)}
+    driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = driver.communicate(timeout=900)
+    proc = subprocess.CompletedProcess(command, driver.returncode, stdout, stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    built = [line.split(" ", 1) for line in builds.read_text().splitlines()]
+    assert built and {options for _, options in built} == {"offset=3 iters=1"}, built
+    assert str(driver.pid) not in {pid for pid, _ in built}  # built in Ray's worker processes, not the driver
     # Quiet by default: the stage, per-epoch progress, sweep counters, evaluations and the Pareto table, not
     # Ray Train's per-report and per-checkpoint lines nor numba's finalizer tracebacks.
     output = proc.stdout + proc.stderr
@@ -361,5 +403,10 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
         assert line in output, line
     rows = (data / "experiments" / "tiny" / "results.csv").read_text().splitlines()
     assert len(rows) == 2 and ",firstk," in rows[1], rows
-    finetunes = runs_by_kind(data)["finetune"]
+    runs = runs_by_kind(data)
+    finetunes, evaluations = runs["finetune"], runs["evaluate"]
     assert [run.data.tags["method"] for run in finetunes] == ["firstk"]
+    assert finetunes[0].data.params["pooling.options.firstk.offset"] == "3"
+    for run in (*finetunes, *evaluations):
+        assert (run.data.tags["pipeline.plugin"], run.data.tags["pipeline.plugin_version"]) == ("tp-plugin", "0.1")
+    assert len(evaluations) == 1 and "pipeline.plugin" not in runs["base"][0].data.tags

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
-from pipeline.methods import METHODS, MethodSpec, register_method
+from pipeline.methods import METHODS, MethodSpec, Plugin, PluginWarning, method_spec, plugin_of, register_method
 from pipeline.pooling import PoolResult
-from tests.conftest import write_plugin, write_synthetic_pair
+from tests.conftest import plugins_from, write_plugin, write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
@@ -44,7 +44,7 @@ def toy():
 
 def test_a_registered_method_is_validated_by_the_config(toy):
     config = load_config(None, ["pooling.method=firstk", "pooling.keep=[12, 8, 4]"])
-    assert config.pooling.options() == {"offset": 0}
+    assert config.pooling.method_options() == {"offset": 0}
     with pytest.raises(ConfigError, match=r"pooling.cluster_on applies to kmeans, kmedoids, tome, wkmeans"):
         load_config(None, ["pooling.method=firstk", "pooling.cluster_on=metric"])
     del METHODS["firstk"]
@@ -93,7 +93,7 @@ def test_tome_matches_on_keys_in_training_and_in_the_benchmarks():
     trained = build_model(config).blocks
     assert trained.config.options == {"cluster_on": "metric"} and trained.needs_keys
     bench = BenchOpsConfig(methods=["tome"], keep=[8])
-    assert config.pooling.options("tome") == trained.config.options  # what method_rows builds its rows with
+    assert config.pooling.method_options("tome") == trained.config.options  # what method_rows builds its rows with
     # Side by side on the same tokens: the training model's step and the bench row give the same merge.
     gen = torch.Generator().manual_seed(0)
     tokens, keys = torch.randn(2, 16, 24, generator=gen), torch.randn(2, 16, 12, generator=gen)
@@ -129,23 +129,150 @@ def _with_plugin(path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_plugins_entry_point_registers_its_method(tmp_path):
-    """The method of an installed package (a .dist-info on the path) is listed, validated by the config
-    and counted by `pipeline flops`; nothing of it is in this repository."""
+    """The method of an installed package (a .dist-info on the path) is listed with its package and version,
+    validated by the config with its own option and counted by `pipeline flops`; nothing of it is in this
+    repository."""
     plugin = write_plugin(tmp_path / "site")
     listed = _with_plugin(plugin, "methods")
-    assert listed.returncode == 0 and re.search(r"^firstk\s+keep K tokens from an offset \(a plugin\)",
-                                                listed.stdout, flags=re.M), listed.stdout + listed.stderr
-    shown = _with_plugin(plugin, "config", "show", "--set", "pooling.method=firstk", "--set", "pooling.keep=[4]")
+    assert listed.returncode == 0 and re.search(r"^firstk\s+keep K tokens from an offset \(a plugin\).*from tp-plugin "
+                                                r"0\.1$", listed.stdout, flags=re.M), listed.stdout + listed.stderr
+    shown = _with_plugin(plugin, "config", "show", "--set", "pooling.method=firstk", "--set", "pooling.keep=[4]",
+                         "--set", "pooling.options.firstk.offset=3")
     assert shown.returncode == 0 and "method: firstk" in shown.stdout, shown.stderr
+    assert "options:\n    firstk:\n      offset: 3\n" in shown.stdout, shown.stdout
     flops = _with_plugin(plugin, "flops", "--model", "deit_tiny_patch16_224", "--method", "firstk",
                          "--keep", "98,98,98,49,49,49,20,20,20,10,10,0", "--json")
     assert flops.returncode == 0 and 0.2 < json.loads(flops.stdout)["gflops"] < 1.258 * 0.6, flops.stderr
 
 
-def test_a_broken_plugin_is_named_in_one_line(tmp_path):
-    for value, says in (("tp_plugin:NOT_A_SPEC", "names a str, not a pipeline.methods.MethodSpec"),
-                        ("tp_plugin:MISSING", "does not load: AttributeError")):
-        plugin = write_plugin(tmp_path / value.split(":")[1], value)
-        proc = _with_plugin(plugin, "methods")
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert f"error: entry point firstk = '{value}' of tp-plugin (group pipeline.methods) {says}" in proc.stderr
+# Entry points of one package, the good one last: a loader that stopped at the first bad one would miss it.
+BROKEN_BESIDE_GOOD = {"lastk": "tp_plugin:MISSING", "midk": "tp_plugin:NOT_A_SPEC", "kmedoids": "tp_plugin:SPEC",
+                      "firstk": "tp_plugin:SPEC"}
+
+
+def test_a_broken_plugin_is_named_in_one_line_and_the_others_load(tmp_path):
+    """`pipeline methods` lists the good plugin and the built-in K-Medoids under its own name, names each entry
+    point it left out in one line, and exits 2."""
+    from tests.conftest import PLUGIN_MODULE, write_package
+
+    site = write_package(tmp_path / "site", "tp_plugin", "0.1", BROKEN_BESIDE_GOOD, PLUGIN_MODULE)
+    proc = _with_plugin(site, "methods")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    where = "of tp-plugin (group pipeline.methods)"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: entry point lastk = 'tp_plugin:MISSING' {where} does not load: AttributeError: module 'tp_plugin' "
+        "has no attribute 'MISSING'; fix or uninstall that package",
+        f"error: entry point midk = 'tp_plugin:NOT_A_SPEC' {where} names a str, not a pipeline.methods.MethodSpec",
+        "error: entry point kmedoids = 'tp_plugin:SPEC' of tp-plugin (tp-plugin 0.1, group pipeline.methods) takes "
+        "the name of the built-in method 'kmedoids', which a plugin may not replace; it is not loaded: rename the "
+        "entry point"], proc.stderr
+    assert re.search(r"^firstk\s+keep K tokens from an offset \(a plugin\).*from tp-plugin 0\.1$", proc.stdout,
+                     flags=re.M), proc.stdout
+    assert re.search(r"^kmedoids\s+K-Medoids \(eq\. 8\).*built-in$", proc.stdout, flags=re.M), proc.stdout
+    assert not re.search(r"^(lastk|midk)\s", proc.stdout, flags=re.M), proc.stdout
+
+
+def test_the_plugins_beside_a_broken_one_work_in_this_process(tmp_path):
+    """Reading the registry warns once for each entry point it leaves out and loads the rest; a later read
+    has them all; the broken method's name says why it is missing."""
+    from tests.conftest import PLUGIN_MODULE, write_package
+
+    site = write_package(tmp_path / "site", "tp_plugin", "0.1", BROKEN_BESIDE_GOOD, PLUGIN_MODULE)
+    with plugins_from(site):
+        with pytest.warns(PluginWarning) as warned:
+            names = list(METHODS)
+        assert [str(w.message).split(" = ")[0] for w in warned] == ["entry point lastk", "entry point midk",
+                                                                     "entry point kmedoids"]
+        assert "firstk" in names and list(METHODS) == names  # read again: the same, and no second warning
+        assert plugin_of("firstk") == Plugin("tp-plugin", "0.1", "firstk = tp_plugin:SPEC")
+        assert METHODS["kmedoids"].summary == "K-Medoids (eq. 8)" and plugin_of("kmedoids") is None
+        with pytest.raises(ValueError, match=r"method 'lastk' is not registered: entry point lastk = 'tp_plugin:"
+                                             r"MISSING' of tp-plugin \(group pipeline.methods\) does not load"):
+            method_spec("lastk")
+        with pytest.raises(ValueError, match="'kmedoids' is a built-in method, which register_method may not replace"):
+            register_method("kmedoids", METHODS["firstk"])
+        config = load_config(None, ["pooling.method=firstk", "pooling.keep=[4]"])
+        assert config.pooling.method_options() == {"offset": 1, "iters": 1}
+
+
+def test_a_plugins_options_come_from_pooling_options_against_its_spec(tmp_path):
+    """`pooling.options.firstk` sets the plugin's options, typed by its MethodSpec's defaults; a name it shares
+    with the built-in methods (iters) takes the plugin's default, not pooling.iters'; errors name the method,
+    its package and the key. The options reach the operator: it keeps the tokens a brute-force index picks."""
+    from pipeline.methods import build_downsampler
+
+    with plugins_from(write_plugin(tmp_path / "site")):
+        base = ["pooling.method=firstk", "pooling.keep=[4]"]
+        assert load_config(None, base).pooling.method_options() == {"offset": 1, "iters": 1}  # not pooling.iters=5
+        config = load_config(None, [*base, "pooling.options={firstk: {offset: 3, iters: 2}}"])
+        assert config.pooling.method_options() == {"offset": 3, "iters": 2}
+        assert load_config(None, [*base, "pooling.options.firstk.iters=4"]).pooling.method_options()["iters"] == 4
+        tokens = torch.randn(2, 10, 5)
+        kept = build_downsampler("firstk", **config.pooling.method_options())(tokens, 3).tokens
+        assert torch.equal(kept, tokens[:, [3, 5, 7]])
+        refusals = {
+            "pooling.options.firstk.phase=0.5": r"pooling.options: .*method 'firstk' \(from tp-plugin 0.1\) has no "
+                                                r"option 'phase'; it takes: iters, offset",
+            "pooling.options.firstk.offset=a": r"option 'offset' of method 'firstk' \(from tp-plugin 0.1\) takes a "
+                                               r"value of type int \(its default is 1\), got 'a'",
+            "pooling.options.firstk.offset=true": r"takes a value of type int .*got True",
+            "pooling.options.kmedoids.iters=3": r"'kmedoids' is a built-in method: its options are pooling's own "
+                                                r"keys \(pooling.iters, pooling.init",
+            "pooling.options.lastk.offset=3": r"unknown downsampling method 'lastk'",
+            "pooling.iters=3": r"pooling.iters is an option of the built-in methods; 'firstk' is not one: set its "
+                               r"iters as pooling.options.firstk.iters",
+        }
+        for override, says in refusals.items():
+            with pytest.raises(ConfigError, match=says):
+                load_config(None, [*base, override])
+
+
+def test_a_method_registered_in_code_is_refused_for_ray_runs(toy, tmp_path):
+    """Ray workers validate the config again from their own registry, which has no method registered in this
+    process: a Ray Train job or a DAG that names one is refused before anything starts."""
+    from pipeline.dag.runner import run_experiment
+    from pipeline.train import run_training
+
+    where = [f"train.storage_path={tmp_path / 'ray'}", f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    job = load_config(TINY, [*where, "train.workers=1", "train.mode=finetune", "pooling.method=firstk",
+                             "pooling.keep=[12, 8, 4]"])
+    says = r"method\(s\) 'firstk' were registered in this process \(register_method\), which Ray workers do not see"
+    with pytest.raises(ConfigError, match=says):
+        run_training(job)
+    dag = load_config(ROOT / "configs" / "experiments" / "tiny.yaml", [*where, "experiment.methods=[firstk]"])
+    with pytest.raises(ConfigError, match=says):
+        run_experiment(dag, log=lambda _: None)
+    assert not (tmp_path / "ray").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+MOVED_NAME = """
+import sys, warnings
+import pipeline.pooling
+assert "pipeline.methods" not in sys.modules, "importing pipeline.pooling loaded the registry"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from pipeline.pooling import build_downsampler
+import pipeline.methods
+assert build_downsampler is pipeline.methods.build_downsampler
+# The from-import reads the name twice (hasattr, then getattr): one message, warned where it is imported.
+assert caught and {(w.category, w.filename) for w in caught} == {(DeprecationWarning, "<string>")}, caught
+assert len({str(w.message) for w in caught}) == 1
+print(caught[0].message)
+try:
+    from pipeline.pooling import no_such_name
+except ImportError as err:
+    print(err)
+"""
+
+
+def test_the_moved_build_downsampler_still_imports_from_pooling_with_a_warning():
+    """Code written against the earlier README (`from pipeline.pooling import build_downsampler`) works for
+    this release, warned where it imports; importing pipeline.pooling alone does not load the registry."""
+    proc = subprocess.run([sys.executable, "-c", MOVED_NAME], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    warning, missing = proc.stdout.splitlines()
+    assert warning == ("pipeline.pooling.build_downsampler moved to pipeline.methods.build_downsampler; import it "
+                       "from pipeline.methods (the old place goes in the next release)")
+    assert "cannot import name 'no_such_name' from 'pipeline.pooling'" in missing

@@ -108,7 +108,7 @@ def _checkpoint_subject(path: Path) -> Subject:
         pool = config.pooling
         extra = {"method": pool.method, "keep": state.get("keep"),
                  "variant": {"carry": pool.carry, "qk_norm": pool.qk_norm, "alpha": pool.alpha},
-                 "options": pool.options()}
+                 "options": pool.method_options()}
     return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", val=config.data.val, **extra)
 
 

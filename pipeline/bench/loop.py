@@ -68,7 +68,7 @@ def _job(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooling: Poo
                           log_every=cfg.log_every, progress_bar=False),
     )
     model = create_model(cfg.model, method=method, keep=keep if downsamples(method) else None,
-                         options=pooling.options(method), patch_embed=cfg.patch_embed).to(device)
+                         options=pooling.method_options(method), patch_embed=cfg.patch_embed).to(device)
     size = model.patch_embed.img_size[0]
     x = torch.randn(cfg.batch, 3, size, size, device=device)
     labels = torch.randint(0, model.num_classes, (cfg.batch,), device=device)

@@ -84,7 +84,7 @@ def method_rows(cfg: BenchOpsConfig, pooling: PoolingConfig, inputs: BlockInputs
     side = int(n ** 0.5)
     rows = []
     for name in cfg.methods:
-        options = pooling.options(name)
+        options = pooling.method_options(name)
         variants = [(name, options)]
         if "cluster_on" in options:
             other = "tokens" if options["cluster_on"] == "metric" else "metric"

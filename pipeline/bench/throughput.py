@@ -136,7 +136,7 @@ def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[]
     from pipeline.flops import count_flops
     from pipeline.models import create_model
 
-    pooled = create_model(cfg.model, method=method, keep=keep, options=pooling.options(method),
+    pooled = create_model(cfg.model, method=method, keep=keep, options=pooling.method_options(method),
                           patch_embed=cfg.patch_embed)
     pooled.load_state_dict(base.state_dict(), strict=False)
     gflops = count_flops(pooled).total

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+from typing import TextIO
 
 from pipeline.cli import analysis, bench, data, experiments, info, train
 from pipeline.console import VERBOSE_ENV, quiet_driver
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, PipelineWarning
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +32,24 @@ def _dash_values(argv: list[str]) -> str | None:
     return None
 
 
+def _one_line_warnings() -> None:
+    """The project's own warnings (``PipelineWarning``) as ``warning: ...``, like its errors; others as Python
+    shows them."""
+    show = warnings.showwarning
+    if getattr(show, "one_line", False):
+        return
+
+    def one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
+        if issubclass(category, PipelineWarning):
+            print(f"warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    one_line.one_line = True  # type: ignore[attr-defined]
+    warnings.showwarning = one_line
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     dash = _dash_values(argv)
@@ -40,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"
     quiet_driver()
+    _one_line_warnings()
     try:
         return args.func(args)
     except PipelineError as err:  # ours, on purpose: one line; anything else keeps its traceback

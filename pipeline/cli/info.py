@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.common import add_config_args
 from pipeline.config import dump_config, load_config, write_resolved
+from pipeline.errors import PipelineWarning
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -19,14 +20,24 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from pipeline.methods import METHODS
+    """Every method, with the package and version of each plugin's; exit 2 when a plugin was left out."""
+    import warnings
 
-    for name, spec in METHODS.items():
+    from pipeline.methods import METHODS, plugin_of
+
+    with warnings.catch_warnings():  # the plugins left out are listed below as errors, not warned twice
+        warnings.simplefilter("ignore", PipelineWarning)
+        names = list(METHODS)
+    for name in names:
+        spec, plugin = METHODS[name], plugin_of(name)
         needs = "significance scores" if spec.needs_scores else "-"
         kind = "learnable" if spec.learnable else "parameter-free"
         options = ", ".join(f"{k}={v}" for k, v in spec.options.items()) or "-"
-        print(f"{name:11s} {spec.summary:30s} {kind:15s} needs: {needs:20s} options: {options}")
-    return 0
+        source = "built-in" if name in METHODS.builtin else f"from {plugin}" if plugin else "registered in code"
+        print(f"{name:11s} {spec.summary:30s} {kind:15s} needs: {needs:20s} options: {options:40s} {source}")
+    for problem in METHODS.problems.values():
+        print(f"error: {problem}", file=sys.stderr)
+    return 2 if METHODS.problems else 0
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
@@ -57,6 +68,7 @@ def add_commands(commands) -> None:
     flops.add_argument("--method", default="none", help="downsampling method (python -m pipeline methods)")
     flops.add_argument("--keep", default=None, help="K_1..K_L, comma-separated (default: keep all)")
     flops.add_argument("--level", type=int, default=None, help="the paper's sparsity level (configs/sparsity/)")
-    flops.add_argument("--iters", type=int, default=5, help="clustering iterations (they cost FLOPs for K-Means)")
+    flops.add_argument("--iters", type=int, default=5,
+                       help="the built-in clustering methods' iterations (they cost FLOPs for K-Means)")
     flops.add_argument("--json", action="store_true", help="print a JSON object with a 'gflops' field")
     flops.set_defaults(func=cmd_flops)

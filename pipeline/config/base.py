@@ -27,6 +27,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 # Method options of the pooling section that default to None ("the method's own"); one set must apply to
 # the method that runs it.
 METHOD_OPTION_FIELDS = ("cluster_on", "significance")
+# Every key of the pooling section that is a built-in method's option; other methods take theirs from
+# ``pooling.options``.
+BUILTIN_OPTION_FIELDS = ("iters", "init", *METHOD_OPTION_FIELDS)
 
 
 class ConfigError(PipelineError, ValueError):

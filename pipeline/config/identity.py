@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config.root import Config
+from pipeline.methods import method_spec, plugin_of
 
 # Where a stage reads its result from; excluded from the identity.
 VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
@@ -14,15 +15,17 @@ VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("
 # How a stage runs, not what it learns: the same function either way; excluded from the identity too.
 EXECUTION_ONLY = {("train", "compile"), ("train", "log_every"), ("model", "patch_embed")}
 # Method options added after stage identities were first recorded, at the value that does what the code
-# did before them: left out of the identity, so that the stages recorded then still count.
+# did before them (each method's default): left out of the identity, so that the stages recorded then
+# still count.
 ADDED_OPTIONS = {"significance": "eq4"}
 
 
 def identity_content(config: Config) -> dict[str, Any]:
     """What decides a training stage's result: the resolved config without where results go, without
     the benchmark sections and execution-only settings (``train.compile``, ``model.patch_embed``), and
-    with the pooling section only for finetunes, as the method's resolved options (a changed default
-    that changes nothing changes no identity)."""
+    with the pooling section only for finetunes: the method's options where they differ from its defaults
+    (an option added at a default that does what the code did before, ``ADDED_OPTIONS``, changes no
+    identity) and, for a plugin's method, that plugin's distribution and version."""
     content = config.model_dump(mode="json")
     for section, key in VOLATILE | EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)
@@ -30,9 +33,13 @@ def identity_content(config: Config) -> dict[str, Any]:
         content.pop(section, None)
     pool = config.pooling
     if config.train.mode == "finetune":
-        options = {key: value for key, value in pool.options().items() if ADDED_OPTIONS.get(key, value) != value}
+        defaults = method_spec(pool.method).options
+        options = {key: value for key, value in pool.method_options().items() if value != defaults.get(key)}
         content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
                               "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": options}
+        plugin = plugin_of(pool.method)
+        if plugin is not None:  # another release of the plugin is another result; the pipeline's own is not
+            content["pooling"]["plugin"] = {"distribution": plugin.distribution, "version": plugin.version}
     else:
         content.pop("pooling", None)
     return content

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import METHOD_OPTION_FIELDS, Config, ExperimentConfig, PoolingConfig, StageRecipe
+from pipeline.config.base import BUILTIN_OPTION_FIELDS
 from pipeline.config.identity import ADDED_OPTIONS, identity_content
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
-from pipeline.methods import METHODS, keeps_all
+from pipeline.methods import METHODS, is_builtin, keeps_all
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ def dag_id(config: Config) -> str:
               if value != defaults[key] and value != ADDED_OPTIONS.get(key)}
     if shared:
         meta["pooling"] = shared
+    if config.pooling.options:  # the plugins' options, which no experiment had before they could be set
+        meta["pooling_options"] = config.pooling.options
     return stage_id("dag", config, [], meta)
 
 
@@ -128,6 +131,11 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
     if keeps_all(method):
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "baseline", **trial_train(exp)},
                     pooling={"keep": None, "level": None})
+    elif not is_builtin(method):  # its options come from pooling.options; the built-in ones' keys at rest
+        defaults = PoolingConfig()
+        others = {option: getattr(defaults, option) for option in BUILTIN_OPTION_FIELDS}
+        cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},
+                    pooling={"method": method, "keep": keep, "level": None, **others})
     else:
         others = {option: None for option in METHOD_OPTION_FIELDS if option not in METHODS[method].options}
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},

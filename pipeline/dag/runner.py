@@ -29,7 +29,7 @@ from pipeline.dag.sweep import run_sweep
 from pipeline.dag.types import EvalResult, Tracking, TrainedResult
 from pipeline.errors import JobError
 from pipeline.methods import KEEP_ALL
-from pipeline.train.launch import connect_ray, preflight, resolve_paths
+from pipeline.train.launch import check_reaches_workers, connect_ray, preflight, resolve_paths
 
 
 @dataclass
@@ -202,6 +202,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     config = resolve_paths(config)
     exp = config.experiment
     kinds = force_kinds(force)
+    check_reaches_workers(config)  # every stage runs in a Ray worker, a Tune trial or a Ray task
     check_tracking_uri(config.train.tracking_uri)  # creates nothing; preflight creates the store after its checks
     prepare_data(config, log)
     check_experiment(config)

@@ -11,6 +11,7 @@ from pipeline.config import Config
 from pipeline.dag.plan import Stage
 from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, TRAINED_RUN, find_done, mark_done, open_child
 from pipeline.dag.types import EvalResult, StageSpec, Tracking, TrainedResult, from_record
+from pipeline.methods import plugin_of
 from pipeline.tracking import experiment_id, log_batch
 
 
@@ -100,8 +101,10 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     cfg = spec.meta.eval
     run_id = open_child(client, exp_id, tracking.parent, name=spec.label, kind="evaluate", stage_id=spec.id,
                         dag_id=tracking.dag)
-    if trained_run is not None:
-        log_batch(client, run_id, tags={TRAINED_RUN: trained_run})
+    plugin = None if spec.meta.method is None else plugin_of(spec.meta.method)
+    tags = ({} if trained_run is None else {TRAINED_RUN: trained_run}) | ({} if plugin is None else plugin.tags())
+    if tags:
+        log_batch(client, run_id, tags=tags)
     measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda)
     setting = {"device": measured.device, "dtype": measured.dtype, "compile": measured.compile}
     log_batch(client, run_id, metrics={"top1": measured.top1, "gflops": measured.gflops,

@@ -52,7 +52,7 @@ def build_model(config: Config) -> nn.Module:
         if not downsamples(pool.method):
             raise ConfigError("train.mode=finetune with pooling.method=none is the baseline; use train.mode=baseline")
         downsampling = {"method": pool.method, "keep": finetune_keep(config), "carry": pool.carry,
-                        "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.options()}
+                        "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.method_options()}
     try:
         return create_model(config.model.name, **model_args(config), **downsampling)
     except InputError as err:

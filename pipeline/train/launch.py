@@ -140,6 +140,21 @@ def setup_local_worker() -> None:
     quiet_train_reports()
 
 
+def check_reaches_workers(config: Config) -> None:
+    """Refuses a config that names a method registered in this process only (``register_method``): Ray
+    workers validate the config again from their own registry, which has the built-in methods and the
+    entry points of the packages installed where they run, not this process's registrations."""
+    from pipeline.methods import registered_in_code
+
+    names = {config.pooling.method, *config.pooling.options, *(config.experiment.methods if config.experiment else [])}
+    local = sorted(name for name in names if registered_in_code(name))
+    if local:
+        raise ConfigError(f"method(s) {', '.join(map(repr, local))} were registered in this process "
+                          "(register_method), which Ray workers do not see; make each an entry point in the group "
+                          "pipeline.methods of a package installed where the workers run (the image, or Ray's "
+                          "runtime_env; docs/architecture.md), or train in this process (train.workers: 0)")
+
+
 def connect_ray(address: str | None) -> None:
     """A local Ray by default, or the cluster at ``address`` (or ``RAY_ADDRESS``)."""
     import ray
@@ -265,6 +280,8 @@ def run_training(config: Config, address: str | None = None,
     ``restart`` sets an earlier run of the same name aside first (``check_rerun``).
     """
     config = resolve_paths(config)
+    if config.train.workers > 0:
+        check_reaches_workers(config)
     preflight(config)
     if config.train.workers == 0:
         return run_local(config, on_epoch, restart=restart)

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from pipeline.config import Config, config_hash, dump_config, git_sha
-from pipeline.methods import KEEP_ALL
+from pipeline.methods import KEEP_ALL, plugin_of
 from pipeline.tracking import flatten, log_batch, open_run
 
 
@@ -31,8 +31,10 @@ class JobTracker:
     def open(cls, config: Config, run_id: str | None = None) -> JobTracker:
         """Continues ``run_id`` (from this job's checkpoint), else starts a run for this job."""
         train = config.train
+        method = config.pooling.method if train.mode == "finetune" else KEEP_ALL
+        plugin = plugin_of(method)
         tags = {"git_sha": git_sha(Path(__file__).parent), "config_hash": config_hash(config), "mode": train.mode,
-                "method": config.pooling.method if train.mode == "finetune" else KEEP_ALL, **train.tags}
+                "method": method, **({} if plugin is None else plugin.tags()), **train.tags}
         client, found, new = open_run(train.tracking_uri, train.experiment, train.artifact_root, run_key(config),
                                       run_name=train.name, tags=tags, parent_run_id=train.parent_run_id,
                                       resume_id=run_id)
