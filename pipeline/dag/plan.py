@@ -64,6 +64,8 @@ def dag_id(config: Config) -> str:
     ``--force`` on one must not retire the other's runs. At the defaults the identity is what it was
     before they counted, so experiments recorded then keep their parent run."""
     meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
+    if config.experiment.ksearch_targets is None:  # added later: unset, the identity is what it was before
+        meta["experiment"].pop("ksearch_targets")
     values, defaults = config.pooling.model_dump(include=set(_SHARED_POOLING)), PoolingConfig().model_dump()
     shared = {key: value for key, value in values.items()
               if value != defaults[key] and value != ADDED_OPTIONS.get(key)}
@@ -118,7 +120,25 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
                     train={"mode": "ksearch", "ksearch_lambda": lam, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-lam{lam:g}", cfg, [base.id], arch.label,
                             StageMeta(lam=lam)))
+    for target in exp.ksearch_targets or []:
+        if target.table is not None:  # the identity follows the table's content, not its path
+            target = target.model_copy(update={"table_sha256": _table_hash(target.table)})
+        cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
+                    train={"mode": "ksearch", "ksearch_target": target, **trial_train(exp)})
+        stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-{target.label}", cfg, [base.id],
+                            arch.label, StageMeta(target=target.label)))
     return stages
+
+
+def _table_hash(path: str) -> str:
+    from pathlib import Path
+
+    from pipeline.targets import file_sha256
+
+    if not Path(path).is_file():
+        raise InputError(f"experiment.ksearch_targets: no cost table at {path}; measure one with "
+                         "`pipeline bench blocks`")
+    return file_sha256(path)
 
 
 def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: str, keep: list[int] | None,
@@ -169,7 +189,8 @@ def count_plan(config: Config) -> PlanCounts:
     """How many stages of each kind the experiment expands to (K-search levels counted before dedupe)."""
     exp = config.experiment
     n_arch = len(archs(config))
-    levels = len(exp.lambdas or exp.levels or [])
+    levels = len(exp.lambdas or []) + len(exp.ksearch_targets or []) + len(exp.levels or [])
     trained = sum(1 for arch in archs(config) if arch.label not in exp.base_checkpoints)
     finetune = n_arch * (levels * len(exp.methods) + int(exp.baseline))
-    return PlanCounts(base=trained, ksearch=n_arch * len(exp.lambdas or []), finetune=finetune, evaluate=finetune)
+    searches = len(exp.lambdas or []) + len(exp.ksearch_targets or [])
+    return PlanCounts(base=trained, ksearch=n_arch * searches, finetune=finetune, evaluate=finetune)

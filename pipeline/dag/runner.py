@@ -182,7 +182,7 @@ def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, TrainedResul
     seen: dict[tuple[int, ...], str] = {}
     for stage in ks_stages:
         keep = ks_results[stage.id].keep
-        name = f"lam{stage.meta.lam:g}"
+        name = f"lam{stage.meta.lam:g}" if stage.meta.target is None else stage.meta.target
         if tuple(keep) in seen:
             ctx.log(f"[ksearch] {arch.label} {name} gave the same keep list as {seen[tuple(keep)]}; one level")
             continue
