@@ -10,7 +10,7 @@ where ``attn`` is the first half (norm, qkv, attention, projection, residual) at
 ``mlp`` the second half at ``k + p`` tokens, and ``pool`` the downsampling step, 0 when the block keeps
 every token (``k == n``) or only the prefix (``k == 0``: a slice). A model costs ``fixed`` (patch
 embedding, final norm, head) plus its blocks. The curves are piecewise linear between measured points
-(``pipeline bench blocks`` measures them; ``pipeline.budget_search`` builds the GFLOPs ones), so the
+(``pipeline bench blocks`` measures them; ``pipeline.targets`` builds the GFLOPs ones), so the
 cost of a soft keep list (the K search's expected token counts) is differentiable in it
 (``CostModel.expected``).
 

@@ -218,3 +218,36 @@ def _pareto(items: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[flo
             front.append(item)
             best = item[1]
     return front
+
+
+@dataclass(frozen=True)
+class TargetCost:
+    """A finetuned model against the K-search target of its level (one row of the report's target table)."""
+
+    target: str  # the level name (lat0.8, gf0.5)
+    unit: str  # "ms" or "gflops"
+    target_cost: float  # the target as an absolute figure
+    predicted: float | None  # the cost model's figure at the model's keep list, for its method
+    measured: float | None  # GFLOPs: the evaluate stage's fvcore count; ms: None (see ``status``)
+    status: str  # how ``measured`` came about, or why there is none
+
+
+def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[int], gflops: float) -> TargetCost:
+    """``model`` (the finetune's network: its structure only) with ``method`` at ``keep`` against ``target``.
+
+    A GFLOPs target is predicted with the closed forms for the model's own method (its pooling step may cost more
+    than the searched method's) and measured by the evaluate stage's count. A latency target is predicted with its
+    table for every method (the table's own method is in its key) and marked predicted: this release does not
+    check a machine against a table's key, so it measures no latency against a table.
+    """
+    if target.cost == "gflops":
+        costs = gflops_cost_model(model, target.method)
+        limit = target_fraction(target, costs) * costs.unmodified()
+        predicted = gflops_cost_model(model, method).predict(keep) if method in POOL_FLOPS else None
+        return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
+    costs = target_cost_model(target, model)
+    limit = target_fraction(target, costs) * costs.unmodified()
+    table_method = costs.key.get("method")
+    note = "" if table_method in (None, method) else f", the table times {table_method}"
+    return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None,
+                      f"predicted (no key check against this machine{note})")

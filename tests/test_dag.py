@@ -188,6 +188,52 @@ def test_stage_ids_change_downstream_of_any_change(root):
     assert ksearch_stages(fast, archs(fast)[0], base_a)[0].id == ksearch_stages(a, archs(a)[0], base_a)[0].id
 
 
+def test_no_ksearch_target_leaves_every_id_as_it_was():
+    """The ids main gave before K-search targets existed (f982b72): unset, the new settings change no stage id,
+    evaluation id or experiment id, so no finished run reruns."""
+    from pipeline.dag.plan import archs, base_stage, dag_id, evaluate_stage, finetune_stage, ksearch_stages
+
+    config = load_config(TINY)
+    arch = archs(config)[0]
+    base = base_stage(config, arch)
+    ks = ksearch_stages(config, arch, base)
+    ft = finetune_stage(config, arch, base, "wkmedoids", "lam0.05", [12, 8, 4], [ks[1].id])
+    full = finetune_stage(config, arch, base, "none", "full", None, [])
+    assert [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id] == [
+        "942e3d5b4f99b040", "287baf85545793ab", "0dec5b3b21eb72f0", "ac0d3e7b8d48c2ab", "3c3a4fbf2182bbd2",
+        "54529a142890c3b8"]
+    assert dag_id(config) == "a5027ec45ec55f30"
+    # A target is a K search of its own, beside the lambdas, with its own identity.
+    targeted = load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6}]"])
+    both = ksearch_stages(targeted, arch, base)
+    assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
+    assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
+
+
+def test_the_dag_with_a_gflops_target_runs_end_to_end(root):
+    """A K search toward 0.6 of the unmodified GFLOPs, a finetune at its keep list, its evaluation and the report's
+    target table, on the first test's local Ray and recorded base (nothing of it retrains)."""
+    overrides = [*tiny_overrides(root), "experiment.name=tiny-target", "experiment.embed_dims=[16]",
+                 "experiment.lambdas=null", "experiment.ksearch_targets=[{cost: gflops, fraction: 0.6}]",
+                 "experiment.methods=[powerbert]", "experiment.baseline=false", "experiment.ksearch.epochs=1",
+                 "experiment.eval.analysis_images=0", "experiment.eval.analysis_batch=0",
+                 "experiment.register_models=false"]
+    lines: list[str] = []
+    summary = run_experiment(load_config(TINY, overrides), log=lines.append)
+    (row,) = summary["targets"]
+    assert row["level"] == "gf0.6" and row["method"] == "powerbert" and row["cost_status"].startswith("measured")
+    assert row["predicted"] == pytest.approx(row["measured"], rel=1e-9)  # the closed forms equal the fvcore count
+    assert row["measured"] <= row["target_cost"] * (1 + 1e-9)  # the rounded keep list is under the target
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    (search,) = [r for r in runs_by_kind(root)["ksearch"] if r.data.tags.get(DONE) == "1"
+                 and r.data.tags["mlflow.runName"].startswith("tiny-target-ksearch-M16-gf0.6")]
+    metrics = client.get_run(search.info.run_id).data.metrics
+    assert metrics["target"] == 0.6 and 0 < metrics["target_rounded"] <= 0.6 and metrics["target_landed"] > 0
+    report = (root / "experiments" / "tiny-target" / "report.md").read_text()
+    assert "## K-search targets" in report and "gf0.6" in report
+    assert any("K-search targets" in line for line in lines)
+
+
 def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):
     base = [*tiny_overrides(root)[:2], f"train.storage_path={tmp_path / 'ray'}",
             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]
