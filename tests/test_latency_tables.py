@@ -39,9 +39,9 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
-def settings(method: str = "wkmedoids", batch: int = 2) -> BlocksSettings:
-    return BlocksSettings(TINY, method, method_spec(method).resolve(method, {}), batch=batch, threads=1, step=8,
-                          warmup=1, repeats=2, min_sample_s=0.0)
+def settings(method: str = "wkmedoids", batch: int = 2, **more) -> BlocksSettings:
+    return BlocksSettings(TINY, method, method_spec(method).resolve(method, {}), batch=batch, step=8, warmup=1,
+                          repeats=2, min_sample_s=0.0, **({"threads": 1} | more))
 
 
 def brute_force(data: dict, keep: list[int]) -> float:
@@ -72,6 +72,14 @@ def test_a_measured_table_predicts_the_brute_force_sum_of_its_parts(tmp_path):
     key = data["key"]
     assert key["device"] != "x86_64" and key["method"] == "wkmedoids" and key["batch"] == 2 and key["threads"] == 1
     assert key["options"]["iters"] == 5 and key["kernels"] and key["embed_dim"] == 16 and key["num_tokens"] == 16
+    assert key["clock"] == "wall"
+
+
+def test_the_cpu_clock_needs_one_thread_and_is_recorded(tmp_path):
+    with pytest.raises(InputError, match="--threads 1"):
+        measure_table(settings(threads=2, clock="cpu"), tmp_path / "t.json", log=lambda line: None)
+    table, out = measure_table(settings(clock="cpu"), tmp_path / "t.json", log=lambda line: None)
+    assert table.key["clock"] == "cpu" and table.attn(16) > 0
 
 
 def test_assemble_converts_planted_ratios_as_documented():

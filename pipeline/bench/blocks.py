@@ -88,6 +88,13 @@ class BlocksSettings:
     warmup: int = 2
     repeats: int = 7
     min_sample_s: float = 0.005  # a timed sample queues calls until it lasts about this long
+    clock: str = "wall"  # or "cpu": the process's CPU time (one thread on the CPU; see CLOCKS)
+
+
+# What a sample's seconds are: wall time, or the process's CPU time. On a shared CPU, wall time also counts
+# whatever else the machine runs while a sample waits for a core; with one thread the CPU time does not,
+# and equals the wall time of an idle machine. With more threads it would sum them (and their spin-waits).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def device_name(device: torch.device) -> str:
@@ -134,7 +141,7 @@ def table_key(s: BlocksSettings, model: nn.Module, device: torch.device) -> dict
     grid = model.patch_embed.grid_size
     return {
         "device": device_name(device), "device_type": device.type, "dtype": s.dtype, "batch": s.batch,
-        "compile": s.compile, "threads": torch.get_num_threads(), **_versions(),
+        "compile": s.compile, "threads": torch.get_num_threads(), "clock": s.clock, **_versions(),
         "model": s.model.name, "embed_dim": int(model.embed_dim), "depth": len(model.blocks),
         "num_heads": int(model.blocks[0].attn.num_heads), "img_size": int(model.patch_embed.img_size[0]),
         "patch_size": int(model.patch_embed.patch_size[0]), "num_tokens": int(grid[0] * grid[1]),
@@ -153,14 +160,15 @@ def settings_from_key(key: dict[str, Any], **timing: Any) -> BlocksSettings:
     """The setting a table was measured at (to validate it at the same one)."""
     return BlocksSettings(model=spec_from_key(key), method=key["method"], options=dict(key["options"]),
                           batch=key["batch"], dtype=key["dtype"], compile=key["compile"], threads=key["threads"],
-                          device=key["device_type"], **timing)
+                          device=key["device_type"], clock=key.get("clock", "wall"), **timing)
 
 
 def default_table_path(key: dict[str, Any]) -> Path:
     """``configs/latency/DEVICE/MODEL-mM-dL-IMGpx-pP/METHOD-bB-DTYPE-COMPILE-tT.json``."""
     device = re.sub(r"[^a-z0-9]+", "-", key["device"].lower()).strip("-")
     model = f"{key['model']}-m{key['embed_dim']}-d{key['depth']}-{key['img_size']}px-p{key['patch_size']}"
-    name = f"{key['method']}-b{key['batch']}-{key['dtype']}-{key['compile']}-t{key['threads']}.json"
+    clock = "" if key.get("clock", "wall") == "wall" else f"-{key['clock']}clock"
+    name = f"{key['method']}-b{key['batch']}-{key['dtype']}-{key['compile']}-t{key['threads']}{clock}.json"
     return TABLE_DIR / device / model / name
 
 
@@ -221,9 +229,10 @@ def cell_names(num_tokens: int, step: int, prefix: int) -> list[str]:
             + [f"pool/{n}/{k}" for n, k in pool_cells(num_tokens, step)])
 
 
-def _calls(fn: Callable[[], object], base: Callable[[], object], device: torch.device, min_s: float) -> int:
+def _calls(fn: Callable[[], object], base: Callable[[], object], device: torch.device, min_s: float,
+           clock: Callable[[], float]) -> int:
     """Calls a sample queues so that the shorter of the two lasts about ``min_s`` (one on slow cells)."""
-    shortest = min(timed(fn, device), timed(base, device))
+    shortest = min(timed(fn, device, clock=clock), timed(base, device, clock=clock))
     return max(1, min(1000, math.ceil(min_s / max(shortest, 1e-7))))
 
 
@@ -234,8 +243,9 @@ def paired_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksS
     for _ in range(max(s.warmup, 1)):
         base()
         fn()
-    calls = _calls(fn, base, device, s.min_sample_s)
-    base_t, own_t = time_paired(fn, base, warmup=0, repeats=s.repeats, device=device, calls=calls)
+    clock = CLOCKS[s.clock]
+    calls = _calls(fn, base, device, s.min_sample_s, clock)
+    base_t, own_t = time_paired(fn, base, warmup=0, repeats=s.repeats, device=device, calls=calls, clock=clock)
     ratio, iqr = median_iqr([o / b for o, b in zip(own_t, base_t)])
     return {"ratio": ratio, "iqr": iqr, "base_ms": statistics.median(base_t) * 1e3, "calls": calls}
 
@@ -339,8 +349,15 @@ def _describe(cell: str) -> str:
 
 
 def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
+    """The device and the unmodified model of ``s``, torch's threads set; InputError for a clock that cannot
+    time this setting."""
     if s.device == "cuda" and not torch.cuda.is_available():
         raise JobError("bench blocks --device cuda: no CUDA device is visible")
+    if s.clock not in CLOCKS:
+        raise InputError(f"clock {s.clock!r}: use one of {', '.join(CLOCKS)}")
+    if s.clock == "cpu" and (s.device != "cpu" or s.threads != 1):
+        raise InputError("clock 'cpu' times the process's CPU time, which equals latency only on the CPU with one "
+                         "thread: add --threads 1 (and --device cpu), or use --clock wall")
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     device = torch.device(s.device)
@@ -398,7 +415,7 @@ def format_table(table: CostModel, out: Path) -> str:
     lines = [f"table {out}",
              f"{k['model']} (M={k['embed_dim']}, L={k['depth']}, N={n}+{table.prefix}), {k['method']} "
              f"{json.dumps(k['options'], sort_keys=True)}, batch {k['batch']}, {k['dtype']}, compile {k['compile']}, "
-             f"{k['threads']} thread(s), {k['device']}",
+             f"{k['threads']} thread(s), {k['clock']} clock, {k['device']}",
              f"unmodified model {table.unmodified():.3f} ms predicted (fixed part {table.fixed:.3f} ms); reference "
              f"block {k['reference_ms']:.3f} ms; median relative IQR of the cells {k['median_relative_iqr']:.3f}",
              "", "| tokens | attention half ms | MLP half ms |", "|---:|---:|---:|"]

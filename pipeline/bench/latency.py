@@ -162,7 +162,7 @@ def format_check(table: CostModel, rows: list[CheckRow], where: str) -> str:
     mark = " (PREDICTED: the table was measured on another machine)" if table.predicted else ""
     lines = [f"latency check of {where}{mark}",
              f"{k['model']} (M={k['embed_dim']}, L={k['depth']}), {k['method']}, batch {k['batch']}, {k['dtype']}, "
-             f"compile {k['compile']}, {k['threads']} thread(s), {k['device']}", "",
+             f"compile {k['compile']}, {k['threads']} thread(s), {k.get('clock', 'wall')} clock, {k['device']}", "",
              "| list | keep | predicted ratio | measured ratio | IQR | error |", "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r.label} | {','.join(map(str, r.keep))} | {r.predicted:.3f} | {r.measured:.3f} | {r.iqr:.3f} | "
               f"{r.error:+.1%} |" for r in rows]

@@ -251,7 +251,8 @@ def _blocks_settings(args: argparse.Namespace):
         raise InputError(f"--method {args.method!r}: not a registered method; `pipeline methods` lists them")
     return BlocksSettings(model=spec, method=args.method, options=config.pooling.options(args.method),
                           batch=args.batch, dtype=args.dtype, compile=args.compile, threads=args.threads,
-                          device=args.device, step=args.step, warmup=args.warmup, repeats=args.repeats)
+                          device=args.device, step=args.step, warmup=args.warmup, repeats=args.repeats,
+                          clock=args.clock)
 
 
 def cmd_bench_blocks(args: argparse.Namespace) -> int:
@@ -295,6 +296,9 @@ def _add_bench_latency(bench_commands) -> None:
     blocks.add_argument("--step", type=int, default=16, help="the token grid: multiples of STEP, plus N (default 16)")
     blocks.add_argument("--warmup", type=int, default=2)
     blocks.add_argument("--repeats", type=int, default=7, help="timed pairs a cell; the median ratio is kept")
+    blocks.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what a sample's seconds are: wall time, or (on the CPU with --threads 1) the process's "
+                             "CPU time, which other processes on a shared machine do not inflate")
     blocks.add_argument("--out", type=Path, default=None,
                         help="the table file (default configs/latency/DEVICE/MODEL/METHOD-bB-DTYPE-COMPILE-tT.json); "
                              "OUT.partial.json holds the cells measured so far, and a rerun picks it up")
