@@ -98,6 +98,9 @@ def target_cost_model(target: CostTarget, model: nn.Module) -> CostModel:
                          "follows it")
     table = load_cost_model(target.table)
     n_tokens, depth = model.patch_embed.num_patches, len(list(model.blocks))
+    if table.key.get("embed_dim", model.embed_dim) != model.embed_dim:
+        raise InputError(f"the cost table {target.table} times width {table.key['embed_dim']}; this model is "
+                         f"{model.embed_dim} wide (give one table per width: {{arch}} in the path)")
     if (table.num_tokens, table.depth, table.prefix) != (n_tokens, depth, model.num_prefix_tokens):
         raise InputError(f"the cost table {target.table} is for N={table.num_tokens}, depth {table.depth}, prefix "
                          f"{table.prefix}; this model has N={n_tokens}, depth {depth}, prefix "
@@ -232,13 +235,14 @@ class TargetCost:
     status: str  # how ``measured`` came about, or why there is none
 
 
-def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[int], gflops: float) -> TargetCost:
+def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[int], gflops: float,
+                measure: Callable[[CostModel, list[int]], tuple[float | None, str]] | None = None) -> TargetCost:
     """``model`` (the finetune's network: its structure only) with ``method`` at ``keep`` against ``target``.
 
     A GFLOPs target is predicted with the closed forms for the model's own method (its pooling step may cost more
     than the searched method's) and measured by the evaluate stage's count. A latency target is predicted with its
-    table for every method (the table's own method is in its key) and marked predicted: this release does not
-    check a machine against a table's key, so it measures no latency against a table.
+    table; ``measure(table, keep)`` (``dag.latency.measure_on_table``) gives the measured ratio to the unmodified
+    model, or None and why (another machine or setting than the table's key), for the table's own method only.
     """
     if target.cost == "gflops":
         costs = gflops_cost_model(model, target.method)
@@ -246,8 +250,11 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
         predicted = gflops_cost_model(model, method).predict(keep) if method in POOL_FLOPS else None
         return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
     costs = target_cost_model(target, model)
-    limit = target_fraction(target, costs) * costs.unmodified()
+    limit, full = target_fraction(target, costs) * costs.unmodified(), costs.unmodified()
     table_method = costs.key.get("method")
-    note = "" if table_method in (None, method) else f", the table times {table_method}"
-    return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None,
-                      f"predicted (no key check against this machine{note})")
+    if table_method not in (None, method):
+        return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None,
+                          f"predicted (the table times {table_method}, not {method})")
+    ratio, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)
+    return TargetCost(target.label, costs.unit, limit, costs.predict(keep),
+                      None if ratio is None else ratio * full, status)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -26,6 +27,11 @@ from tests.conftest import write_plugin, write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
+
+
+# The first test's DAG also searches toward 0.6 of the unmodified GFLOPs, finetuned with PoWER-BERT: the K search
+# toward a target, end to end, on that test's Ray and in its records (test_the_dags_gflops_target_ran_end_to_end).
+TARGET = "experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert]}]"
 
 
 def tiny_overrides(root: Path) -> list[str]:
@@ -54,7 +60,7 @@ def runs_by_kind(root: Path) -> dict[str, list]:
 
 def start(root: Path, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline", "run", str(TINY)]
-    for item in tiny_overrides(root):
+    for item in [*tiny_overrides(root), TARGET]:
         command += ["--set", item]
     return subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -88,13 +94,13 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     assert "PreemptionWatcher" not in text and "Saving pytorch model by Pickle" not in text
     assert "pickled modules: load them only from a store you trust" in text
     by_kind = runs_by_kind(root)
-    plan = count_plan(load_config(TINY, tiny_overrides(root)))
+    plan = count_plan(load_config(TINY, [*tiny_overrides(root), TARGET]))
     # The driver skips what MLflow records done before it starts a trial: the K search had finished.
     assert f"[skip] tiny-ksearch: {plan.ksearch} of {plan.ksearch} stage(s) done in MLflow" in text
     assert "[sweep] tiny-ksearch" not in text
     skipped = int(re.search(rf"\[skip\] tiny-finetune: (\d+) of {plan.finetune} stage", text).group(1))
     assert skipped >= len(finished_before)
-    if skipped < plan.finetune:  # the kill came between two finetunes (all ten may finish within a poll)
+    if skipped < plan.finetune:  # the kill came between two finetunes (all twelve may finish within a poll)
         left = plan.finetune - skipped
         assert f"[sweep] tiny-finetune: {left} trial(s)" in text
         # Tune runs silent; the sweep's callback counts the finished trials instead of a table per trial.
@@ -147,7 +153,7 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     counts = {kind: len(runs) for kind, runs in by_kind.items()}
     sweeps = sorted(p.name for p in (root / "ray").iterdir())
     lines: list[str] = []
-    third = run_experiment(load_config(TINY, tiny_overrides(root)), log=lines.append)
+    third = run_experiment(load_config(TINY, [*tiny_overrides(root), TARGET]), log=lines.append)
     assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == counts
     assert len(third["rows"]) == len(finetunes)
     assert sorted(p.name for p in (root / "ray").iterdir()) == sweeps
@@ -204,34 +210,37 @@ def test_no_ksearch_target_leaves_every_id_as_it_was():
         "54529a142890c3b8"]
     assert dag_id(config) == "a5027ec45ec55f30"
     # A target is a K search of its own, beside the lambdas, with its own identity.
-    targeted = load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6}]"])
-    both = ksearch_stages(targeted, arch, base)
+    both = ksearch_stages(load_config(TINY, [TARGET]), arch, base)
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
+    assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
 
 
-def test_the_dag_with_a_gflops_target_runs_end_to_end(root):
-    """A K search toward 0.6 of the unmodified GFLOPs, a finetune at its keep list, its evaluation and the report's
-    target table, on the first test's local Ray and recorded base (nothing of it retrains)."""
-    overrides = [*tiny_overrides(root), "experiment.name=tiny-target", "experiment.embed_dims=[16]",
-                 "experiment.lambdas=null", "experiment.ksearch_targets=[{cost: gflops, fraction: 0.6}]",
-                 "experiment.methods=[powerbert]", "experiment.baseline=false", "experiment.ksearch.epochs=1",
-                 "experiment.eval.analysis_images=0", "experiment.eval.analysis_batch=0",
-                 "experiment.register_models=false"]
-    lines: list[str] = []
-    summary = run_experiment(load_config(TINY, overrides), log=lines.append)
-    (row,) = summary["targets"]
-    assert row["level"] == "gf0.6" and row["method"] == "powerbert" and row["cost_status"].startswith("measured")
-    assert row["predicted"] == pytest.approx(row["measured"], rel=1e-9)  # the closed forms equal the fvcore count
-    assert row["measured"] <= row["target_cost"] * (1 + 1e-9)  # the rounded keep list is under the target
+def test_the_dags_gflops_target_ran_end_to_end(root):
+    """tiny.yaml's K search toward 0.6 of the unmodified GFLOPs, run by the first test (on its Ray and in its
+    records: no DAG of its own): its search reports how it landed, its PoWER-BERT finetune is under the target
+    by the evaluate stage's count, and the report, the printed front and the registry show it."""
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
-    (search,) = [r for r in runs_by_kind(root)["ksearch"] if r.data.tags.get(DONE) == "1"
-                 and r.data.tags["mlflow.runName"].startswith("tiny-target-ksearch-M16-gf0.6")]
-    metrics = client.get_run(search.info.run_id).data.metrics
-    assert metrics["target"] == 0.6 and 0 < metrics["target_rounded"] <= 0.6 and metrics["target_landed"] > 0
-    report = (root / "experiments" / "tiny-target" / "report.md").read_text()
-    assert "## K-search targets" in report and "gf0.6" in report
-    assert any("K-search targets" in line for line in lines)
+    searches = [r for r in runs_by_kind(root)["ksearch"] if r.data.tags.get(DONE) == "1"
+                and "-gf0.6-" in r.data.tags["mlflow.runName"]]
+    assert len(searches) == 2  # one per width
+    for search in searches:
+        metrics = client.get_run(search.info.run_id).data.metrics
+        assert metrics["target"] == 0.6 and 0 < metrics["target_rounded"] <= 0.6 and metrics["target_landed"] > 0
+    from pipeline.report import read_csv
+
+    rows = list(csv.DictReader((root / "experiments" / "tiny" / "targets.csv").open()))
+    assert sorted(r["arch"] for r in rows) == ["M16", "M24"] and {r["method"] for r in rows} == {"powerbert"}
+    for row in rows:
+        assert row["level"] == "gf0.6" and row["cost_status"].startswith("measured")
+        # the closed forms equal the evaluate stage's fvcore count, and the rounded keep list is under the target
+        assert float(row["predicted"]) == pytest.approx(float(row["measured"]), rel=1e-9)
+        assert float(row["measured"]) <= float(row["target_cost"]) * (1 + 1e-9)
+    assert {r["level"] for r in read_csv(root / "experiments" / "tiny" / "results.csv")} >= {"gf0.6"}
+    assert "## K-search targets" in (root / "experiments" / "tiny" / "report.md").read_text()
+    assert "target_cost" in (root / "second.log").read_text()  # the printed Pareto front carries the columns
+    version = client.get_model_version_by_alias("token-pooling-tiny", "target-gf0_6")
+    assert version.tags["level"] == "gf0.6"
 
 
 def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):

@@ -160,3 +160,25 @@ def test_targets_are_checked_when_loaded():
         CostTarget(cost="gflops", fraction=0.5, table="t.json")
     assert CostTarget(cost="latency", value=12, table="t.json").label == "lat12ms"
     assert CostTarget(cost="gflops", fraction=0.5).label == "gf0.5"
+
+
+def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(tmp_path):
+    from dataclasses import replace
+
+    from pipeline.bench.blocks import BlocksSettings, ModelSpec, measure_table
+    from pipeline.dag.latency import measure_on_table
+    from pipeline.methods import method_spec
+
+    threads = torch.get_num_threads()
+    spec = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                     num_classes=4)
+    settings = BlocksSettings(spec, "powerbert", method_spec("powerbert").resolve("powerbert", {}), batch=2, step=8,
+                              warmup=1, repeats=2, min_sample_s=0.0, threads=1)
+    table, _ = measure_table(settings, tmp_path / "table.json", log=lambda _: None)
+    torch.set_num_threads(threads)
+    ratio, status = measure_on_table(table, [8, 8], log=lambda _: None)
+    assert ratio is not None and 0 < ratio and status.startswith("measured (paired")
+    assert torch.get_num_threads() == threads  # the table's threads for the measurement only
+    elsewhere = replace(table, key={**table.key, "device": "another CPU"})
+    ratio, status = measure_on_table(elsewhere, [8, 8], log=lambda _: None)
+    assert ratio is None and "device: 'another CPU' != " in status and status.startswith("predicted")

@@ -18,10 +18,13 @@ class CostTarget(Section):
     cost: Literal["latency", "gflops"] = Field(description="latency: a cost table's ms; gflops: the count")
     fraction: float | None = Field(None, gt=0, description="of the unmodified model's cost")
     value: float | None = Field(None, gt=0, description="or an absolute figure: ms (latency) or GFLOPs")
-    table: str | None = Field(None, description="latency: the cost table (JSON of `pipeline bench blocks`)")
+    table: str | None = Field(None, description="latency: the cost table (JSON of `pipeline bench blocks`); "
+                              "{arch} in it stands for the width's label (M32) or the model's name")
     table_sha256: str | None = Field(None, description="the table's content hash (the DAG sets it; a table that "
                                      "changed afterwards is refused)")
     method: MethodName = Field("powerbert", description="gflops: the method whose pooling step is counted")
+    methods: list[MethodName] | None = Field(None, description="experiment: the methods finetuned at this target's "
+                                             "level; default experiment.methods")
     dual_rate: float = Field(1.0, gt=0, description="step of the penalty's self-adjusting strength per step")
     quadratic: float = Field(1.0e4, ge=0, description="weight of (cost ratio - target)^2")
 

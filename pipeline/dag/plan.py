@@ -121,13 +121,23 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-lam{lam:g}", cfg, [base.id], arch.label,
                             StageMeta(lam=lam)))
     for target in exp.ksearch_targets or []:
+        target = target.model_copy(update={"methods": None})  # the finetunes' concern, not the search's
         if target.table is not None:  # the identity follows the table's content, not its path
-            target = target.model_copy(update={"table_sha256": _table_hash(target.table)})
+            table = target.table.replace("{arch}", arch.label)
+            target = target.model_copy(update={"table": table, "table_sha256": _table_hash(table)})
         cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
                     train={"mode": "ksearch", "ksearch_target": target, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-{target.label}", cfg, [base.id],
                             arch.label, StageMeta(target=target.label)))
     return stages
+
+
+def target_methods(exp: ExperimentConfig, level: str) -> list[str]:
+    """The methods finetuned at ``level``: a K-search target's own ``methods`` where it gives them."""
+    for target in exp.ksearch_targets or []:
+        if target.label == level and target.methods is not None:
+            return list(target.methods)
+    return list(exp.methods)
 
 
 def _table_hash(path: str) -> str:
@@ -189,8 +199,9 @@ def count_plan(config: Config) -> PlanCounts:
     """How many stages of each kind the experiment expands to (K-search levels counted before dedupe)."""
     exp = config.experiment
     n_arch = len(archs(config))
-    levels = len(exp.lambdas or []) + len(exp.ksearch_targets or []) + len(exp.levels or [])
+    levels = len(exp.lambdas or []) + len(exp.levels or [])
+    targeted = sum(len(target_methods(exp, t.label)) for t in exp.ksearch_targets or [])
     trained = sum(1 for arch in archs(config) if arch.label not in exp.base_checkpoints)
-    finetune = n_arch * (levels * len(exp.methods) + int(exp.baseline))
+    finetune = n_arch * (levels * len(exp.methods) + targeted + int(exp.baseline))
     searches = len(exp.lambdas or []) + len(exp.ksearch_targets or [])
     return PlanCounts(base=trained, ksearch=n_arch * searches, finetune=finetune, evaluate=finetune)

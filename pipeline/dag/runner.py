@@ -22,6 +22,7 @@ from pipeline.dag.plan import (
     finetune_stage,
     ksearch_stages,
     paper_levels,
+    target_methods,
 )
 from pipeline.dag.records import open_parent, supersede
 from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_spec
@@ -183,7 +184,7 @@ def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, TrainedResul
     for stage in ks_stages:
         keep = ks_results[stage.id].keep
         name = f"lam{stage.meta.lam:g}" if stage.meta.target is None else stage.meta.target
-        if tuple(keep) in seen:
+        if tuple(keep) in seen and stage.meta.target is None:  # a target's level stays: the report shows it
             ctx.log(f"[ksearch] {arch.label} {name} gave the same keep list as {seen[tuple(keep)]}; one level")
             continue
         seen[tuple(keep)] = name
@@ -228,7 +229,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
         base = bases[arch.label][0]
         for level, (keep, upstream) in sparsity_levels(ctx, arch, ks_results, ks_stages[arch.label]).items():
             ft_stages += [finetune_stage(downstream[arch.label], arch, base, m, level, keep, upstream)
-                          for m in exp.methods]
+                          for m in target_methods(exp, level)]
         if exp.baseline:
             ft_stages.append(finetune_stage(downstream[arch.label], arch, base, KEEP_ALL, "full", None, []))
     if "finetune" in kinds:

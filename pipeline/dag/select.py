@@ -29,6 +29,7 @@ def target_rows(config, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> l
     cost (``pipeline.targets.target_cost``); the others are not in it."""
     from dataclasses import asdict
 
+    from pipeline.dag.latency import measure_on_table
     from pipeline.targets import target_cost
     from pipeline.train.build import build_model
 
@@ -38,7 +39,10 @@ def target_rows(config, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> l
         target = targets.get(stage.meta.level)
         if target is None:
             continue
-        cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"]))
+        if target.table is not None:
+            target = target.model_copy(update={"table": target.table.replace("{arch}", stage.arch)})
+        cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
+                                  measure_on_table))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
         out.append(row | cost)
     return out
