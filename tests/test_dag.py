@@ -271,7 +271,8 @@ def test_cli_plan_prints_counts():
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/experiments/demo.yaml", "--plan"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 4, "finetune": 26, "evaluate": 26}
+    # two widths: two lambdas and one latency target each; six methods and the baseline at a lambda, one at the target
+    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 6, "finetune": 28, "evaluate": 28}
 
 
 LOAD_AND_PREDICT = """

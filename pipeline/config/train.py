@@ -19,7 +19,8 @@ class CostTarget(Section):
     fraction: float | None = Field(None, gt=0, description="of the unmodified model's cost")
     value: float | None = Field(None, gt=0, description="or an absolute figure: ms (latency) or GFLOPs")
     table: str | None = Field(None, description="latency: the cost table (JSON of `pipeline bench blocks`); "
-                              "{arch} in it stands for the width's label (M32) or the model's name")
+                              "{arch} in it stands for the width's label (M32) or the model's name, {embed_dim} "
+                              "for the width")
     table_sha256: str | None = Field(None, description="the table's content hash (the DAG sets it; a table that "
                                      "changed afterwards is refused)")
     method: MethodName = Field("powerbert", description="gflops: the method whose pooling step is counted")

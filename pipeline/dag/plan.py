@@ -123,7 +123,7 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
     for target in exp.ksearch_targets or []:
         target = target.model_copy(update={"methods": None})  # the finetunes' concern, not the search's
         if target.table is not None:  # the identity follows the table's content, not its path
-            table = target.table.replace("{arch}", arch.label)
+            table = table_path(target.table, arch)
             target = target.model_copy(update={"table": table, "table_sha256": _table_hash(table)})
         cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
                     train={"mode": "ksearch", "ksearch_target": target, **trial_train(exp)})
@@ -138,6 +138,15 @@ def target_methods(exp: ExperimentConfig, level: str) -> list[str]:
         if target.label == level and target.methods is not None:
             return list(target.methods)
     return list(exp.methods)
+
+
+def table_path(pattern: str, arch: Arch) -> str:
+    """A target's table for ``arch``: ``{arch}`` in the path is its label (M32, or the model's name), ``{embed_dim}``
+    its width (an experiment.embed_dims entry)."""
+    if "{embed_dim}" in pattern and "embed_dim" not in arch.overrides:
+        raise InputError(f"experiment.ksearch_targets: {{embed_dim}} in the table path {pattern} needs "
+                         "experiment.embed_dims; use {arch} with experiment.models")
+    return pattern.replace("{arch}", arch.label).replace("{embed_dim}", str(arch.overrides.get("embed_dim")))
 
 
 def _table_hash(path: str) -> str:

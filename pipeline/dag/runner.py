@@ -70,6 +70,7 @@ def check_experiment(config: Config) -> None:
     for arch in archs(config):
         stage = base_stage(config, arch)
         preflight(stage.config)
+        ksearch_stages(config, arch, stage)  # a target's missing cost table is refused here, before any training
         if config.experiment.levels is not None:
             for level, keep in paper_levels(config, arch).items():
                 for method in config.experiment.methods:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.dag.plan import Stage
+from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 
@@ -40,7 +40,8 @@ def target_rows(config, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> l
         if target is None:
             continue
         if target.table is not None:
-            target = target.model_copy(update={"table": target.table.replace("{arch}", stage.arch)})
+            arch = next(a for a in archs(config) if a.label == stage.arch)
+            target = target.model_copy(update={"table": table_path(target.table, arch)})
         cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
                                   measure_on_table))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
