@@ -258,3 +258,38 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
     ratio, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)
     return TargetCost(target.label, costs.unit, limit, costs.predict(keep),
                       None if ratio is None else ratio * full, status)
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What the check of a searched keep list against the machine found, and the list the finetunes get."""
+
+    keep: list[int]  # the searched list, or the repaired one
+    searched: list[int]
+    measured: float | None  # the final list's measured cost ratio; None where it could not be measured
+    status: str
+    tries: int = 0  # roundings under a tightened limit
+
+
+def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: list[int],
+                measure: Callable[[CostModel, list[int]], tuple[float | None, str]], tries: int = 3) -> Repair:
+    """Measures ``keep`` (the rounding's list) and, while it measures over ``fraction`` of the unmodified model,
+    rounds the retention again under a limit tightened by target / measured (at most ``tries`` times).
+
+    ``measure(costs, keep)``: the measured cost ratio to the unmodified model, or None and why. A list that still
+    measures over the target after ``tries`` is kept, and its status says so.
+    """
+    ratio, status = measure(costs, keep)
+    limit, searched, tried = fraction * costs.unmodified(), list(keep), 0
+    while ratio is not None and ratio > fraction and tried < tries:
+        limit *= fraction / ratio
+        tried += 1
+        try:
+            keep = round_keep(weights, costs, limit)
+        except InputError:
+            return Repair(keep, searched, ratio, f"over the target ({ratio:.3f} > {fraction:.3f}) and no list fits a "
+                          "tighter limit; " + status, tried)
+        ratio, status = measure(costs, keep)
+    if ratio is not None and ratio > fraction:
+        status = f"still over the target after {tried} repair(s): " + status
+    return Repair(keep, searched, ratio, status, tried)

@@ -14,7 +14,7 @@ from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
 from pipeline.flops import count_flops
 from pipeline.models import create_model, retention_penalty
-from pipeline.targets import TargetSearch, candidates, gflops_cost_model, round_keep
+from pipeline.targets import TargetSearch, candidates, gflops_cost_model, repair_keep, round_keep
 
 DEMO = {"img_size": 28, "patch_size": 4, "depth": 4, "num_heads": 2, "num_classes": 10, "embed_dim": 32}
 
@@ -182,3 +182,33 @@ def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(t
     elsewhere = replace(table, key={**table.key, "device": "another CPU"})
     ratio, status = measure_on_table(elsewhere, [8, 8], log=lambda _: None)
     assert ratio is None and "device: 'another CPU' != " in status and status.startswith("predicted")
+
+
+def test_a_list_that_measures_over_the_target_is_repaired():
+    costs = _table()
+    weights = [torch.linspace(1.0, 0.2, 8, dtype=torch.float64) for _ in range(3)]
+    keep = round_keep(weights, costs, 0.7 * costs.unmodified())
+
+    def slower_pooling(table: CostModel, keep: list[int]) -> tuple[float, str]:
+        """A machine whose pooling steps take 6x the table's time (written out, not the table's predict)."""
+        total, n = table.fixed, table.num_tokens
+        for k in keep:
+            total += table.attn(n) + table.mlp(k) + (6 * table.pool(n, k) if 0 < k < n else 0.0)
+            n = k
+        return total / table.unmodified(), "measured"
+
+    assert slower_pooling(costs, keep)[0] > 0.7  # the rounding's list misses the target on this machine
+    repair = repair_keep(weights, costs, 0.7, keep, slower_pooling)
+    assert repair.searched == keep and repair.keep != keep and repair.tries >= 1
+    assert repair.measured == slower_pooling(costs, repair.keep)[0] <= 0.7
+    unmeasured = repair_keep(weights, costs, 0.7, keep, lambda table, keep: (None, "predicted (another machine)"))
+    assert unmeasured.keep == keep and unmeasured.measured is None and unmeasured.status.startswith("predicted")
+
+
+def test_the_retention_weights_come_back_from_a_checkpoint_in_block_order(tmp_path):
+    from pipeline.dag.latency import retention_weights
+
+    weights = {f"blocks.blocks.{i}.retention": torch.full((4,), i / 12) for i in range(12)}  # 10 sorts before 2 as text
+    torch.save({"model": {"pos_embed": torch.zeros(1), **dict(reversed(list(weights.items())))}},
+               tmp_path / "checkpoint.pt")
+    assert [float(w[0]) for w in retention_weights(str(tmp_path))] == pytest.approx([i / 12 for i in range(12)])

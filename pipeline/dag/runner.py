@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError
+from pipeline.dag.latency import check_latency_targets
 from pipeline.dag.plan import (
     KINDS,
     Arch,
@@ -225,6 +226,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     if "ksearch" in kinds:
         retire_storage(ctx, all_ks)
     ks_results = sweep(ctx, all_ks, {s.id: bases[s.arch][1].checkpoint for s in all_ks}, f"{exp.name}-ksearch")
+    ks_results = check_latency_targets(ctx, all_ks, ks_results)
     ft_stages: list[Stage] = []
     for arch in arch_list:
         base = bases[arch.label][0]
