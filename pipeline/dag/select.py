@@ -30,7 +30,7 @@ def target_rows(config, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> l
     from dataclasses import asdict
 
     from pipeline.dag.latency import measure_on_table
-    from pipeline.targets import target_cost
+    from pipeline.targets import file_sha256, target_cost
     from pipeline.train.build import build_model
 
     targets = {t.label: t for t in config.experiment.ksearch_targets or []}
@@ -45,8 +45,20 @@ def target_rows(config, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> l
         cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
                                   measure_on_table))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
-        out.append(row | cost)
+        out.append(row | cost | {"table_sha256": None if target.table is None else file_sha256(target.table)})
     return out
+
+
+def record_latency(client, rows: list[dict[str, Any]], evaluations: dict[str, EvalResult]) -> None:
+    """The measured latency of each target row on its evaluate run, with its table's hash: what ``pipeline select
+    --max-latency-ms`` reads."""
+    from pipeline.budget import LATENCY_METRIC, LATENCY_TABLE_TAG
+    from pipeline.tracking import log_batch
+
+    for row in rows:
+        if row["target_unit"] == "ms" and row["measured"] is not None:
+            log_batch(client, evaluations[row["stage_id"]].run_id, metrics={LATENCY_METRIC: row["measured"]},
+                      tags={LATENCY_TABLE_TAG: row["table_sha256"]})
 
 
 def target_alias(label: str) -> str:
@@ -131,6 +143,7 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     base_rows = [{"arch": arch, "val_top1": base.val_top1, "test_top1": base.test_top1, "run_id": base.run_id}
                  for arch, base in (bases or {}).items()]
     targeted = target_rows(ctx.config, ft_stages, rows)
+    record_latency(ctx.client, targeted, evaluations)
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
                          targets=targeted)
     for path in files.values():
