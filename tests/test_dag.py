@@ -233,6 +233,7 @@ def test_the_dags_gflops_target_ran_end_to_end(root):
     assert sorted(r["arch"] for r in rows) == ["M16", "M24"] and {r["method"] for r in rows} == {"powerbert"}
     for row in rows:
         assert row["level"] == "gf0.6" and row["cost_status"].startswith("measured")
+        assert 0 < float(row["searched"]) <= 1  # where the search landed before rounding, from its run
         # the closed forms equal the evaluate stage's fvcore count, and the rounded keep list is under the target
         assert float(row["predicted"]) == pytest.approx(float(row["measured"]), rel=1e-9)
         assert float(row["measured"]) <= float(row["target_cost"]) * (1 + 1e-9)

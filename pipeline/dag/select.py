@@ -24,15 +24,26 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
     return rows
 
 
-def target_rows(config, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of models finetuned at a K-search target's level, with the target, the predicted and the measured
-    cost (``pipeline.targets.target_cost``); the others are not in it."""
+def search_landed(ctx, stage: Stage) -> float | None:
+    """How close the K search upstream of a finetune landed before rounding: its soft keep list's cost ratio
+    (``target_landed``), from the search's MLflow run."""
+    from pipeline.dag.records import find_done
+
+    found = find_done(ctx.client, ctx.exp_id, stage.upstream[-1]) if len(stage.upstream) > 1 else None
+    return None if found is None else ctx.client.get_run(found[1]).data.metrics.get("target_landed")
+
+
+def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of models finetuned at a K-search target's level, with the target, where the search landed before
+    rounding (``searched``, a ratio), the predicted and the measured cost (``pipeline.targets.target_cost``); the
+    others are not in it."""
     from dataclasses import asdict
 
     from pipeline.dag.latency import measure_on_table
     from pipeline.targets import file_sha256, target_cost
     from pipeline.train.build import build_model
 
+    config = ctx.config
     targets = {t.label: t for t in config.experiment.ksearch_targets or []}
     out = []
     for stage, row in zip(ft_stages, rows):
@@ -45,7 +56,8 @@ def target_rows(config, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> l
         cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
                                   measure_on_table))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
-        out.append(row | cost | {"table_sha256": None if target.table is None else file_sha256(target.table)})
+        out.append(row | cost | {"table_sha256": None if target.table is None else file_sha256(target.table),
+                                 "searched": search_landed(ctx, stage)})
     return out
 
 
@@ -142,7 +154,7 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     rows = result_rows(ft_stages, ft_results, evaluations)
     base_rows = [{"arch": arch, "val_top1": base.val_top1, "test_top1": base.test_top1, "run_id": base.run_id}
                  for arch, base in (bases or {}).items()]
-    targeted = target_rows(ctx.config, ft_stages, rows)
+    targeted = target_rows(ctx, ft_stages, rows)
     record_latency(ctx.client, targeted, evaluations)
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
                          targets=targeted)
