@@ -214,6 +214,13 @@ def test_no_ksearch_target_leaves_every_id_as_it_was():
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
     assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
+    # A target of one width only: the other width has no such search, and the plan counts one search, one finetune.
+    narrow = load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert], "
+                                "archs: [M24]}]"])
+    assert len(ksearch_stages(narrow, arch, base)) == 2 and len(ksearch_stages(narrow, archs(narrow)[1], base)) == 3
+    assert count_plan(narrow).as_dict() == {"base": 2, "ksearch": 5, "finetune": 11, "evaluate": 11}
+    with pytest.raises(ValueError, match=r"archs \['M32'\] are not among the experiment's \['M16', 'M24'\]"):
+        archs(load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, archs: [M32]}]"]))
 
 
 def test_the_dags_gflops_target_ran_end_to_end(root):
@@ -272,8 +279,9 @@ def test_cli_plan_prints_counts():
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/experiments/demo.yaml", "--plan"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    # two widths: two lambdas and one latency target each; six methods and the baseline at a lambda, one at the target
-    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 6, "finetune": 28, "evaluate": 28}
+    # two widths, two lambdas each, and a latency target of the 32-wide model; six methods and the baseline at a
+    # lambda, one at the target
+    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 5, "finetune": 27, "evaluate": 27}
 
 
 LOAD_AND_PREDICT = """

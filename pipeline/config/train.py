@@ -26,6 +26,8 @@ class CostTarget(Section):
     method: MethodName = Field("powerbert", description="gflops: the method whose pooling step is counted")
     methods: list[MethodName] | None = Field(None, description="experiment: the methods finetuned at this target's "
                                              "level; default experiment.methods")
+    archs: list[str] | None = Field(None, description="experiment: the widths (M32) or models searched toward it; "
+                                    "default all")
     dual_rate: float = Field(1.0, gt=0, description="step of the penalty's self-adjusting strength per step")
     quadratic: float = Field(1.0e4, ge=0, description="weight of (cost ratio - target)^2")
 

@@ -77,9 +77,18 @@ def dag_id(config: Config) -> str:
 def archs(config: Config) -> list[Arch]:
     exp = config.experiment
     if exp.models is not None:
-        return [Arch(name, {"name": name}) for name in exp.models]
-    heads = config.model.num_heads
-    return [Arch(f"M{dim}", {"embed_dim": dim, "num_heads": exp.num_heads.get(dim, heads)}) for dim in exp.embed_dims]
+        found = [Arch(name, {"name": name}) for name in exp.models]
+    else:
+        heads = config.model.num_heads
+        found = [Arch(f"M{dim}", {"embed_dim": dim, "num_heads": exp.num_heads.get(dim, heads)})
+                 for dim in exp.embed_dims]
+    labels = {arch.label for arch in found}
+    for target in exp.ksearch_targets or []:
+        unknown = sorted(set(target.archs or []) - labels)
+        if unknown:
+            raise InputError(f"experiment.ksearch_targets {target.label}: archs {unknown} are not among the "
+                             f"experiment's {sorted(labels)}")
+    return found
 
 
 def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: dict[str, Any],
@@ -121,7 +130,9 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-lam{lam:g}", cfg, [base.id], arch.label,
                             StageMeta(lam=lam)))
     for target in exp.ksearch_targets or []:
-        target = target.model_copy(update={"methods": None})  # the finetunes' concern, not the search's
+        if target.archs is not None and arch.label not in target.archs:
+            continue
+        target = target.model_copy(update={"methods": None, "archs": None})  # the experiment's concern
         if target.table is not None:  # the identity follows the table's content, not its path
             table = table_path(target.table, arch)
             target = target.model_copy(update={"table": table, "table_sha256": _table_hash(table)})
@@ -209,8 +220,10 @@ def count_plan(config: Config) -> PlanCounts:
     exp = config.experiment
     n_arch = len(archs(config))
     levels = len(exp.lambdas or []) + len(exp.levels or [])
-    targeted = sum(len(target_methods(exp, t.label)) for t in exp.ksearch_targets or [])
+    labels = [arch.label for arch in archs(config)]
+    targets = [(t, sum(t.archs is None or label in t.archs for label in labels)) for t in exp.ksearch_targets or []]
     trained = sum(1 for arch in archs(config) if arch.label not in exp.base_checkpoints)
-    finetune = n_arch * (levels * len(exp.methods) + targeted + int(exp.baseline))
-    searches = len(exp.lambdas or []) + len(exp.ksearch_targets or [])
-    return PlanCounts(base=trained, ksearch=n_arch * searches, finetune=finetune, evaluate=finetune)
+    finetune = n_arch * (levels * len(exp.methods) + int(exp.baseline))
+    finetune += sum(searched * len(target_methods(exp, t.label)) for t, searched in targets)
+    searches = n_arch * len(exp.lambdas or []) + sum(searched for _, searched in targets)
+    return PlanCounts(base=trained, ksearch=searches, finetune=finetune, evaluate=finetune)
