@@ -269,6 +269,7 @@ class Repair:
     measured: float | None  # the final list's measured cost ratio; None where it could not be measured
     status: str
     tries: int = 0  # roundings under a tightened limit
+    first: float | None = None  # the searched list's measured cost ratio
 
 
 def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: list[int],
@@ -280,7 +281,7 @@ def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: 
     measures over the target after ``tries`` is kept, and its status says so.
     """
     ratio, status = measure(costs, keep)
-    limit, searched, tried = fraction * costs.unmodified(), list(keep), 0
+    limit, searched, tried, first = fraction * costs.unmodified(), list(keep), 0, ratio
     while ratio is not None and ratio > fraction and tried < tries:
         limit *= fraction / ratio
         tried += 1
@@ -288,8 +289,8 @@ def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: 
             keep = round_keep(weights, costs, limit)
         except InputError:
             return Repair(keep, searched, ratio, f"over the target ({ratio:.3f} > {fraction:.3f}) and no list fits a "
-                          "tighter limit; " + status, tried)
+                          "tighter limit; " + status, tried, first)
         ratio, status = measure(costs, keep)
     if ratio is not None and ratio > fraction:
         status = f"still over the target after {tried} repair(s): " + status
-    return Repair(keep, searched, ratio, status, tried)
+    return Repair(keep, searched, ratio, status, tried, first)

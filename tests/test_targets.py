@@ -199,7 +199,7 @@ def test_a_list_that_measures_over_the_target_is_repaired():
 
     assert slower_pooling(costs, keep)[0] > 0.7  # the rounding's list misses the target on this machine
     repair = repair_keep(weights, costs, 0.7, keep, slower_pooling)
-    assert repair.searched == keep and repair.keep != keep and repair.tries >= 1
+    assert repair.searched == keep and repair.keep != keep and repair.tries >= 1 and repair.first > 0.7
     assert repair.measured == slower_pooling(costs, repair.keep)[0] <= 0.7
     unmeasured = repair_keep(weights, costs, 0.7, keep, lambda table, keep: (None, "predicted (another machine)"))
     assert unmeasured.keep == keep and unmeasured.measured is None and unmeasured.status.startswith("predicted")

@@ -77,9 +77,13 @@ def check_latency_targets(ctx, stages: list, results: dict) -> dict:
                                  result.keep, partial(measure_on_table, log=lambda _: None))
             metrics = {} if repair.measured is None else {"target_measured": repair.measured}
             log_batch(ctx.client, result.run_id, tags={REPAIR_TAG: json.dumps(asdict(repair))}, metrics=metrics)
-        measured = "not measured" if repair.measured is None else f"measured {repair.measured:.3f}"
-        changed = "" if repair.keep == repair.searched else f", repaired to {repair.keep}"
-        ctx.log(f"[target] {stage.label}: {repair.searched} {measured} of the unmodified model"
-                f"{changed}: {repair.status}")
+        if repair.measured is None:
+            said = f"{repair.searched} not measured"
+        elif repair.keep == repair.searched:
+            said = f"{repair.searched} measured {repair.measured:.3f} of the unmodified model"
+        else:
+            first = "over the target" if repair.first is None else f"{repair.first:.3f} of the unmodified model"
+            said = f"{repair.searched} measured {first}; repaired to {repair.keep}, measured {repair.measured:.3f}"
+        ctx.log(f"[target] {stage.label}: {said}: {repair.status}")
         out[stage.id] = replace(result, keep=repair.keep)
     return out
