@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
@@ -19,6 +20,9 @@ from pipeline.errors import InputError, MissingFileError
 from pipeline.tracking import store_missing
 
 EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # experiment.name's pattern: safe inside a quoted filter
+# On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
+# table's sha256.
+LATENCY_METRIC, LATENCY_TABLE_TAG = "latency_ms", "pipeline.latency_table"
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,13 @@ class Candidate:
     gflops: float
     images_per_s: float
     device: str
+    latency_ms: float | None = None  # measured against a latency table (a K-search target's models)
+    latency_table: str | None = None  # that table's sha256
 
     def line(self) -> str:
+        latency = "" if self.latency_ms is None else f"  {self.latency_ms:.3f} ms measured"
         return (f"{self.uri}  top1 {self.top1:.2f}%  {self.gflops:.4f} GFLOPs  {self.images_per_s:.0f} img/s "
-                f"({self.device})  [{self.method}, {self.level}]")
+                f"({self.device}){latency}  [{self.method}, {self.level}]")
 
 
 def open_store(tracking_uri: str) -> MlflowClient:
@@ -83,20 +90,46 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
         uri = registered.get(trained) or (f"runs:/{trained}/checkpoint" if trained else run.data.params["checkpoint"])
         metrics, params = run.data.metrics, run.data.params
         out.append(Candidate(uri, params.get("method", "?"), params.get("level", "?"), metrics["top1"],
-                             metrics["gflops"], metrics["images_per_s"], params.get("eval_device", "cpu")))
+                             metrics["gflops"], metrics["images_per_s"], params.get("eval_device", "cpu"),
+                             metrics.get(LATENCY_METRIC), run.data.tags.get(LATENCY_TABLE_TAG)))
     if not out:
         raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
     return out
 
 
+def best_under_latency(models: list[Candidate], max_latency_ms: float, table: str) -> Candidate:
+    """The highest top-1 among the models that measured within ``max_latency_ms`` against the cost table at
+    ``table`` (the same file: its sha256), as the select stage measured a K-search target's models."""
+    from pipeline.targets import file_sha256
+
+    if not Path(table).is_file():
+        raise InputError(f"--table {table}: no such file; give the cost table the experiment's target used")
+    measured = [m for m in models if m.latency_ms is not None and m.latency_table == file_sha256(table)]
+    if not measured:
+        raise InputError(f"no model of this experiment was measured against {table}; latency is measured for the "
+                         "models of a K-search target with that table, on a machine that is the table's key")
+    fits = [m for m in measured if m.latency_ms <= max_latency_ms]
+    if not fits:
+        cheapest = min(measured, key=lambda m: m.latency_ms)
+        raise InputError(f"no model measured within {max_latency_ms:g} ms; the fastest is {cheapest.line()}")
+    return max(fits, key=lambda m: (m.top1, -m.latency_ms))
+
+
 def best_under_budget(models: list[Candidate], *, max_gflops: float | None = None,
-                      min_images_per_s: float | None = None, device: str | None = None) -> Candidate:
+                      min_images_per_s: float | None = None, device: str | None = None,
+                      max_latency_ms: float | None = None, table: str | None = None) -> Candidate:
     """The highest top-1 among the models within the budget (ties: the cheaper one).
 
     Raises InputError naming the cheapest model when none fits.
     """
+    if (max_latency_ms is None) != (table is None):
+        raise InputError("--max-latency-ms X goes with --table PATH (the cost table the latency was measured on)")
+    if max_latency_ms is not None:
+        if max_gflops is not None or min_images_per_s is not None:
+            raise InputError("give exactly one budget: --max-gflops, --min-images-per-s or --max-latency-ms")
+        return best_under_latency(models, max_latency_ms, table)
     if (max_gflops is None) == (min_images_per_s is None):
-        raise InputError("give exactly one budget: --max-gflops X or --min-images-per-s Y")
+        raise InputError("give exactly one budget: --max-gflops X, --min-images-per-s Y or --max-latency-ms Z")
     if device is not None:
         measured = [m for m in models if m.device == device]
         if not measured:

@@ -10,7 +10,7 @@ where ``attn`` is the first half (norm, qkv, attention, projection, residual) at
 ``mlp`` the second half at ``k + p`` tokens, and ``pool`` the downsampling step, 0 when the block keeps
 every token (``k == n``) or only the prefix (``k == 0``: a slice). A model costs ``fixed`` (patch
 embedding, final norm, head) plus its blocks. The curves are piecewise linear between measured points
-(``pipeline bench blocks`` measures them; ``pipeline.budget_search`` builds the GFLOPs ones), so the
+(``pipeline bench blocks`` measures them; ``pipeline.targets`` builds the GFLOPs ones), so the
 cost of a soft keep list (the K search's expected token counts) is differentiable in it
 (``CostModel.expected``).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +233,31 @@ def key_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[s
     names = sorted(recorded.keys() | current.keys())
     return [f"{name}: {recorded.get(name)!r} != {current.get(name)!r}" for name in names
             if recorded.get(name) != current.get(name)]
+
+
+# The key fields that describe the machine rather than what the table measures: an explicit override
+# (``bench latency-check --other-device``) may let them differ, to predict another device's latency. The
+# rest (model, method and its options, batch, dtype, compile mode) say what was timed and never differ.
+MACHINE_FIELDS = ("device", "device_type", "threads", "torch", "timm", "triton", "kernels")
+
+
+def check_key(table: CostModel, current: dict[str, Any], *, other_device: bool = False,
+              where: str = "the table") -> CostModel:
+    """``table`` if its key equals ``current`` (the machine and setting about to measure or validate);
+    with ``other_device`` and only machine fields differing (``MACHINE_FIELDS``), the table marked
+    ``predicted``; else an InputError listing each differing field.
+
+    Called where latency is measured against a table, not where a K search uses a table as a cost model.
+    """
+    differences = key_differences(table.key, current)
+    if not differences:
+        return table
+    fixed = [line for line in differences if line.split(":", 1)[0] not in MACHINE_FIELDS]
+    if other_device and not fixed:
+        return replace(table, predicted=True)
+    lines = "\n  ".join(fixed if other_device else differences)
+    hint = ("these fields say what the table measured; measure a table for this setting with `pipeline bench "
+            "blocks`" if other_device else
+            "measure a table on this machine with `pipeline bench blocks`, or pass --other-device to use it as a "
+            "prediction for this machine (marked predicted)")
+    raise InputError(f"{where} was measured under another key (recorded != here):\n  {lines}\n{hint}")

@@ -19,6 +19,9 @@ COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", 
 # The cost axes of a Pareto front: GFLOPs, or the measured time per image (lower is better for both).
 COSTS = {"gflops": lambda r: r["gflops"], "images_per_s": lambda r: 1.0 / r["images_per_s"]}
 COST_LABELS = {"gflops": "GFLOPs lower", "images_per_s": "measured images/s higher"}
+# The K-search target table: each model of a target's level, its target, predicted and measured cost.
+TARGET_COLUMNS = ["arch", "level", "method", "target_unit", "target_cost", "searched", "predicted", "measured",
+                  "cost_status", "gflops", "top1"]
 
 
 REQUIRED_COLUMNS = ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s")  # what the report reads
@@ -141,10 +144,13 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
 
 
 def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequence[float] | None = None,
-                 title: str = "Experiment report", bases: Sequence[dict[str, Any]] = ()) -> dict[str, Path]:
+                 title: str = "Experiment report", bases: Sequence[dict[str, Any]] = (),
+                 targets: Sequence[dict[str, Any]] = ()) -> dict[str, Path]:
     """Writes results.csv, pareto.csv, budgets.csv, three plots and report.md into ``out_dir``.
 
     ``bases``: one row per base model (arch, val_top1, test_top1, run_id), shown with both numbers.
+    ``targets``: the models of K-search target levels with their target, predicted and measured cost
+    (``dag.select.target_rows``), as targets.csv and a section.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: (r["arch"], r["method"], -r["gflops"]))
@@ -187,6 +193,14 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
                  "list (`reconstruction.png`, `.csv`).", "",
                  markdown_table([r | {"analysis": f"[{r['analysis']}]({r['analysis']})"} for r in analysed],
                                 ["arch", "level", "method", "analysis"]), ""]
+    if targets:
+        columns = TARGET_COLUMNS
+        files["targets"] = write_csv(targets, out_dir / "targets.csv", columns)
+        text += ["## K-search targets", "", "Per model finetuned at a target's level: the target as an absolute "
+                 "figure; `searched`, where the K search's soft keep list landed before it was rounded (its cost "
+                 "over the unmodified model's: the target's fraction if the search hit it); the cost model's "
+                 "prediction at the model's keep list for its method; and the measured cost where there is one "
+                 "(`cost_status` says which).", "", markdown_table(list(targets), columns), ""]
     files["report"] = out_dir / "report.md"
     files["report"].write_text("\n".join(text))
     return files

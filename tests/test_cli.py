@@ -36,11 +36,11 @@ def test_help_lists_only_working_commands(capsys):
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
     assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "serve",
                       "viz", "analyze"}
-    subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels", "serve"},
+    subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels", "serve", "blocks", "latency-check"},
                    "analyze": {"redundancy", "reconstruction"}, "viz": {"clusters"},
                    "data": {"write", "folder", "check"}, "config": {"show"}}
     for command, expected in subcommands.items():
-        assert set(re.findall(r"^    (\w+)\s", parser_help(capsys, command), flags=re.M)) == expected, command
+        assert set(re.findall(r"^    ([\w-]+)\s", parser_help(capsys, command), flags=re.M)) == expected, command
         for sub in expected:  # each listed subcommand answers its own --help
             assert "usage:" in parser_help(capsys, command, sub)
     for command in listed - set(subcommands):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -26,6 +27,11 @@ from tests.conftest import plugins_from, write_plugin, write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
+
+
+# The first test's DAG also searches toward 0.6 of the unmodified GFLOPs, finetuned with PoWER-BERT: the K search
+# toward a target, end to end, on that test's Ray and in its records (test_the_dags_gflops_target_ran_end_to_end).
+TARGET = "experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert]}]"
 
 
 def tiny_overrides(root: Path) -> list[str]:
@@ -54,7 +60,7 @@ def runs_by_kind(root: Path) -> dict[str, list]:
 
 def start(root: Path, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline", "run", str(TINY)]
-    for item in tiny_overrides(root):
+    for item in [*tiny_overrides(root), TARGET]:
         command += ["--set", item]
     return subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -88,13 +94,13 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     assert "PreemptionWatcher" not in text and "Saving pytorch model by Pickle" not in text
     assert "pickled modules: load them only from a store you trust" in text
     by_kind = runs_by_kind(root)
-    plan = count_plan(load_config(TINY, tiny_overrides(root)))
+    plan = count_plan(load_config(TINY, [*tiny_overrides(root), TARGET]))
     # The driver skips what MLflow records done before it starts a trial: the K search had finished.
     assert f"[skip] tiny-ksearch: {plan.ksearch} of {plan.ksearch} stage(s) done in MLflow" in text
     assert "[sweep] tiny-ksearch" not in text
     skipped = int(re.search(rf"\[skip\] tiny-finetune: (\d+) of {plan.finetune} stage", text).group(1))
     assert skipped >= len(finished_before)
-    if skipped < plan.finetune:  # the kill came between two finetunes (all ten may finish within a poll)
+    if skipped < plan.finetune:  # the kill came between two finetunes (all twelve may finish within a poll)
         left = plan.finetune - skipped
         assert f"[sweep] tiny-finetune: {left} trial(s)" in text
         # Tune runs silent; the sweep's callback counts the finished trials instead of a table per trial.
@@ -147,7 +153,7 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     counts = {kind: len(runs) for kind, runs in by_kind.items()}
     sweeps = sorted(p.name for p in (root / "ray").iterdir())
     lines: list[str] = []
-    third = run_experiment(load_config(TINY, tiny_overrides(root)), log=lines.append)
+    third = run_experiment(load_config(TINY, [*tiny_overrides(root), TARGET]), log=lines.append)
     assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == counts
     assert len(third["rows"]) == len(finetunes)
     assert sorted(p.name for p in (root / "ray").iterdir()) == sweeps
@@ -188,6 +194,63 @@ def test_stage_ids_change_downstream_of_any_change(root):
     assert ksearch_stages(fast, archs(fast)[0], base_a)[0].id == ksearch_stages(a, archs(a)[0], base_a)[0].id
 
 
+def test_no_ksearch_target_leaves_every_id_as_it_was():
+    """The ids main gave before K-search targets existed (f982b72): unset, the new settings change no stage id,
+    evaluation id or experiment id, so no finished run reruns."""
+    from pipeline.dag.plan import archs, base_stage, dag_id, evaluate_stage, finetune_stage, ksearch_stages
+
+    config = load_config(TINY)
+    arch = archs(config)[0]
+    base = base_stage(config, arch)
+    ks = ksearch_stages(config, arch, base)
+    ft = finetune_stage(config, arch, base, "wkmedoids", "lam0.05", [12, 8, 4], [ks[1].id])
+    full = finetune_stage(config, arch, base, "none", "full", None, [])
+    assert [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id] == [
+        "942e3d5b4f99b040", "287baf85545793ab", "0dec5b3b21eb72f0", "ac0d3e7b8d48c2ab", "3c3a4fbf2182bbd2",
+        "54529a142890c3b8"]
+    assert dag_id(config) == "a5027ec45ec55f30"
+    # A target is a K search of its own, beside the lambdas, with its own identity.
+    both = ksearch_stages(load_config(TINY, [TARGET]), arch, base)
+    assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
+    assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
+    assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
+    # A target of one width only: the other width has no such search, and the plan counts one search, one finetune.
+    narrow = load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert], "
+                                "archs: [M24]}]"])
+    assert len(ksearch_stages(narrow, arch, base)) == 2 and len(ksearch_stages(narrow, archs(narrow)[1], base)) == 3
+    assert count_plan(narrow).as_dict() == {"base": 2, "ksearch": 5, "finetune": 11, "evaluate": 11}
+    with pytest.raises(ValueError, match=r"archs \['M32'\] are not among the experiment's \['M16', 'M24'\]"):
+        archs(load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, archs: [M32]}]"]))
+
+
+def test_the_dags_gflops_target_ran_end_to_end(root):
+    """tiny.yaml's K search toward 0.6 of the unmodified GFLOPs, run by the first test (on its Ray and in its
+    records: no DAG of its own): its search reports how it landed, its PoWER-BERT finetune is under the target
+    by the evaluate stage's count, and the report, the printed front and the registry show it."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    searches = [r for r in runs_by_kind(root)["ksearch"] if r.data.tags.get(DONE) == "1"
+                and "-gf0.6-" in r.data.tags["mlflow.runName"]]
+    assert len(searches) == 2  # one per width
+    for search in searches:
+        metrics = client.get_run(search.info.run_id).data.metrics
+        assert metrics["target"] == 0.6 and 0 < metrics["target_rounded"] <= 0.6 and metrics["target_landed"] > 0
+    from pipeline.report import read_csv
+
+    rows = list(csv.DictReader((root / "experiments" / "tiny" / "targets.csv").open()))
+    assert sorted(r["arch"] for r in rows) == ["M16", "M24"] and {r["method"] for r in rows} == {"powerbert"}
+    for row in rows:
+        assert row["level"] == "gf0.6" and row["cost_status"].startswith("measured")
+        assert 0 < float(row["searched"]) <= 1  # where the search landed before rounding, from its run
+        # the closed forms equal the evaluate stage's fvcore count, and the rounded keep list is under the target
+        assert float(row["predicted"]) == pytest.approx(float(row["measured"]), rel=1e-9)
+        assert float(row["measured"]) <= float(row["target_cost"]) * (1 + 1e-9)
+    assert {r["level"] for r in read_csv(root / "experiments" / "tiny" / "results.csv")} >= {"gf0.6"}
+    assert "## K-search targets" in (root / "experiments" / "tiny" / "report.md").read_text()
+    assert "target_cost" in (root / "second.log").read_text()  # the printed Pareto front carries the columns
+    version = client.get_model_version_by_alias("token-pooling-tiny", "target-gf0_6")
+    assert version.tags["level"] == "gf0.6"
+
+
 def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):
     base = [*tiny_overrides(root)[:2], f"train.storage_path={tmp_path / 'ray'}",
             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]
@@ -216,7 +279,9 @@ def test_cli_plan_prints_counts():
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/experiments/demo.yaml", "--plan"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 4, "finetune": 26, "evaluate": 26}
+    # two widths, two lambdas each, and a latency target of the 32-wide model; six methods and the baseline at a
+    # lambda, one at the target
+    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 5, "finetune": 27, "evaluate": 27}
 
 
 LOAD_AND_PREDICT = """

@@ -5,6 +5,7 @@ Device time on those machines is a few minutes a lease: a broken line of the scr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -76,3 +77,20 @@ def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
     for table in (out / "compiled-none.md", out / "train-none.md", out / "previous" / "compiled-none.md"):
         assert re.search(r"^\| kmeans \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", table.read_text(), flags=re.M), table
     assert "tests/test_gpu.py" in (out / "tests.log").read_text() or "skipped" in (out / "tests.log").read_text()
+
+
+def test_the_gpu_checks_latency_part_measures_a_table_and_checks_it(tmp_path):
+    """The latency part at a tiny size: a bf16 table of a 2-block model on a coarse grid, then its check."""
+    out = tmp_path / "gpu"
+    tiny = ("--model deit_tiny_patch16_224 --set model.img_size=16 --set model.patch_size=4 --set model.depth=2 "
+            "--embed-dim 16 --set model.num_heads=2 --threads 1")
+    proc = checks(out, "latency", BATCH="2", COMPILE="none", LATENCY_STEP="8", LATENCY_LISTS="3",
+                  LATENCY_METHODS="powerbert", LATENCY_ARGS=tiny, DEADLINE=str(int(time.time()) + 500))
+    assert proc.returncode == 0 and re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0"], proc.stdout
+    key = json.loads((out / "latency-powerbert.json").read_text())["key"]
+    assert (key["dtype"], key["batch"], key["compile"], key["method"], key["embed_dim"]) == ("bf16", 2, "none",
+                                                                                               "powerbert", 16)
+    check = (out / "latency-check-powerbert.md").read_text()
+    assert "powerbert, batch 2, bf16, compile none" in check
+    assert re.search(r"^3 lists: median \|error\| [\d.]+%, worst [\d.]+%, Kendall tau (-?[\d.]+|nan)$", check,
+                     flags=re.M), check

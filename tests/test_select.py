@@ -129,3 +129,39 @@ def test_the_dag_is_found_in_any_mlflow_experiment(tmp_path, capsys):
         client.log_metric(run, key, value)
     assert main(["select", "--experiment", "demo", "--tracking-uri", uri, "--max-gflops", "0.005"]) == 0
     assert "model: /ckpt/a" in capsys.readouterr().out
+
+
+def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
+    """``--max-latency-ms X --table T``: the most accurate model measured within X against that very table; models
+    measured against another table, or not measured, are not candidates."""
+    uri, _ = store
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("token-pooling").experiment_id
+    parent = client.create_run(exp, run_name="lat", tags={"pipeline.stage": "dag"}).info.run_id
+    table, other = tmp_path / "table.json", tmp_path / "other.json"
+    table.write_text('{"a": 1}\n')
+    other.write_text('{"b": 2}\n')
+    from pipeline.budget import LATENCY_METRIC, LATENCY_TABLE_TAG
+    from pipeline.targets import file_sha256
+
+    for name, top1, ms, against in (("fast", 70.0, 3.0, table), ("slow", 80.0, 6.0, table),
+                                    ("elsewhere", 90.0, 1.0, other), ("unmeasured", 95.0, None, None)):
+        run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
+                                           "pipeline.done": "1"}).info.run_id
+        client.log_param(run, "checkpoint", f"/ckpt/{name}")
+        for key, value in (("top1", top1), ("gflops", 0.002), ("images_per_s", 500.0)):
+            client.log_metric(run, key, value)
+        if ms is not None:
+            client.log_metric(run, LATENCY_METRIC, ms)
+            client.set_tag(run, LATENCY_TABLE_TAG, file_sha256(against))
+    assert main(["select", "--experiment", "lat", "--tracking-uri", uri, "--max-latency-ms", "4",
+                 "--table", str(table)]) == 0
+    assert "model: /ckpt/fast" in capsys.readouterr().out
+    assert main(["select", "--experiment", "lat", "--tracking-uri", uri, "--max-latency-ms", "7",
+                 "--table", str(table)]) == 0
+    assert "model: /ckpt/slow" in capsys.readouterr().out
+    assert main(["select", "--experiment", "lat", "--tracking-uri", uri, "--max-latency-ms", "2",
+                 "--table", str(table)]) == 2
+    assert "no model measured within 2 ms; the fastest is /ckpt/fast" in capsys.readouterr().err
+    assert main(["select", "--experiment", "lat", "--tracking-uri", uri, "--max-latency-ms", "2"]) == 2
+    assert "--max-latency-ms X goes with --table PATH" in capsys.readouterr().err

@@ -16,6 +16,11 @@
 #             compiled throughput of every method (METHODS), the same with the previous kernels
 #             (PIPELINE_KMEDOIDS_KERNEL=tiled PIPELINE_KMEANS_KERNEL=torch; PREVIOUS_METHODS, in OUT/previous),
 #             and the training step of TRAIN_METHODS (wkmedoids); each under its own limit, in that order
+#   latency   bench blocks: a latency table of DeiT-S (bf16, batch BATCH, compiled in COMPILE mode, the current
+#             kernels) for each of LATENCY_METHODS (wkmedoids) on a coarse grid (LATENCY_STEP 48: each compiled shape
+#             costs seconds), then bench latency-check of it on the paper's levels (LATENCY_LISTS 8 lists: levels 0-7);
+#             OUT/latency-METHOD.{json,md,log} and OUT/latency-check-METHOD.{md,log}; LATENCY_ARGS replaces the
+#             model flags of bench blocks (the CPU test gives a tiny model and one thread; the check takes the table's)
 #   pack      every output so far in one archive (below)
 # SPLIT=1 runs eager, compiled, train and fp32 once per method (OUT/PART-METHOD.*), each under the
 # part's limit, so that one method's slow compilation cannot take the later methods' results; each
@@ -107,7 +112,20 @@ for part in "$@"; do
              KERNELS_S=${KERNELS_S:-60} bash "$0" kernels
              OUT="$out/previous" PIPELINE_KMEDOIDS_KERNEL=tiled PIPELINE_KMEANS_KERNEL=torch \
                METHODS=${PREVIOUS_METHODS:-wkmedoids,kmeans} COMPILED_S=${PREVIOUS_S:-120} bash "$0" compiled ;;
+    latency) for m in ${LATENCY_METHODS:-wkmedoids}; do
+               fits "${LATENCY_S:-420}" "latency-$m" || continue
+               echo "== latency-$m ($(date +%T))"
+               timeout "${LATENCY_S:-420}" python3 -m pipeline bench blocks --device "$device" --method "$m" \
+                 --batch "$batch" --dtype bf16 --compile "$mode" --step "${LATENCY_STEP:-48}" --repeats 7 \
+                 ${LATENCY_ARGS:---model deit_small_patch16_224} --out "$out/latency-$m.json" \
+                 > "$out/latency-$m.md" 2> "$out/latency-$m.log"
+               echo "   exit $? ($(date +%T))"; cat "$out/latency-$m.md"
+               fits "${LATENCY_CHECK_S:-300}" "latency-check-$m" || continue
+               timeout "${LATENCY_CHECK_S:-300}" python3 -m pipeline bench latency-check "$out/latency-$m.json" \
+                 --lists "${LATENCY_LISTS:-8}" --repeats 7 > "$out/latency-check-$m.md" 2> "$out/latency-check-$m.log"
+               echo "   exit $? ($(date +%T))"; cat "$out/latency-check-$m.md"
+             done ;;
     pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
-    *) echo "unknown part $part (tests kernels eager compiled train fp32 loop pooling pack)"; exit 2 ;;
+    *) echo "unknown part $part (tests kernels eager compiled train fp32 loop pooling latency pack)"; exit 2 ;;
   esac
 done

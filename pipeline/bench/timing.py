@@ -29,13 +29,16 @@ def default_calls(device: torch.device) -> int:
     return 10 if device.type == "cuda" else 1
 
 
-def timed(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
-    """Seconds a call of ``fn``: ``calls`` calls back to back, the device work they queued included."""
-    start = time.perf_counter()
+def timed(fn: Callable[[], object], device: torch.device, calls: int = 1,
+          clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds a call of ``fn``: ``calls`` calls back to back, the device work they queued included.
+    ``clock``: wall time by default; ``time.process_time`` counts this process's CPU time, which a CPU
+    run on one thread spends whatever else the machine runs (``bench blocks --clock cpu``)."""
+    start = clock()
     for _ in range(calls):
         fn()
     sync(device)
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def host_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -61,17 +64,18 @@ def median_iqr(samples: list[float]) -> tuple[float, float]:
 
 
 def time_paired(fn: Callable[[], object], baseline: Callable[[], object], *, warmup: int, repeats: int,
-                device: torch.device, calls: int = 1) -> tuple[list[float], list[float]]:
+                device: torch.device, calls: int = 1, clock: Callable[[], float] = time.perf_counter
+                ) -> tuple[list[float], list[float]]:
     """Times ``repeats`` (baseline, fn) pairs of samples back to back after ``warmup`` calls of each;
-    seconds a call, each sample ``calls`` calls (``timed``)."""
+    seconds a call, each sample ``calls`` calls (``timed`` on ``clock``)."""
     for _ in range(warmup):
         baseline()
         fn()
     sync(device)
     base, own = [], []
     for _ in range(repeats):
-        base.append(timed(baseline, device, calls))
-        own.append(timed(fn, device, calls))
+        base.append(timed(baseline, device, calls, clock))
+        own.append(timed(fn, device, calls, clock))
     return base, own
 
 

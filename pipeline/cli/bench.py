@@ -1,4 +1,5 @@
-"""``bench ops | throughput | loop | loader | kernels``: the measurements (pipeline/bench/)."""
+"""``bench ops | throughput | loop | loader | kernels | serve | blocks | latency-check``: the measurements
+(pipeline/bench/)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import get_args
 from pipeline.cli.common import add_config_args, int_list, log
 from pipeline.config import PatchEmbed, load_config
 from pipeline.errors import InputError, MissingFileError
+from pipeline.methods import METHODS
 
 
 def cmd_bench_ops(args: argparse.Namespace) -> int:
@@ -231,6 +233,92 @@ def _add_bench_serve(bench_commands) -> None:
     serve.set_defaults(func=cmd_bench_serve)
 
 
+def _blocks_settings(args: argparse.Namespace):
+    """``BlocksSettings`` from ``bench blocks``' flags; the model (and method options) from --config's
+    ``model:``, ``data.num_classes`` and ``pooling:`` sections, each flag overriding."""
+    from pipeline.bench.blocks import BlocksSettings, ModelSpec
+
+    config = load_config(args.config, args.overrides)
+    m = config.model
+    spec = ModelSpec(name=args.model or m.name, img_size=m.img_size, patch_size=m.patch_size,
+                     embed_dim=args.embed_dim or m.embed_dim, depth=m.depth, num_heads=m.num_heads,
+                     num_classes=config.data.num_classes if args.config is not None else None,
+                     patch_embed=args.patch_embed or m.patch_embed)
+    for flag in ("batch", "threads", "step", "repeats"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise InputError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.method not in METHODS:
+        raise InputError(f"--method {args.method!r}: not a registered method; `pipeline methods` lists them")
+    return BlocksSettings(model=spec, method=args.method, options=config.pooling.options(args.method),
+                          batch=args.batch, dtype=args.dtype, compile=args.compile, threads=args.threads,
+                          device=args.device, step=args.step, warmup=args.warmup, repeats=args.repeats,
+                          clock=args.clock)
+
+
+def cmd_bench_blocks(args: argparse.Namespace) -> int:
+    from pipeline.bench.blocks import format_table, log_table_artifact, measure_table
+
+    table, out = measure_table(_blocks_settings(args), args.out, log=log)
+    print(format_table(table, out))
+    if args.tracking_uri is not None:
+        run_id = log_table_artifact(out, table, args.tracking_uri, args.experiment)
+        print(f"logged {out.name} to MLflow run {run_id} (experiment {args.experiment})")
+    return 0
+
+
+def cmd_bench_latency_check(args: argparse.Namespace) -> int:
+    from pipeline.bench.latency import format_check, run_check
+    from pipeline.cost import load_cost_model
+
+    if args.lists < 2 or args.repeats < 1:
+        raise InputError("--lists must be at least 2 (Kendall's tau compares pairs) and --repeats at least 1")
+    table, rows = run_check(load_cost_model(args.table), count=args.lists, seed=args.seed, levels=not args.no_levels,
+                            other_device=args.other_device, warmup=args.warmup, repeats=args.repeats, log=log,
+                            where=str(args.table))
+    print(format_check(table, rows, str(args.table)))
+    return 0
+
+
+def _add_bench_latency(bench_commands) -> None:
+    blocks = bench_commands.add_parser("blocks", help="a latency table for a model and method: attention and MLP "
+                                       "halves against tokens, the pooling step against (n, k), a fixed part")
+    add_config_args(blocks, required=False)
+    blocks.add_argument("--model", default=None, help="timm model name (default: --config's model section)")
+    blocks.add_argument("--embed-dim", type=int, default=None, help="the width (an experiment's embed_dims)")
+    blocks.add_argument("--method", required=True, help="the downsampling method (options from --config's pooling)")
+    blocks.add_argument("--batch", type=int, default=1)
+    blocks.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="autocast dtype")
+    blocks.add_argument("--compile", choices=("none", "default", "max-autotune"), default="none",
+                        help="torch.compile every timed part in this mode")
+    blocks.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    blocks.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    blocks.add_argument("--patch-embed", choices=get_args(PatchEmbed), default=None)
+    blocks.add_argument("--step", type=int, default=16, help="the token grid: multiples of STEP, plus N (default 16)")
+    blocks.add_argument("--warmup", type=int, default=2)
+    blocks.add_argument("--repeats", type=int, default=7, help="timed pairs a cell; the median ratio is kept")
+    blocks.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what a sample's seconds are: wall time, or (on the CPU with --threads 1) the process's "
+                             "CPU time, which other processes on a shared machine do not inflate")
+    blocks.add_argument("--out", type=Path, default=None,
+                        help="the table file (default configs/latency/DEVICE/MODEL/METHOD-bB-DTYPE-COMPILE-tT.json); "
+                             "OUT.partial.json holds the cells measured so far, and a rerun picks it up")
+    blocks.add_argument("--tracking-uri", default=None, help="also log the table as an MLflow artifact there")
+    blocks.add_argument("--experiment", default="latency-tables", help="the MLflow experiment (with --tracking-uri)")
+    blocks.set_defaults(func=cmd_bench_blocks)
+    check = bench_commands.add_parser("latency-check", help="a latency table's predictions against whole-model "
+                                      "measurements on held-out keep lists: errors and Kendall tau")
+    check.add_argument("table", type=Path, help="a table written by `pipeline bench blocks`")
+    check.add_argument("--lists", type=int, default=20, help="held-out keep lists, the paper's levels included")
+    check.add_argument("--no-levels", action="store_true", help="random lists only")
+    check.add_argument("--seed", type=int, default=0, help="of the random lists")
+    check.add_argument("--warmup", type=int, default=2)
+    check.add_argument("--repeats", type=int, default=7, help="timed pairs a list; the median ratio is kept")
+    check.add_argument("--other-device", action="store_true",
+                       help="accept a table measured on another machine (device, threads, versions, kernels): its "
+                            "figures are then a prediction, and the output says so")
+    check.set_defaults(func=cmd_bench_latency_check)
+
+
 def add_commands(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
@@ -260,3 +348,4 @@ def add_commands(commands) -> None:
     _add_bench_loader(bench_commands)
     _add_bench_kernels(bench_commands)
     _add_bench_serve(bench_commands)
+    _add_bench_latency(bench_commands)

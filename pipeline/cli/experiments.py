@@ -56,7 +56,7 @@ def _pick(args: argparse.Namespace):
 
     models = candidates(open_store(args.tracking_uri), args.experiment)
     return best_under_budget(models, max_gflops=args.max_gflops, min_images_per_s=args.min_images_per_s,
-                             device=args.device)
+                             device=args.device, max_latency_ms=args.max_latency_ms, table=args.table)
 
 
 def cmd_select(args: argparse.Namespace) -> int:
@@ -97,7 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if (args.model is None) == (args.experiment is None):
         raise InputError("give a MODEL (token-pooling-demo@best) or --experiment NAME with a budget, not both")
-    if args.experiment is not None and args.max_gflops is None and args.min_images_per_s is None:
+    if args.experiment is not None and args.max_gflops is None and args.min_images_per_s is None \
+            and args.max_latency_ms is None:
         raise InputError("--experiment needs a budget: --max-gflops X or --min-images-per-s Y")
     limits = _serve_limits(args)
     model = args.model if args.model is not None else _pick(args).uri
@@ -121,6 +122,9 @@ def _add_budget_args(parser: argparse.ArgumentParser, *, required: bool) -> None
     budget.add_argument("--max-gflops", type=float, default=None)
     budget.add_argument("--min-images-per-s", type=float, default=None,
                         help="measured images/s, as the evaluate stage timed them")
+    budget.add_argument("--max-latency-ms", type=float, default=None,
+                        help="latency measured against --table (a K-search target's models)")
+    parser.add_argument("--table", default=None, help="the cost table --max-latency-ms refers to")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="only models timed on this device (default: any)")
     parser.add_argument("--tracking-uri", default=DEFAULT_STORE)

@@ -26,12 +26,13 @@ from pipeline.config.model import ModelConfig
 from pipeline.config.pooling import PoolingConfig
 from pipeline.config.recipe import RecipeConfig
 from pipeline.config.root import Config, with_setting
-from pipeline.config.train import TrainConfig
+from pipeline.config.train import CostTarget, TrainConfig
 
 __all__ = [
     "CONFIG_DIR", "METHOD_OPTION_FIELDS", "SWEEPABLE_SECTIONS", "BenchLoopConfig", "BenchOpsConfig",
-    "BenchThroughputConfig", "CompileMode", "Config", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
-    "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem", "ProgressiveConfig", "RecipeConfig",
+    "BenchThroughputConfig", "CompileMode", "Config", "ConfigError", "CostTarget", "DataConfig", "EvalConfig",
+    "ExperimentConfig", "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem", "ProgressiveConfig",
+    "RecipeConfig",
     "SearchConfig", "Section", "SelectConfig", "StageRecipe", "SweepConfig", "TrainConfig", "config_hash",
     "dump_config", "git_sha", "load_config", "parse_override", "with_setting", "write_resolved",
 ]

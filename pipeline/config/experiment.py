@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from pipeline.config.base import MethodName, Section
+from pipeline.config.train import CostTarget
 from pipeline.errors import InputError
 from pipeline.methods import keeps_all, swept_methods
 
@@ -147,6 +148,8 @@ class ExperimentConfig(Section):
     num_heads: dict[int, int] = Field(default_factory=dict, description="heads per width; default model.num_heads")
     base_checkpoints: dict[str, str] = Field(default_factory=dict, description="arch -> checkpoint: skip its training")
     lambdas: list[float] | None = Field(None, description="K-search strengths; each gives one sparsity level")
+    ksearch_targets: list[CostTarget] | None = Field(None, description="K searches toward cost targets (latency "
+                                                     "or GFLOPs); with or instead of lambdas")
     levels: list[int] | None = Field(None, description="or pin the paper's levels (configs/sparsity/)")
     methods: list[MethodName] = Field(default_factory=swept_methods,
                                       description="finetuned at every level; default: the registry's swept methods")
@@ -168,10 +171,15 @@ class ExperimentConfig(Section):
             raise InputError("give experiment.embed_dims or experiment.models (exactly one)")
         if not (self.embed_dims or self.models):
             raise InputError("experiment.embed_dims/models is empty: the sweep would have zero trials")
-        if (self.lambdas is None) == (self.levels is None):
-            raise InputError("give experiment.lambdas (K search) or experiment.levels (the paper's), exactly one")
-        if not (self.lambdas or self.levels) and self.methods:
+        searched = self.lambdas is not None or self.ksearch_targets is not None
+        if searched == (self.levels is not None):
+            raise InputError("give experiment.lambdas and/or experiment.ksearch_targets (K search), or "
+                             "experiment.levels (the paper's), not both")
+        if not (self.lambdas or self.ksearch_targets or self.levels) and self.methods:
             raise InputError("experiment.lambdas/levels is empty: the finetune sweep would have zero trials")
+        labels = [target.label for target in self.ksearch_targets or []]
+        if len(set(labels)) != len(labels):
+            raise InputError(f"experiment.ksearch_targets: two targets give the same level name ({labels})")
         if not self.methods and not self.baseline:
             raise InputError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
         baseline = [name for name in self.methods if keeps_all(name)]

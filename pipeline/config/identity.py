@@ -31,6 +31,7 @@ def identity_content(config: Config) -> dict[str, Any]:
         content.get(section, {}).pop(key, None)
     for section in ("experiment", "bench", "bench_throughput", "bench_loop"):
         content.pop(section, None)
+    _target_identity(content.get("train", {}))
     pool = config.pooling
     if config.train.mode == "finetune":
         defaults = method_spec(pool.method).options
@@ -43,6 +44,16 @@ def identity_content(config: Config) -> dict[str, Any]:
     else:
         content.pop("pooling", None)
     return content
+
+
+def _target_identity(train: dict[str, Any]) -> None:
+    """A K-search target enters the identity by its table's content, not its path; no target (the default,
+    and every stage recorded before targets existed) leaves the identity as it was."""
+    target = train.get("ksearch_target", "absent")
+    if target is None:
+        train.pop("ksearch_target")
+    elif isinstance(target, dict) and target.get("table_sha256"):
+        target.pop("table")
 
 
 # How a single ``pipeline train`` run is run, beyond EXECUTION_ONLY: faults it injects, restarts it survives,

@@ -6,7 +6,48 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config.base import CompileMode, Section
+from pipeline.config.base import CompileMode, MethodName, Section
+from pipeline.errors import InputError
+
+
+class CostTarget(Section):
+    """A K-search target: the cost of the searched keep list, in measured latency (a cost table of
+    ``pipeline bench blocks``) or in GFLOPs (counted for ``method``), as a fraction of the unmodified
+    model's cost or as an absolute figure (ms or GFLOPs). ``pipeline.targets`` holds the search."""
+
+    cost: Literal["latency", "gflops"] = Field(description="latency: a cost table's ms; gflops: the count")
+    fraction: float | None = Field(None, gt=0, description="of the unmodified model's cost")
+    value: float | None = Field(None, gt=0, description="or an absolute figure: ms (latency) or GFLOPs")
+    table: str | None = Field(None, description="latency: the cost table (JSON of `pipeline bench blocks`); "
+                              "{arch} in it stands for the width's label (M32) or the model's name, {embed_dim} "
+                              "for the width")
+    table_sha256: str | None = Field(None, description="the table's content hash (the DAG sets it; a table that "
+                                     "changed afterwards is refused)")
+    method: MethodName = Field("powerbert", description="gflops: the method whose pooling step is counted")
+    methods: list[MethodName] | None = Field(None, description="experiment: the methods finetuned at this target's "
+                                             "level; default experiment.methods")
+    archs: list[str] | None = Field(None, description="experiment: the widths (M32) or models searched toward it; "
+                                    "default all")
+    dual_rate: float = Field(1.0, gt=0, description="step of the penalty's self-adjusting strength per step")
+    quadratic: float = Field(1.0e4, ge=0, description="weight of (cost ratio - target)^2")
+
+    @model_validator(mode="after")
+    def _one_figure(self) -> CostTarget:
+        if (self.fraction is None) == (self.value is None):
+            raise InputError("a K-search target takes fraction (of the unmodified model) or value (ms or GFLOPs), "
+                             "exactly one")
+        if (self.cost == "latency") != (self.table is not None):
+            raise InputError("a latency target needs table: PATH (a cost table of `pipeline bench blocks`); a "
+                             "gflops target takes none")
+        return self
+
+    @property
+    def label(self) -> str:
+        """``lat0.8``, ``lat12ms``, ``gf0.5``, ``gf1.2g``: the sparsity level it gives."""
+        head = "lat" if self.cost == "latency" else "gf"
+        if self.fraction is not None:
+            return f"{head}{self.fraction:g}"
+        return f"{head}{self.value:g}{'ms' if self.cost == 'latency' else 'g'}"
 
 
 class TrainConfig(Section):
@@ -15,6 +56,8 @@ class TrainConfig(Section):
     mode: Literal["base", "ksearch", "finetune", "baseline"] = "base"
     init: str | None = Field(None, description="base checkpoint to start from (ksearch, finetune, baseline)")
     ksearch_lambda: float = Field(1e-4, ge=0, description="strength of the soft-extract mass penalty")
+    ksearch_target: CostTarget | None = Field(None, description="K search toward a cost target instead of "
+                                              "the fixed-strength mass penalty (ksearch_lambda)")
     ksearch_lr_scale: float = Field(20.0, gt=0, description="learning-rate multiple of the retention weights")
     name: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; same name + storage resumes")
     storage_path: str = Field("runs/ray", description="Ray Train storage (shared FS or s3:// on a cluster)")

@@ -65,6 +65,8 @@ def dag_id(config: Config) -> str:
     ``--force`` on one must not retire the other's runs. At the defaults the identity is what it was
     before they counted, so experiments recorded then keep their parent run."""
     meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
+    if config.experiment.ksearch_targets is None:  # added later: unset, the identity is what it was before
+        meta["experiment"].pop("ksearch_targets")
     values, defaults = config.pooling.model_dump(include=set(_SHARED_POOLING)), PoolingConfig().model_dump()
     shared = {key: value for key, value in values.items()
               if value != defaults[key] and value != ADDED_OPTIONS.get(key)}
@@ -78,9 +80,18 @@ def dag_id(config: Config) -> str:
 def archs(config: Config) -> list[Arch]:
     exp = config.experiment
     if exp.models is not None:
-        return [Arch(name, {"name": name}) for name in exp.models]
-    heads = config.model.num_heads
-    return [Arch(f"M{dim}", {"embed_dim": dim, "num_heads": exp.num_heads.get(dim, heads)}) for dim in exp.embed_dims]
+        found = [Arch(name, {"name": name}) for name in exp.models]
+    else:
+        heads = config.model.num_heads
+        found = [Arch(f"M{dim}", {"embed_dim": dim, "num_heads": exp.num_heads.get(dim, heads)})
+                 for dim in exp.embed_dims]
+    labels = {arch.label for arch in found}
+    for target in exp.ksearch_targets or []:
+        unknown = sorted(set(target.archs or []) - labels)
+        if unknown:
+            raise InputError(f"experiment.ksearch_targets {target.label}: archs {unknown} are not among the "
+                             f"experiment's {sorted(labels)}")
+    return found
 
 
 def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: dict[str, Any],
@@ -121,7 +132,46 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
                     train={"mode": "ksearch", "ksearch_lambda": lam, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-lam{lam:g}", cfg, [base.id], arch.label,
                             StageMeta(lam=lam)))
+    for target in exp.ksearch_targets or []:
+        if target.archs is not None and arch.label not in target.archs:
+            continue
+        target = target.model_copy(update={"methods": None, "archs": None})  # the experiment's concern
+        if target.table is not None:  # the identity follows the table's content, not its path
+            table = table_path(target.table, arch)
+            target = target.model_copy(update={"table": table, "table_sha256": _table_hash(table)})
+        cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
+                    train={"mode": "ksearch", "ksearch_target": target, **trial_train(exp)})
+        stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-{target.label}", cfg, [base.id],
+                            arch.label, StageMeta(target=target.label)))
     return stages
+
+
+def target_methods(exp: ExperimentConfig, level: str) -> list[str]:
+    """The methods finetuned at ``level``: a K-search target's own ``methods`` where it gives them."""
+    for target in exp.ksearch_targets or []:
+        if target.label == level and target.methods is not None:
+            return list(target.methods)
+    return list(exp.methods)
+
+
+def table_path(pattern: str, arch: Arch) -> str:
+    """A target's table for ``arch``: ``{arch}`` in the path is its label (M32, or the model's name), ``{embed_dim}``
+    its width (an experiment.embed_dims entry)."""
+    if "{embed_dim}" in pattern and "embed_dim" not in arch.overrides:
+        raise InputError(f"experiment.ksearch_targets: {{embed_dim}} in the table path {pattern} needs "
+                         "experiment.embed_dims; use {arch} with experiment.models")
+    return pattern.replace("{arch}", arch.label).replace("{embed_dim}", str(arch.overrides.get("embed_dim")))
+
+
+def _table_hash(path: str) -> str:
+    from pathlib import Path
+
+    from pipeline.targets import file_sha256
+
+    if not Path(path).is_file():
+        raise InputError(f"experiment.ksearch_targets: no cost table at {path}; measure one with "
+                         "`pipeline bench blocks`")
+    return file_sha256(path)
 
 
 def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: str, keep: list[int] | None,
@@ -177,7 +227,11 @@ def count_plan(config: Config) -> PlanCounts:
     """How many stages of each kind the experiment expands to (K-search levels counted before dedupe)."""
     exp = config.experiment
     n_arch = len(archs(config))
-    levels = len(exp.lambdas or exp.levels or [])
+    levels = len(exp.lambdas or []) + len(exp.levels or [])
+    labels = [arch.label for arch in archs(config)]
+    targets = [(t, sum(t.archs is None or label in t.archs for label in labels)) for t in exp.ksearch_targets or []]
     trained = sum(1 for arch in archs(config) if arch.label not in exp.base_checkpoints)
     finetune = n_arch * (levels * len(exp.methods) + int(exp.baseline))
-    return PlanCounts(base=trained, ksearch=n_arch * len(exp.lambdas or []), finetune=finetune, evaluate=finetune)
+    finetune += sum(searched * len(target_methods(exp, t.label)) for t, searched in targets)
+    searches = n_arch * len(exp.lambdas or []) + sum(searched for _, searched in targets)
+    return PlanCounts(base=trained, ksearch=searches, finetune=finetune, evaluate=finetune)

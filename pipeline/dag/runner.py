@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError
+from pipeline.dag.latency import check_latency_targets
 from pipeline.dag.plan import (
     KINDS,
     Arch,
@@ -22,6 +23,7 @@ from pipeline.dag.plan import (
     finetune_stage,
     ksearch_stages,
     paper_levels,
+    target_methods,
 )
 from pipeline.dag.records import open_parent, supersede
 from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_spec
@@ -69,6 +71,7 @@ def check_experiment(config: Config) -> None:
     for arch in archs(config):
         stage = base_stage(config, arch)
         preflight(stage.config)
+        ksearch_stages(config, arch, stage)  # a target's missing cost table is refused here, before any training
         if config.experiment.levels is not None:
             for level, keep in paper_levels(config, arch).items():
                 for method in config.experiment.methods:
@@ -182,8 +185,8 @@ def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, TrainedResul
     seen: dict[tuple[int, ...], str] = {}
     for stage in ks_stages:
         keep = ks_results[stage.id].keep
-        name = f"lam{stage.meta.lam:g}"
-        if tuple(keep) in seen:
+        name = f"lam{stage.meta.lam:g}" if stage.meta.target is None else stage.meta.target
+        if tuple(keep) in seen and stage.meta.target is None:  # a target's level stays: the report shows it
             ctx.log(f"[ksearch] {arch.label} {name} gave the same keep list as {seen[tuple(keep)]}; one level")
             continue
         seen[tuple(keep)] = name
@@ -224,12 +227,13 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     if "ksearch" in kinds:
         retire_storage(ctx, all_ks)
     ks_results = sweep(ctx, all_ks, {s.id: bases[s.arch][1].checkpoint for s in all_ks}, f"{exp.name}-ksearch")
+    ks_results = check_latency_targets(ctx, all_ks, ks_results)
     ft_stages: list[Stage] = []
     for arch in arch_list:
         base = bases[arch.label][0]
         for level, (keep, upstream) in sparsity_levels(ctx, arch, ks_results, ks_stages[arch.label]).items():
             ft_stages += [finetune_stage(downstream[arch.label], arch, base, m, level, keep, upstream)
-                          for m in exp.methods]
+                          for m in target_methods(exp, level)]
         if exp.baseline:
             ft_stages.append(finetune_stage(downstream[arch.label], arch, base, KEEP_ALL, "full", None, []))
     if "finetune" in kinds:

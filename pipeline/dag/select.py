@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.dag.plan import Stage
+from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
-from pipeline.report import COST_LABELS, default_budgets, fronts, markdown_table, write_report
+from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 
 
 def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
@@ -24,21 +24,78 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
     return rows
 
 
+def search_landed(ctx, stage: Stage) -> float | None:
+    """How close the K search upstream of a finetune landed before rounding: its soft keep list's cost ratio
+    (``target_landed``), from the search's MLflow run."""
+    from pipeline.dag.records import find_done
+
+    found = find_done(ctx.client, ctx.exp_id, stage.upstream[-1]) if len(stage.upstream) > 1 else None
+    return None if found is None else ctx.client.get_run(found[1]).data.metrics.get("target_landed")
+
+
+def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of models finetuned at a K-search target's level, with the target, where the search landed before
+    rounding (``searched``, a ratio), the predicted and the measured cost (``pipeline.targets.target_cost``); the
+    others are not in it."""
+    from dataclasses import asdict
+
+    from pipeline.dag.latency import measure_on_table
+    from pipeline.targets import file_sha256, target_cost
+    from pipeline.train.build import build_model
+
+    config = ctx.config
+    targets = {t.label: t for t in config.experiment.ksearch_targets or []}
+    out = []
+    for stage, row in zip(ft_stages, rows):
+        target = targets.get(stage.meta.level)
+        if target is None:
+            continue
+        if target.table is not None:
+            arch = next(a for a in archs(config) if a.label == stage.arch)
+            target = target.model_copy(update={"table": table_path(target.table, arch)})
+        cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
+                                  measure_on_table))
+        cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
+        out.append(row | cost | {"table_sha256": None if target.table is None else file_sha256(target.table),
+                                 "searched": search_landed(ctx, stage)})
+    return out
+
+
+def record_latency(client, rows: list[dict[str, Any]], evaluations: dict[str, EvalResult]) -> None:
+    """The measured latency of each target row on its evaluate run, with its table's hash: what ``pipeline select
+    --max-latency-ms`` reads."""
+    from pipeline.budget import LATENCY_METRIC, LATENCY_TABLE_TAG
+    from pipeline.tracking import log_batch
+
+    for row in rows:
+        if row["target_unit"] == "ms" and row["measured"] is not None:
+            log_batch(client, evaluations[row["stage_id"]].run_id, metrics={LATENCY_METRIC: row["measured"]},
+                      tags={LATENCY_TABLE_TAG: row["table_sha256"]})
+
+
+def target_alias(label: str) -> str:
+    """``target-lat0_8``: the most accurate model finetuned at that K-search target's level."""
+    return f"target-{label}".replace(".", "_")
+
+
 def fastest_alias(budget: float) -> str:
     """``fastest-under-1_5-gflops``: MLflow aliases allow letters, digits, ``_`` and ``-`` only."""
     return f"fastest-under-{budget:g}-gflops".replace(".", "_")
 
 
-def registry_picks(rows: list[dict[str, Any]], front: list[dict[str, Any]], budgets: list[float]
-                   ) -> list[tuple[str, dict[str, Any]]]:
-    """(alias, row): ``pareto-1..n`` along the front, ``best`` (its top top-1), and for each GFLOPs budget
-    the model with the most measured images/s within it, ``fastest-under-<budget>-gflops``."""
+def registry_picks(rows: list[dict[str, Any]], front: list[dict[str, Any]], budgets: list[float],
+                   targeted: list[dict[str, Any]] = ()) -> list[tuple[str, dict[str, Any]]]:
+    """(alias, row): ``pareto-1..n`` along the front, ``best`` (its top top-1), for each GFLOPs budget
+    the model with the most measured images/s within it, ``fastest-under-<budget>-gflops``, and for each
+    K-search target the most accurate model of its level, ``target-<level>`` (``targeted``: ``target_rows``)."""
     picks = {f"pareto-{index}": row for index, row in enumerate(front, 1)}
     picks["best"] = max(front, key=lambda r: r["top1"])
     for budget in budgets:  # budgets that print alike (close default ones) give one alias
         fitting = [r for r in rows if r["gflops"] <= budget]
         if fitting:
             picks[fastest_alias(budget)] = max(fitting, key=lambda r: (r["images_per_s"], r["top1"]))
+    for level in sorted({r["level"] for r in targeted}):
+        picks[target_alias(level)] = max((r for r in targeted if r["level"] == level), key=lambda r: r["top1"])
     return list(picks.items())
 
 
@@ -97,14 +154,25 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     rows = result_rows(ft_stages, ft_results, evaluations)
     base_rows = [{"arch": arch, "val_top1": base.val_top1, "test_top1": base.test_top1, "run_id": base.run_id}
                  for arch, base in (bases or {}).items()]
-    files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows)
+    targeted = target_rows(ctx, ft_stages, rows)
+    record_latency(ctx.client, targeted, evaluations)
+    files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
+                         targets=targeted)
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
     front = fronts(rows, exp.select.cost)["all"]
     budgets = list(exp.budgets) if exp.budgets else default_budgets(rows)
-    aliases = register_models(ctx, registry_picks(rows, front, budgets)) if exp.register_models else []
-    table = markdown_table(front, ["arch", "level", "method", "gflops", "top1", "images_per_s"])
+    aliases = register_models(ctx, registry_picks(rows, front, budgets, targeted)) if exp.register_models else []
+    shown = ["arch", "level", "method", "gflops", "top1", "images_per_s"]
+    if targeted:  # the target levels' models show their target, predicted and measured cost in the front too
+        costs = {r["stage_id"]: r for r in targeted}
+        front_rows = [costs.get(r["stage_id"], r) for r in front]
+        shown += ["target_unit", "target_cost", "predicted", "measured"]
+    table = markdown_table(front_rows if targeted else front, shown)
     ctx.log(f"\nPareto front ({COST_LABELS[exp.select.cost]}, top-1 higher):\n" + table)
+    if targeted:
+        ctx.log("\nK-search targets (target, predicted and measured cost per model):\n"
+                + markdown_table(targeted, TARGET_COLUMNS))
     ctx.log(f"\nreport:  {files['report'].resolve()}")
     plots = ("tradeoff_plot", "speed_plot", "width_plot", "keep_plot")
     ctx.log(f"plots:   {', '.join(str(files[k].resolve()) for k in plots)}")
@@ -114,5 +182,5 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
         ctx.log(f"registry: {', '.join(aliases)} (image classifiers; serve one with `python -m pipeline serve "
                 f"{aliases[0]}{_store_flag(ctx.config.train.tracking_uri)}`; pickled modules: load them only from a "
                 "store you trust)")
-    return {"rows": rows, "front": front, "files": {k: str(v) for k, v in files.items()}, "aliases": aliases,
-            "parent_run_id": ctx.parent}
+    return {"rows": rows, "front": front, "targets": targeted, "files": {k: str(v) for k, v in files.items()},
+            "aliases": aliases, "parent_run_id": ctx.parent}

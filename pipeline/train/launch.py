@@ -45,10 +45,17 @@ def resolve_paths(config: Config) -> Config:
         uri = "sqlite:///" + _absolute(uri[len("sqlite:///"):])
     data = config.data.model_copy(update={"train": _absolute(config.data.train), "val": _absolute(config.data.val)})
     model = config.model.model_copy(update={"weights": _absolute(config.model.weights)})
+    target = config.train.ksearch_target
+    if target is not None:
+        target = target.model_copy(update={"table": _absolute(target.table)})
     train = config.train.model_copy(update={
         "init": _absolute(config.train.init), "storage_path": _absolute(config.train.storage_path),
-        "artifact_root": _absolute(config.train.artifact_root), "tracking_uri": uri})
-    return config.model_copy(update={"data": data, "model": model, "train": train})
+        "artifact_root": _absolute(config.train.artifact_root), "tracking_uri": uri, "ksearch_target": target})
+    experiment = config.experiment
+    if experiment is not None and experiment.ksearch_targets:
+        experiment = experiment.model_copy(update={"ksearch_targets": [
+            t.model_copy(update={"table": _absolute(t.table)}) for t in experiment.ksearch_targets]})
+    return config.model_copy(update={"data": data, "model": model, "train": train, "experiment": experiment})
 
 
 def check_data(config: Config) -> None:

@@ -45,6 +45,7 @@ class Job:
     tracker: Any = None  # run_tracking.JobTracker on rank 0
     on_epoch: Callable[[dict[str, float]], None] | None = None  # after each epoch is checkpointed and in MLflow
     run_id: str | None = None  # the MLflow run, kept across resumes
+    target: Any = None  # targets.TargetSearch: the K search toward train.ksearch_target
 
     def __post_init__(self) -> None:
         self.mark = step_marker(self.config.train.compile)  # before each call of ``run`` (CUDA graphs)
@@ -181,7 +182,10 @@ def train_step(job: Job, inputs: torch.Tensor, targets: torch.Tensor, step: int)
         loss = recipe.loss(job.run(inputs), targets)
     penalty = None
     if config.train.mode == "ksearch":
-        penalty = retention_penalty(unwrap(job.model), config.train.ksearch_lambda)
+        if job.target is None:
+            penalty = retention_penalty(unwrap(job.model), config.train.ksearch_lambda)
+        else:
+            penalty = job.target.penalty(unwrap(job.model))
         loss = loss + penalty
     recipe.optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -190,6 +194,8 @@ def train_step(job: Job, inputs: torch.Tensor, targets: torch.Tensor, step: int)
     recipe.optimizer.step()
     if config.train.mode == "ksearch":
         project_retention(unwrap(job.model))
+        if job.target is not None:
+            job.target.update()
     recipe.scheduler.step_update(step + 1)
     if recipe.ema is not None:
         recipe.ema.update(unwrap(job.model), step=step + 1)
@@ -297,6 +303,9 @@ def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], started: floa
     eta = elapsed / max(done, 1) * (epochs - epoch - 1)
     extra = f" val_top1_ema {metrics['val_top1_ema']:.2f}%" if "val_top1_ema" in metrics else ""
     keep = f" keep {metrics['keep_total']:.0f}" if "keep_total" in metrics else ""
+    if "target" in metrics:
+        keep += (f" cost/unmodified {metrics['target_landed']:.3f} soft, {metrics['target_rounded']:.3f} rounded "
+                 f"(target {metrics['target']:.3f})")
     extra += f" test_top1 {metrics['test_top1']:.2f}%" if "test_top1" in metrics else ""
     return (f"epoch {epoch + 1}/{epochs} loss {metrics['train_loss']:.4f} val_top1 {metrics['val_top1']:.2f}%"
             f"{extra}{keep} | {metrics['images_per_s']:.0f} img/s | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
@@ -331,7 +340,12 @@ def build_job(config: Config, session: Session) -> Job:
                           retention_lr_scale=config.train.ksearch_lr_scale)
     run = compile_model(model, config.train.compile, session.device)
     test_loader = val_loader(config, model, session, test=True) if config.data.holdout > 0 else None
-    return Job(config, session, model, run, recipe, train_loader, val_loader(config, model, session), test_loader)
+    job = Job(config, session, model, run, recipe, train_loader, val_loader(config, model, session), test_loader)
+    if config.train.mode == "ksearch" and config.train.ksearch_target is not None:
+        from pipeline.targets import TargetSearch
+
+        job.target = TargetSearch.build(config.train.ksearch_target, unwrap(model))
+    return job
 
 
 def train(config: Config, session: Session, on_epoch: Callable[[dict[str, float]], None] | None = None) -> None:
@@ -391,7 +405,11 @@ def _run_epochs(job: Job, start_epoch: int, step: int) -> None:
         stats, step = train_one_epoch(job, epoch, step)
         metrics = epoch_metrics(job, epoch, stats)
         if config.train.mode == "ksearch":
-            keep = retention_keep(unwrap(job.model))
+            if job.target is None:
+                keep = retention_keep(unwrap(job.model))
+            else:  # the keep list under the target, and how close the search landed before that rounding
+                keep, landed = job.target.result(unwrap(job.model))
+                metrics.update(landed)
             metrics["penalty"] = global_mean(stats.penalty, job)
             metrics["keep_total"] = float(sum(keep))
         elif config.train.mode == "finetune":

@@ -59,6 +59,7 @@ def training_state(job, epoch: int, step: int, rng: list, keep: list[int] | None
         "config": config.model_dump(mode="json"),
         "mlflow_run_id": job.run_id,
         "metrics": metrics,  # the epoch's, for MLflow if the job stopped before logging them
+        "ksearch_dual": None if job.target is None else job.target.dual,  # the target search's strength
     }
 
 
@@ -69,6 +70,8 @@ def restore(state: dict[str, Any], job) -> tuple[int, int]:
     job.recipe.scheduler.load_state_dict(state["scheduler"])
     if job.recipe.ema is not None and state["ema"] is not None:
         job.recipe.ema.load_state_dict(state["ema"])
+    if job.target is not None and state.get("ksearch_dual") is not None:
+        job.target.dual = state["ksearch_dual"]
     rank, world = job.session.rank, job.session.world
     if len(state["rng"]) == world:
         set_rng_state(state["rng"][rank])

@@ -1,0 +1,438 @@
+"""``pipeline bench blocks``: a model's latency table for one method, measured block part by block part.
+
+The table is a ``pipeline.cost.CostModel`` in milliseconds: the attention half ``attn(n)`` and the MLP half
+``mlp(k)`` as curves in tokens, the downsampling step ``pool(n, k)`` as a surface, and a fixed part, so
+that a keep list's whole-model time is their sum (``CostModel.predict``). Every part is timed with the
+model's own modules, as ``models.downsampling.DownsamplingBlocks`` runs them: the first half through
+``models.attention.attend`` (with the scores and keys the method reads only when the block pools), the
+method's step with autocast off, the second half.
+
+Every cell is a paired measurement (``timing.time_paired``: interleaved samples, median of per-pair
+ratios), so that the drift of a loaded machine cancels:
+
+- ``attn/n``, ``mlp/k`` and ``model`` (the unmodified timm model) against the unpooled block at the model's
+  own N; the reference block's median over all of them converts the ratios into milliseconds;
+- ``pool/n/k``, the block that pools n tokens to k, against the unpooled block at the same n; the step
+  costs ``ratio * (attn(n) + mlp(n)) - attn(n) - mlp(k)`` (the scores' extra work in the attention
+  included), at least 0;
+- the fixed part is the unmodified model's time minus its predicted blocks.
+
+A measurement writes each finished cell to ``OUT.partial.json`` and picks the file up again when it is
+run anew with the same key, then writes ``OUT`` and removes the partial file. The schema is in
+docs/benchmarks.md ("Latency tables").
+
+Imports neither pydantic, Ray nor MLflow at the top: a GPU machine runs it (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.bench.timing import median_iqr, time_paired, timed
+from pipeline.cost import CostModel, Curve, PoolSurface, check_key, load_cost_model, save_cost_model
+from pipeline.errors import InputError, JobError
+from pipeline.methods import METHODS, build_downsampler, downsamples
+from pipeline.models.attention import attend
+from pipeline.runtime import compile_model, cuda_settings, inference
+
+TABLE_DIR = Path(__file__).resolve().parents[2] / "configs" / "latency"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The network a table is measured for: a timm name and the architecture overrides of ``create_model``."""
+
+    name: str = "deit_small_patch16_224"
+    img_size: int | None = None
+    patch_size: int | None = None
+    embed_dim: int | None = None
+    depth: int | None = None
+    num_heads: int | None = None
+    num_classes: int | None = None
+    patch_embed: str = "conv"
+
+    def build(self, **downsampling: Any) -> nn.Module:
+        from pipeline.models import create_model
+
+        arch = {k: v for k, v in dict(img_size=self.img_size, patch_size=self.patch_size, embed_dim=self.embed_dim,
+                                      depth=self.depth, num_heads=self.num_heads,
+                                      num_classes=self.num_classes).items() if v is not None}
+        return create_model(self.name, patch_embed=self.patch_embed, **arch, **downsampling).eval()
+
+
+@dataclass(frozen=True)
+class BlocksSettings:
+    """What a table is measured at. ``step``: the token grid's spacing (multiples of it, plus N)."""
+
+    model: ModelSpec
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+    batch: int = 1
+    dtype: str = "fp32"
+    compile: str = "none"
+    threads: int | None = None
+    device: str = "cpu"
+    step: int = 16
+    warmup: int = 2
+    repeats: int = 7
+    min_sample_s: float = 0.005  # a timed sample queues calls until it lasts about this long
+    clock: str = "wall"  # or "cpu": the process's CPU time (one thread on the CPU; see CLOCKS)
+
+
+# What a sample's seconds are: wall time, or the process's CPU time. On a shared CPU, wall time also counts
+# whatever else the machine runs while a sample waits for a core; with one thread the CPU time does not,
+# and equals the wall time of an idle machine. With more threads it would sum them (and their spin-waits).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def device_name(device: torch.device) -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the CUDA card's name: what a table was measured on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def kernels_in_use(device: torch.device) -> dict[str, str]:
+    """The kernels the models run on ``device``, read from today's switches: on the CPU the clustering
+    methods' native library (``PIPELINE_NATIVE``) or their torch iterations; on CUDA K-Medoids' and
+    K-Means' kernels (``PIPELINE_KMEDOIDS_KERNEL``, ``PIPELINE_KMEANS_KERNEL``). The one place a table's
+    key learns them."""
+    from pipeline.pooling import clustering, native
+
+    if device.type != "cuda":
+        return {"clustering_cpu": "native" if native.library() is not None else "torch"}
+    return {"kmedoids": clustering.kernel_choice(clustering.KMEDOIDS_KERNEL_ENV, ("fused", "tiled")),
+            "kmeans": clustering.kernel_choice(clustering.KMEANS_KERNEL_ENV, ("fused", "torch"))}
+
+
+def _versions() -> dict[str, str | None]:
+    import timm
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "timm": timm.__version__, "triton": triton_version}
+
+
+def table_key(s: BlocksSettings, model: nn.Module, device: torch.device) -> dict[str, Any]:
+    """Everything the table's figures depend on (the threads as torch runs them now)."""
+    grid = model.patch_embed.grid_size
+    return {
+        "device": device_name(device), "device_type": device.type, "dtype": s.dtype, "batch": s.batch,
+        "compile": s.compile, "threads": torch.get_num_threads(), "clock": s.clock, **_versions(),
+        "model": s.model.name, "embed_dim": int(model.embed_dim), "depth": len(model.blocks),
+        "num_heads": int(model.blocks[0].attn.num_heads), "img_size": int(model.patch_embed.img_size[0]),
+        "patch_size": int(model.patch_embed.patch_size[0]), "num_tokens": int(grid[0] * grid[1]),
+        "num_classes": int(model.num_classes), "patch_embed": s.model.patch_embed,
+        "method": s.method, "options": dict(sorted(s.options.items())), "kernels": kernels_in_use(device),
+    }
+
+
+def spec_from_key(key: dict[str, Any]) -> ModelSpec:
+    return ModelSpec(name=key["model"], img_size=key["img_size"], patch_size=key["patch_size"],
+                     embed_dim=key["embed_dim"], depth=key["depth"], num_heads=key["num_heads"],
+                     num_classes=key["num_classes"], patch_embed=key.get("patch_embed", "conv"))
+
+
+def settings_from_key(key: dict[str, Any], **timing: Any) -> BlocksSettings:
+    """The setting a table was measured at (to validate it at the same one)."""
+    return BlocksSettings(model=spec_from_key(key), method=key["method"], options=dict(key["options"]),
+                          batch=key["batch"], dtype=key["dtype"], compile=key["compile"], threads=key["threads"],
+                          device=key["device_type"], clock=key.get("clock", "wall"), **timing)
+
+
+def default_table_path(key: dict[str, Any]) -> Path:
+    """``configs/latency/DEVICE/MODEL-mM-dL-IMGpx-pP/METHOD-bB-DTYPE-COMPILE-tT.json``."""
+    device = re.sub(r"[^a-z0-9]+", "-", key["device"].lower()).strip("-")
+    model = f"{key['model']}-m{key['embed_dim']}-d{key['depth']}-{key['img_size']}px-p{key['patch_size']}"
+    clock = "" if key.get("clock", "wall") == "wall" else f"-{key['clock']}clock"
+    name = f"{key['method']}-b{key['batch']}-{key['dtype']}-{key['compile']}-t{key['threads']}{clock}.json"
+    return TABLE_DIR / device / model / name
+
+
+class BlockParts:
+    """One block of a model in the parts ``DownsamplingBlocks._run_block`` runs; x (B, P+n, M)."""
+
+    def __init__(self, model: nn.Module, method: str, options: dict[str, Any]) -> None:
+        spec = METHODS[method]
+        if spec.learnable:
+            raise InputError(f"method {method!r} has parameters of its own in every block; a latency table times "
+                             "the parameter-free methods (one step shared by the blocks)")
+        self.block, self.p = model.blocks[0], model.num_prefix_tokens
+        self.needs_scores, self.needs_keys = spec.needs_scores, spec.needs_metric(options)
+        self.significance = spec.significance(options)
+        self.step = build_downsampler(method, **options) if downsamples(method) else None
+
+    def first(self, x: Tensor, stats: bool) -> tuple[Tensor, Any]:
+        b = self.block
+        out, found = attend(b.attn, b.norm1(x), num_prefix=self.p, scores=stats and self.needs_scores,
+                            keys=stats and self.needs_keys, significance=self.significance)
+        return x + b.drop_path1(b.ls1(out)), found
+
+    def second(self, x: Tensor) -> Tensor:
+        b = self.block
+        return x + b.drop_path2(b.ls2(b.mlp(b.norm2(x))))
+
+    def pool(self, x: Tensor, k: int, found: Any) -> Tensor:
+        p = self.p
+        with torch.autocast(x.device.type, enabled=False):
+            result = self.step(x[:, p:], k, scores=None if found is None else found.scores,
+                               metric=None if found is None else found.keys, sizes=None, validate=False)
+        return torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
+
+    def unpooled(self, x: Tensor) -> Tensor:
+        return self.second(self.first(x, False)[0])
+
+    def pooled(self, x: Tensor, k: int) -> Tensor:
+        y, found = self.first(x, True)
+        return self.second(self.pool(y, k, found))
+
+
+def token_grid(num_tokens: int, step: int, prefix: int) -> list[int]:
+    """The curves' token counts: 0 (a block after one that kept only the prefix; needs a prefix), the
+    multiples of ``step`` below N, and N."""
+    grid = list(range(step, num_tokens, step)) + [num_tokens]
+    return ([0] if prefix > 0 else []) + grid
+
+
+def pool_cells(num_tokens: int, step: int) -> list[tuple[int, int]]:
+    """The pooling surface's (n, k) cells: n a multiple of ``step`` or N, k a multiple of ``step`` below n."""
+    ns = [n for n in token_grid(num_tokens, step, 0) if n > step]
+    return [(n, k) for n in ns for k in range(step, n, step)]
+
+
+def cell_names(num_tokens: int, step: int, prefix: int) -> list[str]:
+    grid = token_grid(num_tokens, step, prefix)
+    return (["model"] + [f"attn/{n}" for n in grid] + [f"mlp/{k}" for k in grid]
+            + [f"pool/{n}/{k}" for n, k in pool_cells(num_tokens, step)])
+
+
+def _calls(fn: Callable[[], object], base: Callable[[], object], device: torch.device, min_s: float,
+           clock: Callable[[], float]) -> int:
+    """Calls a sample queues so that the shorter of the two lasts about ``min_s`` (one on slow cells)."""
+    shortest = min(timed(fn, device, clock=clock), timed(base, device, clock=clock))
+    return max(1, min(1000, math.ceil(min_s / max(shortest, 1e-7))))
+
+
+def paired_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksSettings,
+                device: torch.device) -> dict[str, float]:
+    """``fn`` against ``base``: the median per-pair time ratio, its interquartile range and ``base``'s median
+    ms (``timing.time_paired`` after ``s.warmup`` calls of each)."""
+    for _ in range(max(s.warmup, 1)):
+        base()
+        fn()
+    clock = CLOCKS[s.clock]
+    calls = _calls(fn, base, device, s.min_sample_s, clock)
+    base_t, own_t = time_paired(fn, base, warmup=0, repeats=s.repeats, device=device, calls=calls, clock=clock)
+    ratio, iqr = median_iqr([o / b for o, b in zip(own_t, base_t)])
+    return {"ratio": ratio, "iqr": iqr, "base_ms": statistics.median(base_t) * 1e3, "calls": calls}
+
+
+class Rig:
+    """What the cells run: the model, its block parts and input tokens, compiled as the setting says."""
+
+    def __init__(self, s: BlocksSettings, model: nn.Module, device: torch.device) -> None:
+        self.s, self.model, self.device = s, model, device
+        self.parts = BlockParts(model, s.method, s.options)
+        size = model.patch_embed.img_size
+        gen = torch.Generator().manual_seed(0)
+        self.images = torch.randn(s.batch, 3, *size, generator=gen).to(device)
+        with torch.no_grad():  # the real token stream entering block 1: patches, position, prefix
+            self.tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(self.images))))
+        self.n_max = self.tokens.shape[1] - self.parts.p
+        self._compiled: dict[str, Callable[[Tensor], Tensor]] = {}
+
+    def _fn(self, name: str, fn: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], object]:
+        if name not in self._compiled:
+            self._compiled[name] = compile_model(fn, self.s.compile, self.device) if self.s.compile != "none" else fn
+        compiled = self._compiled[name]
+        return lambda: compiled(x)
+
+    def x(self, n: int) -> Tensor:
+        return self.tokens[:, :self.parts.p + n].contiguous()
+
+    def reference(self, n: int) -> Callable[[], object]:
+        return self._fn(f"block/{n}", self.parts.unpooled, self.x(n))
+
+    def runner(self, cell: str) -> tuple[Callable[[], object], Callable[[], object]]:
+        """(the cell's function, its reference) for a name of ``cell_names``."""
+        kind, *counts = cell.split("/")
+        n = [int(c) for c in counts]
+        if kind == "model":
+            return self._fn("model", self.model, self.images), self.reference(self.n_max)
+        if kind == "attn":
+            return self._fn(cell, lambda x: self.parts.first(x, False)[0], self.x(n[0])), self.reference(self.n_max)
+        if kind == "mlp":
+            return self._fn(cell, self.parts.second, self.x(n[0])), self.reference(self.n_max)
+        k = n[1]
+        return self._fn(cell, lambda x: self.parts.pooled(x, k), self.x(n[0])), self.reference(n[0])
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial.json")
+
+
+def _load_partial(out: Path, key: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The cells a run of the same key measured before (nothing if no partial file)."""
+    path = partial_path(out)
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        cells = dict(data["cells"])
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise InputError(f"{path} is not a partial latency table ({err}); delete it to measure afresh") from None
+    placeholder = CostModel("ms", 1, 0, 1, 0.0, Curve((0,), (0.0,)), Curve((0,), (0.0,)),
+                            PoolSurface((1,), (Curve((0,), (0.0,)),)), key=data.get("key", {}))
+    check_key(placeholder, key, where=f"the partial table {path}")
+    return cells
+
+
+def _save_partial(out: Path, key: dict[str, Any], cells: dict[str, dict[str, float]]) -> None:
+    path = partial_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"key": key, "cells": cells}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def assemble(key: dict[str, Any], cells: dict[str, dict[str, float]], *, num_tokens: int, prefix: int, depth: int,
+             step: int) -> CostModel:
+    """The table from the cells' ratios (see the module docstring for the conversion)."""
+    ref_ms = statistics.median(c["base_ms"] for name, c in cells.items() if not name.startswith("pool/"))
+    grid = token_grid(num_tokens, step, prefix)
+    attn = Curve(tuple(grid), tuple(cells[f"attn/{n}"]["ratio"] * ref_ms for n in grid))
+    mlp = Curve(tuple(grid), tuple(cells[f"mlp/{k}"]["ratio"] * ref_ms for k in grid))
+    by_n: dict[int, list[tuple[int, float]]] = {}
+    for n, k in pool_cells(num_tokens, step):
+        block = attn(n) + mlp(n)
+        by_n.setdefault(n, []).append((k, max(0.0, cells[f"pool/{n}/{k}"]["ratio"] * block - attn(n) - mlp(k))))
+    pool = PoolSurface(tuple(by_n), tuple(Curve(tuple(k for k, _ in row), tuple(c for _, c in row))
+                                         for row in by_n.values()))
+    fixed = cells["model"]["ratio"] * ref_ms - depth * (attn(num_tokens) + mlp(num_tokens))
+    spreads = [c["iqr"] / c["ratio"] for c in cells.values() if c["ratio"] > 0]
+    key = {**key, "grid_step": step, "reference_ms": ref_ms,
+           "median_relative_iqr": statistics.median(spreads) if spreads else 0.0}
+    return CostModel("ms", num_tokens=num_tokens, prefix=prefix, depth=depth, fixed=fixed, attn=attn, mlp=mlp,
+                     pool=pool, key=key)
+
+
+def _describe(cell: str) -> str:
+    kind, *n = cell.split("/")
+    if kind == "model":
+        return "the unmodified model against the reference block"
+    if kind in ("attn", "mlp"):
+        return f"{'attention' if kind == 'attn' else 'MLP'} half at {n[0]} tokens against the reference block"
+    return f"pooling block {n[0]} -> {n[1]} tokens against the unpooled block at {n[0]}"
+
+
+def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
+    """The device and the unmodified model of ``s``, torch's threads set; InputError for a clock that cannot
+    time this setting."""
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise JobError("bench blocks --device cuda: no CUDA device is visible")
+    if s.clock not in CLOCKS:
+        raise InputError(f"clock {s.clock!r}: use one of {', '.join(CLOCKS)}")
+    if s.clock == "cpu" and (s.device != "cpu" or s.threads != 1):
+        raise InputError("clock 'cpu' times the process's CPU time, which equals latency only on the CPU with one "
+                         "thread: add --threads 1 (and --device cpu), or use --clock wall")
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
+    device = torch.device(s.device)
+    torch.manual_seed(0)
+    return device, s.model.build().to(device)
+
+
+def measured_key(table: CostModel) -> dict[str, Any]:
+    """The key fields a measurement records itself (the table's key without its summary fields)."""
+    return {k: v for k, v in table.key.items() if k not in ("grid_step", "reference_ms", "median_relative_iqr")}
+
+
+def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str], None] = print
+                  ) -> tuple[CostModel, Path]:
+    """Measures (or finishes measuring) the table of ``s`` into ``out`` (default ``default_table_path``)."""
+    device, model = setup(s)
+    key = table_key(s, model, device)
+    out = default_table_path(key) if out is None else out
+    if out.is_file():
+        done = load_cost_model(out)
+        check_key(replace_key(done), key, where=f"the table {out}")
+        log(f"[blocks] {out} is already measured under this key; delete it to measure again")
+        return done, out
+    cells = _load_partial(out, key)
+    names = cell_names(model.patch_embed.num_patches, s.step, model.num_prefix_tokens)
+    if cells:
+        log(f"[blocks] resuming {partial_path(out)}: {sum(n in cells for n in names)}/{len(names)} cells measured")
+    rig = Rig(s, model, device)
+    start, todo = time.perf_counter(), [n for n in names if n not in cells]
+    with cuda_settings(device), inference(device, s.dtype):
+        for i, name in enumerate(todo, 1):
+            fn, base = rig.runner(name)
+            cells[name] = paired_cell(fn, base, s, device)
+            _save_partial(out, key, cells)
+            left = (time.perf_counter() - start) / i * (len(todo) - i)
+            log(f"[blocks] {len(names) - len(todo) + i}/{len(names)} {_describe(name)}: "
+                f"{cells[name]['ratio']:.3f}x (IQR {cells[name]['iqr']:.3f}), about {left:.0f} s left")
+    table = assemble(key, cells, num_tokens=model.patch_embed.num_patches, prefix=model.num_prefix_tokens,
+                     depth=len(model.blocks), step=s.step)
+    save_cost_model(table, out)
+    partial_path(out).unlink(missing_ok=True)
+    return table, out
+
+
+def replace_key(table: CostModel) -> CostModel:
+    """``table`` with its key cut to what a measurement records (``measured_key``), to compare with a new key."""
+    return replace(table, key=measured_key(table))
+
+
+def format_table(table: CostModel, out: Path) -> str:
+    """A summary: the setting, the reference block, the curves at a few points, the step's range."""
+    k = table.key
+    n = table.num_tokens
+    steps = [c for curve in table.pool.curves for c in curve.ys]
+    lines = [f"table {out}",
+             f"{k['model']} (M={k['embed_dim']}, L={k['depth']}, N={n}+{table.prefix}), {k['method']} "
+             f"{json.dumps(k['options'], sort_keys=True)}, batch {k['batch']}, {k['dtype']}, compile {k['compile']}, "
+             f"{k['threads']} thread(s), {k['clock']} clock, {k['device']}",
+             f"unmodified model {table.unmodified():.3f} ms predicted (fixed part {table.fixed:.3f} ms); reference "
+             f"block {k['reference_ms']:.3f} ms; median relative IQR of the cells {k['median_relative_iqr']:.3f}",
+             "", "| tokens | attention half ms | MLP half ms |", "|---:|---:|---:|"]
+    lines += [f"| {x} | {table.attn(x):.4f} | {table.mlp(x):.4f} |" for x in table.attn.xs]
+    lines.append(f"\npooling step: {min(steps):.4f} to {max(steps):.4f} ms over {len(steps)} cells (n, k)")
+    return "\n".join(lines)
+
+
+def log_table_artifact(path: Path, table: CostModel, uri: str, experiment: str) -> str:
+    """Logs the table file as an artifact of a new MLflow run (its key as params); returns the run id."""
+    from pipeline.tracking import MlflowClient, experiment_id, flatten, log_batch
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(experiment_id(client, experiment, None),
+                               run_name=f"latency-table-{table.key['method']}").info.run_id
+    log_batch(client, run_id, params=flatten(table.key),
+              metrics={"unmodified_ms": table.unmodified(), "fixed_ms": table.fixed})
+    client.log_artifact(run_id, str(path), artifact_path="latency_table")
+    client.set_terminated(run_id)
+    return run_id

@@ -1,0 +1,89 @@
+"""Measuring a keep list against a latency table where this process matches the table's key (the select stage)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pipeline.cost import CostModel, key_differences
+
+
+def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], None] = print
+                     ) -> tuple[float | None, str]:
+    """The measured time of the table's model and method at ``keep`` over the unmodified model's, paired at the
+    table's setting (``bench.latency.measure_lists``), with how it was measured; None and why when this process
+    is not what the table's key says (device, threads, versions, kernels): the figure would not be comparable."""
+    from pipeline.bench.blocks import measured_key, settings_from_key, table_key
+    from pipeline.bench.latency import measure_lists
+
+    settings = settings_from_key(table.key, warmup=2, repeats=7)
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        return None, "predicted (the table is a CUDA one; no CUDA device here)"
+    threads = torch.get_num_threads()
+    if settings.threads is not None:  # a setting of this process, not of the machine: take the table's
+        torch.set_num_threads(settings.threads)
+    try:
+        torch.manual_seed(0)
+        device = torch.device(settings.device)
+        base = settings.model.build().to(device)
+        differences = key_differences(measured_key(table), table_key(settings, base, device))
+        if differences:
+            return None, f"predicted (this machine is not the table's key: {'; '.join(differences)})"
+        (row,) = measure_lists(settings, [("target", keep)], table, base, device, log)
+    finally:
+        torch.set_num_threads(threads)
+    return row.measured, f"measured (paired against the unmodified model, IQR {row.iqr:.3f} of the ratio)"
+
+
+REPAIR_TAG = "pipeline.target_check"  # on a latency K search's run: the check's Repair as JSON
+
+
+def retention_weights(checkpoint: str) -> list[torch.Tensor]:
+    """A K search's learned retention weights, block by block, from its checkpoint: L x (N,), clamped to [0, 1]."""
+    from pipeline.train.checkpoint import load_checkpoint
+
+    state = load_checkpoint(checkpoint)["model"]
+    found = {key: value for key, value in state.items() if key.endswith(".retention")}
+    index = {key: int(next(part for part in reversed(key.split(".")[:-1]) if part.isdigit())) for key in found}
+    return [found[key].double().clamp(0.0, 1.0) for key in sorted(found, key=index.__getitem__)]
+
+
+def check_latency_targets(ctx, stages: list, results: dict) -> dict:
+    """Each latency K search's keep list measured against its table where this machine is the table's key, and
+    repaired if it measures over the target (``targets.repair_keep``), in the driver between the K-search and
+    finetune sweeps (no trial shares the cores then). The check is recorded on the K search's run and read back
+    on a rerun, so a rerun's finetunes get the same list (a new measurement would be noise on their identity).
+    Returns ``results`` with the checked lists."""
+    import json
+    from dataclasses import asdict, replace
+    from functools import partial
+
+    from pipeline.targets import Repair, repair_keep, target_cost_model, target_fraction
+    from pipeline.tracking import log_batch
+    from pipeline.train.build import build_model
+
+    out = dict(results)
+    for stage in stages:
+        target, result = stage.config.train.ksearch_target, results[stage.id]
+        if target is None or target.cost != "latency":
+            continue
+        recorded = ctx.client.get_run(result.run_id).data.tags.get(REPAIR_TAG)
+        if recorded is not None:
+            repair = Repair(**json.loads(recorded))
+        else:
+            costs = target_cost_model(target, build_model(stage.config))
+            repair = repair_keep(retention_weights(result.checkpoint), costs, target_fraction(target, costs),
+                                 result.keep, partial(measure_on_table, log=lambda _: None))
+            metrics = {} if repair.measured is None else {"target_measured": repair.measured}
+            log_batch(ctx.client, result.run_id, tags={REPAIR_TAG: json.dumps(asdict(repair))}, metrics=metrics)
+        if repair.measured is None:
+            said = f"{repair.searched} not measured"
+        elif repair.keep == repair.searched:
+            said = f"{repair.searched} measured {repair.measured:.3f} of the unmodified model"
+        else:
+            first = "over the target" if repair.first is None else f"{repair.first:.3f} of the unmodified model"
+            said = f"{repair.searched} measured {first}; repaired to {repair.keep}, measured {repair.measured:.3f}"
+        ctx.log(f"[target] {stage.label}: {said}: {repair.status}")
+        out[stage.id] = replace(result, keep=repair.keep)
+    return out

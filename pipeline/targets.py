@@ -1,0 +1,296 @@
+"""The K search toward a cost target (``train.ksearch_target``): the cost models it targets, its
+self-adjusting penalty, and the rounding of the learned retention to a keep list under the target.
+
+- ``gflops_cost_model``: a ``CostModel`` in GFLOPs of a timm ViT and a method, from closed forms of
+  the counts ``pipeline.flops`` makes with fvcore (the tests hold the two equal), so that a GFLOPs
+  target runs through the same machinery as a latency table.
+- ``TargetSearch``: the penalty ``mu * rho + w * (rho - t)^2`` on ``rho``, the expected cost of the
+  soft keep list over the unmodified model's, with ``mu`` moved after each step by ``dual_rate *
+  (rho - t)`` (a dual ascent on ``rho = t``): each block is weighted by its marginal cost, and the
+  strength settles where the search lands on the target (docs/design.md says why).
+- ``round_keep``: the non-increasing integer keep list that keeps the most learned retention mass
+  with a predicted cost at most the target, over the token counts the cost model has points at (an
+  exact dynamic program over Pareto fronts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.config import CostTarget
+from pipeline.cost import CostModel, Curve, PoolSurface, load_cost_model
+from pipeline.errors import InputError
+
+# Methods whose pooling step's count has a closed form here: (non-prefix tokens in n, kept k, width M) ->
+# multiply-adds. PoWER-BERT, random and importance select (no multiply-add); K-Medoids and WK-Medoids build
+# the n x n Gram matrix of the tokens they cluster.
+POOL_FLOPS: dict[str, Callable[[int, int, int], int]] = {
+    "powerbert": lambda n, k, m: 0,
+    "random": lambda n, k, m: 0,
+    "importance": lambda n, k, m: 0,
+    "kmedoids": lambda n, k, m: n * n * m,
+    "wkmedoids": lambda n, k, m: n * n * m,
+}
+NORM_FLOPS = 5  # fvcore's count of a layer norm per element
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def grid(num_tokens: int, step: int) -> list[int]:
+    """0, step, 2 step, ... and ``num_tokens`` itself: the token counts a GFLOPs model has points at."""
+    return sorted({*range(0, num_tokens, step), num_tokens})
+
+
+def gflops_cost_model(model: nn.Module, method: str, step: int | None = None) -> CostModel:
+    """The GFLOPs of ``model`` (a timm ViT, one image) downsampled by ``method``, as a CostModel.
+
+    Exact at its points (every ``step`` tokens and N; ``step`` default 1 up to 64 tokens, else 8), as
+    fvcore counts: linear layers and both attention matmuls, layer norms (5 an element), the patch
+    embedding and the head. The norm of a block's tokens out is counted with its MLP half twice: its
+    own ``norm2`` and the next block's ``norm1`` (the final norm after the last block), so the curves
+    in (n, k) add up exactly.
+    """
+    if method not in POOL_FLOPS:
+        raise InputError(f"no closed-form GFLOPs count of method {method!r}'s pooling step; give a latency "
+                         f"target with a cost table, or one of {', '.join(sorted(POOL_FLOPS))}")
+    first = next(iter(model.blocks))
+    dim, hidden = model.embed_dim, first.mlp.fc1.out_features
+    n_tokens, prefix, depth = model.patch_embed.num_patches, model.num_prefix_tokens, len(list(model.blocks))
+    patch = model.patch_embed.proj
+    embed = n_tokens * patch.in_channels * patch.kernel_size[0] * patch.kernel_size[1] * dim
+    head = dim * model.head.out_features if isinstance(model.head, nn.Linear) else 0
+    points = grid(n_tokens, step or (1 if n_tokens <= 64 else 8))
+
+    def attn(n: int) -> float:  # qkv, Q K^T and A V, projection
+        t = n + prefix
+        return (3 * t * dim * dim + 2 * t * t * dim + t * dim * dim) / 1e9
+
+    def mlp(k: int) -> float:  # fc1, fc2, and the two norms of the tokens out
+        t = k + prefix
+        return (2 * t * dim * hidden + 2 * NORM_FLOPS * t * dim) / 1e9
+
+    pool = POOL_FLOPS[method]
+    surface = PoolSurface(tuple(points), tuple(
+        Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, dim) / 1e9 for k in points if k <= n))
+        for n in points))
+    fixed = (embed + head + NORM_FLOPS * (n_tokens + prefix) * dim) / 1e9  # the first block's norm1
+    return CostModel("gflops", num_tokens=n_tokens, prefix=prefix, depth=depth, fixed=fixed,
+                     attn=Curve(tuple(points), tuple(attn(n) for n in points)),
+                     mlp=Curve(tuple(points), tuple(mlp(k) for k in points)), pool=surface,
+                     key={"model": type(model).__name__, "embed_dim": dim, "method": method})
+
+
+def target_cost_model(target: CostTarget, model: nn.Module) -> CostModel:
+    """The cost model a target is measured in: its table (checked against its recorded hash), or the GFLOPs."""
+    if target.cost == "gflops":
+        return gflops_cost_model(model, target.method)
+    if target.table_sha256 is not None and file_sha256(target.table) != target.table_sha256:
+        raise InputError(f"the cost table {target.table} changed since this K search was planned (sha256 "
+                         f"{target.table_sha256[:12]}...); rerun `pipeline run` so that the stage's identity "
+                         "follows it")
+    table = load_cost_model(target.table)
+    n_tokens, depth = model.patch_embed.num_patches, len(list(model.blocks))
+    if table.key.get("embed_dim", model.embed_dim) != model.embed_dim:
+        raise InputError(f"the cost table {target.table} times width {table.key['embed_dim']}; this model is "
+                         f"{model.embed_dim} wide (give one table per width: {{arch}} in the path)")
+    if (table.num_tokens, table.depth, table.prefix) != (n_tokens, depth, model.num_prefix_tokens):
+        raise InputError(f"the cost table {target.table} is for N={table.num_tokens}, depth {table.depth}, prefix "
+                         f"{table.prefix}; this model has N={n_tokens}, depth {depth}, prefix "
+                         f"{model.num_prefix_tokens}")
+    return table
+
+
+def target_fraction(target: CostTarget, costs: CostModel) -> float:
+    """The target as a fraction of the unmodified model's cost."""
+    return target.fraction if target.fraction is not None else target.value / costs.unmodified()
+
+
+def retentions(model: nn.Module) -> list[Tensor]:
+    """Each block's soft-extract weights, clamped to [0, 1] with the gradient passed through: L x (N,)."""
+    from pipeline.models.downsampling import unit_interval
+
+    found = [unit_interval(block.retention) for block in model.blocks if hasattr(block, "retention")]
+    if not found:
+        raise InputError("the model has no soft-extract layers; apply_downsampling(..., soft_extract=True)")
+    return found
+
+
+def soft_keep(weights: list[Tensor]) -> Tensor:
+    """The expected token count of each block (its retained mass), made non-increasing as the effective keep
+    list is: (L,), differentiable in the weights."""
+    counts, previous = [], None
+    for weight in weights:
+        mass = weight.sum()
+        previous = mass if previous is None else torch.minimum(previous, mass)
+        counts.append(previous)
+    return torch.stack(counts)
+
+
+@dataclass
+class TargetSearch:
+    """The self-adjusting penalty of one K search toward ``fraction`` of the unmodified cost."""
+
+    costs: CostModel
+    fraction: float
+    dual_rate: float
+    quadratic: float
+    dual: float = 0.0  # mu: its sign says which way the task loss pulls against the target
+    last_ratio: Tensor | None = None
+
+    @classmethod
+    def build(cls, target: CostTarget, model: nn.Module) -> TargetSearch:
+        costs = target_cost_model(target, model)
+        return cls(costs, target_fraction(target, costs), target.dual_rate, target.quadratic)
+
+    def ratio(self, model: nn.Module) -> Tensor:
+        """rho: the expected cost of the soft keep list over the unmodified model's, differentiable."""
+        weights = retentions(model)
+        return self.costs.expected(soft_keep(weights).double()) / self.costs.unmodified()
+
+    def penalty(self, model: nn.Module) -> Tensor:
+        rho = self.ratio(model)
+        self.last_ratio = rho.detach()
+        return (self.dual * rho + self.quadratic * (rho - self.fraction) ** 2).float()
+
+    def update(self) -> None:
+        """The dual step after an optimiser step: mu grows while the search costs more than the target."""
+        if self.last_ratio is not None:
+            self.dual += self.dual_rate * (float(self.last_ratio) - self.fraction)
+
+    def result(self, model: nn.Module) -> tuple[list[int], dict[str, float]]:
+        """The rounded keep list and how the search landed: ``target_landed`` (rho before rounding),
+        ``target_rounded`` (the keep list's predicted ratio), ``target`` and ``target_dual``."""
+        with torch.no_grad():
+            landed = float(self.ratio(model))
+            weights = [w.detach().double() for w in retentions(model)]
+        keep = round_keep(weights, self.costs, self.fraction * self.costs.unmodified())
+        return keep, {"target": self.fraction, "target_landed": landed,
+                      "target_rounded": self.costs.predict(keep) / self.costs.unmodified(), "target_dual": self.dual}
+
+
+def candidates(costs: CostModel) -> list[int]:
+    """The token counts a rounded keep list takes: the points of the cost curves (where their steps are) and N;
+    0 (only the prefix goes on) only for a model with prefix tokens."""
+    points = {*costs.attn.xs, *costs.mlp.xs, *costs.pool.ns, *(x for c in costs.pool.curves for x in c.xs),
+              costs.num_tokens}
+    low = 0 if costs.prefix > 0 else 1
+    return sorted(p for p in points if low <= p <= costs.num_tokens)
+
+
+def round_keep(weights: list[Tensor], costs: CostModel, limit: float) -> list[int]:
+    """The non-increasing keep list over ``candidates(costs)`` with the most kept retention mass (keeping k tokens
+    in block l keeps its ranks 0..k-1: ``sum(weights[l][:k])``) whose predicted cost is at most ``limit``.
+
+    Exact: a dynamic program over blocks whose state is the count kept so far, holding for each state the Pareto
+    front of (cost so far, mass so far); "no pooling step" (k = the count received) is one of the choices. Raises
+    InputError when even the cheapest list costs more than ``limit``.
+    """
+    counts = candidates(costs)
+    mass = [torch.cat([w.new_zeros(1), w.cumsum(0)]).tolist() for w in weights]  # mass[l][k]
+    fronts: dict[int, list[tuple[float, float, tuple[int, ...]]]] = {costs.num_tokens: [(costs.fixed, 0.0, ())]}
+    for layer in range(costs.depth):
+        nxt: dict[int, list[tuple[float, float, tuple[int, ...]]]] = {}
+        for n, front in fronts.items():
+            for k in (c for c in counts if c <= n):
+                step = costs.block(n, k)
+                gain = mass[layer][min(k, len(mass[layer]) - 1)]
+                nxt.setdefault(k, []).extend((cost + step, value + gain, keep + (k,)) for cost, value, keep in front
+                                             if cost + step <= limit + 1e-12 * abs(limit))
+        fronts = {k: _pareto(items) for k, items in nxt.items() if items}
+    best = max((item for front in fronts.values() for item in front), key=lambda i: (i[1], -i[0]), default=None)
+    if best is None:
+        cheapest = costs.predict([counts[0]] * costs.depth)
+        raise InputError(f"no keep list costs at most {limit:.4g} {costs.unit}: the cheapest over the cost model's "
+                         f"counts costs {cheapest:.4g} (unmodified {costs.unmodified():.4g}); raise the target")
+    return list(best[2])
+
+
+def _pareto(items: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[float, float, tuple[int, ...]]]:
+    """The items no other item beats in both cost (lower) and mass (higher)."""
+    front, best = [], float("-inf")
+    for item in sorted(items, key=lambda i: (i[0], -i[1])):
+        if item[1] > best:
+            front.append(item)
+            best = item[1]
+    return front
+
+
+@dataclass(frozen=True)
+class TargetCost:
+    """A finetuned model against the K-search target of its level (one row of the report's target table)."""
+
+    target: str  # the level name (lat0.8, gf0.5)
+    unit: str  # "ms" or "gflops"
+    target_cost: float  # the target as an absolute figure
+    predicted: float | None  # the cost model's figure at the model's keep list, for its method
+    measured: float | None  # GFLOPs: the evaluate stage's fvcore count; ms: None (see ``status``)
+    status: str  # how ``measured`` came about, or why there is none
+
+
+def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[int], gflops: float,
+                measure: Callable[[CostModel, list[int]], tuple[float | None, str]] | None = None) -> TargetCost:
+    """``model`` (the finetune's network: its structure only) with ``method`` at ``keep`` against ``target``.
+
+    A GFLOPs target is predicted with the closed forms for the model's own method (its pooling step may cost more
+    than the searched method's) and measured by the evaluate stage's count. A latency target is predicted with its
+    table; ``measure(table, keep)`` (``dag.latency.measure_on_table``) gives the measured ratio to the unmodified
+    model, or None and why (another machine or setting than the table's key), for the table's own method only.
+    """
+    if target.cost == "gflops":
+        costs = gflops_cost_model(model, target.method)
+        limit = target_fraction(target, costs) * costs.unmodified()
+        predicted = gflops_cost_model(model, method).predict(keep) if method in POOL_FLOPS else None
+        return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
+    costs = target_cost_model(target, model)
+    limit, full = target_fraction(target, costs) * costs.unmodified(), costs.unmodified()
+    table_method = costs.key.get("method")
+    if table_method not in (None, method):
+        return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None,
+                          f"predicted (the table times {table_method}, not {method})")
+    ratio, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)
+    return TargetCost(target.label, costs.unit, limit, costs.predict(keep),
+                      None if ratio is None else ratio * full, status)
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What the check of a searched keep list against the machine found, and the list the finetunes get."""
+
+    keep: list[int]  # the searched list, or the repaired one
+    searched: list[int]
+    measured: float | None  # the final list's measured cost ratio; None where it could not be measured
+    status: str
+    tries: int = 0  # roundings under a tightened limit
+    first: float | None = None  # the searched list's measured cost ratio
+
+
+def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: list[int],
+                measure: Callable[[CostModel, list[int]], tuple[float | None, str]], tries: int = 3) -> Repair:
+    """Measures ``keep`` (the rounding's list) and, while it measures over ``fraction`` of the unmodified model,
+    rounds the retention again under a limit tightened by target / measured (at most ``tries`` times).
+
+    ``measure(costs, keep)``: the measured cost ratio to the unmodified model, or None and why. A list that still
+    measures over the target after ``tries`` is kept, and its status says so.
+    """
+    ratio, status = measure(costs, keep)
+    limit, searched, tried, first = fraction * costs.unmodified(), list(keep), 0, ratio
+    while ratio is not None and ratio > fraction and tried < tries:
+        limit *= fraction / ratio
+        tried += 1
+        try:
+            keep = round_keep(weights, costs, limit)
+        except InputError:
+            return Repair(keep, searched, ratio, f"over the target ({ratio:.3f} > {fraction:.3f}) and no list fits a "
+                          "tighter limit; " + status, tried, first)
+        ratio, status = measure(costs, keep)
+    if ratio is not None and ratio > fraction:
+        status = f"still over the target after {tried} repair(s): " + status
+    return Repair(keep, searched, ratio, status, tried, first)

@@ -1,0 +1,189 @@
+"""pipeline.bench.blocks and pipeline.bench.latency: latency tables measured at a tiny size, checked against
+brute-force sums, numpy's interpolation and scipy's Kendall tau (never their own output); no timing asserted."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from pipeline.bench.blocks import (
+    BlocksSettings,
+    ModelSpec,
+    assemble,
+    cell_names,
+    measure_table,
+    partial_path,
+    setup,
+    table_key,
+)
+from pipeline.bench.latency import CheckRow, held_out_lists, kendall_tau, run_check, summarize
+from pipeline.cost import check_key, load_cost_model, save_cost_model
+from pipeline.errors import InputError
+from pipeline.methods import method_spec
+
+TINY = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=4)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The measurements set torch's threads (the table's setting); later tests get theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def settings(method: str = "wkmedoids", batch: int = 2, **more) -> BlocksSettings:
+    return BlocksSettings(TINY, method, method_spec(method).resolve(method, {}), batch=batch, step=8, warmup=1,
+                          repeats=2, min_sample_s=0.0, **({"threads": 1} | more))
+
+
+def brute_force(data: dict, keep: list[int]) -> float:
+    """A keep list's ms from the table's JSON alone: numpy's interpolation of each curve, summed by hand."""
+    attn = lambda x: np.interp(x, data["attn"]["xs"], data["attn"]["ys"])  # noqa: E731
+    mlp = lambda x: np.interp(x, data["mlp"]["xs"], data["mlp"]["ys"])  # noqa: E731
+    ns, curves = data["pool"]["ns"], data["pool"]["curves"]
+
+    def pool(n: int, k: int) -> float:
+        row = curves[ns.index(n)]  # the tiny grid's n are all measured rows
+        return float(np.interp(k, row["xs"], row["ys"])) if len(row["xs"]) > 1 else row["ys"][0]
+
+    total, n = data["fixed"], data["num_tokens"]
+    for k in keep:
+        total += attn(n) + (pool(n, k) if 0 < k < n else 0.0) + mlp(k)
+        n = k
+    return total
+
+
+def test_a_measured_table_predicts_the_brute_force_sum_of_its_parts(tmp_path):
+    table, out = measure_table(settings(), tmp_path / "t.json", log=lambda line: None)
+    data = json.loads(out.read_text())
+    loaded = load_cost_model(out)
+    assert loaded == table and not partial_path(out).exists()
+    assert data["attn"]["xs"] == [0, 8, 16] and data["pool"]["ns"] == [16] and data["pool"]["curves"][0]["xs"] == [8]
+    for keep in ([16, 16], [16, 8], [8, 8], [8, 0], [16, 0]):
+        assert loaded.predict(keep) == pytest.approx(brute_force(data, keep))
+    key = data["key"]
+    assert key["device"] != "x86_64" and key["method"] == "wkmedoids" and key["batch"] == 2 and key["threads"] == 1
+    assert key["options"]["iters"] == 5 and key["kernels"] and key["embed_dim"] == 16 and key["num_tokens"] == 16
+    assert key["clock"] == "wall"
+
+
+def test_the_cpu_clock_needs_one_thread_and_is_recorded(tmp_path):
+    with pytest.raises(InputError, match="--threads 1"):
+        measure_table(settings(threads=2, clock="cpu"), tmp_path / "t.json", log=lambda line: None)
+    table, out = measure_table(settings(clock="cpu"), tmp_path / "t.json", log=lambda line: None)
+    assert table.key["clock"] == "cpu" and table.attn(16) > 0
+
+
+def test_assemble_converts_planted_ratios_as_documented():
+    """Planted cell ratios against a 10 ms reference block: curves are ratio x 10 ms, the step is the pooled
+    block's ms less its halves, the fixed part is the model's ms less its blocks."""
+    names = cell_names(16, 8, 1)
+    cells = {name: {"ratio": 0.5, "iqr": 0.0, "base_ms": 10.0, "calls": 1} for name in names}
+    cells["attn/16"]["ratio"], cells["mlp/16"]["ratio"], cells["mlp/8"]["ratio"] = 0.4, 0.6, 0.3
+    cells["model"]["ratio"], cells["pool/16/8"] = 2.5, {"ratio": 1.2, "iqr": 0.0, "base_ms": 3.0, "calls": 1}
+    table = assemble({}, cells, num_tokens=16, prefix=1, depth=2, step=8)
+    assert table.attn(16) == pytest.approx(4.0) and table.mlp(8) == pytest.approx(3.0)
+    assert table.pool(16, 8) == pytest.approx(1.2 * (4.0 + 6.0) - 4.0 - 3.0)
+    assert table.fixed == pytest.approx(25.0 - 2 * 10.0)
+    assert table.key["reference_ms"] == 10.0  # the pooling cells' own references are not the block at N
+
+
+def test_a_stopped_measurement_resumes_from_its_partial_file(tmp_path):
+    out, lines = tmp_path / "t.json", []
+
+    def stop_after_three(line: str) -> None:
+        lines.append(line)
+        if len(lines) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_table(settings(), out, log=stop_after_three)
+    assert len(json.loads(partial_path(out).read_text())["cells"]) == 3 and not out.exists()
+    again: list[str] = []
+    measure_table(settings(), out, log=again.append)
+    total = len(cell_names(16, 8, 1))
+    assert again[0].startswith(f"[blocks] resuming {partial_path(out)}: 3/{total} cells measured")
+    assert re.match(rf"\[blocks\] 4/{total} ", again[1]) and len(again) == 1 + total - 3
+    assert out.is_file() and not partial_path(out).exists()
+
+
+def test_a_table_under_another_key_is_refused_naming_the_field_and_accepted_as_predicted(tmp_path):
+    table, out = measure_table(settings(), tmp_path / "t.json", log=lambda line: None)
+    with pytest.raises(InputError, match=r"batch: 2 != 3"):  # measuring into it at another batch
+        measure_table(settings(batch=3), out, log=lambda line: None)
+    s = settings()
+    device, model = setup(s)
+    here = table_key(s, model, device)
+    other = replace(table, key={**here, "device": "Some Other CPU", "threads": 64})
+    with pytest.raises(InputError, match=r"(?s)device: 'Some Other CPU' != .*\n  threads: 64 != 1\n.*--other-device"):
+        check_key(other, here)
+    accepted = check_key(other, here, other_device=True)
+    assert accepted.predicted and not other.predicted
+    with pytest.raises(InputError, match=r"method: 'tome' != 'wkmedoids'") as refused:
+        check_key(replace(other, key={**other.key, "method": "tome"}), here, other_device=True)
+    assert "device" not in str(refused.value)  # the override covers the machine, never what was measured
+
+
+def test_kendall_tau_and_the_errors_against_scipy_and_by_hand():
+    rng = random.Random(3)
+    for _ in range(20):
+        a = [rng.choice([0.1, 0.2, 0.3, 0.4, 0.5]) for _ in range(9)]  # ties on both sides
+        b = [rng.choice([1.0, 2.0, 3.0, 4.0]) for _ in range(9)]
+        assert kendall_tau(a, b) == pytest.approx(scipy.stats.kendalltau(a, b).statistic)
+    rows = [CheckRow("a", [], 0.5, 0.5, 0.0), CheckRow("b", [], 0.66, 0.6, 0.0), CheckRow("c", [], 0.76, 0.8, 0.0),
+            CheckRow("d", [], 0.9, 0.75, 0.0)]
+    s = summarize(rows)
+    assert s.median_abs_error == pytest.approx((0.05 + 0.1) / 2)  # |errors| 0, 0.1, 0.05, 0.2
+    assert s.worst_abs_error == pytest.approx(0.2)
+    assert s.tau == pytest.approx((5 - 1) / 6)  # one discordant pair (c, d) of six
+
+
+def test_the_check_measures_planted_lists_and_reports_the_planted_predictions(tmp_path):
+    s = settings("tome")
+    device, model = setup(s)
+    table, _ = measure_table(s, tmp_path / "t.json", log=lambda line: None)
+    lists = held_out_lists(table, 4, seed=1, levels=True)
+    assert len(lists) == 4 and all(label.startswith("random") for label, _ in lists)  # no paper levels at 16 px
+    for _, keep in lists:
+        assert all(b <= a for a, b in zip([16, *keep], keep)) and any(b < a for a, b in zip([16, *keep], keep))
+    checked, rows = run_check(table, count=4, seed=1, levels=True, other_device=False, warmup=1, repeats=1,
+                              log=lambda line: None)
+    assert [row.keep for row in rows] == [keep for _, keep in lists]
+    for row in rows:
+        assert row.predicted == pytest.approx(table.predict(row.keep) / table.unmodified()) and row.measured > 0
+    moved = replace(table, key={**table.key, "device": "Some Other CPU"})
+    with pytest.raises(InputError, match="device: 'Some Other CPU'"):
+        run_check(moved, count=2, seed=1, levels=False, other_device=False, warmup=1, repeats=1)
+    assert not checked.predicted
+
+
+def test_the_cli_measures_a_table_and_checks_it_as_a_prediction_for_another_device(tmp_path, capsys):
+    """The real command line, in this process (``cli.main``: the parser, the error handling, the output)."""
+    from pipeline.cli import main
+
+    out = tmp_path / "t.json"
+    assert main(["bench", "blocks", "--model", "deit_tiny_patch16_224", "--set", "model.img_size=16",
+                 "--set", "model.patch_size=4", "--set", "model.depth=2", "--embed-dim", "16",
+                 "--set", "model.num_heads=2", "--method", "powerbert", "--batch", "1", "--threads", "1",
+                 "--step", "8", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "powerbert" in printed.out and "| 16 |" in printed.out and "[blocks] 1/" in printed.err
+    data = json.loads(out.read_text())
+    data["key"]["device"] = "Some Other CPU"
+    save_cost_model(load_cost_model(out).__class__.from_json(data), out)
+    check = ["bench", "latency-check", str(out), "--lists", "3", "--repeats", "1", "--warmup", "1"]
+    assert main(check) == 2
+    assert "device: 'Some Other CPU' != " in capsys.readouterr().err
+    assert main([*check, "--other-device"]) == 0
+    printed = capsys.readouterr().out
+    assert "(PREDICTED: the table was measured on another machine)" in printed
+    assert re.search(r"^3 lists: median \|error\| [\d.]+%, worst [\d.]+%, Kendall tau (-?[\d.]+|nan)$", printed,
+                     flags=re.M), printed

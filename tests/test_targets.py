@@ -1,0 +1,214 @@
+"""pipeline.targets: the GFLOPs cost model against fvcore, the rounding against brute force, the penalty's
+gradient against the table's slopes, and the self-adjusting strength landing on its target."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.config import CostTarget
+from pipeline.cost import CostModel, Curve, PoolSurface
+from pipeline.errors import InputError
+from pipeline.flops import count_flops
+from pipeline.models import create_model, retention_penalty
+from pipeline.targets import TargetSearch, candidates, gflops_cost_model, repair_keep, round_keep
+
+DEMO = {"img_size": 28, "patch_size": 4, "depth": 4, "num_heads": 2, "num_classes": 10, "embed_dim": 32}
+
+
+def _table(scale: float = 1.0) -> CostModel:
+    """A hand-made table, N = 8, 3 blocks: attention steep above 4 tokens, a pooling step dearer with more tokens."""
+    attn = Curve((0, 2, 4, 6, 8), tuple(scale * y for y in (1.0, 1.2, 1.4, 3.0, 4.6)))
+    mlp = Curve((0, 2, 4, 6, 8), tuple(scale * y for y in (0.5, 1.0, 1.5, 2.0, 2.5)))
+    pool = PoolSurface((2, 4, 6, 8), tuple(Curve(tuple(range(0, n + 1, 2)), tuple(scale * (0.1 * n + 0.05 * k)
+                                                                                 for k in range(0, n + 1, 2)))
+                                           for n in (2, 4, 6, 8)))
+    return CostModel("ms", num_tokens=8, prefix=1, depth=3, fixed=scale * 0.3, attn=attn, mlp=mlp, pool=pool)
+
+
+def _brute_force(weights: list[torch.Tensor], costs: CostModel, limit: float) -> tuple[float, list[int]]:
+    """Every non-increasing list over the candidate counts: the most kept mass within ``limit``."""
+    best = (float("-inf"), [])
+    for keep in itertools.product(candidates(costs), repeat=costs.depth):
+        if any(b > a for a, b in zip(keep, keep[1:])) or costs.predict(list(keep)) > limit:
+            continue
+        mass = sum(float(w[:k].sum()) for w, k in zip(weights, keep))
+        best = max(best, (mass, list(keep)), key=lambda b: b[0])
+    return best
+
+
+def test_gflops_cost_model_equals_fvcore():
+    for method, keep in (("powerbert", [10, 8, 8, 3]), ("wkmedoids", [40, 20, 20, 0])):
+        model = create_model("deit_tiny_patch16_224", method=method, keep=keep, **DEMO)
+        assert gflops_cost_model(model, method).predict(keep) == pytest.approx(count_flops(model).total, rel=1e-12)
+    assert gflops_cost_model(model, method).unmodified() == pytest.approx(
+        count_flops(create_model("deit_tiny_patch16_224", **DEMO)).total, rel=1e-12)
+    with pytest.raises(InputError, match="no closed-form GFLOPs count of method 'tome'"):
+        gflops_cost_model(model, "tome")
+
+
+def test_rounding_equals_brute_force_on_small_cases():
+    costs, generator = _table(), torch.Generator().manual_seed(0)
+    for _ in range(12):
+        weights = [torch.rand(8, generator=generator, dtype=torch.float64) for _ in range(3)]
+        for fraction in (0.4, 0.5, 0.7, 0.9, 1.0):
+            limit = fraction * costs.unmodified()
+            keep = round_keep(weights, costs, limit)
+            mass, _ = _brute_force(weights, costs, limit)
+            assert costs.predict(keep) <= limit
+            assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == pytest.approx(mass)
+    with pytest.raises(InputError, match="no keep list costs at most"):
+        round_keep(weights, costs, 0.1 * costs.unmodified())
+
+
+def test_a_different_retention_gives_a_different_list():
+    costs = _table()
+    early = [torch.tensor([1.0] * 8, dtype=torch.float64), torch.tensor([0.9] * 8, dtype=torch.float64),
+             torch.tensor([0.0] * 8, dtype=torch.float64)]
+    late = [torch.tensor([1.0] * 8, dtype=torch.float64), torch.tensor([0.1] * 8, dtype=torch.float64),
+            torch.tensor([0.9] * 8, dtype=torch.float64)]
+    limit = 0.6 * costs.unmodified()
+    assert round_keep(early, costs, limit) != round_keep(late, costs, limit)
+    assert round_keep(early, costs, limit) == _brute_force(early, costs, limit)[1]
+    assert round_keep(late, costs, limit) == _brute_force(late, costs, limit)[1]
+
+
+def test_a_table_proportional_to_flops_gives_the_gflops_targets_lists():
+    model = create_model("deit_tiny_patch16_224", **DEMO)
+    flops = gflops_cost_model(model, "wkmedoids", step=8)
+    scale = 3.7  # ms per GFLOP
+    table = CostModel("ms", flops.num_tokens, flops.prefix, flops.depth, scale * flops.fixed,
+                      Curve(flops.attn.xs, tuple(scale * y for y in flops.attn.ys)),
+                      Curve(flops.mlp.xs, tuple(scale * y for y in flops.mlp.ys)),
+                      PoolSurface(flops.pool.ns, tuple(Curve(c.xs, tuple(scale * y for y in c.ys))
+                                                       for c in flops.pool.curves)))
+    generator = torch.Generator().manual_seed(1)
+    lists = set()
+    for _ in range(4):
+        weights = [torch.rand(49, generator=generator, dtype=torch.float64).sort(descending=True).values
+                   * torch.rand(1, generator=generator, dtype=torch.float64) for _ in range(4)]  # blocks differ
+        for fraction in (0.4, 0.6, 0.8):
+            keep = round_keep(weights, flops, fraction * flops.unmodified())
+            assert keep == round_keep(weights, table, fraction * table.unmodified())
+            lists.add(tuple(keep))
+    assert len(lists) > 3  # the lists do depend on the retention and the target
+
+
+class _Searched(nn.Module):
+    """What the search reads of a model: blocks with soft-extract weights."""
+
+    def __init__(self, depth: int, tokens: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(depth))
+        for block in self.blocks:
+            block.retention = nn.Parameter(torch.ones(tokens))
+
+
+def test_the_penaltys_gradient_follows_the_tables_slope():
+    costs, model = _table(), _Searched(3, 8)
+    with torch.no_grad():  # expected counts 5, 3, 1: inside the segments (4, 6), (2, 4), (0, 2)
+        for block, mass in zip(model.blocks, (5.0, 3.0, 1.0)):
+            block.retention.fill_(mass / 8)
+    search = TargetSearch(costs, fraction=0.5, dual_rate=1.0, quadratic=0.0, dual=1.0)  # the penalty is rho
+    search.penalty(model).backward()
+    unmodified = costs.unmodified()
+    # d cost / d K_l: the MLP half's slope at K_l, the next block's attention slope at K_l, and the pooling
+    # steps' slopes (this block's in k, the next one's in n), read off the points by hand.
+    slope = {"mlp": 0.25, "attn_2_4": 0.1, "attn_0_2": 0.1, "pool_k": 0.05}
+    pool_n = 0.1  # d pool(n, k) / dn at fixed k (0.1 n + 0.05 k)
+    expected = [slope["mlp"] + slope["pool_k"] + slope["attn_2_4"] * 0 + 0.8 + pool_n,  # next attn at 5: (4,6)
+                slope["mlp"] + slope["pool_k"] + slope["attn_2_4"] + pool_n,
+                slope["mlp"] + slope["pool_k"]]
+    for block, want in zip(model.blocks, expected):
+        assert torch.allclose(block.retention.grad, torch.full((8,), want / unmodified, dtype=torch.float32))
+    # PoWER-BERT's penalty weighs blocks by their index instead: 1, 2, 3.
+    model.zero_grad()
+    retention_penalty(model, 1.0).backward()
+    assert [float(b.retention.grad[0]) for b in model.blocks] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("pull", [0.5, 0.005, -0.05])
+def test_the_strength_adjusts_until_the_search_lands_on_the_target(pull):
+    # A task loss that pulls every weight up (or down) with any strength: the search lands on the target anyway.
+    costs, model, defaults = _table(), _Searched(3, 8), CostTarget(cost="gflops", fraction=0.55)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    search = TargetSearch(costs, fraction=0.55, dual_rate=defaults.dual_rate, quadratic=defaults.quadratic)
+    for _ in range(200):
+        loss = -pull * sum(b.retention.sum() for b in model.blocks) + search.penalty(model)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            for block in model.blocks:
+                block.retention.clamp_(0.0, 1.0)
+        search.update()
+    keep, landed = search.result(model)
+    assert landed["target_landed"] == pytest.approx(0.55, abs=0.003)  # before any rounding
+    assert landed["target_rounded"] <= 0.55 and costs.predict(keep) <= 0.55 * costs.unmodified()
+    assert landed["target_rounded"] == pytest.approx(costs.predict(keep) / costs.unmodified())
+
+
+def test_targets_are_checked_when_loaded():
+    with pytest.raises(ValueError, match="fraction .* or value .* exactly one"):
+        CostTarget(cost="gflops")
+    with pytest.raises(ValueError, match="a latency target needs table"):
+        CostTarget(cost="latency", fraction=0.5)
+    with pytest.raises(ValueError, match="takes none"):
+        CostTarget(cost="gflops", fraction=0.5, table="t.json")
+    assert CostTarget(cost="latency", value=12, table="t.json").label == "lat12ms"
+    assert CostTarget(cost="gflops", fraction=0.5).label == "gf0.5"
+
+
+def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(tmp_path):
+    from dataclasses import replace
+
+    from pipeline.bench.blocks import BlocksSettings, ModelSpec, measure_table
+    from pipeline.dag.latency import measure_on_table
+    from pipeline.methods import method_spec
+
+    threads = torch.get_num_threads()
+    spec = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                     num_classes=4)
+    settings = BlocksSettings(spec, "powerbert", method_spec("powerbert").resolve("powerbert", {}), batch=2, step=8,
+                              warmup=1, repeats=2, min_sample_s=0.0, threads=1)
+    table, _ = measure_table(settings, tmp_path / "table.json", log=lambda _: None)
+    torch.set_num_threads(threads)
+    ratio, status = measure_on_table(table, [8, 8], log=lambda _: None)
+    assert ratio is not None and 0 < ratio and status.startswith("measured (paired")
+    assert torch.get_num_threads() == threads  # the table's threads for the measurement only
+    elsewhere = replace(table, key={**table.key, "device": "another CPU"})
+    ratio, status = measure_on_table(elsewhere, [8, 8], log=lambda _: None)
+    assert ratio is None and "device: 'another CPU' != " in status and status.startswith("predicted")
+
+
+def test_a_list_that_measures_over_the_target_is_repaired():
+    costs = _table()
+    weights = [torch.linspace(1.0, 0.2, 8, dtype=torch.float64) for _ in range(3)]
+    keep = round_keep(weights, costs, 0.7 * costs.unmodified())
+
+    def slower_pooling(table: CostModel, keep: list[int]) -> tuple[float, str]:
+        """A machine whose pooling steps take 6x the table's time (written out, not the table's predict)."""
+        total, n = table.fixed, table.num_tokens
+        for k in keep:
+            total += table.attn(n) + table.mlp(k) + (6 * table.pool(n, k) if 0 < k < n else 0.0)
+            n = k
+        return total / table.unmodified(), "measured"
+
+    assert slower_pooling(costs, keep)[0] > 0.7  # the rounding's list misses the target on this machine
+    repair = repair_keep(weights, costs, 0.7, keep, slower_pooling)
+    assert repair.searched == keep and repair.keep != keep and repair.tries >= 1 and repair.first > 0.7
+    assert repair.measured == slower_pooling(costs, repair.keep)[0] <= 0.7
+    unmeasured = repair_keep(weights, costs, 0.7, keep, lambda table, keep: (None, "predicted (another machine)"))
+    assert unmeasured.keep == keep and unmeasured.measured is None and unmeasured.status.startswith("predicted")
+
+
+def test_the_retention_weights_come_back_from_a_checkpoint_in_block_order(tmp_path):
+    from pipeline.dag.latency import retention_weights
+
+    weights = {f"blocks.blocks.{i}.retention": torch.full((4,), i / 12) for i in range(12)}  # 10 sorts before 2 as text
+    torch.save({"model": {"pos_embed": torch.zeros(1), **dict(reversed(list(weights.items())))}},
+               tmp_path / "checkpoint.pt")
+    assert [float(w[0]) for w in retention_weights(str(tmp_path))] == pytest.approx([i / 12 for i in range(12)])
