@@ -15,14 +15,11 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from pipeline.dag.records import DONE, STAGE_KIND, TRAINED_RUN
+from pipeline.dag.records import DONE, LATENCY_METRIC, LATENCY_TABLE_TAG, STAGE_KIND, TRAINED_RUN
 from pipeline.errors import InputError, MissingFileError
 from pipeline.tracking import store_missing
 
 EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # experiment.name's pattern: safe inside a quoted filter
-# On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
-# table's sha256.
-LATENCY_METRIC, LATENCY_TABLE_TAG = "latency_ms", "pipeline.latency_table"
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
     table, other = tmp_path / "table.json", tmp_path / "other.json"
     table.write_text('{"a": 1}\n')
     other.write_text('{"b": 2}\n')
-    from pipeline.budget import LATENCY_METRIC, LATENCY_TABLE_TAG
+    from pipeline.dag.records import LATENCY_METRIC, LATENCY_TABLE_TAG
     from pipeline.targets import file_sha256
 
     for name, top1, ms, against in (("fast", 70.0, 3.0, table), ("slow", 80.0, 6.0, table),

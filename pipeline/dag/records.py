@@ -22,6 +22,9 @@ DONE = "pipeline.done"
 RESULT = "pipeline.result"
 DAG = "pipeline.dag"
 TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of its model
+# On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
+# table's sha256.
+LATENCY_METRIC, LATENCY_TABLE_TAG = "latency_ms", "pipeline.latency_table"
 
 
 def find_done(client: MlflowClient, exp_id: str, stage_id: str) -> tuple[dict[str, Any], str] | None:

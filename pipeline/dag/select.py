@@ -64,7 +64,7 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
 def record_latency(client, rows: list[dict[str, Any]], evaluations: dict[str, EvalResult]) -> None:
     """The measured latency of each target row on its evaluate run, with its table's hash: what ``pipeline select
     --max-latency-ms`` reads."""
-    from pipeline.budget import LATENCY_METRIC, LATENCY_TABLE_TAG
+    from pipeline.dag.records import LATENCY_METRIC, LATENCY_TABLE_TAG
     from pipeline.tracking import log_batch
 
     for row in rows:
