@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.processes import ROOT
 
@@ -113,3 +114,23 @@ RUN echo apt-get install not-this-one
     stages = check_runtime.parse_stages(text)
     assert [(s.base, s.name) for s in stages] == [("debian:bookworm", "one")]
     assert check_runtime.apt_installed(stages[0]) == {"foo", "bar", "qux", "quux"}
+
+
+def pod_specs(node):
+    """Every pod spec (a mapping with `containers`) in a parsed manifest."""
+    if isinstance(node, dict):
+        return ([node] if "containers" in node else []) + [s for v in node.values() for s in pod_specs(v)]
+    return [s for v in node for s in pod_specs(v)] if isinstance(node, list) else []
+
+
+@pytest.mark.parametrize("manifest", ["raycluster.yaml", "rayjob.yaml", "data-job.yaml"])
+def test_the_manifests_run_the_images_as_their_non_root_user(manifest):
+    specs = [s for doc in yaml.safe_load_all((ROOT / "jobs" / "k8s" / manifest).read_text()) if doc
+             for s in pod_specs(doc)]
+    assert specs
+    for pod in specs:
+        image = pod["containers"][0]["image"]
+        kind = image.rsplit(":", 1)[1]
+        users = check_runtime.parse_stages((ROOT / "docker" / f"Dockerfile.{kind}").read_text())[-1].args("USER")
+        assert users and users[-1] != "0" and pod["securityContext"] == {"runAsNonRoot": True,
+                                                                          "runAsUser": int(users[-1])}, image
