@@ -254,9 +254,9 @@ def owners(paths: set[str]) -> dict[str, str]:
 
 def system_needs(venv: Path) -> list[Need]:
     """The system libraries (outside ``venv``) that the extensions load, with their packages."""
-    needs = []
+    needs, inside = [], (f"{venv}/", f"{venv.resolve()}/")
     for ext in extensions():
-        files = {so: path for so, path in linked_files(ext).items() if not path.startswith(str(venv) + "/")}
+        files = {so: path for so, path in linked_files(ext).items() if not path.startswith(inside)}
         packages = owners(set(files.values()))
         for so, path in sorted(files.items()):
             if path not in packages:
@@ -295,17 +295,21 @@ class Debian:
                 essential.add(package)
         return cls(depends, provides, frozenset(essential))
 
+    def real(self, package: str) -> str:
+        """An installed package by that name, else one that provides it (a virtual package)."""
+        return package if package in self.depends else self.provides.get(package, package)
+
     def closure(self, packages: set[str]) -> set[str]:
         """``packages`` and everything apt installs with them (Depends and Pre-Depends, recursively)."""
-        seen, todo = set(), [self.provides.get(p, p) for p in packages]
+        seen, todo = set(), [self.real(p) for p in packages]
         while todo:
             package = todo.pop()
             if package in seen:
                 continue
             seen.add(package)
             for group in self.depends.get(package, []):
-                chosen = next((self.provides.get(alt, alt) for alt in group
-                               if alt in self.depends or alt in self.provides), None)
+                chosen = next((self.real(alt) for alt in group if alt in self.depends or alt in self.provides),
+                              None)
                 if chosen:
                     todo.append(chosen)
         return seen
