@@ -14,9 +14,13 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 SECURITY_MIRROR=${SECURITY_MIRROR:-http://deb.debian.org/debian-security}
-TAG=${BASE_TAG:-localhost/python:3.11-slim-bookworm}
 ENGINE=${ENGINE:-$(command -v podman || command -v docker || true)}
 [ -n "$ENGINE" ] || { echo "base-image.sh: neither podman nor docker is installed" >&2; exit 2; }
+# podman resolves a short FROM name to localhost/NAME first; docker to docker.io/library/NAME, which a
+# local tag of that name stands for (tried with podman only)
+if [ "$(basename "$ENGINE")" = podman ]; then default_tag=localhost/python:3.11-slim-bookworm
+else default_tag=python:3.11-slim-bookworm; fi
+TAG=${BASE_TAG:-$default_tag}
 command -v mmdebstrap >/dev/null || { echo "base-image.sh: mmdebstrap is not installed (apt-get install mmdebstrap)" >&2; exit 2; }
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$here/containers.conf}
 
