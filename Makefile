@@ -10,7 +10,7 @@ STAMP := $(VENV)/.setup-stamp
 APT_PACKAGES := build-essential libturbojpeg0-dev libopencv-dev pkg-config dataset-fashion-mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup system test demo bench clean-venv
+.PHONY: setup system test demo bench images clean-venv
 
 setup: system $(STAMP)
 
@@ -44,6 +44,10 @@ demo: setup
 
 bench: setup
 	$(PY) -m pipeline bench ops configs/bench_ops.yaml --out runs/bench_ops.md
+
+# The CPU and GPU images with podman or docker (settings: docker/build.sh; an offline base: docker/base-image.sh).
+images:
+	docker/build.sh
 
 clean-venv:
 	rm -rf $(VENV)
