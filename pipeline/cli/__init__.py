@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from pipeline.cli import analysis, bench, data, experiments, info, train
+from pipeline.cli import analysis, bench, data, doctor, experiments, info, train
 from pipeline.console import VERBOSE_ENV, quiet_driver
 from pipeline.errors import PipelineError
 
@@ -15,7 +15,7 @@ from pipeline.errors import PipelineError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (info, bench, data, train, experiments, analysis):
+    for group in (info, bench, data, train, experiments, analysis, doctor):
         group.add_commands(commands)
     return parser
 

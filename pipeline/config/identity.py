@@ -20,13 +20,15 @@ ADDED_OPTIONS = {"significance": "eq4"}
 
 def identity_content(config: Config) -> dict[str, Any]:
     """What decides a training stage's result: the resolved config without where results go, without
-    the benchmark sections and execution-only settings (``train.compile``, ``model.patch_embed``), and
+    the benchmark sections, the kernel choice and execution-only settings (``train.compile``, ``model.patch_embed``), and
     with the pooling section only for finetunes, as the method's resolved options (a changed default
     that changes nothing changes no identity)."""
     content = config.model_dump(mode="json")
     for section, key in VOLATILE | EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)
-    for section in ("experiment", "bench", "bench_throughput", "bench_loop"):
+    # ``kernels`` changes how a training runs, not what it learns (the device self-check holds each kernel to
+    # the torch path), so training identities leave it out; an evaluation's identity names it (``dag.plan``).
+    for section in ("experiment", "bench", "bench_throughput", "bench_loop", "kernels"):
         content.pop(section, None)
     pool = config.pooling
     if config.train.mode == "finetune":
