@@ -21,8 +21,8 @@ from pipeline.config.experiment import (
     StageRecipe,
     SweepConfig,
 )
-from pipeline.config.loading import config_hash, dump_config, git_sha, load_config, parse_override, write_resolved
 from pipeline.config.kernels import KernelsConfig
+from pipeline.config.loading import config_hash, dump_config, git_sha, load_config, parse_override, write_resolved
 from pipeline.config.model import ModelConfig
 from pipeline.config.pooling import PoolingConfig
 from pipeline.config.recipe import RecipeConfig
@@ -32,7 +32,8 @@ from pipeline.config.train import TrainConfig
 __all__ = [
     "CONFIG_DIR", "METHOD_OPTION_FIELDS", "SWEEPABLE_SECTIONS", "BenchLoopConfig", "BenchOpsConfig",
     "BenchThroughputConfig", "CompileMode", "Config", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
-    "KernelsConfig", "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem", "ProgressiveConfig", "RecipeConfig",
+    "KernelsConfig", "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem", "ProgressiveConfig",
+    "RecipeConfig",
     "SearchConfig", "Section", "SelectConfig", "StageRecipe", "SweepConfig", "TrainConfig", "config_hash",
     "dump_config", "git_sha", "load_config", "parse_override", "with_setting", "write_resolved",
 ]

@@ -20,9 +20,9 @@ ADDED_OPTIONS = {"significance": "eq4"}
 
 def identity_content(config: Config) -> dict[str, Any]:
     """What decides a training stage's result: the resolved config without where results go, without
-    the benchmark sections, the kernel choice and execution-only settings (``train.compile``, ``model.patch_embed``), and
-    with the pooling section only for finetunes, as the method's resolved options (a changed default
-    that changes nothing changes no identity)."""
+    the benchmark sections, the kernel choice and execution-only settings (``train.compile``,
+    ``model.patch_embed``), and with the pooling section only for finetunes, as the method's resolved
+    options (a changed default that changes nothing changes no identity)."""
     content = config.model_dump(mode="json")
     for section, key in VOLATILE | EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)

@@ -138,7 +138,9 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
 
 def evaluate_stage(config: Config, model_stage: Stage) -> Stage:
     exp = config.experiment
-    meta = StageMeta(method=model_stage.meta.method, level=model_stage.meta.level, eval=exp.eval)
+    chosen = {key: value for key, value in config.kernels.model_dump().items() if value != "auto"}
+    meta = StageMeta(method=model_stage.meta.method, level=model_stage.meta.level, eval=exp.eval,
+                     kernels=chosen or None)
     return Stage("evaluate", model_stage.label.replace("-ft-", "-eval-"), None, [model_stage.id], model_stage.arch,
                  meta)
 

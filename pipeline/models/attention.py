@@ -11,9 +11,10 @@ instead of two. Without autograd (inference) and up to 256 tokens, the CUDA path
 and the scores from one pass instead (``attention_and_significance``, whose CUDA kernel is
 ``attention_with_columns_triton``: every key of a head in one tile, each row normalised exactly,
 P V and the column sums together; the config's ``kernels.attention`` picks ``sdpa``, the fused attention
-and the scores apart, or ``torch``, the joint op's torch implementation, instead). On the CPU a block that needs the scores takes both from one set of logits
-(``attention_and_significance``), unless attention dropout is active; ``dense_segments(True)``
-gives it the CUDA path (op counts), with the CPU's flash kernel. A method with
+and the scores apart, or ``torch``, the joint op's torch implementation, instead). On the CPU a block that
+needs the scores takes both from one set of logits (``attention_and_significance``), unless attention
+dropout is active; ``dense_segments(True)`` gives it the CUDA path (op counts), with the CPU's flash
+kernel. A method with
 ``significance: cls`` gets the class token's row of eq. 4 instead (``cls_significance``, one query
 row a head), next to the fused attention on every device.
 """

@@ -104,6 +104,12 @@ def kernel_record(choice: KernelChoice, device: torch.device | str) -> dict[str,
     return record | {"torch": torch.__version__, "triton": triton_version()}
 
 
+def kernel_params(choice: KernelChoice, device: torch.device | str) -> dict[str, str]:
+    """``kernel_record`` as MLflow params: ``kernels_run.kmedoids``, ..., ``kernels_run.torch``, beside the
+    config's own ``kernels.*`` values."""
+    return {f"kernels_run.{key}": value for key, value in kernel_record(choice, device).items()}
+
+
 def _cuda_record(choice: KernelChoice) -> dict[str, str]:
     has = clustering.kmedoids_triton is not None
     kmedoids = {"auto": "triton-fused", "tiled": "triton-tiled", "torch": "torch"}[choice.kmedoids]
@@ -276,11 +282,18 @@ def _skipped(choice: KernelChoice, device: torch.device, interpret: bool, result
                          "iterations run")
         lines.append("merge, attention: no fused kernel runs on the CPU (the torch path does)")
         if not interpret:
-            lines.append("Triton kernels (kmedoids fused and tiled, kmeans, merge, one-pass attention): they need CUDA; "
-                         "`TRITON_INTERPRET=1 python -m pipeline doctor` runs their code under Triton's interpreter")
+            lines.append("Triton kernels (kmedoids fused and tiled, kmeans, merge, one-pass attention): they need "
+                         "CUDA; `TRITON_INTERPRET=1 python -m pipeline doctor` runs their code under Triton's "
+                         "interpreter")
     elif device.type == "cuda" and triton is None:
         lines.append("Triton kernels: Triton is not installed; the torch path runs")
     return lines
+
+
+def _untimed(result: CheckResult) -> CheckResult:
+    """A check run under Triton's interpreter: its times mean nothing."""
+    return replace(result, implementation=f"{result.implementation} (interpreted)", fused_ms=float("nan"),
+                   torch_ms=float("nan"))
 
 
 def doctor(choice: KernelChoice, device: torch.device | str, *, interpret: bool = False, repeats: int = 5
@@ -290,16 +303,15 @@ def doctor(choice: KernelChoice, device: torch.device | str, *, interpret: bool 
     Triton's interpreter (untimed: interpreted times mean nothing)."""
     device = torch.device(device)
     results = run_checks(choice, device, torch.float32, repeats=repeats)
-    if choice.kmedoids == "auto" and (device.type == "cuda" or interpret):  # the alternative kept for timing, too
-        tiled = replace(choice, kmedoids="tiled")
-        results += [r for r in run_checks(tiled, device, torch.float32, repeats=repeats) if r.implementation ==
-                    "triton-tiled"]
     if device.type == "cuda":
         results += [r for r in run_checks(choice, device, torch.bfloat16, repeats=repeats) if r.kernel == "attention"]
-    if interpret and device.type == "cpu":
-        results += [CheckResult(r.kernel, f"{r.implementation} (interpreted)", r.device, r.dtype, r.error,
-                                r.tolerance, float("nan"), float("nan"))
-                    for r in run_checks(choice, device, torch.float32, interpret=True)]
+    interpreted = interpret and device.type == "cpu"
+    if interpreted:
+        results += [_untimed(r) for r in run_checks(choice, device, torch.float32, interpret=True)]
+    if choice.kmedoids == "auto" and (device.type == "cuda" or interpreted):  # the alternative kept for timing
+        tiled = run_checks(replace(choice, kmedoids="tiled"), device, torch.float32,
+                           repeats=0 if interpreted else repeats, interpret=interpreted)
+        results += [_untimed(r) if interpreted else r for r in tiled if r.implementation == "triton-tiled"]
     return results, _skipped(choice, device, interpret, results)
 
 

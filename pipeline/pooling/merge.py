@@ -2,8 +2,8 @@
 
 On the CUDA path the means are one custom op, ``tokenpool::cluster_means``: one Triton kernel on CUDA
 (``means_triton``, no (B, K, N) membership in memory), the one-hot torch ops on other devices (the
-reference the kernel is tested against; on CUDA too with ``kernels.merge: torch``). Its backward is the closed form below, in torch ops. The CPU
-path keeps ``Partition``'s ``index_add_`` sums, which autograd differentiates.
+reference the kernel is tested against; on CUDA too with ``kernels.merge: torch``). Its backward is the
+closed form below, in torch ops. The CPU path keeps ``Partition``'s ``index_add_`` sums, which autograd differentiates.
 """
 
 from __future__ import annotations
