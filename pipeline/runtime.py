@@ -127,7 +127,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "kmeans": ("auto", "torch"),  # CUDA: one Triton launch, or the torch iterations traced by inductor
     "merge": ("auto", "torch"),  # CUDA: the Triton cluster means, or the one-hot torch product
     "attention": ("auto", "sdpa", "torch"),  # CUDA inference with eq. 4: one-pass Triton, SDPA + eq. 4, torch
-    "native": ("auto", "off"),  # CPU: the clustering iterations as native C code, or their torch ops
+    "native": ("auto", "torch"),  # CPU: the clustering iterations as native C code, or their torch ops
 }
 
 

@@ -30,9 +30,9 @@ class KernelsConfig(Section):
     attention: Literal["auto", "sdpa", "torch"] = Field(
         "auto", description="attention with eq. 4 in CUDA inference: auto (the one-pass Triton kernel), sdpa (the "
         "fused attention, then eq. 4 apart: what the earlier GPU figures ran), torch (one set of logits in torch)")
-    native: Literal["auto", "off"] = Field(
-        "auto", description="the clustering iterations' native C kernels on the CPU: auto (built on first use "
-        "where a C compiler exists), off (the torch iterations)")
+    native: Literal["auto", "torch"] = Field(
+        "auto", description="the clustering iterations on the CPU: auto (native C kernels, built on first use "
+        "where a C compiler exists), torch (the torch iterations)")
 
     def choice(self) -> KernelChoice:
         """The plain value the models and ops take."""

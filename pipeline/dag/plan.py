@@ -59,9 +59,10 @@ _SHARED_POOLING = ("iters", "init", "cluster_on", "significance", "carry", "qk_n
 def dag_id(config: Config) -> str:
     """The identity of a whole experiment (its parent run in MLflow, and the runs ``--force`` retires).
 
-    The pooling settings its finetunes share belong to it where they differ from the defaults: two
-    sweeps that differ only in ``pooling.significance`` or ``pooling.carry`` are two experiments, and
-    ``--force`` on one must not retire the other's runs. At the defaults the identity is what it was
+    The pooling settings its finetunes share, and the kernel choices of its evaluations, belong to it where
+    they differ from the defaults: two sweeps that differ only in ``pooling.significance``,
+    ``pooling.carry`` or ``kernels.kmedoids`` are two experiments, and ``--force`` on one must not retire
+    the other's runs. At the defaults the identity is what it was
     before they counted, so experiments recorded then keep their parent run."""
     meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
     values, defaults = config.pooling.model_dump(include=set(_SHARED_POOLING)), PoolingConfig().model_dump()
@@ -69,7 +70,15 @@ def dag_id(config: Config) -> str:
               if value != defaults[key] and value != ADDED_OPTIONS.get(key)}
     if shared:
         meta["pooling"] = shared
+    if chosen_kernels(config):  # its evaluations are other stages: another experiment, as for pooling
+        meta["kernels"] = chosen_kernels(config)
     return stage_id("dag", config, [], meta)
+
+
+def chosen_kernels(config: Config) -> dict[str, str] | None:
+    """The config's kernel choices that are not ``auto``: part of an evaluation's identity (None at the
+    defaults, so that the stages recorded before the choice existed keep their ids)."""
+    return {key: value for key, value in config.kernels.model_dump().items() if value != "auto"} or None
 
 
 def archs(config: Config) -> list[Arch]:
@@ -138,9 +147,8 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
 
 def evaluate_stage(config: Config, model_stage: Stage) -> Stage:
     exp = config.experiment
-    chosen = {key: value for key, value in config.kernels.model_dump().items() if value != "auto"}
     meta = StageMeta(method=model_stage.meta.method, level=model_stage.meta.level, eval=exp.eval,
-                     kernels=chosen or None)
+                     kernels=chosen_kernels(config))
     return Stage("evaluate", model_stage.label.replace("-ft-", "-eval-"), None, [model_stage.id], model_stage.arch,
                  meta)
 

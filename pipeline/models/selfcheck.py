@@ -95,7 +95,7 @@ def kernel_record(choice: KernelChoice, device: torch.device | str) -> dict[str,
     if kind == "cuda":
         record = _cuda_record(choice)
     elif kind == "cpu":
-        on = choice.native != "off" and native.library() is not None
+        on = choice.native != "torch" and native.library() is not None
         record = {"kmedoids": "native-c" if on and choice.kmedoids != "torch" else "torch",
                   "kmeans": "native-c" if on and choice.kmeans != "torch" else "torch",
                   "merge": "torch", "attention": "torch"}
@@ -147,7 +147,7 @@ def _clustering_checks(choice: KernelChoice, device: torch.device, interpret: bo
     """K-Medoids and K-Means on ``device`` against their torch iterations (the CPU's native kernels, CUDA's
     Triton kernels, or with ``interpret`` the CUDA kernels' code on CPU tensors)."""
     x, w, start, g = _clustering_case(device)
-    use_native = choice.native != "off"
+    use_native = choice.native != "torch"
     iters, checks = 5, []
     if interpret:  # the ops' CUDA kernels, called on CPU tensors under Triton's interpreter
         medoids = lambda: clustering._kmedoids_cuda(g, w, start, iters, choice.kmedoids, use_native)  # noqa: E731
@@ -229,11 +229,11 @@ def mismatch_message(result: CheckResult) -> str:
     """What failed, where, by how much, and the config value that runs the torch path instead."""
     fix = f"kernels.{result.kernel}: {TORCH_PATH[result.kernel]}"
     if result.implementation == "native-c":
-        fix += " (or kernels.native: off)"
-    what = "of the tokens assigned differently" if result.tolerance in (TOLERANCE["native"], TOLERANCE["index"]) \
-        else "largest relative error"
+        fix += " (or kernels.native: torch)"
+    what = "the fraction of tokens assigned differently" if result.kernel in ("kmedoids", "kmeans") \
+        else "the largest relative error"
     return (f"the {result.implementation} kernel of {result.kernel} disagrees with the torch path on {result.device} "
-            f"({result.dtype}): {result.error:.3g} {what}, tolerance {result.tolerance:g}; set {fix} in the config "
+            f"({result.dtype}): {what} is {result.error:.3g}, tolerance {result.tolerance:g}; set {fix} in the config "
             f"(--set kernels.{result.kernel}={TORCH_PATH[result.kernel]}) to run the torch path, and report it")
 
 
@@ -278,7 +278,7 @@ def _skipped(choice: KernelChoice, device: torch.device, interpret: bool, result
             lines.append(f"{kernel}: kernels.{kernel} is {value}, the torch path itself")
     if device.type == "cpu":
         if not any(impl == "native-c" for _, impl in checked):
-            lines.append("native C kernels: none at hand (kernels.native: off, or no C compiler); the torch "
+            lines.append("native C kernels: none at hand (kernels.native: torch, or no C compiler); the torch "
                          "iterations run")
         lines.append("merge, attention: no fused kernel runs on the CPU (the torch path does)")
         if not interpret:

@@ -164,7 +164,7 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int, kernels
     The iterations are one custom op, ``tokenpool::kmeans_gram``: on CUDA one Triton kernel that runs every
     iteration of an image in one program (``kmeans_fused_triton``), native code on the CPU
     (``native.kmeans_gram``: its update costs N^2 where the dense product costs K N^2, unless
-    ``kernels.native`` is ``off``), and the torch iterations (``kmeans_gram_iterations``) where neither is
+    ``kernels.native`` is ``torch``), and the torch iterations (``kmeans_gram_iterations``) where neither is
     at hand. ``kernels.kmeans: torch`` runs the torch iterations outside the op on every device, for
     ``torch.compile`` to trace (what the last GPU figures ran: compiled K-Means 0.862x the unmodified model
     on an H200, where two Triton kernels an iteration gave 0.504x; docs/benchmarks.md), so that
@@ -173,7 +173,7 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int, kernels
     g = gram(x)
     if kernels.kmeans == "torch":
         return kmeans_gram_iterations(g, w, start, iters)
-    return _kmeans_gram_op(g, w, start, iters, kernels.native != "off")
+    return _kmeans_gram_op(g, w, start, iters, kernels.native != "torch")
 
 
 
@@ -236,10 +236,10 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernels:
     ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op on the Gram matrix,
     ``tokenpool::kmedoids``: on CUDA one Triton kernel that derives the distances as it reads them
     (``kmedoids_fused_triton``; ``kernels.kmedoids: tiled``: two launches an iteration), native code on the
-    CPU (``native.kmedoids``, one call for all of them, unless ``kernels.native`` is ``off``), and the torch
+    CPU (``native.kmedoids``, one call for all of them, unless ``kernels.native`` is ``torch``), and the torch
     iterations (``kmedoids_dense``) where neither is at hand or ``kernels.kmedoids`` is ``torch``.
     """
-    return _kmedoids_op(gram(x), w, medoids, iters, kernels.kmedoids, kernels.native != "off")
+    return _kmedoids_op(gram(x), w, medoids, iters, kernels.kmedoids, kernels.native != "torch")
 
 
 def _reach(d: Tensor) -> Tensor:
@@ -281,7 +281,7 @@ def _kmedoids_op(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kerne
                  use_native: bool = True) -> tuple[Tensor, Tensor]:
     """K-Medoids iterations on the Gram matrices g (B, N, N) (``gram``): one opaque op for
     ``torch.compile``, which launches one kernel on CUDA. ``kernel`` is the config's ``kernels.kmedoids``,
-    ``use_native`` its ``kernels.native`` (not ``off``)."""
+    ``use_native`` its ``kernels.native`` (not ``torch``)."""
     return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
 
 

@@ -8,7 +8,7 @@ The C source has no Python or torch headers, so it builds with the system's C co
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
 machine, so an edit rebuilds it and a second process (a Ray worker, a test) loads it, with or without a
 compiler. Without a compiler ``library()`` returns None and the caller runs the torch iterations (same
-results, slower); a failed build says why, once. The config's ``kernels.native: off`` turns them off
+results, slower); a failed build says why, once. The config's ``kernels.native: torch`` turns them off
 (``for_tensor(t, enabled=False)``).
 
 Environment (where the library is built and kept, not whether it runs):
@@ -113,7 +113,7 @@ def library() -> ctypes.CDLL | None:
 
 def for_tensor(t: Tensor, enabled: bool = True) -> ctypes.CDLL | None:
     """The library where the native kernels take a matrix like ``t`` (CPU float32 or float64) and ``enabled``
-    (the config's ``kernels.native`` is not ``off``), else None."""
+    (the config's ``kernels.native`` is not ``torch``), else None."""
     return library() if enabled and t.device.type == "cpu" and t.dtype in _SUFFIX else None
 
 
