@@ -135,3 +135,21 @@ def test_doctor_prints_the_table_and_fails_on_a_planted_wrong_kernel(capsys, mon
     assert "error: the native-c kernel of kmedoids disagrees" in captured.err
     assert main(["doctor", "--device", "cpu", "--set", "kernels.kmedoids=torch"]) == 0
     assert "skipped: kmedoids: kernels.kmedoids is torch, the torch path itself" in capsys.readouterr().out
+
+
+def test_a_training_run_records_the_choice_and_the_kernels_that_run(tmp_path):
+    """MLflow params: the config's ``kernels.*`` and, resolved on the run's device, ``kernels_run.*``."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.train.run_tracking import JobTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = load_config(None, [f"train.tracking_uri={uri}", f"train.storage_path={tmp_path}", "train.name=k",
+                                "kernels.kmeans=torch"])
+    tracker = JobTracker.open(config, device="cpu")
+    params = MlflowClient(tracking_uri=uri).get_run(tracker.run_id).data.params
+    assert {key: params[key] for key in params if key.startswith("kernels")} == {
+        "kernels.kmedoids": "auto", "kernels.kmeans": "torch", "kernels.merge": "auto", "kernels.attention": "auto",
+        "kernels.native": "auto", "kernels_run.kmedoids": "native-c", "kernels_run.kmeans": "torch",
+        "kernels_run.merge": "torch", "kernels_run.attention": "torch", "kernels_run.torch": torch.__version__,
+        "kernels_run.triton": selfcheck.triton_version()}
