@@ -1,6 +1,6 @@
-"""How a model runs: its ``torch.compile`` mode (``none | default | reduce-overhead | max-autotune``)
-and its autocast dtype (``fp32 | bf16 | fp16``), the settings shared by training, evaluation and
-the benchmarks.
+"""How a model runs: its ``torch.compile`` mode (``none | default | reduce-overhead | max-autotune``),
+its autocast dtype (``fp32 | bf16 | fp16``) and the kernel of each fused step (``KernelChoice``), the
+settings shared by training, evaluation and the benchmarks.
 
 Every forward in this package is written for it: static shapes from the keep list, no host syncs,
 no data-dependent Python branches, so ``fullgraph=True`` holds for every method (tested with the
