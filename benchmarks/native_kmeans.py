@@ -1,5 +1,5 @@
 """Paired timing, CPU: K-Means' Gram-form iterations in torch ops (``kmeans_gram_iterations``: what runs
-without the native kernel, and what the CUDA path traces with ``PIPELINE_KMEANS_KERNEL=torch``) against the
+without the native kernel, and what the CUDA path traces with ``kernels.kmeans: torch``) against the
 native kernel that the CPU path runs (``tokenpool::kmeans_gram``, ``pipeline/pooling/clustering_cpu.c``), on
 the same Gram matrix.
 

@@ -1,5 +1,5 @@
 """Paired timing, CPU: K-Medoids' iterations in torch ops (``kmedoids_dense``: what runs without the native
-kernel, with ``PIPELINE_NATIVE=0`` or no C compiler) against the native kernel that the CPU path runs
+kernel, with ``kernels.native: torch`` or no C compiler) against the native kernel that the CPU path runs
 (``native.kmedoids``, ``pipeline/pooling/clustering_cpu.c``), on the same distances.
 
     python benchmarks/native_kmedoids.py [--smoke]

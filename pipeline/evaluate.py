@@ -15,7 +15,15 @@ from torch import nn
 
 from pipeline.bench.timing import default_calls, rate
 from pipeline.config import Config, EvalConfig
-from pipeline.runtime import compile_model, cuda_settings, inference, resolve_setting, step_marker
+from pipeline.runtime import (
+    DTYPES,
+    KernelChoice,
+    compile_model,
+    cuda_settings,
+    inference,
+    resolve_setting,
+    step_marker,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,7 @@ class Evaluation:
     device: str
     dtype: str
     compile: str
+    kernels: dict[str, str]  # what ran: ``models.selfcheck.kernel_record``
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,9 +85,13 @@ def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, devic
                     device=device, calls=default_calls(device))
 
 
-def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None) -> Evaluation:
-    """Everything the select stage needs about one trained model, measured in ``cfg``'s setting."""
+def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
+                        kernels: KernelChoice | None = None) -> Evaluation:
+    """Everything the select stage needs about one trained model, measured in ``cfg``'s setting with
+    ``kernels`` (default all ``auto``; each fused kernel is checked on the device first)."""
     from pipeline.flops import count_flops
+    from pipeline.models import set_kernels
+    from pipeline.models.selfcheck import check_model, kernel_record
     from pipeline.train.checkpoint import model_from_checkpoint
 
     model, config, _ = model_from_checkpoint(path)
@@ -86,10 +99,13 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None)
     device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,
                                           torch.cuda.is_available() if cuda is None else cuda)
     target = torch.device(device)
-    model = model.to(target)
+    kernels = kernels or KernelChoice()
+    model = set_kernels(model.to(target), kernels)
+    check_model(model, target, DTYPES[dtype] or torch.float32)
     with cuda_settings(target):
         accuracy, count = top1(model, config, target, dtype)
         images_s, spread = throughput(model, batch=cfg.batch, warmup=cfg.warmup, repeats=cfg.repeats,
                                       device=target, dtype=dtype, compile=mode)
     return Evaluation(top1=accuracy, gflops=flops, images_per_s=images_s, images_per_s_spread=spread,
-                      num_images=count, device=device, dtype=dtype, compile=mode)
+                      num_images=count, device=device, dtype=dtype, compile=mode,
+                      kernels=kernel_record(kernels, target))

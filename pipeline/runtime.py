@@ -1,6 +1,6 @@
-"""How a model runs: its ``torch.compile`` mode (``none | default | reduce-overhead | max-autotune``)
-and its autocast dtype (``fp32 | bf16 | fp16``), the settings shared by training, evaluation and
-the benchmarks.
+"""How a model runs: its ``torch.compile`` mode (``none | default | reduce-overhead | max-autotune``),
+its autocast dtype (``fp32 | bf16 | fp16``) and the kernel of each fused step (``KernelChoice``), the
+settings shared by training, evaluation and the benchmarks.
 
 Every forward in this package is written for it: static shapes from the keep list, no host syncs,
 no data-dependent Python branches, so ``fullgraph=True`` holds for every method (tested with the
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -116,3 +117,35 @@ def resolve_setting(device: str, dtype: str, compile: str, cuda: bool) -> tuple[
     compile = ("default" if device == "cuda" else "none") if compile == "auto" else compile
     check_compile(compile, device)
     return device, dtype, compile
+
+
+# Which implementation runs each fused step (the ``kernels:`` config section, ``pipeline.config.kernels``).
+# ``auto`` is the fastest one the device has; every other value names an alternative. ``torch`` is the
+# reference the device self-check (``pipeline.models.selfcheck``) compares each fused kernel against.
+KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
+    "kmedoids": ("auto", "tiled", "torch"),  # CUDA: one fused Triton launch, or two tiled ones an iteration
+    "kmeans": ("auto", "torch"),  # CUDA: one Triton launch, or the torch iterations traced by inductor
+    "merge": ("auto", "torch"),  # CUDA: the Triton cluster means, or the one-hot torch product
+    "attention": ("auto", "sdpa", "torch"),  # CUDA inference with eq. 4: one-pass Triton, SDPA + eq. 4, torch
+    "native": ("auto", "torch"),  # CPU: the clustering iterations as native C code, or their torch ops
+}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The implementation of each fused step, as a model runs it; the ops take it as arguments, so a
+    compiled graph keeps the choice of the config it was built from. ``KERNEL_CHOICES`` lists the values."""
+
+    kmedoids: str = "auto"
+    kmeans: str = "auto"
+    merge: str = "auto"
+    attention: str = "auto"
+    native: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, allowed in KERNEL_CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise InputError(f"kernels.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)

@@ -375,16 +375,3 @@ def test_ray_jobs_submit_needs_the_token_runs_the_dag_and_a_resubmission_attache
     # MLflow, the reports or any log, Ray's own session logs of the head and the job included.
     assert_no_secret([token, cluster.env["MLFLOW_TRACKING_PASSWORD"]], tmp_path / "mlflow.db", tmp_path / "artifacts",
                      reports, cluster.temp, first.stdout + first.stderr + again.stdout + again.stderr)
-
-
-def test_the_cluster_budget_in_the_docs_is_what_its_script_computes():
-    """docs/cluster.md's GPU-hours come from benchmarks/cluster_budget.py, run here on its default figures."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster_budget.py")], capture_output=True,
-                         text=True, check=True, timeout=60).stdout
-    doc = (ROOT / "docs" / "cluster.md").read_text()
-    hours = re.findall(r"^\| (DeiT-S alone|all four widths, the \w+ end)[^|]*\| ([\d,]+) \|", out, flags=re.M)
-    assert len(hours) == 3, out
-    for label, value in hours:
-        assert re.search(rf"^\| {re.escape(label)}[^|]*\| {value} \|", doc, flags=re.M), (label, value)
-    epochs = re.search(r"finetunes a width: ([\d,]+) epochs; a width: ([\d,]+) epochs", out)
-    assert f"= {epochs.group(1)}, the finetune without" in doc and f"**{epochs.group(2)} epochs**" in doc

@@ -59,7 +59,7 @@ def test_unknown_key_names_key_file_and_allowed(tmp_path: Path):
 def test_unknown_section(tmp_path: Path):
     path = tmp_path / "typo.yaml"
     path.write_text("poolin:\n  iters: 3\n")
-    allowed = "bench, bench_loop, bench_throughput, data, experiment, model, pooling, recipe, seed, train"
+    allowed = "bench, bench_loop, bench_throughput, data, experiment, kernels, model, pooling, recipe, seed, train"
     with pytest.raises(ConfigError, match=rf"typo.yaml: poolin: unknown key; allowed keys here: {allowed}"):
         load_config(path)
 

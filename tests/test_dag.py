@@ -124,6 +124,11 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     assert {"report/results.csv", "report/pareto.csv", "report/pareto_speed.csv", "report/budgets.csv",
             "report/report.md", "report/tradeoff.png", "report/tradeoff_speed.png", "report/widths.png",
             "report/keep_lists.png"} <= artifacts
+    # Every evaluation names the kernel choice and the kernels that ran (the CPU's native ones here).
+    for run in [r for r in by_kind["evaluate"] if r.data.tags.get(DONE) == "1"]:
+        ran = {key: value for key, value in run.data.params.items() if key.startswith("kernels")}
+        assert ran["kernels.kmedoids"] == "auto" and ran["kernels_run.kmedoids"] == "native-c", ran
+        assert {"kernels_run.kmeans", "kernels_run.merge", "kernels_run.attention", "kernels_run.torch"} <= ran.keys()
     ksearch = [r for r in by_kind["ksearch"] if r.data.tags.get(DONE) == "1"]
     assert all("keep.json" in {a.path for a in client.list_artifacts(r.info.run_id)} for r in ksearch)
     # Each evaluated model carries its analyses (linked from results.csv): maps for a downsampling model,

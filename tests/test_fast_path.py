@@ -942,13 +942,14 @@ def test_the_cuda_backward_of_the_scores_traces_with_fake_tensors(carry):
         assert dbias.shape == bias.shape and dbias.dtype == torch.float32
 
 
-def test_the_cuda_kernel_of_kmedoids_follows_the_switch():
-    """``PIPELINE_KMEDOIDS_KERNEL`` picks the CUDA path's kernel (run here under Triton's interpreter on CPU
-    tensors, calling the op's CUDA kernel function itself): the fused one on the Gram matrix by default,
-    the two-launch kernels with ``tiled``; the same medoids and assignment either way."""
+def test_the_cuda_kernel_of_kmedoids_follows_the_choice():
+    """``kernels.kmedoids``, the op's ``kernel`` argument, picks the CUDA path's kernel (run here under Triton's
+    interpreter on CPU tensors, calling the op's CUDA kernel function itself): the fused one on the Gram matrix
+    by default, the two-launch kernels with ``tiled``, no Triton kernel with ``torch``; the same medoids and
+    assignment every way."""
     pytest.importorskip("triton")
     code = """
-import os, torch
+import torch
 from pipeline.pooling import clustering
 from pipeline.pooling.clustering import _kmedoids_cuda, gram
 calls = []
@@ -958,11 +959,12 @@ for name in ("kmedoids_triton", "kmedoids_fused_triton"):
 g = torch.Generator().manual_seed(0)
 x, w = torch.randn(2, 30, 6, generator=g), torch.rand(2, 30, generator=g) + 0.1
 start, g = w.topk(8, -1).indices, gram(x)
-fused = _kmedoids_cuda(g, w, start, 4)
-os.environ["PIPELINE_KMEDOIDS_KERNEL"] = "tiled"
-tiled = _kmedoids_cuda(g, w, start, 4)
+fused = _kmedoids_cuda(g, w, start, 4, "auto")
+tiled = _kmedoids_cuda(g, w, start, 4, "tiled")
+plain = _kmedoids_cuda(g, w, start, 4, "torch")
 assert calls == ["kmedoids_fused_triton", "kmedoids_triton"], calls
 assert torch.equal(tiled[0], fused[0]) and torch.equal(tiled[1], fused[1])
+assert torch.equal(plain[0], fused[0]) and torch.equal(plain[1], fused[1])
 print("ok")
 """
     assert _interpret(code).count("ok") == 1

@@ -44,10 +44,17 @@ def test_the_gpu_checks_run_on_the_cpu_and_pack_their_outputs(tmp_path):
     assert {"./card.txt", "./compiled-none-calls2-powerbert.md", "./train-none-calls2-powerbert.log"} <= names, names
 
 
-def test_the_gpu_checks_loop_part_runs_bench_loop(tmp_path):
+def test_the_gpu_checks_doctor_and_loop_parts_run(tmp_path):
+    """``doctor`` checks the kernels the device runs (on the CPU the native ones, and says what it skipped);
+    ``loop`` runs bench loop and writes its record."""
     out = tmp_path / "gpu"
-    proc = checks(out, "loop", TRAIN_BATCH="2", COMPILE="none", LOOP_STEPS="2", LOOP_METHODS="powerbert")
-    assert proc.returncode == 0 and re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0"], proc.stdout
+    proc = checks(out, "doctor", "loop", TRAIN_BATCH="2", COMPILE="none", LOOP_STEPS="2", LOOP_METHODS="powerbert")
+    assert proc.returncode == 0 and re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0"], proc.stdout
+    doctor = (out / "doctor.md").read_text()
+    row = r"^\| kmedoids \| native-c \| cpu \| float32 \| 0 \| 0 \| [\d.]+ \| [\d.]+ \| ok \|$"
+    assert re.search(row, doctor, flags=re.M), doctor
+    assert "skipped: Triton kernels" in doctor, doctor
+    assert json.loads((out / "loop-none.json").read_text())["rows"][0]["label"] == "powerbert"
     table = (out / "loop-none.md").read_text()
     assert "model deit_small_patch16_224, training, batch 2, fp32, compile none, keep " in table, table
     assert re.search(r"^\| powerbert \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 1 \|$", table, flags=re.M), table
@@ -67,7 +74,7 @@ def test_the_gpu_checks_refuse_a_bad_part_and_skip_what_the_deadline_leaves_no_t
 def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
     """The fused kernels' GPU run: tests, compiled throughput with the fused kernels, the training step,
     bench kernels (which refuses the CPU without the interpreter: its line ran) and the compiled throughput
-    with the previous kernels in OUT/previous."""
+    with the previous kernels in OUT/previous, each bench part with its record and the kernels it ran."""
     out = tmp_path / "gpu"
     proc = checks(out, "pooling", BATCH="2", TRAIN_BATCH="2", COMPILE="none", METHODS="kmeans",
                   PREVIOUS_METHODS="kmeans", TRAIN_METHODS="kmeans", DEADLINE=str(int(time.time()) + 500))
@@ -76,7 +83,16 @@ def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
     assert "TRITON_INTERPRET=1" in (out / "kernels.log").read_text()
     for table in (out / "compiled-none.md", out / "train-none.md", out / "previous" / "compiled-none.md"):
         assert re.search(r"^\| kmeans \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", table.read_text(), flags=re.M), table
-    assert "tests/test_gpu.py" in (out / "tests.log").read_text() or "skipped" in (out / "tests.log").read_text()
+    # On the CPU every selected GPU test skips for want of CUDA: the selection names tests that exist, and
+    # none of them ran (a selection that matched nothing would say "no tests ran").
+    log = (out / "tests.log").read_text()
+    summary = re.search(r"^(\d+) skipped, (\d+) deselected\b", log, flags=re.M)
+    assert summary and int(summary[1]) >= 3 and "needs a CUDA device" in log and "passed" not in log, log
+    for part, kmeans in (("compiled-none", "native-c"), ("previous/compiled-none", "torch")):
+        assert f"kernels: kmedoids=native-c, kmeans={kmeans}, merge=torch" in (out / f"{part}.md").read_text()
+        record = json.loads((out / f"{part}.json").read_text())
+        assert record["kernels"]["kmeans"] == kmeans and [r["label"] for r in record["rows"]] == ["unmodified",
+                                                                                                  "kmeans"]
 
 
 def test_the_gpu_checks_latency_part_measures_a_table_and_checks_it(tmp_path):

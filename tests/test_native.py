@@ -19,6 +19,7 @@ from pipeline.pooling.clustering import (
     kmedoids_dense,
     sq_dists,
 )
+from pipeline.runtime import KernelChoice
 from tests import reference as ref
 
 # (B, N, M, K), weighted, iterations, kind of tokens
@@ -175,15 +176,14 @@ def test_without_the_native_kernels_the_torch_iterations_give_the_same_result(fr
     empty = tmp_path_factory.mktemp("empty")
     monkeypatch.setenv("PIPELINE_NATIVE_CACHE", str(empty))  # nothing built there
     native.library.cache_clear()
-    if how == "turned off":
-        monkeypatch.setenv("PIPELINE_NATIVE", "0")
-    elif how == "no compiler":
+    kernels = KernelChoice(native="torch") if how == "turned off" else None
+    if how == "no compiler":
         monkeypatch.setenv("CC", "no-such-compiler-here")
-    else:
+    elif how == "failed build":
         monkeypatch.setenv("CC", "false")  # exists, exits 1
     with caplog.at_level(logging.WARNING, logger="pipeline.pooling.native"):
-        assert native.library() is None
-        got = token_pool(x, 9, method=method, weights=w, validate=False)
+        assert native.for_tensor(x, enabled=kernels is None) is None
+        got = token_pool(x, 9, method=method, weights=w, validate=False, kernels=kernels)
     assert torch.equal(got.assign, want.assign)
     torch.testing.assert_close(got.tokens, want.tokens, rtol=0, atol=0)
     messages = " ".join(r.getMessage() for r in caplog.records)
@@ -193,10 +193,9 @@ def test_without_the_native_kernels_the_torch_iterations_give_the_same_result(fr
     assert list(empty.iterdir()) == []  # a failed build leaves nothing half-written
 
 
-def test_a_bad_switch_value_is_refused_with_the_values_it_takes(fresh, monkeypatch):
+def test_a_bad_native_choice_is_refused_with_the_values_it_takes(fresh):
     from pipeline.errors import InputError
 
-    monkeypatch.setenv("PIPELINE_NATIVE", "off")
-    with pytest.raises(InputError, match=r"PIPELINE_NATIVE must be 1 .* or 0 .*got 'off'; fix or unset it"):
-        native.library()
+    with pytest.raises(InputError, match=r"kernels.native must be one of auto, torch, got '0'"):
+        KernelChoice(native="0")
     assert list(fresh.iterdir()) == []  # nothing built

@@ -118,19 +118,18 @@ def test_validate_false_skips_value_checks_only():
         token_pool(TOKENS, 3, weights=SCORES[:, :5], validate=False)
 
 
-@pytest.mark.parametrize("variable,choices", [("PIPELINE_KMEANS_KERNEL", "fused, torch"),
-                                              ("PIPELINE_KMEDOIDS_KERNEL", "fused, tiled")])
-def test_a_misspelt_kernel_switch_is_refused_by_name(monkeypatch, variable, choices):
-    """The kernel switches take their listed values only: a typo would otherwise run the default kernel
-    silently and a GPU comparison would time the same kernel twice."""
-    from pipeline.pooling.clustering import kernel_choice
-    from pipeline.pooling.common import dense_segments
+@pytest.mark.parametrize("kernel,choices", [("kmeans", "auto, torch"), ("kmedoids", "auto, tiled, torch"),
+                                            ("merge", "auto, torch"), ("attention", "auto, sdpa, torch"),
+                                            ("native", "auto, torch")])
+def test_a_misspelt_kernel_choice_is_refused_by_name(kernel, choices):
+    """The kernel choices take their listed values only, in the config and in the ops' plain value: a typo
+    would otherwise run the default kernel silently and a GPU comparison would time the same kernel twice."""
+    from pipeline.config import ConfigError, load_config
+    from pipeline.runtime import KernelChoice
 
-    monkeypatch.setenv(variable, "tiledd")
-    with pytest.raises(InputError, match=f"{variable}='tiledd' is not a kernel choice: use one of {choices}"):
-        kernel_choice(variable, tuple(choices.split(", ")))
-    if variable == "PIPELINE_KMEANS_KERNEL":  # read on the CUDA path by every K-Means call
-        with dense_segments(True), pytest.raises(InputError, match=variable):
-            token_pool(torch.randn(1, 8, 4), 3, method="kmeans", init_scores=torch.rand(1, 8))
-    monkeypatch.delenv(variable)
-    assert kernel_choice(variable, tuple(choices.split(", "))) == "fused"
+    with pytest.raises(InputError, match=f"kernels.{kernel} must be one of {choices}, got 'tiledd'"):
+        KernelChoice(**{kernel: "tiledd"})
+    with pytest.raises(ConfigError, match=f"kernels.{kernel}"):
+        load_config(None, [f"kernels.{kernel}=tiledd"])
+    assert getattr(load_config(None, [f"kernels.{kernel}={choices.split(', ')[-1]}"]).kernels.choice(), kernel) \
+        == choices.split(", ")[-1]

@@ -4,6 +4,8 @@
 # On a bare CUDA image (no network, no ray/mlflow/ffcv) carry the pure-Python wheels first
 # (jobs/gpu/README.md), then:  OUT=DIR bash jobs/gpu/checks.sh PART...
 # Parts (each under its own time limit, so one slow part cannot take the others' results):
+#   doctor    pipeline doctor: every fused kernel against the torch path on the device (first: a wrong kernel
+#             makes every figure after it meaningless), with its errors and times
 #   tests     tests/test_gpu.py (TESTS selects with pytest -k)
 #   kernels   bench kernels: K-Medoids' Triton kernels against the torch iterations, K-Means' iterations, patch embedding
 #   eager     bench throughput, bf16, batch 256, DeiT-S level 3, every method + ceiling, eager
@@ -14,7 +16,7 @@
 #             batch 128, compiled (COMPILE), LOOP_STEPS (100) steps an epoch, the unmodified model and WK-Medoids
 #   pooling   the fused clustering kernels against the kernels they replace: their GPU tests, bench kernels, the
 #             compiled throughput of every method (METHODS), the same with the previous kernels
-#             (PIPELINE_KMEDOIDS_KERNEL=tiled PIPELINE_KMEANS_KERNEL=torch; PREVIOUS_METHODS, in OUT/previous),
+#             (KERNELS="kmedoids=tiled kmeans=torch"; PREVIOUS_METHODS, in OUT/previous),
 #             and the training step of TRAIN_METHODS (wkmedoids); each under its own limit, in that order
 #   latency   bench blocks: a latency table of DeiT-S (bf16, batch BATCH, compiled in COMPILE mode, the current
 #             kernels) for each of LATENCY_METHODS (wkmedoids) on a coarse grid (LATENCY_STEP 48: each compiled shape
@@ -26,7 +28,9 @@
 # part's limit, so that one method's slow compilation cannot take the later methods' results; each
 # run times the unmodified model again (inductor's cache makes its second compilation short) and
 # leaves out the ceiling row.
-# Outputs: OUT/card.txt, OUT/PART.md (stdout) and OUT/PART.log (stderr, progress).
+# Outputs: OUT/card.txt, OUT/PART.md (stdout), OUT/PART.log (stderr, progress) and, for the bench parts,
+# OUT/PART.json (`--record`: the record pipeline/bench/measured/ keeps and the cluster budget reads).
+# KERNELS="NAME=VALUE ...": the config's kernel choices for every part (`--set kernels.NAME=VALUE`).
 # DEVICE (default cuda), BATCH (256) and TRAIN_BATCH (128) change the bench parts' setting: the tests run the
 # script on the CPU with DEVICE=cpu BATCH=2, so that a broken line shows here, not on the lent machine.
 # The lent machines return at most 8 files (the first H200 run of 2026-11-27 lost its test log and
@@ -46,6 +50,9 @@ mode=${COMPILE:-default}  # the compile mode of the compiled and train parts
 device=${DEVICE:-cuda} batch=${BATCH:-256} train_batch=${TRAIN_BATCH:-128}
 extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${SIGNIFICANCE:+--set pooling.significance=$SIGNIFICANCE}"
 extra+=" ${CALLS:+--calls $CALLS}"
+sets=""
+for choice in ${KERNELS:-}; do sets+=" --set kernels.$choice"; done
+extra+="$sets"
 # PROFILE=1: a profile of one call of each model in PART.log (device time by kernel group, the longest
 # kernels, torch.profiler's table); OUTPUT_CODE=1: inductor's generated code in PART.log as well (which aten
 # ops each fused kernel of the profile holds); PATCH_EMBED=matmul: every model's patch embedding as one
@@ -66,7 +73,7 @@ bench_one() {  # bench_one NAME LIMIT_S ARGS...
   fits "$limit" "$name" || return 0
   echo "== $name ($(date +%T))"
   timeout "$limit" python3 -m pipeline bench throughput --device "$device" --model deit_small_patch16_224 --level 3 \
-    $extra "$@" > "$out/$name.md" 2> "$out/$name.log"
+    $extra "$@" --record "$out/$name.json" > "$out/$name.md" 2> "$out/$name.log"
   echo "   exit $? ($(date +%T))"; cat "$out/$name.md"
 }
 
@@ -83,6 +90,11 @@ bench() {  # bench NAME LIMIT_S METHODS ARGS...: one run for all methods, or one
 
 for part in "$@"; do
   case $part in
+    doctor) fits "${DOCTOR_S:-120}" doctor || continue
+           echo "== doctor ($(date +%T))"
+           timeout "${DOCTOR_S:-120}" python3 -m pipeline doctor --device "$device" $sets > "$out/doctor.md" \
+             2> "$out/doctor.log"
+           echo "   exit $?"; cat "$out/doctor.md" "$out/doctor.log" ;;
     tests) fits "${TESTS_S:-150}" tests || continue
            echo "== tests ($(date +%T))"
            timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ${TESTS:+-k "$TESTS"} \
@@ -103,14 +115,14 @@ for part in "$@"; do
           loop_dtype=bf16; [ "$device" = cpu ] && loop_dtype=fp32  # training autocasts to bf16 on CUDA only
           timeout "${LOOP_S:-300}" python3 -m pipeline bench loop --device "$device" --model deit_small_patch16_224 \
             --level 3 --methods "${LOOP_METHODS:-none,wkmedoids}" --dtype "$loop_dtype" --batch "$train_batch" \
-            --compile "$mode" --steps "${LOOP_STEPS:-100}" ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} \
-            > "$out/loop-$mode.md" 2> "$out/loop-$mode.log"
+            --compile "$mode" --steps "${LOOP_STEPS:-100}" ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} $sets \
+            --record "$out/loop-$mode.json" > "$out/loop-$mode.md" 2> "$out/loop-$mode.log"
           echo "   exit $? ($(date +%T))"; cat "$out/loop-$mode.md" ;;
     pooling) TESTS=${TESTS:-"gram_matrix or cluster_means or kmedoids"} TESTS_S=${TESTS_S:-60} bash "$0" tests
              COMPILED_S=${COMPILED_S:-200} bash "$0" compiled
              TRAIN_METHODS=${TRAIN_METHODS:-wkmedoids} TRAIN_S=${TRAIN_S:-100} bash "$0" train
              KERNELS_S=${KERNELS_S:-60} bash "$0" kernels
-             OUT="$out/previous" PIPELINE_KMEDOIDS_KERNEL=tiled PIPELINE_KMEANS_KERNEL=torch \
+             OUT="$out/previous" KERNELS="kmedoids=tiled kmeans=torch" \
                METHODS=${PREVIOUS_METHODS:-wkmedoids,kmeans} COMPILED_S=${PREVIOUS_S:-120} bash "$0" compiled ;;
     latency) for m in ${LATENCY_METHODS:-wkmedoids}; do
                fits "${LATENCY_S:-420}" "latency-$m" || continue
@@ -126,6 +138,6 @@ for part in "$@"; do
                echo "   exit $? ($(date +%T))"; cat "$out/latency-check-$m.md"
              done ;;
     pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
-    *) echo "unknown part $part (tests kernels eager compiled train fp32 loop pooling latency pack)"; exit 2 ;;
+    *) echo "unknown part $part (doctor tests kernels eager compiled train fp32 loop pooling latency pack)"; exit 2 ;;
   esac
 done

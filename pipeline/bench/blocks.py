@@ -45,7 +45,7 @@ from pipeline.cost import CostModel, Curve, PoolSurface, check_key, load_cost_mo
 from pipeline.errors import InputError, JobError
 from pipeline.methods import METHODS, build_downsampler, downsamples
 from pipeline.models.attention import attend
-from pipeline.runtime import compile_model, cuda_settings, inference
+from pipeline.runtime import KernelChoice, compile_model, cuda_settings, inference
 
 TABLE_DIR = Path(__file__).resolve().parents[2] / "configs" / "latency"
 
@@ -112,17 +112,13 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def kernels_in_use(device: torch.device) -> dict[str, str]:
-    """The kernels the models run on ``device``, read from today's switches: on the CPU the clustering
-    methods' native library (``PIPELINE_NATIVE``) or their torch iterations; on CUDA K-Medoids' and
-    K-Means' kernels (``PIPELINE_KMEDOIDS_KERNEL``, ``PIPELINE_KMEANS_KERNEL``). The one place a table's
-    key learns them."""
-    from pipeline.pooling import clustering, native
+def kernels_in_use(device: torch.device, choice: KernelChoice | None = None) -> dict[str, str]:
+    """The kernels the models run on ``device`` under the config's ``kernels`` section (``auto`` resolved,
+    ``models.selfcheck.kernel_record``): the one place a table's key learns them."""
+    from pipeline.models.selfcheck import kernel_record
 
-    if device.type != "cuda":
-        return {"clustering_cpu": "native" if native.library() is not None else "torch"}
-    return {"kmedoids": clustering.kernel_choice(clustering.KMEDOIDS_KERNEL_ENV, ("fused", "tiled")),
-            "kmeans": clustering.kernel_choice(clustering.KMEANS_KERNEL_ENV, ("fused", "torch"))}
+    record = kernel_record(choice or KernelChoice(), device)
+    return {name: record[name] for name in ("kmedoids", "kmeans", "merge", "attention")}
 
 
 def _versions() -> dict[str, str | None]:

@@ -24,7 +24,7 @@ from pipeline.bench.timing import time_paired
 from pipeline.config import BenchLoopConfig, Config, PoolingConfig, RecipeConfig, TrainConfig
 from pipeline.errors import JobError
 from pipeline.methods import downsamples
-from pipeline.runtime import compile_model, cuda_settings, warm_up
+from pipeline.runtime import KernelChoice, compile_model, cuda_settings, warm_up
 
 PLAIN_RECIPE = {"mixup": 0.0, "cutmix": 0.0, "label_smoothing": 0.0, "ema": False, "clip_grad": None,
                 "warmup_epochs": 0.0}
@@ -54,9 +54,10 @@ class DeviceBatches:
 
 
 def _job(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooling: PoolingConfig,
-         device: torch.device):
+         device: torch.device, kernels: KernelChoice):
     """A training job of ``method`` on ``DeviceBatches``: no Ray, no MLflow, no checkpoints."""
     from pipeline.models import create_model
+    from pipeline.models.selfcheck import check_model
     from pipeline.train.loop import Job
     from pipeline.train.recipe import build_recipe
     from pipeline.train.session import LocalSession
@@ -68,7 +69,9 @@ def _job(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooling: Poo
                           log_every=cfg.log_every, progress_bar=False),
     )
     model = create_model(cfg.model, method=method, keep=keep if downsamples(method) else None,
-                         options=pooling.method_options(method), patch_embed=cfg.patch_embed).to(device)
+                         options=pooling.method_options(method), patch_embed=cfg.patch_embed,
+                         kernels=kernels).to(device)
+    check_model(model, device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
     size = model.patch_embed.img_size[0]
     x = torch.randn(cfg.batch, 3, size, size, device=device)
     labels = torch.randint(0, model.num_classes, (cfg.batch,), device=device)
@@ -88,12 +91,12 @@ def _epoch_reads(job, epoch: Callable[[], object], compile_mode: str) -> int | N
 
 
 def time_method(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooling: PoolingConfig,
-                device: torch.device, log: Callable[[str], None]) -> LoopRow:
+                device: torch.device, log: Callable[[str], None], kernels: KernelChoice | None = None) -> LoopRow:
     """One method's row: ``cfg.repeats`` pairs of (``cfg.steps`` bare steps, one loop epoch)."""
     from pipeline.runtime import step_marker
     from pipeline.train.loop import train_one_epoch
 
-    job = _job(cfg, method, keep, pooling, device)
+    job = _job(cfg, method, keep, pooling, device, kernels or KernelChoice())
     loader = job.train_loader
     step = bare_step(job.run, job.recipe.optimizer, job.recipe.loss, loader.x, loader.labels, device, cfg.dtype,
                      step_marker(cfg.compile))
@@ -121,8 +124,8 @@ def time_method(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooli
     return row
 
 
-def run_loop_bench(cfg: BenchLoopConfig, pooling: PoolingConfig, log: Callable[[str], None] = print
-                   ) -> list[LoopRow]:
+def run_loop_bench(cfg: BenchLoopConfig, pooling: PoolingConfig, log: Callable[[str], None] = print,
+                   kernels: KernelChoice | None = None) -> list[LoopRow]:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise JobError("bench_loop.device is 'cuda' but no CUDA device is visible")
     if cfg.threads is not None:
@@ -130,7 +133,7 @@ def run_loop_bench(cfg: BenchLoopConfig, pooling: PoolingConfig, log: Callable[[
     device = torch.device(cfg.device)
     keep = bench_keep(cfg)
     with cuda_settings(device):
-        return [time_method(cfg, method, keep, pooling, device, log) for method in cfg.methods]
+        return [time_method(cfg, method, keep, pooling, device, log, kernels) for method in cfg.methods]
 
 
 COLUMNS = ("model", "bare step images/s", "loop images/s", "loop efficiency", "device reads an epoch")

@@ -30,7 +30,16 @@ from pipeline.bench.timing import default_calls, host_seconds, time_paired
 from pipeline.config import BenchLoopConfig, BenchThroughputConfig, PoolingConfig
 from pipeline.errors import JobError
 from pipeline.pooling.common import dense_segments
-from pipeline.runtime import autocast, compile_model, cuda_settings, inference, step_marker, warm_up
+from pipeline.runtime import (
+    DTYPES,
+    KernelChoice,
+    autocast,
+    compile_model,
+    cuda_settings,
+    inference,
+    step_marker,
+    warm_up,
+)
 
 CEILING = "ceiling"  # the row label of plain random dropping at the same keep list
 
@@ -130,18 +139,20 @@ def _host_s(run: Callable[[], object], cfg: BenchThroughputConfig, device: torch
 
 def _time_method(label: str, method: str, base: nn.Module, run_base: Callable[[], object], base_gflops: float,
                  keep: list[int] | None, x: torch.Tensor, labels: torch.Tensor, cfg: BenchThroughputConfig,
-                 pooling: PoolingConfig, device: torch.device, log: Callable[[str], None]
+                 pooling: PoolingConfig, device: torch.device, log: Callable[[str], None], kernels: KernelChoice
                  ) -> tuple[ThroughputRow, Callable[[], object]]:
     """One method's row (its launches still None) and its runner, for ``_count_and_profile`` to visit."""
     from pipeline.flops import count_flops
     from pipeline.models import create_model
+    from pipeline.models.selfcheck import check_model
 
     pooled = create_model(cfg.model, method=method, keep=keep, options=pooling.method_options(method),
-                          patch_embed=cfg.patch_embed)
+                          patch_embed=cfg.patch_embed, kernels=kernels)
     pooled.load_state_dict(base.state_dict(), strict=False)
     gflops = count_flops(pooled).total
     ops_cpu, ops_dense = _op_counts(pooled, x.shape[-1])
     pooled = pooled.to(device).train(cfg.train)
+    check_model(pooled, device, DTYPES[cfg.dtype] or torch.float32)
     run = _runner(pooled, cfg, device, x, labels)
     with _held(cfg, device):
         compile_s = warm_up(run, log=log, label=f"{label} ({cfg.compile})")
@@ -175,9 +186,9 @@ def _count_and_profile(label: str, run: Callable[[], object], cfg: BenchThroughp
 
 
 def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
-                   log: Callable[[str], None] = print) -> ThroughputResult:
+                   log: Callable[[str], None] = print, kernels: KernelChoice | None = None) -> ThroughputResult:
     """Times every method of ``cfg.methods`` (and the ceiling) against the unmodified model, then counts
-    launches and profiles (``_count_and_profile``)."""
+    launches and profiles (``_count_and_profile``); the pooled models run ``kernels`` (default ``auto``)."""
     from pipeline.flops import count_flops
     from pipeline.models import create_model
 
@@ -206,7 +217,7 @@ def run_throughput(cfg: BenchThroughputConfig, pooling: PoolingConfig,
         for label in methods:
             method = "random" if label == CEILING else label
             timed.append(_time_method(label, method, base, run_base, base_gflops, keep, x, labels, cfg, pooling,
-                                      device, log))
+                                      device, log, kernels or KernelChoice()))
         base_launches = _count_and_profile("the unmodified model", run_base, cfg, device, log)
         rows = [replace(row, launches=_count_and_profile(row.label, run, cfg, device, log)) for row, run in timed]
     return ThroughputResult(base_images_per_s=cfg.batch / statistics.median(t for row in rows for t in row.base_times),

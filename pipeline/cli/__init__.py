@@ -9,7 +9,7 @@ import sys
 import warnings
 from typing import TextIO
 
-from pipeline.cli import analysis, bench, data, experiments, info, train
+from pipeline.cli import analysis, bench, data, doctor, experiments, info, train
 from pipeline.console import VERBOSE_ENV, quiet_driver
 from pipeline.errors import PipelineError, PipelineWarning
 
@@ -17,7 +17,7 @@ from pipeline.errors import PipelineError, PipelineWarning
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (info, bench, data, train, experiments, analysis):
+    for group in (info, bench, data, train, experiments, analysis, doctor):
         group.add_commands(commands)
     return parser
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import get_args
 
@@ -48,16 +49,45 @@ def _bench_overrides(args: argparse.Namespace, section: str, flags: tuple[str, .
     return overrides
 
 
+def _kernels_line(config, device: str) -> tuple[str, dict[str, str]]:
+    """The line every model benchmark prints under its machine line: the kernels that ran, ``auto`` resolved."""
+    from pipeline.models.selfcheck import kernel_record
+
+    record = kernel_record(config.kernels.choice(), device)
+    return "kernels: " + ", ".join(f"{key}={value}" for key, value in record.items()), record
+
+
+def _record(args: argparse.Namespace, kind: str, section, rows: list[dict], kernels: dict[str, str]) -> None:
+    """``--record FILE``: the result as JSON (``bench.records``), what the cluster budget reads."""
+    from pipeline.bench.ops import machine_line
+    from pipeline.bench.records import write_record
+    from pipeline.config import git_sha
+
+    if args.record is None:
+        return
+    write_record(args.record, kind, section.model_dump(mode="json"), rows, machine=machine_line(section.device),
+                 kernels=kernels, commit=git_sha(Path(__file__).parent),
+                 command="python -m pipeline " + " ".join(sys.argv[1:]))
+    print(f"wrote {args.record}", file=sys.stderr)
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from pipeline.bench.ops import machine_line
     from pipeline.bench.throughput import format_throughput, run_throughput
 
     flags = ("model", "batch", "dtype", "compile", "device", "patch_embed", "calls")
     config = load_config(args.config, _bench_overrides(args, "bench_throughput", flags))
-    result = run_throughput(config.bench_throughput, config.pooling,
-                            log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(f"machine: {machine_line(config.bench_throughput.device)}")
-    print(format_throughput(config.bench_throughput, result))
+    cfg = config.bench_throughput
+    result = run_throughput(cfg, config.pooling, log=lambda line: print(line, file=sys.stderr, flush=True),
+                            kernels=config.kernels.choice())
+    line, kernels = _kernels_line(config, cfg.device)
+    print(f"machine: {machine_line(cfg.device)}\n{line}")
+    print(format_throughput(cfg, result))
+    rows = [{"label": "unmodified", "gflops": result.base_gflops, "images_per_s": result.base_images_per_s,
+             "speedup": 1.0}]
+    rows += [{"label": r.label, "gflops": r.gflops, "images_per_s": r.images_per_s, "speedup": r.speedup}
+             for r in result.rows]
+    _record(args, "throughput", cfg, rows, kernels)
     return 0
 
 
@@ -67,9 +97,11 @@ def cmd_bench_loop(args: argparse.Namespace) -> int:
 
     flags = ("model", "batch", "dtype", "compile", "device", "patch_embed", "steps", "repeats", "log_every")
     config = load_config(args.config, _bench_overrides(args, "bench_loop", flags))
-    rows = run_loop_bench(config.bench_loop, config.pooling, log=log)
-    print(f"machine: {machine_line(config.bench_loop.device)}")
+    rows = run_loop_bench(config.bench_loop, config.pooling, log=log, kernels=config.kernels.choice())
+    line, kernels = _kernels_line(config, config.bench_loop.device)
+    print(f"machine: {machine_line(config.bench_loop.device)}\n{line}")
     print(format_loop(config.bench_loop, rows))
+    _record(args, "loop", config.bench_loop, [asdict(row) for row in rows], kernels)
     return 0
 
 
@@ -107,7 +139,7 @@ def _imagenet_like(args: argparse.Namespace) -> str:
 
     threads = int_list(args.threads, "--threads") or sorted({1, os.cpu_count() or 1})
     stores = [_store(text) for text in args.store or ["jpg:256:90"]]
-    step_rates, res, images = _step_rates(args.step_rates), args.res or 224, args.images or 3000
+    step_rates, res, images = _measured_rates(args.step_rates), args.res or 224, args.images or 3000
     if min(threads) < 1 or images < 1:
         raise InputError("--threads and --images must be positive")
     folder = args.folder or args.work_dir / f"imagenet_like_{images}"
@@ -133,6 +165,18 @@ def _store(text: str):
         raise InputError(f"--store {text!r}: MODE is one of jpg, raw, smart, proportion")
     return WriteSettings(mode=mode, max_res=max_res, quality=quality, compress_probability=probability,
                          workers=os.cpu_count() or 1)
+
+
+def _measured_rates(text: str | None) -> dict[str, float]:
+    """``--step-rates``, else the newest H200 training-step record (``bench.records``)."""
+    from pipeline.bench.records import training_step_rates
+
+    if text is not None:
+        return _step_rates(text)
+    try:
+        return {name: round(rate) for name, rate in training_step_rates().items()}
+    except ValueError as err:
+        raise InputError(f"{err}; or give --step-rates NAME=IMAGES_PER_S,...") from None
 
 
 def _step_rates(text: str) -> dict[str, float]:
@@ -182,15 +226,17 @@ def _add_bench_loader(bench_commands) -> None:
                                "configs/experiments/paper_deit_imagenet.yaml's); P: proportion's compress probability")
     imagenet.add_argument("--threads", default=None, help="decoding threads to time, comma-separated (default: 1 and "
                           "every core)")
-    imagenet.add_argument("--step-rates", default="unmodified=8331,wkmedoids=9085",
-                          help="a GPU's training-step images/s, NAME=RATE,... (default: DeiT-S, H200, bf16, batch "
-                               "128, compiled: docs/benchmarks.md)")
+    imagenet.add_argument("--step-rates", default=None,
+                          help="a GPU's training-step images/s, NAME=RATE,... (default: the newest H200 training-step "
+                               "record in pipeline/bench/measured/, written by `bench throughput --train --record`)")
     loader.set_defaults(func=cmd_bench_loader)
 
 
 def add_model_bench_args(parser: argparse.ArgumentParser, dtypes: tuple[str, ...]) -> None:
     """The flags ``bench throughput`` and ``bench loop`` share; each sets a key of the command's section."""
     add_config_args(parser, required=False)
+    parser.add_argument("--record", type=Path, default=None,
+                        help="also write the result as JSON (the cluster budget reads pipeline/bench/measured/)")
     parser.add_argument("--model", default=None, help="timm model name")
     parser.add_argument("--methods", "--method", dest="methods", default=None,
                         help="downsampling method(s), comma-separated, timed in one run")

@@ -3,7 +3,7 @@
 pydantic v2 does the validation (see docs/design.md for why): every section forbids unknown keys
 and checks types strictly, and a failure is re-raised as a ConfigError that names the key, where
 it came from (the file, or ``--set``) and what is allowed. One module per section (``pooling``,
-``bench``, ``data``, ``model``, ``recipe``, ``train``, ``experiment``); ``root`` joins them and checks
+``bench``, ``data``, ``model``, ``recipe``, ``train``, ``kernels``, ``experiment``); ``root`` joins them and checks
 what spans sections; ``loading`` reads, merges, hashes and writes configs.
 """
 
@@ -21,6 +21,7 @@ from pipeline.config.experiment import (
     StageRecipe,
     SweepConfig,
 )
+from pipeline.config.kernels import KernelsConfig
 from pipeline.config.loading import config_hash, dump_config, git_sha, load_config, parse_override, write_resolved
 from pipeline.config.model import ModelConfig
 from pipeline.config.pooling import PoolingConfig
@@ -31,8 +32,8 @@ from pipeline.config.train import CostTarget, TrainConfig
 __all__ = [
     "CONFIG_DIR", "METHOD_OPTION_FIELDS", "SWEEPABLE_SECTIONS", "BenchLoopConfig", "BenchOpsConfig",
     "BenchThroughputConfig", "CompileMode", "Config", "ConfigError", "CostTarget", "DataConfig", "EvalConfig",
-    "ExperimentConfig", "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem", "ProgressiveConfig",
-    "RecipeConfig",
-    "SearchConfig", "Section", "SelectConfig", "StageRecipe", "SweepConfig", "TrainConfig", "config_hash",
+    "ExperimentConfig", "KernelsConfig", "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem",
+    "ProgressiveConfig", "RecipeConfig", "SearchConfig", "Section", "SelectConfig", "StageRecipe", "SweepConfig",
+    "TrainConfig", "config_hash",
     "dump_config", "git_sha", "load_config", "parse_override", "with_setting", "write_resolved",
 ]

@@ -22,14 +22,16 @@ ADDED_OPTIONS = {"significance": "eq4"}
 
 def identity_content(config: Config) -> dict[str, Any]:
     """What decides a training stage's result: the resolved config without where results go, without
-    the benchmark sections and execution-only settings (``train.compile``, ``model.patch_embed``), and
-    with the pooling section only for finetunes: the method's options where they differ from its defaults
-    (an option added at a default that does what the code did before, ``ADDED_OPTIONS``, changes no
-    identity) and, for a plugin's method, that plugin's distribution and version."""
+    the benchmark sections, the kernel choice and execution-only settings (``train.compile``,
+    ``model.patch_embed``), and with the pooling section only for finetunes: the method's options where they
+    differ from its defaults (an option added at a default that does what the code did before,
+    ``ADDED_OPTIONS``, changes no identity) and, for a plugin's method, that plugin's distribution and version."""
     content = config.model_dump(mode="json")
     for section, key in VOLATILE | EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)
-    for section in ("experiment", "bench", "bench_throughput", "bench_loop"):
+    # ``kernels`` changes how a training runs, not what it learns (the device self-check holds each kernel to
+    # the torch path), so training identities leave it out; an evaluation's identity names it (``dag.plan``).
+    for section in ("experiment", "bench", "bench_throughput", "bench_loop", "kernels"):
         content.pop(section, None)
     _target_identity(content.get("train", {}))
     pool = config.pooling

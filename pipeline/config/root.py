@@ -10,6 +10,7 @@ from pipeline.config.base import BUILTIN_OPTION_FIELDS, METHOD_OPTION_FIELDS, Se
 from pipeline.config.bench import BenchLoopConfig, BenchOpsConfig, BenchThroughputConfig
 from pipeline.config.data import DataConfig
 from pipeline.config.experiment import ExperimentConfig
+from pipeline.config.kernels import KernelsConfig
 from pipeline.config.model import ModelConfig
 from pipeline.config.pooling import PoolingConfig
 from pipeline.config.recipe import RecipeConfig
@@ -31,6 +32,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     recipe: RecipeConfig = Field(default_factory=RecipeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     experiment: ExperimentConfig | None = None
 
     @model_validator(mode="after")

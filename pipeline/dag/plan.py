@@ -60,9 +60,10 @@ _SHARED_POOLING = ("iters", "init", "cluster_on", "significance", "carry", "qk_n
 def dag_id(config: Config) -> str:
     """The identity of a whole experiment (its parent run in MLflow, and the runs ``--force`` retires).
 
-    The pooling settings its finetunes share belong to it where they differ from the defaults: two
-    sweeps that differ only in ``pooling.significance`` or ``pooling.carry`` are two experiments, and
-    ``--force`` on one must not retire the other's runs. At the defaults the identity is what it was
+    The pooling settings its finetunes share, and the kernel choices of its evaluations, belong to it where
+    they differ from the defaults: two sweeps that differ only in ``pooling.significance``,
+    ``pooling.carry`` or ``kernels.kmedoids`` are two experiments, and ``--force`` on one must not retire
+    the other's runs. At the defaults the identity is what it was
     before they counted, so experiments recorded then keep their parent run."""
     meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
     if config.experiment.ksearch_targets is None:  # added later: unset, the identity is what it was before
@@ -74,7 +75,15 @@ def dag_id(config: Config) -> str:
         meta["pooling"] = shared
     if config.pooling.options:  # the plugins' options, which no experiment had before they could be set
         meta["pooling_options"] = config.pooling.options
+    if chosen_kernels(config):  # its evaluations are other stages: another experiment, as for pooling
+        meta["kernels"] = chosen_kernels(config)
     return stage_id("dag", config, [], meta)
+
+
+def chosen_kernels(config: Config) -> dict[str, str] | None:
+    """The config's kernel choices that are not ``auto``: part of an evaluation's identity (None at the
+    defaults, so that the stages recorded before the choice existed keep their ids)."""
+    return {key: value for key, value in config.kernels.model_dump().items() if value != "auto"} or None
 
 
 def archs(config: Config) -> list[Arch]:
@@ -196,7 +205,8 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
 
 def evaluate_stage(config: Config, model_stage: Stage) -> Stage:
     exp = config.experiment
-    meta = StageMeta(method=model_stage.meta.method, level=model_stage.meta.level, eval=exp.eval)
+    meta = StageMeta(method=model_stage.meta.method, level=model_stage.meta.level, eval=exp.eval,
+                     kernels=chosen_kernels(config))
     return Stage("evaluate", model_stage.label.replace("-ft-", "-eval-"), None, [model_stage.id], model_stage.arch,
                  meta)
 

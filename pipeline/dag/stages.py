@@ -12,6 +12,7 @@ from pipeline.dag.plan import Stage
 from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, TRAINED_RUN, find_done, mark_done, open_child
 from pipeline.dag.types import EvalResult, StageSpec, Tracking, TrainedResult, from_record
 from pipeline.methods import plugin_of
+from pipeline.runtime import KernelChoice
 from pipeline.tracking import experiment_id, log_batch
 
 
@@ -105,13 +106,16 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     tags = ({} if trained_run is None else {TRAINED_RUN: trained_run}) | ({} if plugin is None else plugin.tags())
     if tags:
         log_batch(client, run_id, tags=tags)
-    measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda)
+    choice = KernelChoice(**(spec.meta.kernels or {}))
+    measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda, kernels=choice)
     setting = {"device": measured.device, "dtype": measured.dtype, "compile": measured.compile}
+    kernels = {f"kernels.{key}": value for key, value in choice.as_dict().items()}
+    kernels |= {f"kernels_run.{key}": value for key, value in measured.kernels.items()}
     log_batch(client, run_id, metrics={"top1": measured.top1, "gflops": measured.gflops,
                                        "images_per_s": measured.images_per_s,
                                        "images_per_s_spread": measured.images_per_s_spread},
               params={"checkpoint": checkpoint, "method": spec.meta.method, "level": spec.meta.level,
-                      **{f"eval_{key}": value for key, value in setting.items()}})
+                      **{f"eval_{key}": value for key, value in setting.items()}, **kernels})
     analysis = log_analysis(client, run_id, checkpoint, cfg)
     result = EvalResult(run_id=run_id, checkpoint=checkpoint, analysis=analysis, **measured.as_dict())
     mark_done(client, run_id, stage_id=spec.id, kind="evaluate", result=result.as_record())

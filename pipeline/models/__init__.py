@@ -9,6 +9,7 @@ from pipeline.models.downsampling import (
     project_retention,
     retention_keep,
     retention_penalty,
+    set_kernels,
     soft_extract,
 )
 from pipeline.models.factory import create_model, data_config, unwrap
@@ -32,6 +33,7 @@ __all__ = [
     "project_retention",
     "retention_keep",
     "retention_penalty",
+    "set_kernels",
     "soft_extract",
     "unwrap",
 ]

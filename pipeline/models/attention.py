@@ -10,9 +10,11 @@ cuDNN's or flash attention), it hands them to the scores, which then cost one pa
 instead of two. Without autograd (inference) and up to 256 tokens, the CUDA path takes the output
 and the scores from one pass instead (``attention_and_significance``, whose CUDA kernel is
 ``attention_with_columns_triton``: every key of a head in one tile, each row normalised exactly,
-P V and the column sums together). On the CPU a block that needs the scores takes both from one set of logits
-(``attention_and_significance``), unless attention dropout is active; ``dense_segments(True)``
-gives it the CUDA path (op counts), with the CPU's flash kernel. A method with
+P V and the column sums together; the config's ``kernels.attention`` picks ``sdpa``, the fused attention
+and the scores apart, or ``torch``, the joint op's torch implementation, instead). On the CPU a block that
+needs the scores takes both from one set of logits (``attention_and_significance``), unless attention
+dropout is active; ``dense_segments(True)`` gives it the CUDA path (op counts), with the CPU's flash
+kernel. A method with
 ``significance: cls`` gets the class token's row of eq. 4 instead (``cls_significance``, one query
 row a head), next to the fused attention on every device.
 """
@@ -34,6 +36,7 @@ from pipeline.models.significance import (
 )
 from pipeline.pooling.common import use_dense
 from pipeline.pooling.factories import check_significance
+from pipeline.runtime import KernelChoice
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ def attend(
     scores: bool = False,
     keys: bool = False,
     significance: str = "eq4",
+    kernels: KernelChoice | None = None,
 ) -> tuple[Tensor, AttentionStats | None]:
     """Runs ``attn`` on x (B, T, M) with T = prefix + tokens.
 
@@ -71,6 +75,7 @@ def attend(
         significance: which scores: ``"eq4"`` (the paper's) or ``"cls"`` (the class token's
             attention, ``cls_significance``; token 0 must be the class token). With ``"cls"`` the
             output always comes from the fused attention.
+        kernels: the model's ``runtime.KernelChoice``; its ``attention`` picks the CUDA inference path.
 
     Returns:
         ((B, T, M) output, AttentionStats, or None when neither statistic was asked for).
@@ -89,8 +94,9 @@ def attend(
     dropout = attn.attn_drop.p if attn.training else 0.0
     eq4 = scores and significance == "eq4"
     found = None
-    if eq4 and dropout == 0.0 and (not use_dense(q) or _one_pass(q)):  # one set of logits for both
-        out, found = attention_and_significance(q, k, v, scale, log_sizes)
+    choice = "auto" if kernels is None else kernels.attention
+    if eq4 and dropout == 0.0 and (not use_dense(q) or _one_pass(q, choice)):  # one set of logits for both
+        out, found = attention_and_significance(q, k, v, scale, log_sizes, kernel=choice)
     else:
         bias = None if log_sizes is None else log_sizes[:, None, None, :].to(q.dtype)  # (B, 1, 1, T)
         fused = fused_attention_lse(q, k, v, scale, bias, dropout) if eq4 else None
@@ -113,12 +119,13 @@ def attend(
     return attn.proj_drop(attn.proj(attn.norm(out))), stats
 
 
-def _one_pass(q: Tensor) -> bool:
+def _one_pass(q: Tensor, choice: str = "auto") -> bool:
     """Whether the CUDA path takes attention and eq. 4 from one pass over the logits (the joint op's Triton
-    kernel, ``attention_with_columns_triton``): without autograd (its backward recomputes the (B, H, T, T)
-    probabilities in torch, where training keeps the fused attention's backward) and where the kernel
-    takes the shape (``one_pass_fits``)."""
-    return not torch.is_grad_enabled() and one_pass_fits(q)
+    kernel, ``attention_with_columns_triton``, or its torch implementation for ``choice="torch"``): without
+    autograd (its backward recomputes the (B, H, T, T) probabilities in torch, where training keeps the fused
+    attention's backward), where the kernel takes the shape (``one_pass_fits``), and unless ``choice`` (the
+    config's ``kernels.attention``) is ``sdpa``."""
+    return choice != "sdpa" and not torch.is_grad_enabled() and one_pass_fits(q)
 
 
 def fused_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float

@@ -29,6 +29,7 @@ from pipeline.models.attention import attend
 from pipeline.models.keep import effective_keep
 from pipeline.pooling.common import stable_ranks
 from pipeline.pooling.conv import grid_shape
+from pipeline.runtime import KernelChoice
 
 QK_NORM = ("fixed", "learned")
 
@@ -75,9 +76,12 @@ class DownsamplingBlocks(nn.Sequential):
     """timm blocks run with downsampling; x (B, P+N, M) -> (B, P+K_L, M)."""
 
     def __init__(self, blocks: nn.Sequential, config: DownsamplingConfig, *, num_prefix: int, num_tokens: int,
-                 grid: tuple[int, int] | None) -> None:
+                 grid: tuple[int, int] | None, kernels: KernelChoice | None = None) -> None:
         super().__init__(*blocks)
         self.config = config
+        # The implementation of each fused step, handed to the attention and the step as arguments: a
+        # compiled graph keeps the value it was traced with (``set_kernels`` before compiling changes it).
+        self.kernels = kernels or KernelChoice()
         self.num_prefix = num_prefix
         self.num_tokens = num_tokens
         spec = METHODS[config.method]
@@ -134,7 +138,7 @@ class DownsamplingBlocks(nn.Sequential):
             qk_alpha=getattr(block, "qk_alpha", None),
             scores=record or soft or (pool and self.needs_scores),
             keys=record or (pool and self.needs_keys),
-            significance=self.significance,
+            significance=self.significance, kernels=self.kernels,
         )
         before, attended = x, block.drop_path1(block.ls1(attn_out))
         x = mixed = before + attended
@@ -155,7 +159,7 @@ class DownsamplingBlocks(nn.Sequential):
                     scores=None if stats is None else stats.scores,
                     metric=None if stats is None else stats.keys,
                     sizes=None if sizes is None else sizes[:, p:],
-                    validate=False,
+                    validate=False, kernels=self.kernels,
                 )
             x = torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
             if sizes is not None:
@@ -249,6 +253,7 @@ def apply_downsampling(
     qk_norm: str | None = None,
     alpha: float = 1.0,
     soft_extract: bool = False,
+    kernels: KernelChoice | None = None,
     **options: Any,
 ) -> nn.Module:
     """Adds a downsampling step to every block of a timm ViT instance, in place; returns the model.
@@ -265,6 +270,7 @@ def apply_downsampling(
         soft_extract: add PoWER-BERT's soft-extract layer to every block (one learnable retention
             weight per significance rank, initialised to 1) for the K search; see
             ``retention_penalty`` and ``retention_keep``. It needs ``method="none"`` and no keep list.
+        kernels: the implementation of each fused step (the config's ``kernels``); default all ``auto``.
         options: method options (``iters``, ``init``, ``cluster_on``, ``significance``).
     """
     for attr in ("blocks", "num_prefix_tokens", "patch_embed"):
@@ -293,5 +299,16 @@ def apply_downsampling(
                                 soft_extract=soft_extract, options=options)
     grid = tuple(model.patch_embed.grid_size) if hasattr(model.patch_embed, "grid_size") else None
     model.blocks = DownsamplingBlocks(model.blocks, config, num_prefix=model.num_prefix_tokens,
-                                      num_tokens=num_tokens, grid=grid)
+                                      num_tokens=num_tokens, grid=grid, kernels=kernels)
+    return model
+
+
+def set_kernels(model: nn.Module, kernels: KernelChoice) -> nn.Module:
+    """Makes ``model`` (a downsampling ViT, or one inside DDP or ``torch.compile``) run ``kernels`` from its
+    next trace or eager call on; an unmodified timm model runs none of the fused steps and is left as it
+    is. Call it before compiling: a compiled graph keeps the choice it was traced with."""
+    inner = getattr(model, "_orig_mod", model)
+    inner = inner.module if isinstance(inner, nn.parallel.DistributedDataParallel) else inner
+    if isinstance(getattr(inner, "blocks", None), DownsamplingBlocks):
+        inner.blocks.kernels = kernels
     return model

@@ -19,6 +19,7 @@ from pipeline.methods import downsamples
 from pipeline.models.downsampling import apply_downsampling
 from pipeline.models.patch_embed import use_patch_embed
 from pipeline.models.weights import load_weights
+from pipeline.runtime import KernelChoice
 
 ARCH_OVERRIDES = ("img_size", "patch_size", "embed_dim", "depth", "num_heads")
 
@@ -44,6 +45,7 @@ def create_model(
     soft_extract: bool = False,
     options: dict[str, Any] | None = None,
     patch_embed: str = "conv",
+    kernels: KernelChoice | None = None,
 ) -> VisionTransformer:
     """Builds the timm ViT ``name`` (any architecture field overridden), loads weights, adds downsampling.
 
@@ -52,7 +54,8 @@ def create_model(
     architecture). ``data_overlay`` overrides the model's data config (mean, std, crop_pct,
     input_size). The downsampling arguments are ``apply_downsampling``'s; with none of them the
     result is the unmodified timm model. ``patch_embed="matmul"`` computes the patch embedding as one
-    matmul (``models.patch_embed``: the same function and parameters, much faster on CUDA).
+    matmul (``models.patch_embed``: the same function and parameters, much faster on CUDA). ``kernels``
+    (the config's ``kernels`` section) picks the implementation of each fused step.
     """
     if name not in timm.list_models() and name not in timm.list_models(pretrained=True):
         raise InputError(f"unknown timm model {name!r}; for example deit_small_patch16_224")
@@ -81,7 +84,7 @@ def create_model(
                          f"{model.patch_embed.img_size}; give model.patch_size at most model.img_size")
     if downsamples(method) or keep is not None or carry or qk_norm is not None or soft_extract or options:
         apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
-                           soft_extract=soft_extract, **(options or {}))
+                           soft_extract=soft_extract, kernels=kernels, **(options or {}))
     use_patch_embed(model, patch_embed)
     # else: the unmodified timm model itself (base and baseline training, the benchmarks' reference)
     if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is

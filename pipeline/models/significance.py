@@ -100,7 +100,9 @@ def attention_and_significance_torch(q: Tensor, k: Tensor, v: Tensor, bias: Tens
 
 
 @torch.library.custom_op("tokenpool::attention_with_significance", mutates_args=())
-def _joint_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def _joint_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, kernel: str = "auto"
+              ) -> tuple[Tensor, Tensor]:
+    """``kernel``: the config's ``kernels.attention`` (``torch`` keeps the torch implementation on CUDA)."""
     return attention_and_significance_torch(q, k, v, bias, scale)
 
 
@@ -112,14 +114,16 @@ def one_pass_fits(q: Tensor) -> bool:
 
 
 @_joint_op.register_kernel("cuda")
-def _joint_cuda(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    if not one_pass_fits(q):
+def _joint_cuda(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, kernel: str = "auto"
+                ) -> tuple[Tensor, Tensor]:
+    if kernel == "torch" or not one_pass_fits(q):
         return attention_and_significance_torch(q, k, v, bias, scale)
     return attention_with_columns_triton(q, k, v, bias, scale)
 
 
 @_joint_op.register_fake
-def _joint_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def _joint_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, kernel: str = "auto"
+                ) -> tuple[Tensor, Tensor]:
     b, h, t, d = v.shape
     return v.new_empty(b, t, h, d).permute(0, 2, 1, 3), q.new_empty(b, t, dtype=torch.float32)
 
@@ -137,7 +141,7 @@ def _through_softmax(probs: Tensor, dprobs: Tensor, q: Tensor, k: Tensor, bias: 
 
 
 def _joint_setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, scale = inputs
+    q, k, v, bias, scale, _ = inputs
     ctx.save_for_backward(q, k, v, bias)
     ctx.scale = scale
 
@@ -155,7 +159,7 @@ def _joint_backward(ctx, grad_out: Tensor | None, grad_scores: Tensor | None):
         dprobs = dprobs + grad_scores.float()[:, None, None, :]
     dq, dk, dbias = _through_softmax(probs, dprobs, q, k, bias, ctx.scale, ctx.needs_input_grad[3])
     dv = torch.zeros_like(v) if grad_out is None else torch.matmul(probs.transpose(-2, -1), grad_out.float())
-    return dq, dk, dv.to(v.dtype), dbias, None
+    return dq, dk, dv.to(v.dtype), dbias, None, None
 
 
 _joint_op.register_autograd(_joint_backward, setup_context=_joint_setup_context)
@@ -272,18 +276,19 @@ def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | No
     return _significance_op(q, k, bias, float(scale), lse)[0]
 
 
-def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None
-                               ) -> tuple[Tensor, Tensor]:
-    """Softmax attention (no dropout) and eq. 4 from one set of logits, for the CPU.
+def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None,
+                               kernel: str = "auto") -> tuple[Tensor, Tensor]:
+    """Softmax attention (no dropout) and eq. 4 from one set of logits: the CPU's, and CUDA inference's.
 
     Args:
         q, k, v: (B, H, T, D).
         scale, bias: as for ``attention_significance``; the bias is also the attention's.
+        kernel: the config's ``kernels.attention``; ``torch`` keeps the torch implementation on CUDA.
 
     Returns:
         ((B, H, T, D) attention output in v's dtype, (B, T) float32 scores).
     """
-    return _joint_op(q, k, v, bias, float(scale))
+    return _joint_op(q, k, v, bias, float(scale), kernel)
 
 
 def cls_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:

@@ -22,8 +22,6 @@ device whether it has converged (no host sync).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -47,6 +45,7 @@ from pipeline.pooling.common import (
     work_dtype,
 )
 from pipeline.pooling.merge import pool_segments
+from pipeline.runtime import KernelChoice
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.pooling.kmeans_triton import kmeans_fused_triton
@@ -62,19 +61,7 @@ _WEIGHT_FLOOR = 1e-12
 # A medoid is replaced only by a member cheaper by more than this relative margin. Two-member
 # clusters tie exactly (unweighted), and float32 rounding must not flip a tie into a swap.
 SWAP_RTOL = 1e-4
-# The environment variables that pick a CUDA kernel, for timing the kernels against each other on a GPU:
-KMEDOIDS_KERNEL_ENV = "PIPELINE_KMEDOIDS_KERNEL"  # "fused" (default: one launch) or "tiled" (two an iteration)
-KMEANS_KERNEL_ENV = "PIPELINE_KMEANS_KERNEL"  # "fused" (default: one launch on CUDA) or "torch" (traced ops)
-
-
-def kernel_choice(variable: str, choices: tuple[str, ...]) -> str:
-    """The value of the environment variable that picks a CUDA kernel, ``choices[0]`` when unset; an
-    InputError naming the variable and its values for anything else."""
-    value = os.environ.get(variable, choices[0])
-    if value not in choices:
-        raise InputError(f"{variable}={value!r} is not a kernel choice: use one of {', '.join(choices)} "
-                         f"(unset means {choices[0]})")
-    return value
+DEFAULT_KERNELS = KernelChoice()
 
 
 def gram(x: Tensor) -> Tensor:
@@ -125,9 +112,10 @@ def initial_indices(k: int, *, init: str, init_scores: Tensor | None, tokens: Te
     return uniform_noise(tokens[..., 0], generator).topk(k, dim=-1).indices
 
 
-def _kmeans(x: Tensor, w: Tensor | None, start: Tensor, iters: int, gram: bool | None = None) -> Tensor:
+def _kmeans(x: Tensor, w: Tensor | None, start: Tensor, iters: int, gram: bool | None = None,
+            kernels: KernelChoice = DEFAULT_KERNELS) -> Tensor:
     """Lloyd iterations from the tokens at ``start``: x (B, N, D), w (B, N) or None, start (B, K) token
-    indices -> last assignment (B, N).
+    indices -> last assignment (B, N); ``kernels`` picks the Gram form's implementation.
 
     Two forms of the same iterations, by shape (``gram`` forces one, for the tests):
 
@@ -139,7 +127,7 @@ def _kmeans(x: Tensor, w: Tensor | None, start: Tensor, iters: int, gram: bool |
     if gram is None:
         gram = x.shape[1] <= 2 * x.shape[2]
     if gram:
-        return _kmeans_gram(x, w, start, iters)
+        return _kmeans_gram(x, w, start, iters, kernels)
     return _kmeans_features(x, w, gather_rows(x, start), iters)
 
 
@@ -165,7 +153,8 @@ def _kmeans_features(x: Tensor, w: Tensor | None, centres: Tensor, iters: int) -
     return assign
 
 
-def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int, kernels: KernelChoice = DEFAULT_KERNELS
+                 ) -> Tensor:
     """Lloyd iterations with every centre kept as its coefficients over the tokens: c_k = sum_j a_kj x_j,
     a (B, K, N) the weighted, normalised membership (one-hot at ``start`` to begin with). With G = X X^T
     (B, N, N), computed once, ``c_k . x_i = (a G)_ki`` and ``||c_k||^2 = sum_j a_kj (a G)_kj``, so an
@@ -174,15 +163,16 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tens
 
     The iterations are one custom op, ``tokenpool::kmeans_gram``: on CUDA one Triton kernel that runs every
     iteration of an image in one program (``kmeans_fused_triton``), native code on the CPU
-    (``native.kmeans_gram``: its update costs N^2 where the dense product costs K N^2), and the torch
-    iterations (``kmeans_gram_iterations``) where neither is at hand. ``PIPELINE_KMEANS_KERNEL=torch``
-    runs the torch iterations on the CUDA path instead, for ``torch.compile`` to trace, so that
-    ``jobs/gpu/checks.sh`` can time the two (the figures are in docs/benchmarks.md).
+    (``native.kmeans_gram``: its update costs N^2 where the dense product costs K N^2, unless
+    ``kernels.native`` is ``torch``), and the torch iterations (``kmeans_gram_iterations``) where neither is
+    at hand. ``kernels.kmeans: torch`` runs the torch iterations outside the op on every device, for
+    ``torch.compile`` to trace (what the last GPU figures ran, docs/benchmarks.md), so that
+    ``jobs/gpu/checks.sh`` can time the two; they are also the device self-check's reference.
     """
     g = gram(x)
-    if use_dense(x) and kernel_choice(KMEANS_KERNEL_ENV, ("fused", "torch")) == "torch":
+    if kernels.kmeans == "torch":
         return kmeans_gram_iterations(g, w, start, iters)
-    return _kmeans_gram_op(g, w, start, iters)
+    return _kmeans_gram_op(g, w, start, iters, kernels.native != "torch")
 
 
 
@@ -208,34 +198,35 @@ def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters:
 
 
 @torch.library.custom_op("tokenpool::kmeans_gram", mutates_args=())
-def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int, use_native: bool = True) -> Tensor:
     """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op: one Triton kernel on CUDA, native
-    code on the CPU, the torch iterations on any other device."""
+    code on the CPU (``use_native``: the config's ``kernels.native``), the torch iterations on any other device."""
     return kmeans_gram_iterations(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cuda")
-def _kmeans_gram_cuda(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+def _kmeans_gram_cuda(gram: Tensor, w: Tensor | None, start: Tensor, iters: int, use_native: bool = True) -> Tensor:
     if kmeans_fused_triton is None or gram.dtype != torch.float32:  # the kernel sums in float32
         return kmeans_gram_iterations(gram, w, start, iters)
     return kmeans_fused_triton(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cpu")
-def _kmeans_gram_cpu(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
-    lib = native.for_tensor(gram)
+def _kmeans_gram_cpu(gram: Tensor, w: Tensor | None, start: Tensor, iters: int, use_native: bool = True) -> Tensor:
+    lib = native.for_tensor(gram, use_native)
     if lib is None:
         return kmeans_gram_iterations(gram, w, start, iters)
     return native.kmeans_gram(lib, gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_fake
-def _kmeans_gram_fake(gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
+def _kmeans_gram_fake(gram: Tensor, w: Tensor | None, start: Tensor, iters: int, use_native: bool = True) -> Tensor:
     return start.new_empty(gram.shape[0], gram.shape[1])
 
 
-def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
-    """Voronoi iterations on the token distance matrix.
+def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernels: KernelChoice = DEFAULT_KERNELS
+              ) -> tuple[Tensor, Tensor]:
+    """Voronoi iterations on the token distance matrix, in the implementation ``kernels`` picks.
 
     x (B, N, D), w (B, N) or None (uniform), medoids (B, K) token indices
     -> (medoids (B, K), last assignment (B, N)).
@@ -243,10 +234,11 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
     ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op on the Gram matrix,
     ``tokenpool::kmedoids``: on CUDA one Triton kernel that derives the distances as it reads them
-    (``kmedoids_fused_triton``), native code on the CPU (``native.kmedoids``, one call for all of them),
-    and the torch iterations (``kmedoids_dense``) where neither is at hand.
+    (``kmedoids_fused_triton``; ``kernels.kmedoids: tiled``: two launches an iteration), native code on the
+    CPU (``native.kmedoids``, one call for all of them, unless ``kernels.native`` is ``torch``), and the torch
+    iterations (``kmedoids_dense``) where neither is at hand or ``kernels.kmedoids`` is ``torch``.
     """
-    return _kmedoids_op(gram(x), w, medoids, iters)
+    return _kmedoids_op(gram(x), w, medoids, iters, kernels.kmedoids, kernels.native != "torch")
 
 
 def _reach(d: Tensor) -> Tensor:
@@ -284,30 +276,33 @@ def _swap(cost: Tensor, med: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("tokenpool::kmedoids", mutates_args=())
-def _kmedoids_op(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def _kmedoids_op(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+                 use_native: bool = True) -> tuple[Tensor, Tensor]:
     """K-Medoids iterations on the Gram matrices g (B, N, N) (``gram``): one opaque op for
-    ``torch.compile``, which launches one kernel on CUDA."""
+    ``torch.compile``, which launches one kernel on CUDA. ``kernel`` is the config's ``kernels.kmedoids``,
+    ``use_native`` its ``kernels.native`` (not ``torch``)."""
     return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
 
 
-
 @_kmedoids_op.register_kernel("cuda")
-def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+                   use_native: bool = True) -> tuple[Tensor, Tensor]:
     """Triton on CUDA: ``kmedoids_fused_triton`` (one program an image for every iteration, reading the Gram
-    matrix: one launch), or with ``PIPELINE_KMEDOIDS_KERNEL=tiled`` the distances and ``kmedoids_triton``
-    (two launches an iteration over (B, tiles) grids, the kernel behind the last GPU figures, kept so that
-    ``jobs/gpu/checks.sh`` can time the two against each other)."""
-    if kmedoids_triton is None or g.dtype != torch.float32:  # the kernels sum in float32
+    matrix: one launch), or with ``kernel="tiled"`` the distances and ``kmedoids_triton`` (two launches an
+    iteration over (B, tiles) grids, the kernel behind the last GPU figures, kept so that
+    ``jobs/gpu/checks.sh`` can time the two against each other); ``"torch"``: the dense torch iterations."""
+    if kmedoids_triton is None or g.dtype != torch.float32 or kernel == "torch":  # the kernels sum in float32
         return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
-    if kernel_choice(KMEDOIDS_KERNEL_ENV, ("fused", "tiled")) == "tiled":
+    if kernel == "tiled":
         return kmedoids_triton(dists_from_gram(g), w, medoids, iters, SWAP_RTOL)
     return kmedoids_fused_triton(g, w, medoids, iters, SWAP_RTOL, gram=True)
 
 
 @_kmedoids_op.register_kernel("cpu")
-def _kmedoids_cpu(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def _kmedoids_cpu(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+                  use_native: bool = True) -> tuple[Tensor, Tensor]:
     d = dists_from_gram(g)
-    lib = native.for_tensor(d)
+    lib = native.for_tensor(d, use_native and kernel != "torch")
     if lib is None:
         return _kmedoids_dense_owned(d, w, medoids, iters)
     return native.kmedoids(lib, d, w, medoids, iters, SWAP_RTOL)
@@ -321,7 +316,8 @@ def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: i
 
 
 @_kmedoids_op.register_fake
-def _kmedoids_fake(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+def _kmedoids_fake(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+                   use_native: bool = True) -> tuple[Tensor, Tensor]:
     b, n, _ = g.shape
     return medoids.new_empty(b, medoids.shape[1]), medoids.new_empty(b, n)
 
@@ -353,6 +349,7 @@ def token_pool(
     generator: torch.Generator | None = None,
     metric: Tensor | None = None,
     validate: bool = True,
+    kernels: KernelChoice | None = None,
 ) -> PoolResult:
     """Downsamples (B, N, M) tokens to (B, K, M) cluster means (Token Pooling, Algorithm 1).
 
@@ -369,6 +366,7 @@ def token_pool(
         metric: (B, N, D) features to cluster on instead of ``tokens`` (for example the attention
             keys averaged over heads); the output still averages ``tokens``.
         validate: check values (NaN, inf, negative weights) at a cost of one host sync.
+        kernels: the implementation of each fused step (the config's ``kernels`` section); default ``auto``.
 
     Returns:
         PoolResult with tokens (B, K, M), sizes (B, K), assign (B, N).
@@ -391,14 +389,16 @@ def token_pool(
     space = x if metric is None else metric.to(dtype)
     w = effective_weights(tokens, weights, sizes)
     start = initial_indices(k, init=init, init_scores=init_scores, tokens=tokens, generator=generator)
+    kernels = kernels or DEFAULT_KERNELS
     with torch.no_grad():  # the assignments are constants; gradients flow through the means below
         if method == "kmeans":
-            assign = _kmeans(space, w, start, iters)
+            assign = _kmeans(space, w, start, iters, kernels=kernels)
         else:
-            medoids, assign = _kmedoids(space, w, start, iters)
+            medoids, assign = _kmedoids(space, w, start, iters, kernels)
     # No K-Medoids cluster is empty; an empty K-Means cluster outputs the token its centre started from.
     in_sizes = None if sizes is None else sizes.to(dtype)
-    pooled, out_sizes = pool_segments(x, w, in_sizes, assign, k, start if method == "kmeans" else None)
+    pooled, out_sizes = pool_segments(x, w, in_sizes, assign, k, start if method == "kmeans" else None,
+                                      kernels.merge)
     index = medoids if method == "kmedoids" else None
     return PoolResult(tokens=pooled.to(tokens.dtype), sizes=out_sizes, assign=assign, index=index)
 

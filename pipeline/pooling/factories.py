@@ -4,11 +4,12 @@ never imports it), as timm picks attention layers.
 
 Every built method is called as::
 
-    step(tokens, k, *, scores=None, sizes=None, metric=None, generator=None, validate=True) -> PoolResult
+    step(tokens, k, *, scores=None, sizes=None, metric=None, generator=None, validate=True, kernels=None) -> PoolResult
 
-with tokens (B, N, M), significance ``scores`` (B, N), carried ``sizes`` (B, N) and a cheap
-similarity ``metric`` (B, N, D) such as the attention keys averaged over heads. A method ignores
-what it does not use and raises a ValueError when it lacks what it needs.
+with tokens (B, N, M), significance ``scores`` (B, N), carried ``sizes`` (B, N), a cheap
+similarity ``metric`` (B, N, D) such as the attention keys averaged over heads, and ``kernels``, the
+``runtime.KernelChoice`` of the model (the config's ``kernels`` section). A method ignores what it does
+not use (a plugin's step takes ``**_``) and raises a ValueError when it lacks what it needs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pipeline.pooling.clustering import INITS, token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 from pipeline.pooling.selection import select_importance, select_random, select_topk
 from pipeline.pooling.tome import tome_merge
+from pipeline.runtime import KernelChoice
 
 CLUSTER_ON = ("tokens", "metric")
 # Which attention the scores measure: "eq4", the paper's (the attention each token receives from every
@@ -50,6 +52,7 @@ class Downsampler(Protocol):
         metric: Tensor | None = None,
         generator: torch.Generator | None = None,
         validate: bool = True,
+        kernels: KernelChoice | None = None,
     ) -> PoolResult: ...
 
 
@@ -74,7 +77,7 @@ def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_o
 
     def step(tokens: Tensor, k: int, *, scores: Tensor | None = None, sizes: Tensor | None = None,
              metric: Tensor | None = None, generator: torch.Generator | None = None,
-             validate: bool = True) -> PoolResult:
+             validate: bool = True, kernels: KernelChoice | None = None) -> PoolResult:
         if weighted and scores is None:
             raise InputError(f"w{method} needs scores (B, N), the significance of eq. 4, as its weights")
         if cluster_on == "metric" and metric is None:
@@ -82,7 +85,7 @@ def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_o
         return token_pool(
             tokens, k, method=method, weights=scores if weighted else None, init=init, init_scores=scores,
             iters=iters, sizes=sizes, generator=generator, metric=metric if cluster_on == "metric" else None,
-            validate=validate,
+            validate=validate, kernels=kernels,
         )
 
     return step

@@ -2,8 +2,8 @@
 
 On the CUDA path the means are one custom op, ``tokenpool::cluster_means``: one Triton kernel on CUDA
 (``means_triton``, no (B, K, N) membership in memory), the one-hot torch ops on other devices (the
-reference the kernel is tested against). Its backward is the closed form below, in torch ops. The CPU
-path keeps ``Partition``'s ``index_add_`` sums, which autograd differentiates.
+reference the kernel is tested against; on CUDA too with ``kernels.merge: torch``). Its backward is the
+closed form below, in torch ops. The CPU path keeps ``Partition``'s ``index_add_`` sums, which autograd differentiates.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def pool_segments(
-    tokens: Tensor, weights: Tensor | None, sizes: Tensor | None, assign: Tensor, k: int, start: Tensor | None
+    tokens: Tensor, weights: Tensor | None, sizes: Tensor | None, assign: Tensor, k: int, start: Tensor | None,
+    kernel: str = "auto",
 ) -> tuple[Tensor, Callable[[], Tensor]]:
     """Weighted mean of the tokens in each segment, and the summed sizes of each segment.
 
@@ -34,13 +35,14 @@ def pool_segments(
         k: number of segments.
         start: (B, K) token indices: a segment with no members outputs the token at its index (its size
             is 0); None when the caller guarantees that no segment is empty.
+        kernel: the config's ``kernels.merge``: ``auto`` (the Triton means on CUDA) or ``torch``.
 
     Returns:
         ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
     """
     part = None  # the CPU path's partition, which the sizes reuse; the CUDA path builds one only for them
     if use_dense(tokens):
-        means = cluster_means(tokens, weights, assign, k, start)
+        means = cluster_means(tokens, weights, assign, k, start, kernel)
     else:
         part = Partition(assign, k, dtype=tokens.dtype)
         means, total = part.mean(tokens, weights)
@@ -55,9 +57,11 @@ def pool_segments(
 
 
 @torch.library.custom_op("tokenpool::cluster_means", mutates_args=())
-def cluster_means(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+def cluster_means(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None, kernel: str = "auto"
+                  ) -> Tensor:
     """Weighted cluster means, x (B, N, M), w (B, N) or None, assign (B, N) in [0, k), start (B, K) or None
-    -> (B, K, M); an empty cluster gives x at its ``start`` index (0 / 0 without ``start``)."""
+    -> (B, K, M); an empty cluster gives x at its ``start`` index (0 / 0 without ``start``). ``kernel``:
+    ``auto`` or ``torch`` (the config's ``kernels.merge``)."""
     return _means_dense(x, w, assign, k, start)
 
 
@@ -72,24 +76,27 @@ def _means_dense(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Ten
 
 
 @cluster_means.register_kernel("cuda")
-def _cluster_means_cuda(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
-    if cluster_means_triton is None or x.dtype != torch.float32 or (w is not None and w.dtype != torch.float32):
+def _cluster_means_cuda(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None,
+                        kernel: str = "auto") -> Tensor:
+    if (kernel == "torch" or cluster_means_triton is None or x.dtype != torch.float32
+            or (w is not None and w.dtype != torch.float32)):
         return _means_dense(x, w, assign, k, start)
     return cluster_means_triton(x, w, assign, k, start)
 
 
 @cluster_means.register_fake
-def _cluster_means_fake(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+def _cluster_means_fake(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None,
+                        kernel: str = "auto") -> Tensor:
     return x.new_empty(x.shape[0], k, x.shape[2])
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, assign, k, start = inputs
+    x, w, assign, k, start, _ = inputs
     ctx.save_for_backward(x, w, assign, start, output)
     ctx.k = k
 
 
-def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
     """With T_k = sum_{n in k} w_n and the mean mu_k of a member cluster k = a(n):
     d mu_k / d x_n = w_n / T_k, and d mu_k / d w_n = (x_n - mu_k) / T_k; an empty cluster's output is the
     token at its ``start``, whose gradient it passes on."""
@@ -108,7 +115,7 @@ def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, No
             grad_x = grad_x.scatter_add(1, start.unsqueeze(-1).expand(b, ctx.k, m), torch.where(empty, grad, 0.0))
     if w is not None and ctx.needs_input_grad[1]:
         grad_w = ((x - means.gather(1, rows)) * per_member).sum(-1)
-    return grad_x, grad_w, None, None, None
+    return grad_x, grad_w, None, None, None, None
 
 
 cluster_means.register_autograd(_backward, setup_context=_setup_context)

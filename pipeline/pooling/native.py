@@ -7,11 +7,11 @@ at hand.
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
 machine, so an edit rebuilds it and a second process (a Ray worker, a test) loads it, with or without a
-compiler. Without a compiler, or with ``PIPELINE_NATIVE=0``, ``library()`` returns None and the caller
-runs the torch iterations (same results, slower); a failed build says why, once.
+compiler. Without a compiler ``library()`` returns None and the caller runs the torch iterations (same
+results, slower); a failed build says why, once. The config's ``kernels.native: torch`` turns them off
+(``for_tensor(t, enabled=False)``).
 
-Environment:
-    PIPELINE_NATIVE: ``1`` (default) or ``0``, which turns the native kernels off.
+Environment (where the library is built and kept, not whether it runs):
     PIPELINE_NATIVE_CACHE: the cache folder (default ``$XDG_CACHE_HOME/pipeline-native``, else
         ``~/.cache/pipeline-native``).
     CC: the C compiler (default ``cc``).
@@ -32,8 +32,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-
-from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +88,6 @@ def build(compiler: str, target: Path) -> None:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded native library, built first if it is not in the cache; None when it cannot be had."""
-    switch = os.environ.get("PIPELINE_NATIVE", "1")
-    if switch not in ("0", "1"):
-        raise InputError(f"PIPELINE_NATIVE must be 1 (the clustering methods' native CPU kernels, the default) "
-                         f"or 0 (their torch iterations), got {switch!r}; fix or unset it")
-    if switch == "0":
-        return None
     target = library_path()
     try:
         if not target.exists():
@@ -119,9 +111,10 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def for_tensor(t: Tensor) -> ctypes.CDLL | None:
-    """The library where the native kernels take a matrix like ``t`` (CPU float32 or float64), else None."""
-    return library() if t.device.type == "cpu" and t.dtype in _SUFFIX else None
+def for_tensor(t: Tensor, enabled: bool = True) -> ctypes.CDLL | None:
+    """The library where the native kernels take a matrix like ``t`` (CPU float32 or float64) and ``enabled``
+    (the config's ``kernels.native`` is not ``torch``), else None."""
+    return library() if enabled and t.device.type == "cpu" and t.dtype in _SUFFIX else None
 
 
 def _call(lib: ctypes.CDLL, name: str, *args: Tensor | float | None) -> None:

@@ -54,7 +54,8 @@ def build_model(config: Config) -> nn.Module:
         downsampling = {"method": pool.method, "keep": finetune_keep(config), "carry": pool.carry,
                         "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.method_options()}
     try:
-        return create_model(config.model.name, **model_args(config), **downsampling)
+        return create_model(config.model.name, **model_args(config), **downsampling,
+                            kernels=config.kernels.choice())
     except InputError as err:
         raise ConfigError(f"model: {err}") from None
 

@@ -22,6 +22,7 @@ from pipeline.console import say
 from pipeline.data.loaders import loader_spec, progressive_res, set_resolution, shared_loader
 from pipeline.errors import JobError
 from pipeline.models import data_config, project_retention, retention_keep, retention_penalty, unwrap
+from pipeline.models.selfcheck import check_model
 from pipeline.runtime import autocast, compile_model, cuda_settings, step_marker
 from pipeline.train.build import arch_signature, build_model
 from pipeline.train.checkpoint import check_architecture, load_init, load_model_weights, save_checkpoint
@@ -338,6 +339,8 @@ def build_job(config: Config, session: Session) -> Job:
     recipe = build_recipe(unwrap(model), config.recipe, num_classes=config.data.num_classes,
                           global_batch=config.data.batch_size * session.world, steps_per_epoch=steps_per_epoch,
                           retention_lr_scale=config.train.ksearch_lr_scale)
+    amp = session.device.type == "cuda" and config.recipe.amp  # Job.dtype's rule
+    check_model(model, session.device, torch.bfloat16 if amp else torch.float32)  # eagerly, before any trace
     run = compile_model(model, config.train.compile, session.device)
     test_loader = val_loader(config, model, session, test=True) if config.data.holdout > 0 else None
     job = Job(config, session, model, run, recipe, train_loader, val_loader(config, model, session), test_loader)
@@ -365,7 +368,7 @@ def train(config: Config, session: Session, on_epoch: Callable[[dict[str, float]
             say(f"[rank 0] resuming from the checkpoint of epoch {start_epoch}")
     nodes = gather(session.node_id, session.world)
     if job.lead:
-        job.tracker = JobTracker.open(config, job.run_id)
+        job.tracker = JobTracker.open(config, job.run_id, device=session.device)
         job.run_id = job.tracker.run_id
         job.tracker.record_placement(nodes)
         if state is not None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from pipeline.config import Config, config_hash, dump_config, git_sha
 from pipeline.methods import KEEP_ALL, plugin_of
+from pipeline.models.selfcheck import kernel_params
 from pipeline.tracking import flatten, log_batch, open_run
 
 
@@ -28,8 +29,9 @@ class JobTracker:
     config: Config
 
     @classmethod
-    def open(cls, config: Config, run_id: str | None = None) -> JobTracker:
-        """Continues ``run_id`` (from this job's checkpoint), else starts a run for this job."""
+    def open(cls, config: Config, run_id: str | None = None, device: torch.device | str = "cpu") -> JobTracker:
+        """Continues ``run_id`` (from this job's checkpoint), else starts a run for this job; the params are the
+        config and the kernels that run on ``device`` (``kernels_run.*``, ``models.selfcheck.kernel_record``)."""
         train = config.train
         method = config.pooling.method if train.mode == "finetune" else KEEP_ALL
         plugin = plugin_of(method)
@@ -39,7 +41,7 @@ class JobTracker:
                                       run_name=train.name, tags=tags, parent_run_id=train.parent_run_id,
                                       resume_id=run_id)
         tracker = cls(client, found, config)
-        params = flatten(config.model_dump(mode="json"))
+        params = flatten(config.model_dump(mode="json")) | kernel_params(config.kernels.choice(), device)
         if new:
             log_batch(client, tracker.run_id, params=params)
         else:  # MLflow params are immutable: a resumed job that changed its config records the new values as tags

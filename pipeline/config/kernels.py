@@ -1,0 +1,39 @@
+"""``kernels:``, the implementation of each fused step (``runtime.KernelChoice``).
+
+How a model runs, not what it computes: every value gives the same results within the device self-check's
+tolerance (``pipeline doctor``). Training identities leave the section out (``config/identity.py``); an
+evaluation's identity and every benchmark's output name it, and MLflow records both the values and what
+they resolved to on the device (``models.selfcheck.kernel_record``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.config.base import Section
+from pipeline.runtime import KernelChoice
+
+
+class KernelsConfig(Section):
+    """Which kernel runs each fused step; ``auto`` is the fastest one the device has."""
+
+    kmedoids: Literal["auto", "tiled", "torch"] = Field(
+        "auto", description="K-Medoids' iterations: auto (CUDA: one fused Triton launch; CPU: native C code), tiled "
+        "(CUDA: two Triton launches an iteration, the kernels of the earlier GPU figures), torch (the torch ops)")
+    kmeans: Literal["auto", "torch"] = Field(
+        "auto", description="K-Means' iterations: auto (CUDA: one Triton launch; CPU: native C code), torch (the "
+        "torch iterations, traced by torch.compile; the self-check's reference)")
+    merge: Literal["auto", "torch"] = Field(
+        "auto", description="the cluster means: auto (CUDA: the Triton kernel), torch (the one-hot product)")
+    attention: Literal["auto", "sdpa", "torch"] = Field(
+        "auto", description="attention with eq. 4 in CUDA inference: auto (the one-pass Triton kernel), sdpa (the "
+        "fused attention, then eq. 4 apart: what the earlier GPU figures ran), torch (one set of logits in torch)")
+    native: Literal["auto", "torch"] = Field(
+        "auto", description="the clustering iterations on the CPU: auto (native C kernels, built on first use "
+        "where a C compiler exists), torch (the torch iterations)")
+
+    def choice(self) -> KernelChoice:
+        """The plain value the models and ops take."""
+        return KernelChoice(**self.model_dump())
