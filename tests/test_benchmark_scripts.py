@@ -29,6 +29,10 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
     "kmeans_gram_form.py": (["--smoke"], "same assignments True"),
     "native_kmeans.py": (["--smoke"], "| True |"),
     "native_kmedoids.py": (["--smoke"], "| True |"),
+    "record_from_output.py": (["docs/data/gpu/h200_2026-11-27_kmeans-and-training-step/"
+                               "train-reduce-overhead-wkmedoids.md", "--date", "2026-11-27", "--commit", "8a8038c",
+                               "--out", "{tmp}/record.json"], "('wkmedoids', 9084.5)"),
+    "selfcheck_cost.py": (["--smoke"], "self-check / step: median"),
     "significance_compare.py": ([str(SIGNIFICANCE / f"results_{run}.csv") for run in ("eq4", "cls", "eq4_again")],
                                 None),
     "torch_loader_resume.py": (["{tmp}"], "workers 0 vs 2, epoch 0 images equal: True"),
