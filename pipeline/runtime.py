@@ -116,3 +116,13 @@ def resolve_setting(device: str, dtype: str, compile: str, cuda: bool) -> tuple[
     compile = ("default" if device == "cuda" else "none") if compile == "auto" else compile
     check_compile(compile, device)
     return device, dtype, compile
+
+
+def peak_memory_mb(device: torch.device | str) -> float:
+    """The memory high mark of this process so far, in MB: the CUDA allocator's peak on a GPU, else the
+    peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
