@@ -36,7 +36,11 @@ class Projection:
     def line(self) -> str:
         if self.low is None:
             return f"projected GPU-hours: not available ({self.note})"
-        return f"projected GPU-hours of the full experiment: {self.low:,.0f} to {self.high:,.0f} ({self.note})"
+        return f"projected GPU-hours of the full experiment: {_hours(self.low)} to {_hours(self.high)} ({self.note})"
+
+
+def _hours(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
 
 
 def _budget_module() -> ModuleType | None:
