@@ -275,7 +275,8 @@ def tail_reports(config: Config, summary: dict[str, Any], served: StageReport) -
     if config.experiment.register_models:
         aliases = summary.get("aliases") or []
         out.append(StageReport("register", f"token-pooling-{name}", "pass" if aliases else "FAIL",
-                               error=", ".join(aliases) if aliases else "no model was registered"))
+                               error=f"{len(aliases)} alias(es): " + ", ".join(a.rsplit("@", 1)[1] for a in aliases)
+                               if aliases else "no model was registered"))
     return [*out, served]
 
 
@@ -287,15 +288,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_one(model: str, tracking_uri: str, log: Callable[[str], None]) -> StageReport:
-    """Starts ``pipeline serve``'s scoring server on ``model``, sends it one image, stops it."""
+def serve_one(model: str, tracking_uri: str, folder: Path, log: Callable[[str], None]) -> StageReport:
+    """Downloads ``model`` into ``folder`` (not ``pipeline serve``'s own folder), starts the scoring server on
+    it, sends it one image and stops it."""
+    import mlflow
+
     from pipeline.bench.serve import request_body
     from pipeline.serving.server import example_image, start_server, wait_ready
 
     started = time.perf_counter()
     process = None
     try:
-        process, url, folder = start_server(model, host="127.0.0.1", port=_free_port(), workers=1,
+        mlflow.set_tracking_uri(tracking_uri)
+        local = folder / model.replace("@", "-")
+        if not (local / "MLmodel").is_file():
+            mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{model}", dst_path=str(local))
+        process, url, folder = start_server(str(local), host="127.0.0.1", port=_free_port(), workers=1,
                                             tracking_uri=tracking_uri, verbose=False, log=log)
         wait_ready(url, process, timeout=300)
         request = urllib.request.Request(f"{url}/invocations", data=request_body(
@@ -341,7 +349,8 @@ def run_rehearsal(config: Config, settings: RehearsalSettings, *, address: str |
     slicer = Slicer(config.train.compile, settings.fail_method, log)
     summary = run_experiment(rehearsal, address=address, log=log, keep_going=True, slicer=slicer)
     best = next((alias for alias in summary.get("aliases") or [] if alias.endswith("@best")), None)
-    served = (serve_one(best, rehearsal.train.tracking_uri, log) if best is not None else
+    served = (serve_one(best, rehearsal.train.tracking_uri, settings.root.resolve() / "serve", log)
+              if best is not None else
               StageReport("serve", "one request", "skipped", error="no registered model"))
     reports = stage_reports(rehearsal, summary) + tail_reports(rehearsal, summary, served)
     failed = [r for r in reports if r.status != "pass"]
