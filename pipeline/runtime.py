@@ -149,3 +149,11 @@ class KernelChoice:
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
+def peak_memory_mb(device: torch.device | str) -> float:
+    """The memory high mark of this process so far, in MB: the CUDA allocator's peak on a GPU, else the
+    peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

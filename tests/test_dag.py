@@ -480,3 +480,67 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
     for run in (*finetunes, *evaluations):
         assert (run.data.tags["pipeline.plugin"], run.data.tags["pipeline.plugin_version"]) == ("tp-plugin", "0.1")
     assert len(evaluations) == 1 and "pipeline.plugin" not in runs["base"][0].data.tags
+
+
+def test_a_rehearsal_covers_every_kind_and_names_a_planted_failure(root, tmp_path, capsys):
+    """``pipeline run --rehearse`` on the tiny experiment with a failure planted in PoWER-BERT's finetune:
+    that stage is named with its error and the exit status is 1, while the base, the K search, the other
+    finetune, its evaluation, select, register and one served request still pass and report; all of it in
+    the rehearsal's own folder and MLflow store, none in the experiment's."""
+    from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
+
+    before = {kind: len(runs) for kind, runs in runs_by_kind(root).items()}
+    config = load_config(TINY, [*tiny_overrides(root), "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]",
+                                "experiment.baseline=false", "experiment.eval.analysis_images=0",
+                                "experiment.eval.analysis_batch=0"])
+    lines: list[str] = []
+    settings = RehearsalSettings(root=tmp_path / "rehearsal", steps=1, fail_method="powerbert")
+    assert run_rehearsal(config, settings, log=lines.append) == 1
+    text = "\n".join(lines)
+    table = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line.count(" | ") == 6]
+    rows = {cells[1]: cells for cells in table}  # | kind | stage | result | s/step | peak MB | seconds | note |
+    failed = rows["tiny-rehearsal-ft-M16-lam0.05-powerbert"]
+    assert failed[0] == "| finetune" and failed[2] == "FAIL"
+    assert "JobError: debug_fail_at_step=1: injected failure" in failed[6], failed
+    passed = {cells[0].strip("| "): cells for cells in rows.values() if cells[2] == "pass"}
+    assert set(passed) == {"base", "ksearch", "finetune", "evaluate", "select", "register", "serve"}, rows
+    for kind in ("base", "ksearch", "finetune"):  # a step time and a memory high mark, measured
+        assert float(passed[kind][3]) > 0 and float(passed[kind][4].replace(",", "")) > 100, passed[kind]
+    assert "wkmedoids" in passed["finetune"][1] and "answered 'class_" in passed["serve"][6]
+    assert re.search(r"projected GPU-hours of the full experiment: \S+ to \S+ \(", text), text[-2000:]
+    assert "failed or skipped: tiny-rehearsal-ft-M16-lam0.05-powerbert" in lines[-1]
+    # The finetune pooled: a keep list below the 16 patch tokens somewhere (the rehearsal's own, when the
+    # K search's single step kept every token).
+    results = (tmp_path / "rehearsal" / "experiments" / "tiny-rehearsal" / "results.csv").read_text()
+    keep = json.loads(re.search(r'"(\[[\d, ]+\])"', results).group(1))
+    assert len(keep) == 3 and min(keep) < 16, results
+    # Its own store and experiment names: the experiment's store saw nothing.
+    assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == before
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'rehearsal' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("token-pooling-rehearsal")
+    parents = client.search_runs([experiment.experiment_id], filter_string=f"tags.`{STAGE_KIND}` = 'dag'")
+    assert [run.info.run_name for run in parents] == ["tiny-rehearsal"]
+
+
+def test_the_projected_gpu_hours_are_the_cluster_budgets():
+    """DeiT-S alone under the paper's protocol: 927 H200 GPU-hours in docs/cluster.md's table."""
+    from pipeline.dag.projection import projected_gpu_hours
+
+    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
+    projection = projected_gpu_hours(load_config(paper, ["experiment.models=[deit_small_patch16_224]"]))
+    assert round(projection.low) == round(projection.high) == 927, projection
+
+
+def test_bad_rehearsals_are_refused_before_anything_runs(tmp_path):
+    from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError, match="an even batch"):
+        RehearsalSettings(batch=3)
+    config = load_config(TINY)
+    with pytest.raises(InputError, match="--rehearse-fail 'tome': not one of experiment.methods"):
+        run_rehearsal(config, RehearsalSettings(root=tmp_path, fail_method="tome"), log=lambda _: None)
+    assert not any(tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", str(TINY), "--rehearse-fail", "powerbert"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "belong to --rehearse; add it" in proc.stderr, proc.stderr

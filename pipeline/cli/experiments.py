@@ -28,6 +28,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.plan:
         print(json.dumps(count_plan(config).as_dict()))
         return 0
+    if not args.rehearse and (args.rehearse_fail is not None or args.rehearse_steps != 2):
+        raise InputError("--rehearse-fail and --rehearse-steps belong to --rehearse; add it")
+    if args.rehearse:
+        from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
+
+        settings = RehearsalSettings(root=args.rehearse_dir, steps=args.rehearse_steps,
+                                     fail_method=args.rehearse_fail)
+        return run_rehearsal(config, settings, address=args.address, log=lambda line: print(line, flush=True))
     try:
         run_experiment(config, force=args.force, address=args.address, log=lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -157,6 +165,16 @@ def add_commands(commands) -> None:
     run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the config's SQLite store)")
     run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     run.add_argument("--plan", action="store_true", help="print the number of stages per kind and exit")
+    run.add_argument("--rehearse", action="store_true",
+                     help="a dress rehearsal: a slice of the DAG covering every architecture, method and stage kind "
+                          "at the real shapes for a few steps each, on synthetic ImageNet-like data, in its own "
+                          "runs folder and MLflow store; prints a table per stage and the projected GPU-hours; "
+                          "exits 1 if any stage failed")
+    run.add_argument("--rehearse-dir", type=Path, default=Path("runs/rehearsal"),
+                     help="the rehearsal's data, Ray storage, MLflow store and report (default: runs/rehearsal)")
+    run.add_argument("--rehearse-steps", type=int, default=2, help="training steps a rehearsed stage (default: 2)")
+    run.add_argument("--rehearse-fail", default=None, metavar="METHOD",
+                     help="plant a failure at the first step of METHOD's finetune (to see the rehearsal report it)")
     run.add_argument("--verbose", action="store_true",
                        help="also Ray Train's and Tune's per-report and per-checkpoint lines (PIPELINE_VERBOSE=1)")
     run.set_defaults(func=cmd_run)

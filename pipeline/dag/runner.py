@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from pipeline.dag.plan import (
 )
 from pipeline.dag.records import open_parent, supersede
 from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_spec
-from pipeline.dag.sweep import run_sweep
+from pipeline.dag.sweep import one_line, run_sweep
 from pipeline.dag.types import EvalResult, Tracking, TrainedResult
 from pipeline.errors import JobError
 from pipeline.methods import KEEP_ALL
@@ -42,11 +42,33 @@ class Context:
     client: Any
     exp_id: str
     log: Callable[[str], None]
+    keep_going: bool = False  # a failed stage is recorded in ``failures`` and the stages that need it skipped
+    slicer: Slicer | None = None  # which of the planned stages of a kind run (``pipeline run --rehearse``)
+    failures: dict[str, str] = field(default_factory=dict)  # stage label -> its error, in one line
+    planned: list[Stage] = field(default_factory=list)  # every stage that was to run, in order
 
     @property
     def out_dir(self) -> Path:
         exp = self.config.experiment
         return Path(exp.runs_dir) / exp.name
+
+    def plan(self, stages: list[Stage]) -> list[Stage]:
+        """The stages of one kind that run: all of them, or the slicer's pick (with its changes)."""
+        chosen = self.slicer(stages) if self.slicer is not None and stages else stages
+        self.planned += chosen
+        return chosen
+
+    def failed(self, label: str, error: Exception, why: str | None = None) -> None:
+        """Records a failed stage with keep-going (``why``, else its error in one line); raises without."""
+        if not self.keep_going:
+            raise error
+        self.failures[label] = why or one_line(error)
+        self.log(f"[failed] {label}: {self.failures[label]}")
+
+
+# Picks which stages of one kind run and may change their configs (a new stage, a new id); every
+# stage kind's planned list passes through ``Context.plan``, so a new kind is sliced as well.
+Slicer = Callable[[list[Stage]], list[Stage]]
 
 
 def prepare_data(config: Config, log: Callable[[str], None]) -> None:
@@ -105,13 +127,15 @@ def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, Tra
     hyperparameter sweep (``experiment.base.sweep``)."""
     bases = {}
     sweep = ctx.config.experiment.base.sweep
-    for arch in arch_list:
-        stage = base_stage(ctx.config, arch)
+    for stage in ctx.plan([base_stage(ctx.config, arch) for arch in arch_list]):
         spec = stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag)
-        if sweep is None or stage.meta.given:
-            bases[arch.label] = (stage, run_training_spec(spec, log=ctx.log))
-        else:
-            bases[arch.label] = (stage, run_swept_base(ctx, spec, sweep))
+        try:
+            if sweep is None or stage.meta.given:
+                bases[stage.arch] = (stage, run_training_spec(spec, log=ctx.log))
+            else:
+                bases[stage.arch] = (stage, run_swept_base(ctx, spec, sweep))
+        except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
+            ctx.failed(stage.label, err)
     return bases
 
 
@@ -163,16 +187,20 @@ def recorded(ctx: Context, stages: list[Stage], name: str | None = None) -> dict
     return done
 
 
-def sweep(ctx: Context, stages: list[Stage], inits: dict[str, str], name: str) -> dict[str, TrainedResult]:
-    """Runs the stages MLflow does not record done as one Tune sweep; returns every stage's result."""
+def sweep(ctx: Context, stages: list[Stage], init: Callable[[Stage], str], name: str) -> dict[str, TrainedResult]:
+    """Runs the stages MLflow does not record done as one Tune sweep; returns the result of every stage that
+    finished (each of them without keep-going), by id. ``init``: a stage's checkpoint to start from."""
+    stages = ctx.plan(stages)
     results = recorded(ctx, stages, name)
     todo = [s for s in stages if s.id not in results]
-    specs = [stage_spec(s, init=inits[s.id], parent_id=ctx.parent, dag=ctx.dag) for s in todo]
-    run_sweep(specs, ctx.config.experiment, storage=ctx.config.train.storage_path, name=name, log=ctx.log)
+    specs = [stage_spec(s, init=init(s), parent_id=ctx.parent, dag=ctx.dag) for s in todo]
+    timing = run_sweep(specs, ctx.config.experiment, storage=ctx.config.train.storage_path, name=name, log=ctx.log,
+                       keep_going=ctx.keep_going)
     after = recorded(ctx, todo)
-    missing = [s for s in todo if s.id not in after]
-    if missing:
-        raise JobError(f"stage {missing[0].label} ({missing[0].id}) has no finished record after its sweep")
+    for stage in todo:
+        if stage.id not in after:
+            why = timing.failed.get(stage.label, "JobError: no finished record after its sweep")
+            ctx.failed(stage.label, JobError(f"stage {stage.label} ({stage.id}): {why}"), why)
     return results | after
 
 
@@ -184,6 +212,8 @@ def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, TrainedResul
     levels: dict[str, tuple[list[int], list[str]]] = {}
     seen: dict[tuple[int, ...], str] = {}
     for stage in ks_stages:
+        if stage.id not in ks_results:  # sliced away, or failed with keep-going
+            continue
         keep = ks_results[stage.id].keep
         name = f"lam{stage.meta.lam:g}" if stage.meta.target is None else stage.meta.target
         if tuple(keep) in seen and stage.meta.target is None:  # a target's level stays: the report shows it
@@ -195,8 +225,13 @@ def sparsity_levels(ctx: Context, arch: Arch, ks_results: dict[str, TrainedResul
 
 
 def run_experiment(config: Config, *, force: str | None = None, address: str | None = None,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs (or resumes) the whole DAG; returns the select stage's summary."""
+                   log: Callable[[str], None] = print, keep_going: bool = False,
+                   slicer: Slicer | None = None) -> dict[str, Any]:
+    """Runs (or resumes) the whole DAG; returns the select stage's summary, with ``failures`` (stage label ->
+    error) and ``planned`` (the stages that were to run).
+
+    ``keep_going``: a failed stage is recorded and the stages that need it are skipped; the rest run.
+    ``slicer``: runs only its pick of each kind's planned stages (``pipeline.dag.rehearse``)."""
     from pipeline.dag.select import run_select
     from pipeline.tracking import check_tracking_uri
 
@@ -214,20 +249,23 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     connect_ray(address or config.train.address)
     client, exp_id, parent = open_parent(config.train.tracking_uri, config.train.experiment,
                                          config.train.artifact_root, dag_id(config), exp.name)
-    ctx = Context(config, dag_id(config), parent, client, exp_id, log)
+    ctx = Context(config, dag_id(config), parent, client, exp_id, log, keep_going, slicer)
     if kinds:
         log(f"[force] retiring {supersede(client, exp_id, ctx.dag, kinds)} run(s) of {', '.join(kinds)}")
     arch_list = archs(config)
     if "base" in kinds:
         retire_storage(ctx, [base_stage(config, a) for a in arch_list])
     bases = run_bases(ctx, arch_list)
+    arch_list = [a for a in arch_list if a.label in bases]  # keep-going: a failed base's stages do not run
     downstream = {a.label: downstream_config(ctx, a, bases[a.label][1]) for a in arch_list}
     ks_stages = {a.label: ksearch_stages(downstream[a.label], a, bases[a.label][0]) for a in arch_list}
     all_ks = [s for stages in ks_stages.values() for s in stages]
     if "ksearch" in kinds:
         retire_storage(ctx, all_ks)
-    ks_results = sweep(ctx, all_ks, {s.id: bases[s.arch][1].checkpoint for s in all_ks}, f"{exp.name}-ksearch")
-    ks_results = check_latency_targets(ctx, all_ks, ks_results)
+    ks_results = sweep(ctx, all_ks, lambda s: bases[s.arch][1].checkpoint, f"{exp.name}-ksearch")
+    ks_stages = {a.label: [s for s in ctx.planned if s.kind == "ksearch" and s.arch == a.label] for a in arch_list}
+    ks_results = check_latency_targets(ctx, [s for stages in ks_stages.values() for s in stages if s.id in ks_results],
+                                       ks_results)
     ft_stages: list[Stage] = []
     for arch in arch_list:
         base = bases[arch.label][0]
@@ -238,12 +276,17 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
             ft_stages.append(finetune_stage(downstream[arch.label], arch, base, KEEP_ALL, "full", None, []))
     if "finetune" in kinds:
         retire_storage(ctx, ft_stages)
-    ft_results = sweep(ctx, ft_stages, {s.id: bases[s.arch][1].checkpoint for s in ft_stages},
-                       f"{exp.name}-finetune")
+    ft_results = sweep(ctx, ft_stages, lambda s: bases[s.arch][1].checkpoint, f"{exp.name}-finetune")
+    ft_stages = [s for s in ctx.planned if s.kind == "finetune" and s.id in ft_results]
     evaluations = run_evaluations(ctx, ft_stages, ft_results)
-    summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()})
-    client.set_terminated(parent, "FINISHED")
-    return summary
+    ft_stages = [s for s in ft_stages if s.id in evaluations]
+    summary: dict[str, Any] = {}
+    try:
+        summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()})
+    except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
+        ctx.failed(f"{exp.name}-select", err)
+    client.set_terminated(parent, "FAILED" if ctx.failures else "FINISHED")
+    return {**summary, "failures": dict(ctx.failures), "planned": list(ctx.planned)}
 
 
 def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
@@ -258,7 +301,8 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
     cuda = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     task = ray.remote(num_cpus=min(config.experiment.eval.cpus, ray.cluster_resources().get("CPU", 1)),
                       num_gpus=1 if cuda else 0)(run_evaluation_spec)
-    stages = {source.id: evaluate_stage(config, source) for source in ft_stages}
+    chosen = {stage.upstream[0]: stage for stage in ctx.plan([evaluate_stage(config, s) for s in ft_stages])}
+    stages = {source.id: chosen[source.id] for source in ft_stages if source.id in chosen}
     done = recorded(ctx, list(stages.values()), f"{config.experiment.name}-evaluate")
     results = {source_id: done[stage.id] for source_id, stage in stages.items() if stage.id in done}
     todo = {source_id: stage for source_id, stage in stages.items() if stage.id not in done}
@@ -270,7 +314,11 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
         trained = ft_results[source_id]
         futures[source_id] = task.remote(spec, trained.checkpoint, tracking, cuda, trained.run_id)
     for index, (source_id, future) in enumerate(futures.items(), 1):
-        result = results[source_id] = ray.get(future)
+        try:
+            result = results[source_id] = ray.get(future)
+        except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
+            ctx.failed(stages[source_id].label, err)
+            continue
         ctx.log(f"[evaluate] {index}/{len(futures)} {result.top1:.2f}% {result.gflops:.4f} GFLOPs "
                 f"{result.images_per_s:.0f} img/s ({result.device}, {result.dtype}, compile {result.compile})")
-    return {source.id: results[source.id] for source in ft_stages}
+    return {source.id: results[source.id] for source in ft_stages if source.id in results}

@@ -93,6 +93,7 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     finetune run that produced the model (tag ``pipeline.trained_run``, what ``pipeline select`` follows).
     """
     from pipeline.evaluate import evaluate_checkpoint
+    from pipeline.runtime import peak_memory_mb
 
     client = MlflowClient(tracking_uri=tracking.uri)
     exp_id = experiment_id(client, tracking.experiment, tracking.artifact_root)
@@ -113,7 +114,8 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     kernels |= {f"kernels_run.{key}": value for key, value in measured.kernels.items()}
     log_batch(client, run_id, metrics={"top1": measured.top1, "gflops": measured.gflops,
                                        "images_per_s": measured.images_per_s,
-                                       "images_per_s_spread": measured.images_per_s_spread},
+                                       "images_per_s_spread": measured.images_per_s_spread,
+                                       "peak_memory_mb": peak_memory_mb("cuda" if cuda else "cpu")},
               params={"checkpoint": checkpoint, "method": spec.meta.method, "level": spec.meta.level,
                       **{f"eval_{key}": value for key, value in setting.items()}, **kernels})
     analysis = log_analysis(client, run_id, checkpoint, cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import ExperimentConfig
@@ -18,6 +18,7 @@ class SweepTiming:
     wall_s: float
     train_s: float
     concurrency: int
+    failed: dict[str, str] = field(default_factory=dict)  # keep-going: stage label -> its trial's error
 
     @property
     def overhead_per_trial_s(self) -> float:
@@ -78,8 +79,9 @@ TRIAL_DRIVER_CPU = 0.01  # what a trial that only drives a TorchTrainer reserves
 
 
 def run_sweep(specs: list[StageSpec], exp: ExperimentConfig, *, storage: str, name: str,
-              log: Callable[[str], None]) -> SweepTiming:
-    """Runs ``specs`` as Tune trials; results are read back from MLflow, not from Tune."""
+              log: Callable[[str], None], keep_going: bool = False) -> SweepTiming:
+    """Runs ``specs`` as Tune trials; results are read back from MLflow, not from Tune. A failed trial
+    raises JobError, or with ``keep_going`` is returned in ``SweepTiming.failed`` by its stage's label."""
     from ray import tune
 
     if not specs:
@@ -108,10 +110,24 @@ def run_sweep(specs: list[StageSpec], exp: ExperimentConfig, *, storage: str, na
     results = tuner.fit()
     wall = time.perf_counter() - started
     errors = [r.error for r in results if r.error is not None]
-    if errors:
+    if errors and not keep_going:
         raise JobError(f"{len(errors)} trial(s) of {name} failed; first: {errors[0]}")
+    failed = {r.config["spec"].label: one_line(r.error) for r in results if r.error is not None}
     train_s = sum(float(r.metrics.get("stage_seconds", 0.0)) for r in results if r.metrics)
-    timing = SweepTiming(len(results), wall, train_s, slots)
+    timing = SweepTiming(len(results), wall, train_s, slots, failed)
     log(f"[sweep] {name}: {timing.trials} trials in {wall:.0f} s; Ray/Tune overhead about "
         f"{timing.overhead_per_trial_s:.1f} s per trial")
     return timing
+
+
+def one_line(error: BaseException) -> str:
+    """A failed stage's error in one line, ``Type: message``: the innermost cause, and of an error that Ray or
+    Tune wrapped, the last line of its text (the original error's)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    head, _, message = last.partition(": ")
+    if message and head.replace(".", "").replace("_", "").isalnum() and head[-1:].isalnum():
+        return f"{head.rsplit('.', 1)[-1]}: {message}"  # "pipeline.errors.JobError: ..." as Ray prints it
+    return f"{type(error).__name__}: {last}"

@@ -86,7 +86,7 @@ def curl_line(url: str, image: Path, top_k: int = 3) -> str:
     return f"curl -s {url}/invocations -H 'Content-Type: application/json' -d \"{body}\""
 
 
-def _ready(url: str, process: subprocess.Popen, timeout: float) -> None:
+def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -103,10 +103,11 @@ def _ready(url: str, process: subprocess.Popen, timeout: float) -> None:
     raise JobError(f"the scoring server did not answer {url}/ping within {timeout:.0f} s")
 
 
-def serve(model: str, *, host: str, port: int, workers: int, tracking_uri: str, verbose: bool,
-          limits: ServeConfig | None = None, log: Callable[[str], None] = print) -> int:
-    """Serves ``model`` within ``limits`` (default: ``ServeConfig()``) until interrupted; returns the server's
-    exit status (0 after Ctrl-C)."""
+def start_server(model: str, *, host: str, port: int, workers: int, tracking_uri: str, verbose: bool,
+                 limits: ServeConfig | None = None, log: Callable[[str], None] = print
+                 ) -> tuple[subprocess.Popen, str, Path]:
+    """Starts the scoring server of ``model`` within ``limits`` (default: ``ServeConfig()``; ``wait_ready``
+    waits for it); returns the process, its URL and the model's local folder."""
     if workers < 1 or not 0 < port < 65536:
         raise InputError(f"--workers {workers} --port {port}: give at least one worker and a port in 1..65535")
     uri = model_uri(model)
@@ -121,8 +122,17 @@ def serve(model: str, *, host: str, port: int, workers: int, tracking_uri: str, 
     log(f"serving {uri} from {folder} on {host}:{port} ({workers} worker(s); per request at most "
         f"{limits.max_images} images of {limits.max_pixels:,} pixels and {limits.max_body_mb:g} MiB) ...")
     process = subprocess.Popen(command, env=env)
+    return process, url, folder
+
+
+def serve(model: str, *, host: str, port: int, workers: int, tracking_uri: str, verbose: bool,
+          limits: ServeConfig | None = None, log: Callable[[str], None] = print) -> int:
+    """Serves ``model`` within ``limits`` (default: ``ServeConfig()``) until interrupted; returns the server's
+    exit status (0 after Ctrl-C)."""
+    process, url, folder = start_server(model, host=host, port=port, workers=workers, tracking_uri=tracking_uri,
+                                        verbose=verbose, limits=limits, log=log)
     try:
-        _ready(url, process, timeout=300)
+        wait_ready(url, process, timeout=300)
         log(f"ready: {url}  (POST {url}/invocations; GET {url}/ping; Ctrl-C stops it)")
         log("send an image:\n  " + curl_line(url, example_image(folder).resolve()))
         return process.wait()

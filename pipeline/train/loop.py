@@ -23,7 +23,7 @@ from pipeline.data.loaders import loader_spec, progressive_res, set_resolution, 
 from pipeline.errors import JobError
 from pipeline.models import data_config, project_retention, retention_keep, retention_penalty, unwrap
 from pipeline.models.selfcheck import check_model
-from pipeline.runtime import autocast, compile_model, cuda_settings, step_marker
+from pipeline.runtime import autocast, compile_model, cuda_settings, peak_memory_mb, step_marker
 from pipeline.train.build import arch_signature, build_model
 from pipeline.train.checkpoint import check_architecture, load_init, load_model_weights, save_checkpoint
 from pipeline.train.recipe import Recipe, build_recipe
@@ -70,6 +70,7 @@ class EpochStats:
     images: int
     seconds: float
     penalty: float = 0.0
+    steps: int = 0
 
 
 def val_loader(config: Config, model: nn.Module, session: Session, *, test: bool = False):
@@ -167,7 +168,7 @@ class StepTotals:
     def stats(self, seconds: float) -> EpochStats:
         """The epoch's stats, from the last read (``read`` the end of the epoch first)."""
         loss, penalty = self.read_sums
-        return EpochStats(loss / max(self.images, 1), self.images, seconds, penalty / max(self.steps, 1))
+        return EpochStats(loss / max(self.images, 1), self.images, seconds, penalty / max(self.steps, 1), self.steps)
 
 
 def train_step(job: Job, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> tuple[torch.Tensor,
@@ -384,7 +385,9 @@ def epoch_metrics(job: Job, epoch: int, stats: EpochStats) -> dict[str, float]:
     metrics = {"train_loss": global_mean(stats.loss, job), "val_top1": evaluate(job, job.model, job.run),
                "images_per_s": stats.images * job.session.world / max(stats.seconds, 1e-9),
                "lr": job.recipe.optimizer.param_groups[0]["lr"], "epoch": epoch + 1,
-               "replica_divergence": replica_divergence(job)}
+               "replica_divergence": replica_divergence(job),
+               # what `pipeline run --rehearse` reports per stage: this rank's step time and its memory high mark
+               "step_s": stats.seconds / max(stats.steps, 1), "peak_memory_mb": peak_memory_mb(job.device)}
     if metrics["replica_divergence"] > 0:
         raise JobError(f"DDP replicas diverged by {metrics['replica_divergence']:.3g} after epoch {epoch + 1}")
     if job.recipe.ema is not None:
