@@ -446,12 +446,13 @@ def format_table(table: CostModel, out: Path) -> str:
     return "\n".join(lines)
 
 
-def log_table_artifact(path: Path, table: CostModel, uri: str, experiment: str) -> str:
+def log_table_artifact(path: Path, table: CostModel, uri: str, experiment: str,
+                       artifact_root: str | None = None) -> str:
     """Logs the table file as an artifact of a new MLflow run (its key as params); returns the run id."""
     from pipeline.tracking import MlflowClient, experiment_id, flatten, log_batch
 
     client = MlflowClient(tracking_uri=uri)
-    run_id = client.create_run(experiment_id(client, experiment, None),
+    run_id = client.create_run(experiment_id(client, experiment, artifact_root),
                                run_name=f"latency-table-{table.key['method']}").info.run_id
     log_batch(client, run_id, params=flatten(table.key),
               metrics={"unmodified_ms": table.unmodified(), "fixed_ms": table.fixed})
