@@ -187,3 +187,17 @@ def test_the_cli_measures_a_table_and_checks_it_as_a_prediction_for_another_devi
     assert "(PREDICTED: the table was measured on another machine)" in printed
     assert re.search(r"^3 lists: median \|error\| [\d.]+%, worst [\d.]+%, Kendall tau (-?[\d.]+|nan)$", printed,
                      flags=re.M), printed
+
+
+def test_a_table_is_logged_as_an_mlflow_artifact_with_its_key(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.bench.blocks import log_table_artifact
+
+    table, out = measure_table(settings(), tmp_path / "t.json", log=lambda line: None)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = log_table_artifact(out, table, uri, "latency-tables", str(tmp_path / "artifacts"))
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(run_id).data.params["method"] == "wkmedoids"
+    fetched = client.download_artifacts(run_id, "latency_table/t.json", str(tmp_path / "back"))
+    assert load_cost_model(fetched) == table

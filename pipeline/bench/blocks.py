@@ -169,26 +169,38 @@ def default_table_path(key: dict[str, Any]) -> Path:
 
 
 class BlockParts:
-    """One block of a model in the parts ``DownsamplingBlocks._run_block`` runs; x (B, P+n, M)."""
+    """The blocks of a model in the parts ``DownsamplingBlocks._run_block`` runs; x (B, P+n, M).
+
+    Each part runs in every block in turn (``every``), each with its own weights, as the model runs them:
+    a part timed again and again in one block finds that block's weights in the cache, which a model of
+    12 DeiT-S blocks (88 MB of weights) never does, and at batch 1 reading the weights is much of a
+    block's time.
+    """
 
     def __init__(self, model: nn.Module, method: str, options: dict[str, Any]) -> None:
         spec = METHODS[method]
         if spec.learnable:
             raise InputError(f"method {method!r} has parameters of its own in every block; a latency table times "
                              "the parameter-free methods (one step shared by the blocks)")
-        self.block, self.p = model.blocks[0], model.num_prefix_tokens
+        self.blocks, self.p = list(model.blocks), model.num_prefix_tokens
         self.needs_scores, self.needs_keys = spec.needs_scores, spec.needs_metric(options)
         self.significance = spec.significance(options)
         self.step = build_downsampler(method, **options) if downsamples(method) else None
 
-    def first(self, x: Tensor, stats: bool) -> tuple[Tensor, Any]:
-        b = self.block
+    def every(self, part: Callable[[nn.Module, Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        """``part`` run in each block on the same x (the last output returned): L calls of it."""
+        def run(x: Tensor) -> Tensor:
+            for b in self.blocks:
+                out = part(b, x)
+            return out
+        return run
+
+    def first(self, b: nn.Module, x: Tensor, stats: bool = False) -> tuple[Tensor, Any]:
         out, found = attend(b.attn, b.norm1(x), num_prefix=self.p, scores=stats and self.needs_scores,
                             keys=stats and self.needs_keys, significance=self.significance)
         return x + b.drop_path1(b.ls1(out)), found
 
-    def second(self, x: Tensor) -> Tensor:
-        b = self.block
+    def second(self, b: nn.Module, x: Tensor) -> Tensor:
         return x + b.drop_path2(b.ls2(b.mlp(b.norm2(x))))
 
     def pool(self, x: Tensor, k: int, found: Any) -> Tensor:
@@ -198,12 +210,12 @@ class BlockParts:
                                metric=None if found is None else found.keys, sizes=None, validate=False)
         return torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
 
-    def unpooled(self, x: Tensor) -> Tensor:
-        return self.second(self.first(x, False)[0])
+    def unpooled(self, b: nn.Module, x: Tensor) -> Tensor:
+        return self.second(b, self.first(b, x)[0])
 
-    def pooled(self, x: Tensor, k: int) -> Tensor:
-        y, found = self.first(x, True)
-        return self.second(self.pool(y, k, found))
+    def pooled(self, b: nn.Module, x: Tensor, k: int) -> Tensor:
+        y, found = self.first(b, x, True)
+        return self.second(b, self.pool(y, k, found))
 
 
 def token_grid(num_tokens: int, step: int, prefix: int) -> list[int]:
@@ -270,20 +282,30 @@ class Rig:
         return self.tokens[:, :self.parts.p + n].contiguous()
 
     def reference(self, n: int) -> Callable[[], object]:
-        return self._fn(f"block/{n}", self.parts.unpooled, self.x(n))
+        return self._fn(f"block/{n}", self.parts.every(self.parts.unpooled), self.x(n))
 
     def runner(self, cell: str) -> tuple[Callable[[], object], Callable[[], object]]:
-        """(the cell's function, its reference) for a name of ``cell_names``."""
+        """(the cell's function, its reference) for a name of ``cell_names``; each runs every block
+        (``BlockParts.every``) but the model, which runs once: ``per_block`` converts."""
         kind, *counts = cell.split("/")
-        n = [int(c) for c in counts]
+        n, parts = [int(c) for c in counts], self.parts
         if kind == "model":
             return self._fn("model", self.model, self.images), self.reference(self.n_max)
         if kind == "attn":
-            return self._fn(cell, lambda x: self.parts.first(x, False)[0], self.x(n[0])), self.reference(self.n_max)
+            return (self._fn(cell, parts.every(lambda b, x: parts.first(b, x)[0]), self.x(n[0])),
+                    self.reference(self.n_max))
         if kind == "mlp":
-            return self._fn(cell, self.parts.second, self.x(n[0])), self.reference(self.n_max)
+            return self._fn(cell, parts.every(parts.second), self.x(n[0])), self.reference(self.n_max)
         k = n[1]
-        return self._fn(cell, lambda x: self.parts.pooled(x, k), self.x(n[0])), self.reference(n[0])
+        return (self._fn(cell, parts.every(lambda b, x: parts.pooled(b, x, k)), self.x(n[0])),
+                self.reference(n[0]))
+
+    def per_block(self, cell: str, measured: dict[str, float]) -> dict[str, float]:
+        """A cell's figures per block: the reference ran L blocks, and so did the cell unless it is the model."""
+        depth = len(self.parts.blocks)
+        scale = depth if cell == "model" else 1
+        return {**measured, "ratio": measured["ratio"] * scale, "iqr": measured["iqr"] * scale,
+                "base_ms": measured["base_ms"] / depth}
 
 
 def partial_path(out: Path) -> Path:
@@ -386,7 +408,7 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
     with cuda_settings(device), inference(device, s.dtype):
         for i, name in enumerate(todo, 1):
             fn, base = rig.runner(name)
-            cells[name] = paired_cell(fn, base, s, device)
+            cells[name] = rig.per_block(name, paired_cell(fn, base, s, device))
             _save_partial(out, key, cells)
             left = (time.perf_counter() - start) / i * (len(todo) - i)
             log(f"[blocks] {len(names) - len(todo) + i}/{len(names)} {_describe(name)}: "
@@ -420,12 +442,13 @@ def format_table(table: CostModel, out: Path) -> str:
     return "\n".join(lines)
 
 
-def log_table_artifact(path: Path, table: CostModel, uri: str, experiment: str) -> str:
+def log_table_artifact(path: Path, table: CostModel, uri: str, experiment: str,
+                       artifact_root: str | None = None) -> str:
     """Logs the table file as an artifact of a new MLflow run (its key as params); returns the run id."""
     from pipeline.tracking import MlflowClient, experiment_id, flatten, log_batch
 
     client = MlflowClient(tracking_uri=uri)
-    run_id = client.create_run(experiment_id(client, experiment, None),
+    run_id = client.create_run(experiment_id(client, experiment, artifact_root),
                                run_name=f"latency-table-{table.key['method']}").info.run_id
     log_batch(client, run_id, params=flatten(table.key),
               metrics={"unmodified_ms": table.unmodified(), "fixed_ms": table.fixed})

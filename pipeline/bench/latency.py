@@ -110,8 +110,7 @@ def held_out_lists(table: CostModel, count: int, seed: int, levels: bool = True)
             keep = effective_keep(level_keep(table.key["model"], level), depth=depth, num_tokens=n)
         except (ConfigError, InputError):
             break
-        if table.key.get("img_size") == 224 or level == 0:  # the paper's lists hold for its own DeiT sizes
-            chosen.append((f"level {level}", keep))
+        chosen.append((f"level {level}", keep))
     rng = random.Random(seed)
     full = table.unmodified()
     pool = [random_keep(rng, n, depth, allow_zero=table.prefix > 0) for _ in range(3000)]

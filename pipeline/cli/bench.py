@@ -307,7 +307,7 @@ def cmd_bench_blocks(args: argparse.Namespace) -> int:
     table, out = measure_table(_blocks_settings(args), args.out, log=log)
     print(format_table(table, out))
     if args.tracking_uri is not None:
-        run_id = log_table_artifact(out, table, args.tracking_uri, args.experiment)
+        run_id = log_table_artifact(out, table, args.tracking_uri, args.experiment, args.artifact_root)
         print(f"logged {out.name} to MLflow run {run_id} (experiment {args.experiment})")
     return 0
 
@@ -350,6 +350,8 @@ def _add_bench_latency(bench_commands) -> None:
                              "OUT.partial.json holds the cells measured so far, and a rerun picks it up")
     blocks.add_argument("--tracking-uri", default=None, help="also log the table as an MLflow artifact there")
     blocks.add_argument("--experiment", default="latency-tables", help="the MLflow experiment (with --tracking-uri)")
+    blocks.add_argument("--artifact-root", default=None, help="where a new experiment keeps its artifacts (a folder "
+                        "or URI; default: the tracking server's)")
     blocks.set_defaults(func=cmd_bench_blocks)
     check = bench_commands.add_parser("latency-check", help="a latency table's predictions against whole-model "
                                       "measurements on held-out keep lists: errors and Kendall tau")
