@@ -53,6 +53,26 @@ def test_a_registered_method_is_validated_by_the_config(toy):
     register_method("firstk", MethodSpec(firstk, "again", options={"offset": 0}))
 
 
+def test_a_step_written_without_the_kernels_argument_still_runs_in_a_model():
+    """Steps of other packages keep the signature they were written against: the models pass ``kernels`` to the
+    built-in steps only, so a step with no ``**`` catch-all runs (the plugin contract of docs/architecture.md)."""
+    from pipeline.models import create_model
+
+    def strict(*, offset: int):
+        def step(tokens, k, *, scores=None, sizes=None, metric=None, generator=None, validate=True):
+            return firstk(offset=offset)(tokens, k, sizes=sizes)
+        return step
+
+    register_method("strictk", MethodSpec(strict, "firstk without a catch-all", options={"offset": 0}))
+    try:
+        model = create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, method="strictk",
+                             keep=[8, 4]).eval()
+        with torch.no_grad():
+            assert model(torch.randn(2, 3, 32, 32)).shape == (2, 1000)
+    finally:
+        del METHODS["strictk"]
+
+
 def test_a_registered_method_counts_flops_and_benchmarks(toy, capsys):
     from pipeline.cli import main
 

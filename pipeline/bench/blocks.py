@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from pipeline.bench.timing import median_iqr, time_paired, timed
 from pipeline.cost import CostModel, Curve, PoolSurface, check_key, load_cost_model, save_cost_model
 from pipeline.errors import InputError, JobError
-from pipeline.methods import METHODS, build_downsampler, downsamples
+from pipeline.methods import METHODS, build_downsampler, downsamples, is_builtin
 from pipeline.models.attention import attend
 from pipeline.runtime import KernelChoice, compile_model, cuda_settings, inference
 
@@ -89,6 +89,7 @@ class BlocksSettings:
     repeats: int = 7
     min_sample_s: float = 0.005  # a timed sample queues calls until it lasts about this long
     clock: str = "wall"  # or "cpu": the process's CPU time (one thread on the CPU; see CLOCKS)
+    kernels: KernelChoice = field(default_factory=KernelChoice)  # the config's ``kernels`` section
 
 
 # What a sample's seconds are: wall time, or the process's CPU time. On a shared CPU, wall time also counts
@@ -142,7 +143,7 @@ def table_key(s: BlocksSettings, model: nn.Module, device: torch.device) -> dict
         "num_heads": int(model.blocks[0].attn.num_heads), "img_size": int(model.patch_embed.img_size[0]),
         "patch_size": int(model.patch_embed.patch_size[0]), "num_tokens": int(grid[0] * grid[1]),
         "num_classes": int(model.num_classes), "patch_embed": s.model.patch_embed,
-        "method": s.method, "options": dict(sorted(s.options.items())), "kernels": kernels_in_use(device),
+        "method": s.method, "options": dict(sorted(s.options.items())), "kernels": kernels_in_use(device, s.kernels),
     }
 
 
@@ -177,8 +178,9 @@ class BlockParts:
     block's time.
     """
 
-    def __init__(self, model: nn.Module, method: str, options: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, method: str, options: dict[str, Any], kernels: KernelChoice) -> None:
         spec = METHODS[method]
+        self.method, self.kernels = method, kernels
         if spec.learnable:
             raise InputError(f"method {method!r} has parameters of its own in every block; a latency table times "
                              "the parameter-free methods (one step shared by the blocks)")
@@ -197,7 +199,7 @@ class BlockParts:
 
     def first(self, b: nn.Module, x: Tensor, stats: bool = False) -> tuple[Tensor, Any]:
         out, found = attend(b.attn, b.norm1(x), num_prefix=self.p, scores=stats and self.needs_scores,
-                            keys=stats and self.needs_keys, significance=self.significance)
+                            keys=stats and self.needs_keys, significance=self.significance, kernels=self.kernels)
         return x + b.drop_path1(b.ls1(out)), found
 
     def second(self, b: nn.Module, x: Tensor) -> Tensor:
@@ -207,7 +209,8 @@ class BlockParts:
         p = self.p
         with torch.autocast(x.device.type, enabled=False):
             result = self.step(x[:, p:], k, scores=None if found is None else found.scores,
-                               metric=None if found is None else found.keys, sizes=None, validate=False)
+                               metric=None if found is None else found.keys, sizes=None, validate=False,
+                               **({"kernels": self.kernels} if is_builtin(self.method) else {}))
         return torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
 
     def unpooled(self, b: nn.Module, x: Tensor) -> Tensor:
@@ -263,7 +266,7 @@ class Rig:
 
     def __init__(self, s: BlocksSettings, model: nn.Module, device: torch.device) -> None:
         self.s, self.model, self.device = s, model, device
-        self.parts = BlockParts(model, s.method, s.options)
+        self.parts = BlockParts(model, s.method, s.options, s.kernels)
         size = model.patch_embed.img_size
         gen = torch.Generator().manual_seed(0)
         self.images = torch.randn(s.batch, 3, *size, generator=gen).to(device)
@@ -380,7 +383,7 @@ def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
         torch.set_num_threads(s.threads)
     device = torch.device(s.device)
     torch.manual_seed(0)
-    return device, s.model.build().to(device)
+    return device, s.model.build(kernels=s.kernels).to(device)
 
 
 def measured_key(table: CostModel) -> dict[str, Any]:

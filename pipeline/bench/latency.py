@@ -134,7 +134,7 @@ def measure_lists(s: BlocksSettings, lists: list[tuple[str, list[int]]], table: 
     full, rows = table.unmodified(), []
     with cuda_settings(device), inference(device, s.dtype):
         for i, (label, keep) in enumerate(lists, 1):
-            model = s.model.build(method=s.method, keep=keep, options=s.options)
+            model = s.model.build(method=s.method, keep=keep, options=s.options, kernels=s.kernels)
             model.load_state_dict(base.state_dict(), strict=False)
             run = compile_model(model.to(device), s.compile, device)
             cell = paired_cell(partial(run, images), partial(run_base, images), s, device)

@@ -295,10 +295,10 @@ def _blocks_settings(args: argparse.Namespace):
             raise InputError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.method not in METHODS:
         raise InputError(f"--method {args.method!r}: not a registered method; `pipeline methods` lists them")
-    return BlocksSettings(model=spec, method=args.method, options=config.pooling.options(args.method),
+    return BlocksSettings(model=spec, method=args.method, options=config.pooling.method_options(args.method),
                           batch=args.batch, dtype=args.dtype, compile=args.compile, threads=args.threads,
                           device=args.device, step=args.step, warmup=args.warmup, repeats=args.repeats,
-                          clock=args.clock)
+                          clock=args.clock, kernels=config.kernels.choice())
 
 
 def cmd_bench_blocks(args: argparse.Namespace) -> int:

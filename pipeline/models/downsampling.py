@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
+from pipeline.methods import METHODS, build_downsampler, downsamples, is_builtin, method_spec
 from pipeline.models.attention import attend
 from pipeline.models.keep import effective_keep
 from pipeline.pooling.common import stable_ranks
@@ -119,6 +119,11 @@ class DownsamplingBlocks(nn.Sequential):
             grid = getattr(block.downsample, "out_grid", None)
             n = k
 
+    def _step_kernels(self) -> dict[str, KernelChoice]:
+        """The kernel choice for the step: the built-in methods take it; another package's or one registered in
+        code keeps the signature it was written against (docs/architecture.md), which has no ``kernels``."""
+        return {"kernels": self.kernels} if is_builtin(self.config.method) else {}
+
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         sizes = torch.ones(b, t, device=x.device, dtype=torch.float32) if self.config.carry else None
@@ -159,7 +164,7 @@ class DownsamplingBlocks(nn.Sequential):
                     scores=None if stats is None else stats.scores,
                     metric=None if stats is None else stats.keys,
                     sizes=None if sizes is None else sizes[:, p:],
-                    validate=False, kernels=self.kernels,
+                    validate=False, **self._step_kernels(),
                 )
             x = torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
             if sizes is not None:
