@@ -186,7 +186,8 @@ def add_commands(commands) -> None:
     report.add_argument("--out", type=Path, default=None, help="write the report here instead")
     report.add_argument("--tracking-uri", default=DEFAULT_STORE)
     report.set_defaults(func=cmd_report)
-    select = commands.add_parser("select", help="the best model of an experiment under a GFLOPs or speed budget")
+    select = commands.add_parser("select",
+                                 help="the best model of an experiment under a GFLOPs, speed or latency budget")
     select.add_argument("--experiment", required=True, help="experiment.name of a `pipeline run`")
     _add_budget_args(select, required=True)
     select.set_defaults(func=cmd_select)
