@@ -544,3 +544,8 @@ def test_bad_rehearsals_are_refused_before_anything_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", str(TINY), "--rehearse-fail", "powerbert"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "belong to --rehearse; add it" in proc.stderr, proc.stderr
+    from pipeline.cli import main
+
+    for flags in (["--rehearse-dir", str(tmp_path / "r")], ["--rehearse-steps", "2"]):  # the default, given
+        assert main(["run", str(TINY), *flags]) == 2
+    assert not any(tmp_path.iterdir())

@@ -346,8 +346,9 @@ def _add_bench_latency(bench_commands) -> None:
                         help="what a sample's seconds are: wall time, or (on the CPU with --threads 1) the process's "
                              "CPU time, which other processes on a shared machine do not inflate")
     blocks.add_argument("--out", type=Path, default=None,
-                        help="the table file (default configs/latency/DEVICE/MODEL/METHOD-bB-DTYPE-COMPILE-tT.json); "
-                             "OUT.partial.json holds the cells measured so far, and a rerun picks it up")
+                        help="the table file (default configs/latency/DEVICE/MODEL-mM-dL-IMGpx-pP/"
+                             "METHOD-bB-DTYPE-COMPILE-tT[-CLOCKclock].json); OUT.partial.json holds the cells measured "
+                             "so far, and a rerun picks it up")
     blocks.add_argument("--tracking-uri", default=None, help="also log the table as an MLflow artifact there")
     blocks.add_argument("--experiment", default="latency-tables", help="the MLflow experiment (with --tracking-uri)")
     blocks.add_argument("--artifact-root", default=None, help="where a new experiment keeps its artifacts (a folder "

@@ -28,13 +28,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.plan:
         print(json.dumps(count_plan(config).as_dict()))
         return 0
-    if not args.rehearse and (args.rehearse_fail is not None or args.rehearse_steps != 2):
-        raise InputError("--rehearse-fail and --rehearse-steps belong to --rehearse; add it")
+    given = [flag for flag, value in (("--rehearse-dir", args.rehearse_dir), ("--rehearse-steps", args.rehearse_steps),
+                                      ("--rehearse-fail", args.rehearse_fail)) if value is not None]
+    if not args.rehearse and given:
+        raise InputError(f"{', '.join(given)}: the --rehearse-* flags belong to --rehearse; add it")
     if args.rehearse:
         from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 
-        settings = RehearsalSettings(root=args.rehearse_dir, steps=args.rehearse_steps,
-                                     fail_method=args.rehearse_fail)
+        settings = RehearsalSettings(fail_method=args.rehearse_fail, **{key: value for key, value in (
+            ("root", args.rehearse_dir), ("steps", args.rehearse_steps)) if value is not None})
         return run_rehearsal(config, settings, address=args.address, log=lambda line: print(line, flush=True))
     try:
         run_experiment(config, force=args.force, address=args.address, log=lambda line: print(line, flush=True))
@@ -170,9 +172,9 @@ def add_commands(commands) -> None:
                           "at the real shapes for a few steps each, on synthetic ImageNet-like data, in its own "
                           "runs folder and MLflow store; prints a table per stage and the projected GPU-hours; "
                           "exits 1 if any stage failed")
-    run.add_argument("--rehearse-dir", type=Path, default=Path("runs/rehearsal"),
+    run.add_argument("--rehearse-dir", type=Path, default=None,
                      help="the rehearsal's data, Ray storage, MLflow store and report (default: runs/rehearsal)")
-    run.add_argument("--rehearse-steps", type=int, default=2, help="training steps a rehearsed stage (default: 2)")
+    run.add_argument("--rehearse-steps", type=int, default=None, help="training steps a rehearsed stage (default: 2)")
     run.add_argument("--rehearse-fail", default=None, metavar="METHOD",
                      help="plant a failure at the first step of METHOD's finetune (to see the rehearsal report it)")
     run.add_argument("--verbose", action="store_true",
@@ -184,7 +186,8 @@ def add_commands(commands) -> None:
     report.add_argument("--out", type=Path, default=None, help="write the report here instead")
     report.add_argument("--tracking-uri", default=DEFAULT_STORE)
     report.set_defaults(func=cmd_report)
-    select = commands.add_parser("select", help="the best model of an experiment under a GFLOPs or speed budget")
+    select = commands.add_parser("select",
+                                 help="the best model of an experiment under a GFLOPs, speed or latency budget")
     select.add_argument("--experiment", required=True, help="experiment.name of a `pipeline run`")
     _add_budget_args(select, required=True)
     select.set_defaults(func=cmd_select)
