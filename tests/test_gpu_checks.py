@@ -91,8 +91,8 @@ def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
     for part, kmeans in (("compiled-none", "native-c"), ("previous/compiled-none", "torch")):
         assert f"kernels: kmedoids=native-c, kmeans={kmeans}, merge=torch" in (out / f"{part}.md").read_text()
         record = json.loads((out / f"{part}.json").read_text())
-        assert record["kernels"]["kmeans"] == kmeans and [r["label"] for r in record["rows"]] == ["unmodified",
-                                                                                                  "kmeans"]
+        labels = [r["label"] for r in record["rows"]]  # the compiled part also times the ceiling row
+        assert record["kernels"]["kmeans"] == kmeans and labels[:2] == ["unmodified", "kmeans"], labels
 
 
 def test_the_gpu_checks_latency_part_measures_a_table_and_checks_it(tmp_path):

@@ -8,12 +8,14 @@ they resolved to on the device (``models.selfcheck.kernel_record``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from pipeline.config.base import Section
-from pipeline.runtime import KernelChoice
+
+if TYPE_CHECKING:
+    from pipeline.runtime import KernelChoice
 
 
 class KernelsConfig(Section):
@@ -35,5 +37,7 @@ class KernelsConfig(Section):
         "where a C compiler exists), torch (the torch iterations)")
 
     def choice(self) -> KernelChoice:
-        """The plain value the models and ops take."""
+        """The plain value the models and ops take (``runtime`` imports torch, which the config does not)."""
+        from pipeline.runtime import KernelChoice
+
         return KernelChoice(**self.model_dump())
