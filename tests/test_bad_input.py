@@ -245,6 +245,7 @@ except PipelineError as err:
 """
 
 
+@pytest.mark.alone  # a timing-sensitive process test: `make test` runs it after the parallel run, on an idle machine
 def test_a_writer_process_that_fails_at_once_ends_the_write(tmp_path):
     """A writer process that dies before the watchdog first looks (it used to miss those) ends the write."""
     import subprocess
@@ -384,6 +385,7 @@ def test_an_unreadable_newest_checkpoint_is_passed_over_saying_so(damage, tmp_pa
     assert "resuming from the checkpoint of epoch 1" in out and result.summary["epoch"] == 3
 
 
+@pytest.mark.alone  # a timing-sensitive process test: `make test` runs it after the parallel run, on an idle machine
 def test_ctrl_c_says_where_training_stopped(tmp_path):
     """Ctrl-C during `pipeline train` prints one line (where it stopped, that a rerun resumes), no traceback."""
     import signal

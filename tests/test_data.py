@@ -401,6 +401,7 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
 
 
+@pytest.mark.alone  # a timing-sensitive process test: `make test` runs it after the parallel run, on an idle machine
 def test_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path):
     out = tmp_path / "big.beton"
     out.write_bytes(b"previous dataset")
