@@ -60,7 +60,7 @@ print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads; torch 
 print("kernels: " + ", ".join(f"{k}={v}" for k, v in kernel_record(KernelChoice(), "cpu").items()))
 print(f"self-check: median {statistics.median(c for c, _ in pairs) * 1e3:.2f} ms "
       f"(min {min(c for c, _ in pairs) * 1e3:.2f}, max {max(c for c, _ in pairs) * 1e3:.2f})")
-print(f"DeiT-S level-3 WK-Medoids training step, fp32, batch {BATCH}: median "
+print(f"{'DeiT-Ti' if SMOKE else 'DeiT-S'} level-3 WK-Medoids training step, fp32, batch {BATCH}: median "
       f"{statistics.median(s for _, s in pairs):.2f} s (min {min(s for _, s in pairs):.2f}, "
       f"max {max(s for _, s in pairs):.2f})")
 print(f"self-check / step: median {statistics.median(ratios) * 100:.3f}% (min {min(ratios) * 100:.3f}%, "
