@@ -218,7 +218,17 @@ def test_no_ksearch_target_leaves_every_id_as_it_was():
     both = ksearch_stages(load_config(TINY, [TARGET]), arch, base)
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
+    assert both[2].id == "e8800f3ae83f1326"  # as before targets took a name (51966a4): no target search reruns
     assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
+    # Two targets at one figure, each with its own name (as each method's own table needs): two searches, two
+    # levels; the same figure without names is refused.
+    named = ksearch_stages(load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, name: a-1}, "
+                                              "{cost: gflops, fraction: 0.6, method: tome, name: b-1}]"]), arch, base)
+    assert [s.label for s in named[2:]] == ["tiny-ksearch-M16-a-1", "tiny-ksearch-M16-b-1"]
+    assert [s.meta.target for s in named[2:]] == ["a-1", "b-1"] and named[2].id != named[3].id
+    with pytest.raises(ValueError, match=r"two targets give the same level name \(\['gf0.6', 'gf0.6'\]\)"):
+        load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6}, "
+                           "{cost: gflops, fraction: 0.6, method: tome}]"])
     # A target of one width only: the other width has no such search, and the plan counts one search, one finetune.
     narrow = load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert], "
                                 "archs: [M24]}]"])

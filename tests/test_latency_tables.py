@@ -66,8 +66,10 @@ def test_a_measured_table_predicts_the_brute_force_sum_of_its_parts(tmp_path):
     data = json.loads(out.read_text())
     loaded = load_cost_model(out)
     assert loaded == table and not partial_path(out).exists()
-    assert data["attn"]["xs"] == [0, 8, 16] and data["pool"]["ns"] == [16] and data["pool"]["curves"][0]["xs"] == [8]
-    for keep in ([16, 16], [16, 8], [8, 8], [8, 0], [16, 0]):
+    # the grid: 0 (a prefix rides along), the powers of two below the step of 8, its multiples, N = 16
+    assert data["attn"]["xs"] == [0, 1, 2, 4, 8, 16] and data["pool"]["ns"] == [2, 4, 8, 16]
+    assert data["pool"]["curves"][0]["xs"] == [1] and data["pool"]["curves"][-1]["xs"] == [1, 2, 4, 8]
+    for keep in ([16, 16], [16, 8], [8, 8], [8, 0], [16, 0], [16, 4], [4, 1], [16, 2]):
         assert loaded.predict(keep) == pytest.approx(brute_force(data, keep))
     key = data["key"]
     assert key["device"] != "x86_64" and key["method"] == "wkmedoids" and key["batch"] == 2 and key["threads"] == 1

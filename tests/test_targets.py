@@ -160,6 +160,9 @@ def test_targets_are_checked_when_loaded():
         CostTarget(cost="gflops", fraction=0.5, table="t.json")
     assert CostTarget(cost="latency", value=12, table="t.json").label == "lat12ms"
     assert CostTarget(cost="gflops", fraction=0.5).label == "gf0.5"
+    assert CostTarget(cost="gflops", fraction=0.5, name="gf0.5-tome").label == "gf0.5-tome"
+    with pytest.raises(ValueError, match="name"):  # it becomes part of stage names and MLflow aliases
+        CostTarget(cost="gflops", fraction=0.5, name="half of it")
 
 
 def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(tmp_path):

@@ -223,15 +223,18 @@ class BlockParts:
 
 def token_grid(num_tokens: int, step: int, prefix: int) -> list[int]:
     """The curves' token counts: 0 (a block after one that kept only the prefix; needs a prefix), the
-    multiples of ``step`` below N, and N."""
-    grid = list(range(step, num_tokens, step)) + [num_tokens]
+    powers of two below ``step``, the multiples of ``step`` below N, and N. The powers of two place points
+    where a block's fixed costs dominate and a straight line from 0 to ``step`` would miss them: on DeiT-S
+    at a step of 32, lists that spend most blocks under 32 tokens were predicted 13% low without them."""
+    fine = [2 ** i for i in range(max(step - 1, 1).bit_length()) if 2 ** i < min(step, num_tokens)]
+    grid = sorted(set(fine + list(range(step, num_tokens, step)))) + [num_tokens]
     return ([0] if prefix > 0 else []) + grid
 
 
 def pool_cells(num_tokens: int, step: int) -> list[tuple[int, int]]:
-    """The pooling surface's (n, k) cells: n a multiple of ``step`` or N, k a multiple of ``step`` below n."""
-    ns = [n for n in token_grid(num_tokens, step, 0) if n > step]
-    return [(n, k) for n in ns for k in range(step, n, step)]
+    """The pooling surface's (n, k) cells: n and k on the token grid (without 0), k below n."""
+    grid = token_grid(num_tokens, step, 0)
+    return [(n, k) for n in grid[1:] for k in grid if k < n]
 
 
 def cell_names(num_tokens: int, step: int, prefix: int) -> list[str]:

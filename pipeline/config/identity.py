@@ -50,12 +50,16 @@ def identity_content(config: Config) -> dict[str, Any]:
 
 def _target_identity(train: dict[str, Any]) -> None:
     """A K-search target enters the identity by its table's content, not its path; no target (the default,
-    and every stage recorded before targets existed) leaves the identity as it was."""
+    and every stage recorded before targets existed) leaves the identity as it was, and so does a target
+    without a ``name`` (added later)."""
     target = train.get("ksearch_target", "absent")
     if target is None:
         train.pop("ksearch_target")
-    elif isinstance(target, dict) and target.get("table_sha256"):
-        target.pop("table")
+    elif isinstance(target, dict):
+        if target.get("name", "absent") is None:
+            target.pop("name")
+        if target.get("table_sha256"):
+            target.pop("table")
 
 
 # How a single ``pipeline train`` run is run, beyond EXECUTION_ONLY: faults it injects, restarts it survives,

@@ -28,6 +28,9 @@ class CostTarget(Section):
                                              "level; default experiment.methods")
     archs: list[str] | None = Field(None, description="experiment: the widths (M32) or models searched toward it; "
                                     "default all")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="the level's name in stage ids, "
+                             "reports and aliases; default from the figure (lat0.8, gf1.2g); two targets at one "
+                             "figure with each method's own table need one each")
     dual_rate: float = Field(1.0, gt=0, description="step of the penalty's self-adjusting strength per step")
     quadratic: float = Field(1.0e4, ge=0, description="weight of (cost ratio - target)^2")
 
@@ -43,7 +46,9 @@ class CostTarget(Section):
 
     @property
     def label(self) -> str:
-        """``lat0.8``, ``lat12ms``, ``gf0.5``, ``gf1.2g``: the sparsity level it gives."""
+        """``name``, else ``lat0.8``, ``lat12ms``, ``gf0.5``, ``gf1.2g``: the sparsity level it gives."""
+        if self.name is not None:
+            return self.name
         head = "lat" if self.cost == "latency" else "gf"
         if self.fraction is not None:
             return f"{head}{self.fraction:g}"
