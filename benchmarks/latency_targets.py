@@ -31,19 +31,21 @@ from pathlib import Path
 
 from pipeline.bench.blocks import BlocksSettings, ModelSpec, measure_table
 from pipeline.config import load_config
-from pipeline.cost import load_cost_model
+from pipeline.cost import CostModel, load_cost_model
 from pipeline.dag.latency import measure_on_table
 from pipeline.dag.plan import archs, table_path
 from pipeline.methods import keeps_all, method_spec
 from pipeline.report import read_csv
 
 
-def mean_se(values: list[float]) -> str:
+def mean_se(values: list[float], unit: str = "") -> str:
+    """``mean +- standard error (n seeds)``; the standard error is the seeds' sample deviation / sqrt(n)."""
     if not values:
         return "n/a"
     if len(values) == 1:
-        return f"{values[0]:+.2f} (one seed)"
-    return f"{statistics.mean(values):+.2f} +- {statistics.stdev(values) / math.sqrt(len(values)):.2f}"
+        return f"{values[0]:+.3g}{unit} (1 seed)"
+    se = statistics.stdev(values) / math.sqrt(len(values))
+    return f"{statistics.mean(values):+.3g}{unit} +- {se:.2g} ({len(values)} seeds)"
 
 
 def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
@@ -64,19 +66,28 @@ def ratio_at_accuracy(points: list[tuple[float, float]], top1: float) -> float |
     return None
 
 
-def measure_rows(rows: list[dict], tables: dict[str, object], repeats: int) -> None:
-    """Adds ``measured`` (ratio) to every row whose method has a table; the baseline keeps every token: 1.0."""
+def measure_rows(rows: list[dict], tables: dict[str, CostModel], repeats: int) -> None:
+    """Adds ``predicted`` and ``measured`` (ratios to the unmodified model) to every row whose method has a table
+    (``tables``: by the method its key names); the baseline keeps every token: 1.0."""
     for row in rows:
         if keeps_all(row["method"]):
             row["measured"] = 1.0
-        elif row["method"] in tables:
+        elif row["method"] in tables and row["keep"]:
             table = tables[row["method"]]
             row["predicted"] = table.predict(row["keep"]) / table.unmodified()
-            samples = [measure_on_table(tables[row["method"]], row["keep"], log=lambda _: None)[0]
-                       for _ in range(repeats)]
-            if any(s is None for s in samples):
-                raise SystemExit(f"this machine is not the key of {row['method']}'s table: nothing to measure")
+            samples = []
+            for _ in range(repeats):
+                ratio, status = measure_on_table(table, row["keep"], log=lambda _: None)
+                if ratio is None:
+                    raise SystemExit(f"{row['method']}'s table cannot be measured here: {status}")
+                samples.append(ratio)
             row["measured"] = statistics.median(samples)
+
+
+def lambda_curve(rows: list[dict], method: str) -> list[tuple[float, float]]:
+    """(measured ratio, top-1) of ``method``'s lambda models and the unpooled baseline (ratio 1.0), by ratio."""
+    return sorted((r["measured"], r["top1"]) for r in rows if "measured" in r and (
+        keeps_all(r["method"]) or (r["method"] == method and r["level"].startswith("lam"))))
 
 
 def report(seeds: dict[str, list[dict]], fractions: dict[str, float], methods: list[str]) -> None:
@@ -94,34 +105,38 @@ def report(seeds: dict[str, list[dict]], fractions: dict[str, float], methods: l
     if errors:
         print(f"\n{len(errors)} target models: within +-5% of the target: {sum(abs(e) <= 0.05 for e in errors)}; "
               f"median |error| {statistics.median(abs(e) for e in errors):.1%}, worst {max(errors, key=abs):+.1%}")
-    print("\n## Accuracy at matched measured latency (target search minus lambda search)\n")
-    print("| method | target | seeds compared | measured ratio (mean) | top-1 difference, points | "
-          "ratio the lambda search needs for that top-1 (mean) | lambda curve spans |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n## Accuracy at matched measured latency (each target model against its seed's lambda curve)\n")
+    print("The lambda curve: the lambda models of the method and the unpooled baseline (ratio 1.0), top-1 "
+          "against measured ratio, linear between them. A target model outside the curve's span of ratios is "
+          "not compared on top-1; one more accurate than the whole curve has no ratio of equal accuracy. "
+          "Where a seed's curve spans under 0.10 of the unmodified time, no gain is expected there: the "
+          "lambda search alone cannot reach other latencies to compare with.\n")
+    print("| method | target | measured ratio | top-1 minus the curve's at that ratio, points | "
+          "the curve's ratio at that top-1 minus the model's | curve spans (smallest) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for method in methods:
         for level, target in sorted(fractions.items(), key=lambda item: item[1]):
-            diffs, own, needed, spans = [], [], [], []
+            own, diffs, saved, spans = [], [], [], []
             for rows in seeds.values():
-                curve = sorted((r["measured"], r["top1"]) for r in rows if "measured" in r and (
-                    keeps_all(r["method"]) or (r["method"] == method and r["level"].startswith("lam"))))
+                curve = lambda_curve(rows, method)
                 hit = [r for r in rows if r["level"] == level and r["method"] == method and "measured" in r]
                 if not hit or len(curve) < 2:
                     continue
+                model = hit[0]
                 spans.append(curve[-1][0] - curve[0][0])
-                own.append(hit[0]["measured"])
-                at = interpolate(curve, hit[0]["measured"])
+                own.append(model["measured"])
+                at = interpolate(curve, model["measured"])
                 if at is not None:
-                    diffs.append(hit[0]["top1"] - at)
-                r = ratio_at_accuracy(curve, hit[0]["top1"])
-                if r is not None:
-                    needed.append(r)
+                    diffs.append(model["top1"] - at)
+                needed = ratio_at_accuracy(curve, model["top1"])
+                if needed is not None:
+                    saved.append(needed - model["measured"])
             if not own:
                 continue
             span = min(spans)
-            need = f"{statistics.mean(needed):.3f} ({len(needed)} seeds)" if needed else "never reached"
-            note = " (under 0.10: no gain expected there)" if span < 0.10 else ""
-            print(f"| {method} | {target:g} | {len(diffs)} | {statistics.mean(own):.3f} | {mean_se(diffs)} | "
-                  f"{need} | {span:.2f}{note} |")
+            note = " (under 0.10: no gain expected)" if span < 0.10 else ""
+            print(f"| {method} | {target:g} | {mean_se(own).lstrip('+')} | {mean_se(diffs)} | {mean_se(saved)} | "
+                  f"{span:.2f}{note} |")
 
 
 def smoke() -> None:
@@ -160,13 +175,14 @@ def main() -> None:
     config = load_config(args.config)
     arch = archs(config)[0]
     targets = [t for t in config.experiment.ksearch_targets or [] if t.cost == "latency" and t.fraction]
-    tables = {}
-    for target in targets:
-        for method in target.methods or config.experiment.methods:
-            tables.setdefault(method, load_cost_model(table_path(target.table, arch)))
+    tables: dict[str, CostModel] = {}
+    for path in sorted({table_path(t.table, arch) for t in targets}):
+        table = load_cost_model(path)
+        if tables.setdefault(table.key["method"], table) is not table:
+            raise SystemExit(f"two tables of {table.key['method']} among the targets; give one a method")
     seeds = {}
     for run in args.runs:
-        rows = [r for r in read_csv(run / "results.csv") if r["arch"] == arch.label]
+        rows = [r for r in read_csv(run / "results.csv") if r["arch"] == arch.label and r["top1"] is not None]
         print(f"{run}: {len(rows)} models; measuring their keep lists", flush=True)
         measure_rows(rows, tables, args.repeats)
         seeds[run.name] = rows

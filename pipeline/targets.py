@@ -176,15 +176,15 @@ class TargetSearch:
                       "target_rounded": self.costs.predict(keep) / self.costs.unmodified(), "target_dual": self.dual}
 
 
-CANDIDATE_COUNTS = 48  # about as many evenly spaced counts besides the curves' points (every count up to N = 48)
+CANDIDATE_COUNTS = 48  # about as many evenly spaced counts besides the curves' points (every count while N < 72)
 
 
 def candidates(costs: CostModel) -> list[int]:
     """The token counts a rounded keep list takes: the points of the cost curves (where their steps are), N, and
-    every ``max(1, N // CANDIDATE_COUNTS)``-th count between them, so that a list can land near its limit where
+    every ``max(1, round(N / CANDIDATE_COUNTS))``-th count between them, so that a list can land near its limit where
     the curves are coarser than that (a table's grid step of 8 on a 49-token model left the demo's lists 0.1
     of the unmodified time apart); 0 (only the prefix goes on) only for a model with prefix tokens."""
-    spacing = max(1, costs.num_tokens // CANDIDATE_COUNTS)
+    spacing = max(1, round(costs.num_tokens / CANDIDATE_COUNTS))
     points = {*costs.attn.xs, *costs.mlp.xs, *costs.pool.ns, *(x for c in costs.pool.curves for x in c.xs),
               *range(0, costs.num_tokens, spacing), costs.num_tokens}
     low = 0 if costs.prefix > 0 else 1

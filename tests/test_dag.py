@@ -219,13 +219,20 @@ def test_no_ksearch_target_leaves_every_id_as_it_was():
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
     assert both[2].id == "e8800f3ae83f1326"  # as before targets took a name (51966a4): no target search reruns
+    assert dag_id(load_config(TINY, [TARGET])) == "97f718508bbcc5be"  # nor does the experiment's parent run
     assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
     # Two targets at one figure, each with its own name (as each method's own table needs): two searches, two
     # levels; the same figure without names is refused.
     named = ksearch_stages(load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, name: a-1}, "
-                                              "{cost: gflops, fraction: 0.6, method: tome, name: b-1}]"]), arch, base)
+                                              "{cost: gflops, fraction: 0.6, name: b-1}]"]), arch, base)
     assert [s.label for s in named[2:]] == ["tiny-ksearch-M16-a-1", "tiny-ksearch-M16-b-1"]
-    assert [s.meta.target for s in named[2:]] == ["a-1", "b-1"] and named[2].id != named[3].id
+    assert [s.meta.target for s in named[2:]] == ["a-1", "b-1"] and named[2].id != named[3].id  # the name alone
+    for clash, says in (("[{cost: gflops, fraction: 0.6, name: lam0.05}]", "looks like another kind of level"),
+                        ("[{cost: gflops, fraction: 0.6, name: full}]", "looks like another kind of level"),
+                        ("[{cost: gflops, fraction: 0.6, name: a.1}, {cost: gflops, fraction: 0.5, name: a_1}]",
+                         "give the same registry alias")):
+        with pytest.raises(ValueError, match=says):
+            load_config(TINY, [f"experiment.ksearch_targets={clash}"])
     with pytest.raises(ValueError, match=r"two targets give the same level name \(\['gf0.6', 'gf0.6'\]\)"):
         load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6}, "
                            "{cost: gflops, fraction: 0.6, method: tome}]"])

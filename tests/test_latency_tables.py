@@ -20,8 +20,10 @@ from pipeline.bench.blocks import (
     cell_names,
     measure_table,
     partial_path,
+    pool_cells,
     setup,
     table_key,
+    token_grid,
 )
 from pipeline.bench.latency import CheckRow, held_out_lists, kendall_tau, run_check, summarize
 from pipeline.cost import check_key, load_cost_model, save_cost_model
@@ -75,6 +77,12 @@ def test_a_measured_table_predicts_the_brute_force_sum_of_its_parts(tmp_path):
     assert key["device"] != "x86_64" and key["method"] == "wkmedoids" and key["batch"] == 2 and key["threads"] == 1
     assert key["options"]["iters"] == 5 and key["kernels"] and key["embed_dim"] == 16 and key["num_tokens"] == 16
     assert key["clock"] == "wall"
+
+
+def test_the_grid_without_its_fine_points_is_the_step_multiples():
+    assert token_grid(196, 48, 1, fine=False) == [0, 48, 96, 144, 192, 196]
+    assert token_grid(196, 48, 1) == [0, 1, 2, 4, 8, 16, 32, 48, 96, 144, 192, 196]
+    assert pool_cells(16, 8, fine=False) == [(16, 8)] and len(cell_names(196, 48, 1, fine=False)) == 1 + 2 * 6 + 10
 
 
 def test_the_cpu_clock_needs_one_thread_and_is_recorded(tmp_path):

@@ -64,6 +64,18 @@ def test_rounding_equals_brute_force_on_small_cases():
         round_keep(weights, costs, 0.1 * costs.unmodified())
 
 
+def test_the_rounding_can_take_counts_between_a_coarse_tables_points():
+    """A DeiT-S-sized table with points every 48 tokens: the candidates are its points and every 4th count (196 / 48),
+    written out here; a 49-token model's are every count."""
+    coarse = Curve((0, 48, 96, 144, 192, 196), (1.0, 2.0, 3.0, 4.0, 5.0, 5.1))
+    costs = CostModel("ms", num_tokens=196, prefix=1, depth=2, fixed=0.0, attn=coarse, mlp=coarse,
+                      pool=PoolSurface((96, 196), (Curve((48,), (0.5,)), Curve((48, 96), (0.5, 0.6)))))
+    assert candidates(costs) == sorted({*range(0, 196, 4), 196})
+    small = CostModel("ms", num_tokens=49, prefix=1, depth=2, fixed=0.0, attn=Curve((0, 49), (1.0, 2.0)),
+                      mlp=Curve((0, 49), (1.0, 2.0)), pool=PoolSurface((49,), (Curve((8,), (0.5,)),)))
+    assert candidates(small) == list(range(50))
+
+
 def test_a_different_retention_gives_a_different_list():
     costs = _table()
     early = [torch.tensor([1.0] * 8, dtype=torch.float64), torch.tensor([0.9] * 8, dtype=torch.float64),

@@ -19,8 +19,8 @@
 #             (KERNELS="kmedoids=tiled kmeans=torch"; PREVIOUS_METHODS, in OUT/previous),
 #             and the training step of TRAIN_METHODS (wkmedoids); each under its own limit, in that order
 #   latency   bench blocks: a latency table of DeiT-S (bf16, batch BATCH, compiled in COMPILE mode, the current
-#             kernels) for each of LATENCY_METHODS (wkmedoids) on a coarse grid (LATENCY_STEP 48: each compiled shape
-#             costs seconds), then bench latency-check of it on the paper's levels (LATENCY_LISTS 8 lists: levels 0-7);
+#             kernels) for each of LATENCY_METHODS (wkmedoids) on a coarse grid (LATENCY_STEP 48, --no-fine: 23
+#             cells, each compiled shape costs seconds), then bench latency-check of it on the paper's levels (LATENCY_LISTS 8 lists: levels 0-7);
 #             OUT/latency-METHOD.{json,md,log} and OUT/latency-check-METHOD.{md,log}; LATENCY_ARGS replaces the
 #             model flags of bench blocks (the CPU test gives a tiny model and one thread; the check takes the table's)
 #   pack      every output so far in one archive (below)
@@ -128,7 +128,7 @@ for part in "$@"; do
                fits "${LATENCY_S:-420}" "latency-$m" || continue
                echo "== latency-$m ($(date +%T))"
                timeout "${LATENCY_S:-420}" python3 -m pipeline bench blocks --device "$device" --method "$m" \
-                 --batch "$batch" --dtype bf16 --compile "$mode" --step "${LATENCY_STEP:-48}" --repeats 7 \
+                 --batch "$batch" --dtype bf16 --compile "$mode" --step "${LATENCY_STEP:-48}" --no-fine --repeats 7 \
                  ${LATENCY_ARGS:---model deit_small_patch16_224} --out "$out/latency-$m.json" \
                  > "$out/latency-$m.md" 2> "$out/latency-$m.log"
                echo "   exit $? ($(date +%T))"; cat "$out/latency-$m.md"

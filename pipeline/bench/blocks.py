@@ -74,7 +74,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class BlocksSettings:
-    """What a table is measured at. ``step``: the token grid's spacing (multiples of it, plus N)."""
+    """What a table is measured at. ``step``: the token grid's spacing (multiples of it, plus N); ``fine``: the
+    grid also has the powers of two below ``step`` (``token_grid``)."""
 
     model: ModelSpec
     method: str
@@ -85,6 +86,7 @@ class BlocksSettings:
     threads: int | None = None
     device: str = "cpu"
     step: int = 16
+    fine: bool = True
     warmup: int = 2
     repeats: int = 7
     min_sample_s: float = 0.005  # a timed sample queues calls until it lasts about this long
@@ -221,26 +223,26 @@ class BlockParts:
         return self.second(b, self.pool(y, k, found))
 
 
-def token_grid(num_tokens: int, step: int, prefix: int) -> list[int]:
-    """The curves' token counts: 0 (a block after one that kept only the prefix; needs a prefix), the
-    powers of two below ``step``, the multiples of ``step`` below N, and N. The powers of two place points
-    where a block's fixed costs dominate and a straight line from 0 to ``step`` would miss them: on DeiT-S
-    at a step of 32, lists that spend most blocks under 32 tokens were predicted 13% low without them."""
-    fine = [2 ** i for i in range(max(step - 1, 1).bit_length()) if 2 ** i < min(step, num_tokens)]
-    grid = sorted(set(fine + list(range(step, num_tokens, step)))) + [num_tokens]
+def token_grid(num_tokens: int, step: int, prefix: int, fine: bool = True) -> list[int]:
+    """The curves' token counts: 0 (a block after one that kept only the prefix; needs a prefix), with
+    ``fine`` the powers of two below ``step``, the multiples of ``step`` below N, and N. The powers of two
+    place points where a block's fixed costs dominate and a straight line from 0 to ``step`` misses them: on
+    DeiT-S at a step of 32, lists that spend most blocks under 32 tokens were predicted 13% low without them."""
+    low = [2 ** i for i in range(step.bit_length()) if 2 ** i < min(step, num_tokens)] if fine else []
+    grid = sorted({*low, *range(step, num_tokens, step)}) + [num_tokens]
     return ([0] if prefix > 0 else []) + grid
 
 
-def pool_cells(num_tokens: int, step: int) -> list[tuple[int, int]]:
+def pool_cells(num_tokens: int, step: int, fine: bool = True) -> list[tuple[int, int]]:
     """The pooling surface's (n, k) cells: n and k on the token grid (without 0), k below n."""
-    grid = token_grid(num_tokens, step, 0)
+    grid = token_grid(num_tokens, step, 0, fine)
     return [(n, k) for n in grid[1:] for k in grid if k < n]
 
 
-def cell_names(num_tokens: int, step: int, prefix: int) -> list[str]:
-    grid = token_grid(num_tokens, step, prefix)
+def cell_names(num_tokens: int, step: int, prefix: int, fine: bool = True) -> list[str]:
+    grid = token_grid(num_tokens, step, prefix, fine)
     return (["model"] + [f"attn/{n}" for n in grid] + [f"mlp/{k}" for k in grid]
-            + [f"pool/{n}/{k}" for n, k in pool_cells(num_tokens, step)])
+            + [f"pool/{n}/{k}" for n, k in pool_cells(num_tokens, step, fine)])
 
 
 def _calls(fn: Callable[[], object], base: Callable[[], object], device: torch.device, min_s: float,
@@ -343,21 +345,21 @@ def _save_partial(out: Path, key: dict[str, Any], cells: dict[str, dict[str, flo
 
 
 def assemble(key: dict[str, Any], cells: dict[str, dict[str, float]], *, num_tokens: int, prefix: int, depth: int,
-             step: int) -> CostModel:
+             step: int, fine: bool = True) -> CostModel:
     """The table from the cells' ratios (see the module docstring for the conversion)."""
     ref_ms = statistics.median(c["base_ms"] for name, c in cells.items() if not name.startswith("pool/"))
-    grid = token_grid(num_tokens, step, prefix)
+    grid = token_grid(num_tokens, step, prefix, fine)
     attn = Curve(tuple(grid), tuple(cells[f"attn/{n}"]["ratio"] * ref_ms for n in grid))
     mlp = Curve(tuple(grid), tuple(cells[f"mlp/{k}"]["ratio"] * ref_ms for k in grid))
     by_n: dict[int, list[tuple[int, float]]] = {}
-    for n, k in pool_cells(num_tokens, step):
+    for n, k in pool_cells(num_tokens, step, fine):
         block = attn(n) + mlp(n)
         by_n.setdefault(n, []).append((k, max(0.0, cells[f"pool/{n}/{k}"]["ratio"] * block - attn(n) - mlp(k))))
     pool = PoolSurface(tuple(by_n), tuple(Curve(tuple(k for k, _ in row), tuple(c for _, c in row))
                                          for row in by_n.values()))
     fixed = cells["model"]["ratio"] * ref_ms - depth * (attn(num_tokens) + mlp(num_tokens))
     spreads = [c["iqr"] / c["ratio"] for c in cells.values() if c["ratio"] > 0]
-    key = {**key, "grid_step": step, "reference_ms": ref_ms,
+    key = {**key, "grid_step": step, "grid_fine": fine, "reference_ms": ref_ms,
            "median_relative_iqr": statistics.median(spreads) if spreads else 0.0}
     return CostModel("ms", num_tokens=num_tokens, prefix=prefix, depth=depth, fixed=fixed, attn=attn, mlp=mlp,
                      pool=pool, key=key)
@@ -391,7 +393,8 @@ def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
 
 def measured_key(table: CostModel) -> dict[str, Any]:
     """The key fields a measurement records itself (the table's key without its summary fields)."""
-    return {k: v for k, v in table.key.items() if k not in ("grid_step", "reference_ms", "median_relative_iqr")}
+    return {k: v for k, v in table.key.items() if k not in ("grid_step", "grid_fine", "reference_ms",
+                                                        "median_relative_iqr")}
 
 
 def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str], None] = print
@@ -406,7 +409,7 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
         log(f"[blocks] {out} is already measured under this key; delete it to measure again")
         return done, out
     cells = _load_partial(out, key)
-    names = cell_names(model.patch_embed.num_patches, s.step, model.num_prefix_tokens)
+    names = cell_names(model.patch_embed.num_patches, s.step, model.num_prefix_tokens, s.fine)
     if cells:
         log(f"[blocks] resuming {partial_path(out)}: {sum(n in cells for n in names)}/{len(names)} cells measured")
     rig = Rig(s, model, device)
@@ -420,7 +423,7 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
             log(f"[blocks] {len(names) - len(todo) + i}/{len(names)} {_describe(name)}: "
                 f"{cells[name]['ratio']:.3f}x (IQR {cells[name]['iqr']:.3f}), about {left:.0f} s left")
     table = assemble(key, cells, num_tokens=model.patch_embed.num_patches, prefix=model.num_prefix_tokens,
-                     depth=len(model.blocks), step=s.step)
+                     depth=len(model.blocks), step=s.step, fine=s.fine)
     save_cost_model(table, out)
     partial_path(out).unlink(missing_ok=True)
     return table, out

@@ -297,8 +297,8 @@ def _blocks_settings(args: argparse.Namespace):
         raise InputError(f"--method {args.method!r}: not a registered method; `pipeline methods` lists them")
     return BlocksSettings(model=spec, method=args.method, options=config.pooling.method_options(args.method),
                           batch=args.batch, dtype=args.dtype, compile=args.compile, threads=args.threads,
-                          device=args.device, step=args.step, warmup=args.warmup, repeats=args.repeats,
-                          clock=args.clock, kernels=config.kernels.choice())
+                          device=args.device, step=args.step, fine=not args.no_fine, warmup=args.warmup,
+                          repeats=args.repeats, clock=args.clock, kernels=config.kernels.choice())
 
 
 def cmd_bench_blocks(args: argparse.Namespace) -> int:
@@ -339,7 +339,10 @@ def _add_bench_latency(bench_commands) -> None:
     blocks.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     blocks.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     blocks.add_argument("--patch-embed", choices=get_args(PatchEmbed), default=None)
-    blocks.add_argument("--step", type=int, default=16, help="the token grid: multiples of STEP, plus N (default 16)")
+    blocks.add_argument("--step", type=int, default=16, help="the token grid: the powers of two below STEP, its "
+                        "multiples, and N (default 16)")
+    blocks.add_argument("--no-fine", action="store_true", help="leave the powers of two below STEP out of the grid "
+                        "(fewer cells: each compiled shape costs a compilation on a GPU)")
     blocks.add_argument("--warmup", type=int, default=2)
     blocks.add_argument("--repeats", type=int, default=7, help="timed pairs a cell; the median ratio is kept")
     blocks.add_argument("--clock", choices=("wall", "cpu"), default="wall",

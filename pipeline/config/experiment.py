@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -180,6 +181,15 @@ class ExperimentConfig(Section):
         labels = [target.label for target in self.ksearch_targets or []]
         if len(set(labels)) != len(labels):
             raise InputError(f"experiment.ksearch_targets: two targets give the same level name ({labels})")
+        aliases = [label.replace(".", "_") for label in labels]  # the registry's target-<level> aliases
+        if len(set(aliases)) != len(aliases):
+            raise InputError(f"experiment.ksearch_targets: level names {labels} give the same registry alias once "
+                             "'.' becomes '_' (target-<level>); rename one")
+        taken = [t.name for t in self.ksearch_targets or [] if t.name is not None
+                 and (t.name == "full" or re.fullmatch(r"lam.*|L\d+", t.name))]
+        if taken:
+            raise InputError(f"experiment.ksearch_targets: name {taken[0]!r} looks like another kind of level ('full' "
+                             "is the baseline, lam<strength> a lambda level, L<n> a paper level); pick another")
         if not self.methods and not self.baseline:
             raise InputError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
         baseline = [name for name in self.methods if keeps_all(name)]

@@ -68,6 +68,9 @@ def dag_id(config: Config) -> str:
     meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
     if config.experiment.ksearch_targets is None:  # added later: unset, the identity is what it was before
         meta["experiment"].pop("ksearch_targets")
+    for target in meta["experiment"].get("ksearch_targets") or []:  # so is a target's name (added later)
+        if target.get("name", "absent") is None:
+            target.pop("name")
     values, defaults = config.pooling.model_dump(include=set(_SHARED_POOLING)), PoolingConfig().model_dump()
     shared = {key: value for key, value in values.items()
               if value != defaults[key] and value != ADDED_OPTIONS.get(key)}
