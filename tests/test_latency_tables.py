@@ -125,6 +125,29 @@ def test_a_stopped_measurement_resumes_from_its_partial_file(tmp_path):
     assert out.is_file() and not partial_path(out).exists()
 
 
+def test_halves_at_n_that_do_not_make_up_their_block_are_measured_again(tmp_path):
+    """A disturbed MLP half at N (planted in the partial file) is measured again before the table is assembled."""
+    out, total = tmp_path / "t.json", len(cell_names(16, 8, 1))
+    lines: list[str] = []
+
+    def stop_before_the_last(line: str) -> None:
+        lines.append(line)
+        if len(lines) == total - 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_table(settings(), out, log=stop_before_the_last)
+    partial = json.loads(partial_path(out).read_text())
+    partial["cells"]["mlp/16"]["ratio"] = 0.01  # far from 1 - attn/16's share of the block
+    partial_path(out).write_text(json.dumps(partial))
+    again: list[str] = []
+    table, _ = measure_table(settings(), out, log=again.append)
+    remeasured = [line for line in again if "the halves at 16 tokens sum to" in line]
+    assert remeasured and "measuring them again (1/2)" in remeasured[0]
+    assert table.mlp(16) != pytest.approx(0.01 * table.key["reference_ms"])
+    assert table.key["halves_closure"] == pytest.approx((table.attn(16) + table.mlp(16)) / table.key["reference_ms"])
+
+
 def test_a_table_under_another_key_is_refused_naming_the_field_and_accepted_as_predicted(tmp_path):
     table, out = measure_table(settings(), tmp_path / "t.json", log=lambda line: None)
     with pytest.raises(InputError, match=r"batch: 2 != 3"):  # measuring into it at another batch
