@@ -182,6 +182,9 @@ def main() -> None:
             raise SystemExit(f"two tables of {table.key['method']} among the targets; give one a method")
     seeds = {}
     for run in args.runs:
+        if not (run / "results.csv").is_file():
+            raise SystemExit(f"{run}: no results.csv; give a report folder that `pipeline run` wrote "
+                             "(runs/experiments/NAME), after its select stage")
         rows = [r for r in read_csv(run / "results.csv") if r["arch"] == arch.label and r["top1"] is not None]
         print(f"{run}: {len(rows)} models; measuring their keep lists", flush=True)
         measure_rows(rows, tables, args.repeats)
