@@ -27,6 +27,7 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
     "eager_launches.py": (["--smoke"], "kmedoids "),
     "gpu_ceiling.py": (["--smoke"], "eager sig:"),
     "kmeans_gram_form.py": (["--smoke"], "same assignments True"),
+    "latency_budgets.py": (["--smoke"], "2 searches: within +-5% of the target: "),
     "latency_targets.py": (["--smoke"], "| wkmedoids | 0.7 | "),  # a row of its last table
     "native_kmeans.py": (["--smoke"], "| True |"),
     "native_kmedoids.py": (["--smoke"], "| True |"),
