@@ -405,9 +405,10 @@ def test_ctrl_c_says_where_training_stopped(tmp_path):
     proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
-    # any epoch's checkpoint: epoch 1's is pruned (train.keep_checkpoints) once later ones exist, and a fast
-    # epoch can write and prune it between two looks
-    while time.monotonic() < deadline and not list((tmp_path / "ray").glob("*/local_checkpoints/epoch_*")):
+    # any epoch's complete checkpoint (its summary is written last: a folder alone is one being written): epoch
+    # 1's is pruned (train.keep_checkpoints) once later ones exist, and a fast epoch can write and prune it
+    # between two looks
+    while time.monotonic() < deadline and not list((tmp_path / "ray").glob("*/local_checkpoints/epoch_*/summary.json")):
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
