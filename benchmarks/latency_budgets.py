@@ -36,11 +36,13 @@ from pipeline.config import CONFIG_DIR, Config, load_config
 from pipeline.cost import CostModel, load_cost_model
 from pipeline.dag.latency import measure_on_table, retention_weights
 from pipeline.data import open_source, write_folder
+from pipeline.errors import PipelineError
 from pipeline.methods import method_spec
 from pipeline.targets import repair_keep
 from pipeline.train.launch import resolve_paths, run_local
 
 CONFIG = CONFIG_DIR / "train" / "deit_s_ksearch_fmnist.yaml"
+MIN_IMAGES = 16  # one batch of the shipped config at least, spread over the classes
 
 
 @dataclass
@@ -130,11 +132,12 @@ def run(config: Path, overrides: list[str], tables: list[Path], fractions: list[
         ) -> list[Row]:
     """Every (table, fraction) search of ``config`` in ``out``; writes ``rows.json`` as it goes and
     ``results.md`` at the end."""
+    load_config(config, overrides)  # a bad config, and a missing or unreadable table, before any work
+    loaded = [(path, load_cost_model(path)) for path in tables]
     train = write_data(sources[0], images, out / "data" / f"train-{images}")
     val = write_data(sources[1], 16, out / "data" / "val-16")
     rows = []
-    for path in tables:
-        table = load_cost_model(path)
+    for path, table in loaded:
         for fraction in fractions:
             print(f"[budgets] {path.name} toward {fraction:g} of the unmodified model", flush=True)
             settings = search_config(config, overrides, path, fraction, out, train, val)
@@ -184,8 +187,14 @@ def main() -> None:
         return
     if args.config is None or not args.tables:
         parser.error("give the training config and at least one latency table")
+    if args.images < MIN_IMAGES or args.measurements < 1 or not all(0 < f <= 1 for f in args.fractions):
+        parser.error(f"--images {args.images}, --measurements {args.measurements}, --fractions {args.fractions}: "
+                     f"give at least {MIN_IMAGES} images, 1 measurement and fractions in (0, 1]")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = run(args.config, args.overrides, args.tables, args.fractions, args.images, args.measurements, args.out)
+    try:
+        rows = run(args.config, args.overrides, args.tables, args.fractions, args.images, args.measurements, args.out)
+    except PipelineError as err:  # a bad config, table or dataset: one line, as `python -m pipeline` says it
+        raise SystemExit(f"latency_budgets: {err}") from None
     print(report(rows))
 
 
