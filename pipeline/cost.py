@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,35 @@ from pipeline.errors import InputError
 SCHEMA_VERSION = 1
 
 
+def interpolate(x: Tensor, xs: Tensor, ys: Tensor) -> Tensor:
+    """``numpy.interp`` in torch: linear between the two nearest of the points ``(xs, ys)`` (``xs`` increasing),
+    the end values held outside them; x any shape, differentiable in x (the segment's slope; 0 outside).
+    ``ys`` may be (..., P): the points' values of several curves on one ``xs``, giving (..., *x.shape)."""
+    if xs.numel() == 1:
+        return ys[..., :1].expand(*ys.shape[:-1], *x.shape) + 0.0 * x
+    i = (torch.searchsorted(xs, x.detach().contiguous(), right=True) - 1).clamp(0, xs.numel() - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    held = torch.minimum(torch.maximum(x, xs[0]), xs[-1])
+    return ys[..., i] + (ys[..., i + 1] - ys[..., i]) * (held - x0) / (x1 - x0)
+
+
+class _Cached:
+    """Tensors built once per (dtype, device) and kept on the instance (not a field: equality, hashing and
+    JSON ignore them), so that a K search's step builds none from Python lists."""
+
+    def _tensors(self, dtype: torch.dtype, device: torch.device, build: Callable[[], tuple[Tensor, ...]]
+                 ) -> tuple[Tensor, ...]:
+        cache = self.__dict__.setdefault("_tensor_cache", {})
+        found = cache.get((dtype, device))
+        if found is None:
+            found = cache[(dtype, device)] = tuple(t.to(dtype=dtype, device=device) for t in build())
+        return found
+
+
 @dataclass(frozen=True)
-class Curve:
-    """A piecewise-linear function of a token count: ``xs`` strictly increasing, ``ys`` the costs."""
+class Curve(_Cached):
+    """A piecewise-linear function of a token count: ``xs`` strictly increasing, ``ys`` the costs; the end
+    values hold past the ends (a measured cost is never extended into a guess, such as a negative one)."""
 
     xs: tuple[int, ...]
     ys: tuple[float, ...]
@@ -50,28 +77,26 @@ class Curve:
             raise InputError(f"a cost curve's token counts must increase strictly, got {list(self.xs)}")
 
     def __call__(self, x: float) -> float:
-        """The cost at ``x`` tokens: linear between the two nearest points, extended linearly past the ends."""
-        if len(self.xs) == 1:
+        """The cost at ``x`` tokens: linear between the two nearest points, the nearest point's cost outside."""
+        if x <= self.xs[0]:
             return self.ys[0]
-        i = min(max(bisect.bisect_right(self.xs, x) - 1, 0), len(self.xs) - 2)
+        if x >= self.xs[-1]:
+            return self.ys[-1]
+        i = bisect.bisect_right(self.xs, x) - 1
         x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[i], self.ys[i + 1]
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
     def at(self, x: Tensor) -> Tensor:
-        """``self(x)`` for a tensor of token counts, differentiable in ``x`` (the slope of its segment)."""
-        xs = torch.tensor(self.xs, dtype=x.dtype, device=x.device)
-        ys = torch.tensor(self.ys, dtype=x.dtype, device=x.device)
-        if len(self.xs) == 1:
-            return ys[0] + 0.0 * x
-        i = (torch.searchsorted(xs, x.detach(), right=True) - 1).clamp(0, len(self.xs) - 2)
-        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        """``self(x)`` for a tensor of token counts (any shape), differentiable in ``x``."""
+        xs, ys = self._tensors(x.dtype, x.device, lambda: (torch.tensor(self.xs), torch.tensor(self.ys)))
+        return interpolate(x, xs, ys)
 
 
 @dataclass(frozen=True)
-class PoolSurface:
+class PoolSurface(_Cached):
     """The downsampling step's cost over (tokens in ``n``, tokens kept ``k``): one curve in ``k`` per
-    measured ``n`` (points with ``k <= n``), linear in ``n`` between two measured ``n``."""
+    measured ``n`` (points with ``k <= n``), linear in ``n`` between two measured ``n``; the nearest measured
+    ``n`` (and each curve's nearest ``k``) holds outside them."""
 
     ns: tuple[int, ...]
     curves: tuple[Curve, ...]
@@ -79,32 +104,40 @@ class PoolSurface:
     def __post_init__(self) -> None:
         if len(self.ns) != len(self.curves) or not self.ns:
             raise InputError("a pooling surface needs one curve in k per token count n, at least one")
+        if any(b <= a for a, b in zip(self.ns, self.ns[1:])):
+            raise InputError(f"a pooling surface's token counts n must increase strictly, got {list(self.ns)}")
         for n, curve in zip(self.ns, self.curves):
             if curve.xs[-1] > n:
                 raise InputError(f"the pooling curve at n={n} has a point at k={curve.xs[-1]} > n")
 
-    def _bracket(self, n: float) -> tuple[int, float]:
-        if len(self.ns) == 1:
-            return 0, 0.0
-        i = min(max(bisect.bisect_right(self.ns, n) - 1, 0), len(self.ns) - 2)
-        return i, (n - self.ns[i]) / (self.ns[i + 1] - self.ns[i])
-
     def __call__(self, n: float, k: float) -> float:
-        i, t = self._bracket(n)
-        if len(self.ns) == 1:
-            return self.curves[0](min(k, self.ns[0]))
-        lo, hi = self.curves[i](min(k, self.ns[i])), self.curves[i + 1](min(k, self.ns[i + 1]))
-        return (1 - t) * lo + t * hi
+        if len(self.ns) == 1 or n <= self.ns[0]:
+            return self.curves[0](k)
+        if n >= self.ns[-1]:
+            return self.curves[-1](k)
+        i = bisect.bisect_right(self.ns, n) - 1
+        t = (n - self.ns[i]) / (self.ns[i + 1] - self.ns[i])
+        return (1 - t) * self.curves[i](k) + t * self.curves[i + 1](k)
+
+    def _grid(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The ``ns`` (C,), the union ``us`` (U,) of the curves' counts, and each curve at them (C, U): on a grid
+        holding every curve's points, linear interpolation reproduces each curve exactly (ends held)."""
+        us = sorted({x for curve in self.curves for x in curve.xs})
+        return (torch.tensor(self.ns, dtype=torch.float64), torch.tensor(us, dtype=torch.float64),
+                torch.tensor([[curve(u) for u in us] for curve in self.curves], dtype=torch.float64))
 
     def at(self, n: Tensor, k: Tensor) -> Tensor:
-        """``self(n, k)`` for scalar tensors, differentiable in both."""
-        i, _ = self._bracket(float(n.detach()))
-        if len(self.ns) == 1:
-            return self.curves[0].at(torch.minimum(k, n.new_tensor(float(self.ns[0]))))
-        n0, n1 = self.ns[i], self.ns[i + 1]
-        lo = self.curves[i].at(torch.minimum(k, k.new_tensor(float(n0))))
-        hi = self.curves[i + 1].at(torch.minimum(k, k.new_tensor(float(n1))))
-        t = (n - n0) / (n1 - n0)
+        """``self(n, k)`` for tensors of one shape, differentiable in both, with no read of their values on the
+        host (every curve at ``k``, then linear in ``n`` between the two nearest ``ns``)."""
+        ns, us, table = self._tensors(k.dtype, k.device, self._grid)
+        at_k = interpolate(k, us, table)  # (C, *k.shape): each curve at k
+        if ns.numel() == 1:
+            return at_k[0]
+        j = (torch.searchsorted(ns, n.detach().contiguous(), right=True) - 1).clamp(0, ns.numel() - 2)
+        held = torch.minimum(torch.maximum(n, ns[0]), ns[-1])
+        t = (held - ns[j]) / (ns[j + 1] - ns[j])
+        lo = at_k.gather(0, j.unsqueeze(0)).squeeze(0)
+        hi = at_k.gather(0, (j + 1).unsqueeze(0)).squeeze(0)
         return (1 - t) * lo + t * hi
 
 
@@ -152,28 +185,41 @@ class CostModel:
 
     def unmodified(self) -> float:
         """The cost with every token kept in every block (no pooling step anywhere)."""
-        return self.predict([self.num_tokens] * self.depth)
+        found = self.__dict__.get("_unmodified")
+        if found is None:
+            found = self.__dict__["_unmodified"] = self.predict([self.num_tokens] * self.depth)
+        return found
 
     def expected(self, soft_keep: Tensor) -> Tensor:
         """The cost of a soft keep list (L,) of real token counts, differentiable in it.
 
-        A block whose count is below what it receives pays the pooling step at those counts; the
-        decision whether it pools is made on the values (no gradient), the cost's slope follows the curves.
+        A block whose count is below what it receives pays the pooling step at those counts; whether it pools is
+        decided on the device (a mask, no gradient), so a step reads nothing back to the host.
         """
         if soft_keep.shape != (self.depth,):
             raise InputError(f"a soft keep list has one count per block: expected ({self.depth},), "
                              f"got {tuple(soft_keep.shape)}")
-        n = soft_keep.new_tensor(float(self.num_tokens))
-        total = soft_keep.new_tensor(float(self.fixed))
-        for k in soft_keep:
-            total = total + self.attn.at(n) + self.mlp.at(k)
-            if 0 < float(k.detach()) < float(n.detach()):
-                total = total + self.pool.at(n, k)
-            n = k
-        return total
+        received = torch.cat([soft_keep.new_full((1,), float(self.num_tokens)), soft_keep[:-1]])  # (L,)
+        pools = (soft_keep.detach() > 0) & (soft_keep.detach() < received.detach())
+        step = torch.where(pools, self.pool.at(received, soft_keep), torch.zeros_like(soft_keep))
+        return self.fixed + (self.attn.at(received) + step + self.mlp.at(soft_keep)).sum()
+
+    def cheapest(self, counts: list[int]) -> tuple[float, list[int]]:
+        """The lowest predicted cost of a keep list over ``counts`` (which must hold N) and that list: a dynamic
+        program over blocks whose state is the count kept so far."""
+        best: dict[int, tuple[float, list[int]]] = {self.num_tokens: (self.fixed, [])}
+        for _ in range(self.depth):
+            nxt: dict[int, tuple[float, list[int]]] = {}
+            for n, (cost, keep) in best.items():
+                for k in (c for c in counts if c <= n):
+                    total = cost + self.block(n, k)
+                    if k not in nxt or total < nxt[k][0]:
+                        nxt[k] = (total, keep + [k])
+            best = nxt
+        return min(best.values(), key=lambda item: item[0])
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(self)  # the fields only: the tensor caches are attributes, not fields
         data["schema_version"] = SCHEMA_VERSION
         return data
 

@@ -42,6 +42,7 @@ from pipeline.errors import InputError, PipelineWarning
 
 PLUGIN_GROUP = "pipeline.methods"  # entry points naming a MethodSpec of another package
 SCORE_OPTIONS = MappingProxyType({"significance": "eq4"})
+COUNTED_OPTIONS = ("cluster_on",)  # the options that change a pooling step's GFLOPs (``targets.gflops_cost_model``)
 CLUSTER_OPTIONS = MappingProxyType({"iters": 5, "init": "topk", "cluster_on": "tokens", **SCORE_OPTIONS})
 
 

@@ -19,17 +19,20 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from pipeline.config import CostTarget
+from pipeline.config import CostTarget, PoolingConfig
 from pipeline.cost import CostModel, Curve, PoolSurface, load_cost_model
 from pipeline.errors import InputError
+from pipeline.methods import COUNTED_OPTIONS
 
-# Methods whose pooling step's count has a closed form here: (non-prefix tokens in n, kept k, width M) ->
-# multiply-adds. PoWER-BERT, random and importance select (no multiply-add); K-Medoids and WK-Medoids build
-# the n x n Gram matrix of the tokens they cluster.
+# Methods whose pooling step's count has a closed form here: (non-prefix tokens in n, kept k, width of what is
+# clustered) -> multiply-adds. PoWER-BERT, random and importance select (no multiply-add); K-Medoids and
+# WK-Medoids build the n x n Gram matrix of what they cluster: the tokens (width M), or with ``cluster_on:
+# metric`` the keys averaged over heads (the head width).
 POOL_FLOPS: dict[str, Callable[[int, int, int], int]] = {
     "powerbert": lambda n, k, m: 0,
     "random": lambda n, k, m: 0,
@@ -38,6 +41,14 @@ POOL_FLOPS: dict[str, Callable[[int, int, int], int]] = {
     "wkmedoids": lambda n, k, m: n * n * m,
 }
 NORM_FLOPS = 5  # fvcore's count of a layer norm per element
+
+
+def clustered_width(model: nn.Module, options: dict[str, Any] | None) -> int:
+    """The width of what a pooling step clusters: the tokens' (M), or the head width with ``cluster_on: metric``."""
+    first = next(iter(model.blocks))
+    if (options or {}).get("cluster_on") == "metric":
+        return first.attn.head_dim if hasattr(first.attn, "head_dim") else model.embed_dim // first.attn.num_heads
+    return model.embed_dim
 
 
 def file_sha256(path: str | Path) -> str:
@@ -49,8 +60,10 @@ def grid(num_tokens: int, step: int) -> list[int]:
     return sorted({*range(0, num_tokens, step), num_tokens})
 
 
-def gflops_cost_model(model: nn.Module, method: str, step: int | None = None) -> CostModel:
-    """The GFLOPs of ``model`` (a timm ViT, one image) downsampled by ``method``, as a CostModel.
+def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
+                      options: dict[str, Any] | None = None) -> CostModel:
+    """The GFLOPs of ``model`` (a timm ViT, one image) downsampled by ``method`` with ``options`` (its defaults
+    where not given; ``cluster_on`` changes the count, ``COUNTED_OPTIONS``), as a CostModel.
 
     Exact at its points (every ``step`` tokens and N; ``step`` default 1 up to 64 tokens, else 8), as
     fvcore counts: linear layers and both attention matmuls, layer norms (5 an element), the patch
@@ -77,21 +90,24 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None) ->
         t = k + prefix
         return (2 * t * dim * hidden + 2 * NORM_FLOPS * t * dim) / 1e9
 
-    pool = POOL_FLOPS[method]
+    pool, width = POOL_FLOPS[method], clustered_width(model, options)
     surface = PoolSurface(tuple(points), tuple(
-        Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, dim) / 1e9 for k in points if k <= n))
+        Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, width) / 1e9 for k in points if k <= n))
         for n in points))
     fixed = (embed + head + NORM_FLOPS * (n_tokens + prefix) * dim) / 1e9  # the first block's norm1
     return CostModel("gflops", num_tokens=n_tokens, prefix=prefix, depth=depth, fixed=fixed,
                      attn=Curve(tuple(points), tuple(attn(n) for n in points)),
                      mlp=Curve(tuple(points), tuple(mlp(k) for k in points)), pool=surface,
-                     key={"model": type(model).__name__, "embed_dim": dim, "method": method})
+                     key={"model": type(model).__name__, "embed_dim": dim, "method": method,
+                          "options": {name: value for name, value in (options or {}).items()
+                                      if name in COUNTED_OPTIONS}})
 
 
-def target_cost_model(target: CostTarget, model: nn.Module) -> CostModel:
-    """The cost model a target is measured in: its table (checked against its recorded hash), or the GFLOPs."""
+def target_cost_model(target: CostTarget, model: nn.Module, pooling: PoolingConfig | None = None) -> CostModel:
+    """The cost model a target is measured in: its table (checked against its recorded hash), or the GFLOPs of
+    its method with the options ``pooling`` gives it (the config's pooling section; the method's defaults without)."""
     if target.cost == "gflops":
-        return gflops_cost_model(model, target.method)
+        return gflops_cost_model(model, target.method, options=method_options(pooling, target.method))
     if target.table_sha256 is not None and file_sha256(target.table) != target.table_sha256:
         raise InputError(f"the cost table {target.table} changed since this K search was planned (sha256 "
                          f"{target.table_sha256[:12]}...); rerun `pipeline run` so that the stage's identity "
@@ -106,6 +122,11 @@ def target_cost_model(target: CostTarget, model: nn.Module) -> CostModel:
                          f"{table.prefix}; this model has N={n_tokens}, depth {depth}, prefix "
                          f"{model.num_prefix_tokens}")
     return table
+
+
+def method_options(pooling: PoolingConfig | None, method: str) -> dict[str, Any] | None:
+    """``method``'s options from the config's pooling section, or None (its defaults) without one."""
+    return None if pooling is None else pooling.method_options(method)
 
 
 def target_fraction(target: CostTarget, costs: CostModel) -> float:
@@ -142,12 +163,12 @@ class TargetSearch:
     fraction: float
     dual_rate: float
     quadratic: float
-    dual: float = 0.0  # mu: its sign says which way the task loss pulls against the target
-    last_ratio: Tensor | None = None
+    dual: float | Tensor = 0.0  # mu: its sign says which way the task loss pulls; a tensor on the model's device
+    last_ratio: Tensor | None = None  # once the search steps, so that a step reads nothing back to the host
 
     @classmethod
-    def build(cls, target: CostTarget, model: nn.Module) -> TargetSearch:
-        costs = target_cost_model(target, model)
+    def build(cls, target: CostTarget, model: nn.Module, pooling: PoolingConfig | None = None) -> TargetSearch:
+        costs = target_cost_model(target, model, pooling)
         return cls(costs, target_fraction(target, costs), target.dual_rate, target.quadratic)
 
     def ratio(self, model: nn.Module) -> Tensor:
@@ -163,7 +184,11 @@ class TargetSearch:
     def update(self) -> None:
         """The dual step after an optimiser step: mu grows while the search costs more than the target."""
         if self.last_ratio is not None:
-            self.dual += self.dual_rate * (float(self.last_ratio) - self.fraction)
+            self.dual = self.dual + self.dual_rate * (self.last_ratio - self.fraction)
+
+    def dual_value(self) -> float:
+        """mu as a number (a read of the device: at a checkpoint or the search's end, not every step)."""
+        return float(self.dual)
 
     def result(self, model: nn.Module) -> tuple[list[int], dict[str, float]]:
         """The rounded keep list and how the search landed: ``target_landed`` (rho before rounding),
@@ -172,8 +197,8 @@ class TargetSearch:
             landed = float(self.ratio(model))
             weights = [w.detach().double() for w in retentions(model)]
         keep = round_keep(weights, self.costs, self.fraction * self.costs.unmodified())
-        return keep, {"target": self.fraction, "target_landed": landed,
-                      "target_rounded": self.costs.predict(keep) / self.costs.unmodified(), "target_dual": self.dual}
+        return keep, {"target": self.fraction, "target_landed": landed, "target_dual": self.dual_value(),
+                      "target_rounded": self.costs.predict(keep) / self.costs.unmodified()}
 
 
 CANDIDATE_COUNTS = 48  # about as many evenly spaced counts besides the curves' points (every count while N < 72)
@@ -189,6 +214,12 @@ def candidates(costs: CostModel) -> list[int]:
               *range(0, costs.num_tokens, spacing), costs.num_tokens}
     low = 0 if costs.prefix > 0 else 1
     return sorted(p for p in points if low <= p <= costs.num_tokens)
+
+
+def cheapest_fraction(costs: CostModel) -> float:
+    """The lowest cost over the unmodified model's that a rounded keep list can have (over ``candidates``): a target
+    below it cannot be met."""
+    return costs.cheapest(candidates(costs))[0] / costs.unmodified()
 
 
 def round_keep(weights: list[Tensor], costs: CostModel, limit: float) -> list[int]:
@@ -213,9 +244,10 @@ def round_keep(weights: list[Tensor], costs: CostModel, limit: float) -> list[in
         fronts = {k: _pareto(items) for k, items in nxt.items() if items}
     best = max((item for front in fronts.values() for item in front), key=lambda i: (i[1], -i[0]), default=None)
     if best is None:
-        cheapest = costs.predict([counts[0]] * costs.depth)
+        cheapest, full = costs.cheapest(counts)[0], costs.unmodified()
         raise InputError(f"no keep list costs at most {limit:.4g} {costs.unit}: the cheapest over the cost model's "
-                         f"counts costs {cheapest:.4g} (unmodified {costs.unmodified():.4g}); raise the target")
+                         f"counts costs {cheapest:.4g}, {cheapest / full:.3f} of the unmodified {full:.4g}; raise the "
+                         "target")
     return list(best[2])
 
 
@@ -242,7 +274,8 @@ class TargetCost:
 
 
 def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[int], gflops: float,
-                measure: Callable[[CostModel, list[int]], tuple[float | None, str]] | None = None) -> TargetCost:
+                measure: Callable[[CostModel, list[int]], tuple[float | None, str]] | None = None,
+                pooling: PoolingConfig | None = None) -> TargetCost:
     """``model`` (the finetune's network: its structure only) with ``method`` at ``keep`` against ``target``.
 
     A GFLOPs target is predicted with the closed forms for the model's own method (its pooling step may cost more
@@ -251,11 +284,12 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
     model, or None and why (another machine or setting than the table's key), for the table's own method only.
     """
     if target.cost == "gflops":
-        costs = gflops_cost_model(model, target.method)
+        costs = target_cost_model(target, model, pooling)
         limit = target_fraction(target, costs) * costs.unmodified()
-        predicted = gflops_cost_model(model, method).predict(keep) if method in POOL_FLOPS else None
+        predicted = (gflops_cost_model(model, method, options=method_options(pooling, method)).predict(keep)
+                     if method in POOL_FLOPS else None)
         return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
-    costs = target_cost_model(target, model)
+    costs = target_cost_model(target, model, pooling)
     limit, full = target_fraction(target, costs) * costs.unmodified(), costs.unmodified()
     table_method = costs.key.get("method")
     if table_method not in (None, method):

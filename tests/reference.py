@@ -174,3 +174,21 @@ def conv_grid(f: np.ndarray, weight: np.ndarray, bias: np.ndarray, h: int, w: in
                     acc = acc + weight[:, :, dr, dc] @ token
             out.append(acc)
     return np.array(out)
+
+
+def table_cost(table: dict, keep: list[int]) -> float:
+    """A keep list's cost from a cost table in its JSON form (docs/benchmarks.md, "Latency tables"): the fixed part
+    plus, per block receiving n tokens and keeping k, attn(n) + mlp(k) + pool(n, k) where 0 < k < n. Each curve is
+    numpy's interpolation (ends held); the pooling surface interpolates each measured n's curve at k, then in n."""
+    def curve(c: dict, x: float) -> float:
+        return float(np.interp(x, c["xs"], c["ys"]))
+
+    def pool(n: float, k: float) -> float:
+        surface = table["pool"]
+        return float(np.interp(n, surface["ns"], [curve(c, k) for c in surface["curves"]]))
+
+    total, n = table["fixed"], table["num_tokens"]
+    for k in keep:
+        total += curve(table["attn"], n) + curve(table["mlp"], k) + (pool(n, k) if 0 < k < n else 0.0)
+        n = k
+    return total

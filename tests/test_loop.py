@@ -73,10 +73,20 @@ def _counted(reads: DeviceReads, job, attribute: str, fn, *args, **kwargs):
         setattr(job, attribute, loader)
 
 
-def count_reads(monkeypatch, cfg) -> tuple[DeviceReads, DeviceReads]:
+class ReadsAndBuilds(DeviceReads):
+    """``DeviceReads`` that also counts the tensors built from Python data (``torch.tensor``, ``new_tensor``:
+    ``aten.lift_fresh``), each a host-to-device copy on a GPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith("aten.lift_fresh"):
+            self._count(str(func))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def count_reads(monkeypatch, cfg, counter: type[DeviceReads] = DeviceReads) -> tuple[DeviceReads, DeviceReads]:
     """Trains ``cfg`` for 2 epochs; returns the device reads of the second epoch's steps and of the
     evaluations after it."""
-    steps, evals = DeviceReads(), DeviceReads()
+    steps, evals = counter(), counter()
     train_one_epoch, evaluate = loop.train_one_epoch, loop.evaluate
     epoch = [0]
 
@@ -119,6 +129,27 @@ def test_a_steady_epoch_reads_the_device_once_per_log_every_steps(monkeypatch, d
     assert steps.count == math.ceil(STEPS / 5), steps.reads
     assert set(steps.reads) == {next(iter(steps.reads))}, steps.reads  # all from one line: StepTotals.read
     assert evals.count == 2, evals.reads  # the model and its EMA, one read each
+
+
+def test_a_latency_target_search_reads_the_device_as_the_lambda_search_does(monkeypatch, data, tmp_path):
+    """The K search toward a latency table's target adds no device read and builds no tensor from Python data per
+    step: its penalty's curves are tensors built once, and whether a block pools is a mask on the device."""
+    from dataclasses import replace
+
+    from pipeline.cost import save_cost_model
+    from pipeline.targets import gflops_cost_model
+    from pipeline.train.build import build_model
+
+    searched = config(data, tmp_path, "train.mode=ksearch")
+    table = replace(gflops_cost_model(build_model(searched), "powerbert", step=4), unit="ms")  # a table's shape
+    path = save_cost_model(table, tmp_path / "table.json")
+    cfg = config(data, tmp_path, "train.mode=ksearch", "train.log_every=5",
+                 f"train.ksearch_target={{cost: latency, fraction: 0.6, table: {path}}}")
+    steps, _ = count_reads(monkeypatch, cfg, ReadsAndBuilds)
+    reads = {what: n for what, n in steps.reads.items() if "lift_fresh" not in what}
+    builds = {what: n for what, n in steps.reads.items() if "lift_fresh" in what}
+    assert sum(reads.values()) == math.ceil(STEPS / 5), steps.reads  # the lambda search's count
+    assert not builds, builds
 
 
 def test_the_count_sees_the_loops_reads(monkeypatch, data, tmp_path):

@@ -4,9 +4,12 @@ gradient against the table's slopes, and the self-adjusting strength landing on 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from pipeline.config import CostTarget
@@ -14,8 +17,17 @@ from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
 from pipeline.flops import count_flops
 from pipeline.models import create_model, retention_penalty
-from pipeline.targets import TargetSearch, candidates, gflops_cost_model, repair_keep, round_keep
+from pipeline.targets import (
+    TargetSearch,
+    candidates,
+    cheapest_fraction,
+    gflops_cost_model,
+    repair_keep,
+    round_keep,
+)
+from tests.reference import table_cost
 
+ROOT = Path(__file__).resolve().parents[1]
 DEMO = {"img_size": 28, "patch_size": 4, "depth": 4, "num_heads": 2, "num_classes": 10, "embed_dim": 32}
 
 
@@ -30,10 +42,11 @@ def _table(scale: float = 1.0) -> CostModel:
 
 
 def _brute_force(weights: list[torch.Tensor], costs: CostModel, limit: float) -> tuple[float, list[int]]:
-    """Every non-increasing list over the candidate counts: the most kept mass within ``limit``."""
-    best = (float("-inf"), [])
+    """Every non-increasing list over the candidate counts, its cost written out (``reference.table_cost``, not
+    ``CostModel.predict``): the most kept mass within ``limit``."""
+    best, table = (float("-inf"), []), costs.to_json()
     for keep in itertools.product(candidates(costs), repeat=costs.depth):
-        if any(b > a for a, b in zip(keep, keep[1:])) or costs.predict(list(keep)) > limit:
+        if any(b > a for a, b in zip(keep, keep[1:])) or table_cost(table, list(keep)) > limit + 1e-12 * abs(limit):
             continue
         mass = sum(float(w[:k].sum()) for w, k in zip(weights, keep))
         best = max(best, (mass, list(keep)), key=lambda b: b[0])
@@ -58,10 +71,57 @@ def test_rounding_equals_brute_force_on_small_cases():
             limit = fraction * costs.unmodified()
             keep = round_keep(weights, costs, limit)
             mass, _ = _brute_force(weights, costs, limit)
-            assert costs.predict(keep) <= limit
+            assert table_cost(costs.to_json(), keep) <= limit
             assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == pytest.approx(mass)
     with pytest.raises(InputError, match="no keep list costs at most"):
         round_keep(weights, costs, 0.1 * costs.unmodified())
+
+
+def _curve(draw, lo: int, hi: int, most: int) -> Curve:
+    """A curve with 1 to ``most`` points in [lo, hi] and costs in [0, 3]: often none at the ends, so that the
+    rounding reaches counts outside its points, where a falling line extended would go below 0."""
+    xs = sorted(draw(st.sets(st.integers(lo, hi), min_size=1, max_size=most)))
+    return Curve(tuple(xs), tuple(draw(st.floats(0, 3, allow_nan=False)) for _ in xs))
+
+
+@st.composite
+def _tables(draw) -> CostModel:
+    n_tokens = draw(st.integers(3, 7))
+    ns = sorted(draw(st.sets(st.integers(1, n_tokens), min_size=1, max_size=3)))
+    pool = PoolSurface(tuple(ns), tuple(_curve(draw, 0, n, 3) for n in ns))
+    return CostModel("ms", num_tokens=n_tokens, prefix=draw(st.integers(0, 1)), depth=3,
+                     fixed=draw(st.floats(-1, 1, allow_nan=False)), attn=_curve(draw, 0, n_tokens, 3),
+                     mlp=_curve(draw, 0, n_tokens, 3), pool=pool)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(costs=_tables(), data=st.data())
+def test_the_rounding_equals_brute_force_on_random_tables_with_tied_masses(costs, data):
+    """Random tables (extrapolating ones among them) and weights from {0, 0.5, 1} (many lists keep equal mass):
+    the dynamic program keeps the most mass any list within the limit keeps, and its list is within the limit."""
+    weights = [torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=costs.num_tokens,
+                                               max_size=costs.num_tokens)), dtype=torch.float64)
+               for _ in range(costs.depth)]
+    full = table_cost(costs.to_json(), [costs.num_tokens] * costs.depth)
+    limit = data.draw(st.floats(0.2, 1.2)) * full
+    mass, _ = _brute_force(weights, costs, limit)
+    if mass == float("-inf"):
+        with pytest.raises(InputError, match="no keep list costs at most"):
+            round_keep(weights, costs, limit)
+        return
+    keep = round_keep(weights, costs, limit)
+    assert table_cost(costs.to_json(), keep) <= limit + 1e-9
+    assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == pytest.approx(mass)
+
+
+def test_the_cheapest_fraction_is_the_cheapest_list_written_out():
+    costs = _table()
+    lists = [keep for keep in itertools.product(candidates(costs), repeat=costs.depth)
+             if all(b <= a for a, b in zip(keep, keep[1:]))]
+    cheapest = min(table_cost(costs.to_json(), list(keep)) for keep in lists)
+    assert cheapest_fraction(costs) == pytest.approx(cheapest / table_cost(costs.to_json(), [8, 8, 8]))
+    with pytest.raises(InputError, match=f"{cheapest / costs.unmodified():.3f} of the unmodified"):
+        round_keep([torch.ones(8, dtype=torch.float64)] * 3, costs, 0.99 * cheapest)
 
 
 def test_the_rounding_can_take_counts_between_a_coarse_tables_points():
@@ -227,3 +287,53 @@ def test_the_retention_weights_come_back_from_a_checkpoint_in_block_order(tmp_pa
     torch.save({"model": {"pos_embed": torch.zeros(1), **dict(reversed(list(weights.items())))}},
                tmp_path / "checkpoint.pt")
     assert [float(w[0]) for w in retention_weights(str(tmp_path))] == pytest.approx([i / 12 for i in range(12)])
+
+
+def test_the_gflops_of_clustering_on_the_metric_equal_fvcores_count():
+    """``cluster_on: metric`` builds K-Medoids' Gram matrix on the keys averaged over heads (DeiT-S: 64 wide, not
+    384): the count follows the option, as fvcore counts the model that runs it."""
+    keep = [196, 152, 152, 120, 88, 88, 64, 40, 40, 24, 8, 0]  # on the model's points (every 8th count, and N)
+    for options in ({"cluster_on": "metric"}, {"cluster_on": "tokens"}):
+        model = create_model("deit_small_patch16_224", method="kmedoids", keep=keep, options=options)
+        counted = count_flops(model).total
+        assert gflops_cost_model(model, "kmedoids", options=options).predict(keep) == pytest.approx(counted, rel=1e-9)
+    metric = gflops_cost_model(model, "kmedoids", options={"cluster_on": "metric"}).predict(keep)
+    assert metric < counted  # the tokens' Gram matrices cost more
+
+
+def test_the_options_that_change_a_gflops_count_enter_the_k_searchs_identity():
+    from pipeline.config import load_config
+    from pipeline.config.identity import identity_content
+
+    def search(*more: str) -> dict:
+        config = load_config(ROOT / "configs" / "train" / "tiny_synthetic.yaml",
+                             ["train.mode=ksearch", "train.ksearch_target={cost: gflops, fraction: 0.5, method: "
+                              "kmedoids}", *more])
+        return identity_content(config)
+
+    tokens, metric = search(), search("pooling.cluster_on=metric")
+    assert "pooling" not in tokens  # the method's default: the identity is what it was before the option counted
+    assert metric["pooling"] == {"cluster_on": "metric"} and metric != tokens
+    assert search("pooling.iters=9") == tokens  # an option that does not change the count does not enter it
+
+
+def test_run_plan_refuses_a_target_below_the_cheapest_list_naming_its_fraction(tmp_path):
+    import subprocess
+    import sys
+
+    from pipeline.cost import load_cost_model
+    from pipeline.targets import cheapest_fraction
+
+    table = ("configs/latency/amd-epyc/deit_tiny_patch16_224-m32-d4-28px-p4/"
+             "wkmedoids-b64-fp32-none-t1-cpuclock.json")  # the demo's latency target's table
+    cheapest = cheapest_fraction(load_cost_model(ROOT / table))
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/experiments/demo.yaml", "--plan",
+                           "--set", f"experiment.ksearch_targets=[{{cost: latency, fraction: 0.02, table: {table}, "
+                           "methods: [wkmedoids], archs: [M32]}]", "--tracking-uri", f"sqlite:///{tmp_path}/m.db"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert (f"lat0.02 (M32): 0.02 of the unmodified model is below the cheapest keep list the cost table {table} "
+            f"allows, {cheapest:.4f}") in lines[0]
+    assert 0.02 < cheapest < 0.8 and not (tmp_path / "m.db").exists()  # nothing ran, no store was made

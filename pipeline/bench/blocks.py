@@ -146,6 +146,7 @@ def table_key(s: BlocksSettings, model: nn.Module, device: torch.device) -> dict
         "patch_size": int(model.patch_embed.patch_size[0]), "num_tokens": int(grid[0] * grid[1]),
         "num_classes": int(model.num_classes), "patch_embed": s.model.patch_embed,
         "method": s.method, "options": dict(sorted(s.options.items())), "kernels": kernels_in_use(device, s.kernels),
+        "kernel_choice": s.kernels.as_dict(),
     }
 
 
@@ -156,10 +157,30 @@ def spec_from_key(key: dict[str, Any]) -> ModelSpec:
 
 
 def settings_from_key(key: dict[str, Any], **timing: Any) -> BlocksSettings:
-    """The setting a table was measured at (to validate it at the same one)."""
+    """The setting a table was measured at (to validate it at the same one), its kernel choice included (a key
+    without one was measured with every kernel at ``auto``)."""
     return BlocksSettings(model=spec_from_key(key), method=key["method"], options=dict(key["options"]),
                           batch=key["batch"], dtype=key["dtype"], compile=key["compile"], threads=key["threads"],
-                          device=key["device_type"], clock=key.get("clock", "wall"), **timing)
+                          device=key["device_type"], clock=key.get("clock", "wall"),
+                          kernels=KernelChoice(**key.get("kernel_choice", {})), **timing)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or ``taskset`` narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_threads(threads: int | None, where: str = "the table") -> None:
+    """InputError naming the ``threads`` field when this process has fewer usable cores than ``threads``: torch
+    would run that many threads on fewer cores, and the figures would not be the table's."""
+    cores = usable_cores()
+    if threads is not None and threads > cores:
+        raise InputError(f"{where}: threads: the key says {threads} thread(s); this process can use {cores} core(s) "
+                         "(os.sched_getaffinity). Measure or check it on a machine with as many cores, or measure a "
+                         f"table with --threads {cores} or fewer")
 
 
 def default_table_path(key: dict[str, Any]) -> Path:
@@ -385,6 +406,7 @@ def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
     if s.clock == "cpu" and (s.device != "cpu" or s.threads != 1):
         raise InputError("clock 'cpu' times the process's CPU time, which equals latency only on the CPU with one "
                          "thread: add --threads 1 (and --device cpu), or use --clock wall")
+    check_threads(s.threads)
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     device = torch.device(s.device)
@@ -393,9 +415,11 @@ def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
 
 
 def measured_key(table: CostModel) -> dict[str, Any]:
-    """The key fields a measurement records itself (the table's key without its summary fields)."""
-    return {k: v for k, v in table.key.items() if k not in ("grid_step", "grid_fine", "reference_ms",
-                                                        "halves_closure", "median_relative_iqr")}
+    """The key fields a measurement records itself (the table's key without its summary fields; a key from before
+    the kernel choice was recorded has every kernel at ``auto``)."""
+    key = {k: v for k, v in table.key.items() if k not in ("grid_step", "grid_fine", "reference_ms",
+                                                       "halves_closure", "median_relative_iqr")}
+    return {**key, "kernel_choice": key.get("kernel_choice", KernelChoice().as_dict())}
 
 
 CLOSURE_TOLERANCE = 0.05  # how far the two halves at N may sum from the block they make up

@@ -40,7 +40,7 @@ class OpCounter(TorchDispatchMode):
         return {name: n for name, n in self.ops.items() if name.split(".")[1] in HOST_SYNC_OPS}
 
 
-_PACKAGE = str(Path(__file__).resolve().parent) + os.sep  # this package's files, for DeviceReads' keys
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # pipeline/: its files, for DeviceReads' keys
 # Tensor methods that copy a tensor to the host without an aten op that OpCounter would see on the CPU.
 _HOST_COPY_METHODS = ("tolist", "cpu", "numpy")
 

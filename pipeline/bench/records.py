@@ -49,13 +49,14 @@ def read_record(path: Path) -> dict[str, Any]:
 
 def find_record(folder: Path, *, kind: str, device: str, train: bool | None = None, label: str | None = None
                 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest record (by date, then file name) in ``folder`` of ``kind`` on a ``device`` whose name contains
-    the given one, timing a training step or not (``train``), with a row ``label``; None if there is none."""
-    found = []
+    """The newest record (by date, then file name) in ``folder`` of ``kind`` on a ``device`` whose name holds the
+    given one as a whole word ("H200" matches "NVIDIA H200", not "NVIDIA GH200"), timing a training step or not
+    (``train``), with a row ``label``; None if there is none."""
+    found, word = [], re.compile(rf"(?<!\w){re.escape(device)}(?!\w)", re.I)
     for path in sorted(folder.glob("*.json")):
         record = read_record(path)
         setting = record["setting"]
-        if record["kind"] != kind or device.lower() not in record["machine"].lower():
+        if record["kind"] != kind or word.search(record["machine"]) is None:
             continue
         if train is not None and setting.get("train", kind == "loop") != train:
             continue

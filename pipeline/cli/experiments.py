@@ -16,7 +16,7 @@ from pipeline.serving.server import DEFAULT_STORE
 def cmd_run(args: argparse.Namespace) -> int:
     import json
 
-    from pipeline.dag.plan import count_plan
+    from pipeline.dag.plan import check_targets, count_plan
     from pipeline.dag.runner import run_experiment
 
     overrides = list(args.overrides)
@@ -26,6 +26,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if config.experiment is None:
         raise ConfigError(f"{args.config}: `pipeline run` needs an experiment section; see configs/experiments/")
     if args.plan:
+        check_targets(config)
         print(json.dumps(count_plan(config).as_dict()))
         return 0
     given = [flag for flag, value in (("--rehearse-dir", args.rehearse_dir), ("--rehearse-steps", args.rehearse_steps),
@@ -166,7 +167,8 @@ def add_commands(commands) -> None:
                      help="rerun STAGE (base, ksearch, finetune, evaluate, select) and everything after it")
     run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the config's SQLite store)")
     run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
-    run.add_argument("--plan", action="store_true", help="print the number of stages per kind and exit")
+    run.add_argument("--plan", action="store_true", help="refuse a K-search target that no keep list can meet, "
+                     "print the stages per kind and exit")
     run.add_argument("--rehearse", action="store_true",
                      help="a dress rehearsal: a slice of the DAG covering every architecture, method and stage kind "
                           "at the real shapes for a few steps each, on synthetic ImageNet-like data, in its own "

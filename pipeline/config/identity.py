@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config.root import Config
-from pipeline.methods import method_spec, plugin_of
+from pipeline.methods import COUNTED_OPTIONS, method_spec, plugin_of
 
 # Where a stage reads its result from; excluded from the identity.
 VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
@@ -43,9 +43,25 @@ def identity_content(config: Config) -> dict[str, Any]:
         plugin = plugin_of(pool.method)
         if plugin is not None:  # another release of the plugin is another result; the pipeline's own is not
             content["pooling"]["plugin"] = {"distribution": plugin.distribution, "version": plugin.version}
+    elif config.train.mode == "ksearch" and config.train.ksearch_target is not None:
+        content["pooling"] = _counted_options(config)
+        if not content["pooling"]:  # the method's defaults: the identity is what it was before
+            content.pop("pooling")
     else:
         content.pop("pooling", None)
     return content
+
+
+def _counted_options(config: Config) -> dict[str, Any]:
+    """The options of a GFLOPs target's method that change its count (``methods.COUNTED_OPTIONS``) where they
+    differ from the method's defaults: a K search toward ``cluster_on: metric``'s count searches toward another
+    cost than one toward the tokens'."""
+    target = config.train.ksearch_target
+    if target.cost != "gflops":
+        return {}
+    defaults = method_spec(target.method).options
+    given = config.pooling.method_options(target.method)
+    return {key: given[key] for key in COUNTED_OPTIONS if key in given and given[key] != defaults.get(key)}
 
 
 def _target_identity(train: dict[str, Any]) -> None:

@@ -13,13 +13,19 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
                      ) -> tuple[float | None, str]:
     """The measured time of the table's model and method at ``keep`` over the unmodified model's, paired at the
     table's setting (``bench.latency.measure_lists``), with how it was measured; None and why when this process
-    is not what the table's key says (device, threads, versions, kernels): the figure would not be comparable."""
-    from pipeline.bench.blocks import measured_key, settings_from_key, table_key
+    is not what the table's key says (device, threads against the usable cores, versions, kernels): the figure would
+    not be comparable."""
+    from pipeline.bench.blocks import check_threads, measured_key, settings_from_key, table_key
     from pipeline.bench.latency import measure_lists
+    from pipeline.errors import InputError
 
     settings = settings_from_key(table.key, warmup=2, repeats=7)
     if settings.device == "cuda" and not torch.cuda.is_available():
         return None, "predicted (the table is a CUDA one; no CUDA device here)"
+    try:
+        check_threads(settings.threads)
+    except InputError as err:
+        return None, f"predicted ({err})"
     threads = torch.get_num_threads()
     if settings.threads is not None:  # a setting of this process, not of the machine: take the table's
         torch.set_num_threads(settings.threads)

@@ -158,6 +158,28 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
     return stages
 
 
+def check_targets(config: Config) -> None:
+    """Refuses a K-search target below the cheapest keep list its cost model allows (``targets.cheapest_fraction``),
+    naming that fraction: at plan time, not when the K search rounds its list after a whole epoch."""
+    from pipeline.targets import cheapest_fraction, target_cost_model, target_fraction
+    from pipeline.train.build import build_model
+
+    if not config.experiment.ksearch_targets:
+        return
+    for arch in archs(config):
+        for stage in ksearch_stages(config, arch, base_stage(config, arch)):
+            target = stage.config.train.ksearch_target
+            if target is None:
+                continue
+            costs = target_cost_model(target, build_model(stage.config), stage.config.pooling)
+            fraction, cheapest = target_fraction(target, costs), cheapest_fraction(costs)
+            if fraction < cheapest:
+                where = f"the cost table {target.table}" if target.cost == "latency" else f"{target.method}'s GFLOPs"
+                raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): {fraction:.4g} of the "
+                                 f"unmodified model is below the cheapest keep list {where} allows, {cheapest:.4f}; "
+                                 f"give a target of at least {cheapest:.4f}")
+
+
 def target_methods(exp: ExperimentConfig, level: str) -> list[str]:
     """The methods finetuned at ``level``: a K-search target's own ``methods`` where it gives them."""
     for target in exp.ksearch_targets or []:

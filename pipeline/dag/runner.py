@@ -17,6 +17,7 @@ from pipeline.dag.plan import (
     Stage,
     archs,
     base_stage,
+    check_targets,
     count_plan,
     dag_id,
     evaluate_stage,
@@ -101,6 +102,7 @@ def check_experiment(config: Config) -> None:
                         apply_downsampling(build_model(stage.config), method, keep)
                     except ValueError as err:
                         raise ConfigError(f"experiment: {arch.label} level {level} with {method}: {err}") from None
+    check_targets(config)  # and a target that no keep list can meet
 
 
 def force_kinds(force: str | None) -> list[str]:

@@ -54,7 +54,7 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
             arch = next(a for a in archs(config) if a.label == stage.arch)
             target = target.model_copy(update={"table": table_path(target.table, arch)})
         cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
-                                  measure_on_table))
+                                  measure_on_table, pooling=config.pooling))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
         out.append(row | cost | {"table_sha256": None if target.table is None else file_sha256(target.table),
                                  "searched": search_landed(ctx, stage)})

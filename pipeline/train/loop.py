@@ -348,7 +348,7 @@ def build_job(config: Config, session: Session) -> Job:
     if config.train.mode == "ksearch" and config.train.ksearch_target is not None:
         from pipeline.targets import TargetSearch
 
-        job.target = TargetSearch.build(config.train.ksearch_target, unwrap(model))
+        job.target = TargetSearch.build(config.train.ksearch_target, unwrap(model), config.pooling)
     return job
 
 

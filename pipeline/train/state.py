@@ -59,7 +59,7 @@ def training_state(job, epoch: int, step: int, rng: list, keep: list[int] | None
         "config": config.model_dump(mode="json"),
         "mlflow_run_id": job.run_id,
         "metrics": metrics,  # the epoch's, for MLflow if the job stopped before logging them
-        "ksearch_dual": None if job.target is None else job.target.dual,  # the target search's strength
+        "ksearch_dual": None if job.target is None else job.target.dual_value(),  # the target search's strength
     }
 
 
