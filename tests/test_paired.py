@@ -1,0 +1,153 @@
+"""pipeline.bench.paired: the order-statistic interval against scipy's binomial, and the paired ratio with its
+stopping rule on a synthetic machine with a known ratio, drift and a first-call penalty (no real timing)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+import scipy.stats
+
+from pipeline.bench.paired import (
+    SpeedSettings,
+    chain,
+    median_interval,
+    order_statistic_rank,
+    paired_ratio,
+)
+from pipeline.errors import InputError
+
+
+def test_the_rank_is_the_binomial_order_statistic_at_95_percent():
+    for n in range(6, 301):
+        j = order_statistic_rank(n)
+        assert 2 * scipy.stats.binom.cdf(j - 1, n, 0.5) <= 0.05 < 2 * scipy.stats.binom.cdf(j, n, 0.5), n
+    assert order_statistic_rank(8) == 1 and order_statistic_rank(20) == 6  # written-out values
+    with pytest.raises(InputError, match="5 samples are too few"):
+        order_statistic_rank(5)
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0, 6.0, 8.0, 7.0]) == (4.5, 1.0, 8.0)
+
+
+class Machine:
+    """A simulated machine: each call of a model takes ``base * drift(now) * noise`` simulated seconds, and a
+    model's first call ``penalty`` times as long; ``now`` advances by what runs."""
+
+    def __init__(self, rng: random.Random, *, drift: float = 0.3, period: float = 8.0, noise: float = 0.05,
+                 penalty: float = 20.0) -> None:
+        self.rng, self.now, self.noise, self.penalty = rng, 0.0, noise, penalty
+        self.drift, self.period, self.phase = drift, period, rng.uniform(0, 2 * math.pi)
+
+    def model(self, base: float):
+        called = [0]
+
+        def run() -> None:
+            first = self.penalty if called[0] == 0 else 1.0
+            called[0] += 1
+            speed = 1 + self.drift * math.sin(2 * math.pi * self.now / self.period + self.phase)
+            self.now += base * speed * first * math.exp(self.rng.gauss(0, self.noise))
+        return run
+
+    def timer(self, f) -> float:
+        begin = self.now
+        f()
+        return self.now - begin
+
+
+RATIO = 0.6  # the model takes 0.6 of the reference's time
+
+
+def _paired(rng: random.Random, settings: SpeedSettings):
+    machine = Machine(rng)
+    return paired_ratio(machine.model(RATIO * 0.1), machine.model(0.1), timer=machine.timer, settings=settings,
+                        wall=lambda: machine.now)
+
+
+def _oracle_half_width(rng: random.Random, blocks: int) -> float:
+    """The same blocks on a machine without drift: the interval only the noise leaves."""
+    ratios = []
+    for _ in range(blocks):
+        a = [0.1 * math.exp(rng.gauss(0, 0.05)) for _ in range(2)]
+        b = [RATIO * 0.1 * math.exp(rng.gauss(0, 0.05)) for _ in range(2)]
+        ratios.append(sum(b) / sum(a))
+    median, low, high = median_interval(ratios)
+    return (high - low) / 2 / median
+
+
+def _unpaired(rng: random.Random, blocks: int) -> tuple[float, float, float]:
+    """What the evaluate stage did before: each model timed alone, one after the other, here with as many samples
+    as the paired blocks hold and the same interval taken over sample i of one over sample i of the other."""
+    machine = Machine(rng)
+    model, reference = machine.model(RATIO * 0.1), machine.model(0.1)
+    model(), reference()  # warm
+    own = [machine.timer(model) for _ in range(2 * blocks)]
+    base = [machine.timer(reference) for _ in range(2 * blocks)]
+    return median_interval([b / a for b, a in zip(own, base)])
+
+
+def test_the_interval_covers_the_true_ratio_in_95_percent_of_1000_trials_near_an_oracles_width():
+    rng, settings = random.Random(7), SpeedSettings(tolerance=0.02, cap_s=1e9)
+    results = [_paired(rng, settings) for _ in range(1000)]
+    covered = sum(r.covers(RATIO) for r in results)
+    assert covered >= 930, covered
+    assert all(r.stop == "tolerance" and r.blocks >= 8 for r in results)
+    widths = [r.half_width for r in results]
+    oracle = [_oracle_half_width(rng, r.blocks) for r in results]
+    assert statistics.median(widths) <= 1.2 * statistics.median(oracle), (statistics.median(widths),
+                                                                           statistics.median(oracle))
+    assert statistics.median(widths) <= 0.025  # the pilot sized the blocks for the 2% tolerance
+    # Timed unpaired, as the evaluate stage did, the drift between the two models' samples is in the ratio.
+    unpaired = [_unpaired(rng, r.blocks) for r in results[:300]]
+    assert sum(low <= RATIO <= high for _, low, high in unpaired) < 0.93 * 300
+
+
+def test_the_result_is_the_blocks_after_the_pilot_and_the_cap_bounds_them():
+    rng = random.Random(3)
+    machine = Machine(rng, drift=0.0)
+    timed = [0]
+    reference = machine.model(0.1)
+    slow_pilot = machine.model(0.1)
+
+    def model() -> None:  # twice as slow during the pilot's 16 timed calls of it
+        timed[0] += 1
+        slow_pilot()
+        if timed[0] <= 2 + 16:  # the warm-up's 2 calls, then the pilot's
+            machine.now += 0.1
+
+    result = paired_ratio(model, reference, timer=machine.timer, settings=SpeedSettings(cap_s=1e9),
+                          wall=lambda: machine.now)
+    assert result.covers(1.0) and max(result.block_ratios) < 1.5 and len(result.block_ratios) == result.blocks
+    capped = paired_ratio(machine.model(0.06), machine.model(0.1), timer=machine.timer,
+                          settings=SpeedSettings(tolerance=0.001, cap_s=4.0), wall=lambda: machine.now)
+    assert capped.stop == "cap" and 8 <= capped.blocks <= 4.0 / (2 * 0.06 + 2 * 0.1) + 1
+    with pytest.raises(InputError, match="pilot of at least 8"):
+        paired_ratio(model, reference, timer=machine.timer, settings=SpeedSettings(pilot=4))
+
+
+def test_a_chained_ratio_multiplies_the_ratios_and_the_ends():
+    rng = random.Random(5)
+    one, two = _paired(rng, SpeedSettings()), _paired(rng, SpeedSettings())
+    both = chain(one, two)
+    assert both.ratio == pytest.approx(one.ratio * two.ratio)
+    assert (both.low, both.high) == pytest.approx((one.low * two.low, one.high * two.high))
+    assert both.blocks == one.blocks + two.blocks
+
+
+def test_a_block_cancels_a_linear_drift_in_either_order():
+    """Equal models on a machine slowing down 5% a call: each block's ratio is 1 up to the drift's square."""
+    from pipeline.bench.paired import block_ratio
+
+    now = [0.0]
+
+    def model() -> None:
+        now[0] += 1.0 + 0.05 * now[0]
+
+    def timer(f) -> float:
+        begin = now[0]
+        f()
+        return now[0] - begin
+
+    other = lambda: model()  # noqa: E731  (the same model under another name)
+    ratios = [block_ratio(other, model, index, timer) for index in range(4)]
+    assert ratios == pytest.approx([1.0] * 4, abs=0.01), ratios
