@@ -20,8 +20,8 @@ COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", 
 COSTS = {"gflops": lambda r: r["gflops"], "images_per_s": lambda r: 1.0 / r["images_per_s"]}
 COST_LABELS = {"gflops": "GFLOPs lower", "images_per_s": "measured images/s higher"}
 # The K-search target table: each model of a target's level, its target, predicted and measured cost.
-TARGET_COLUMNS = ["arch", "level", "method", "target_unit", "target_cost", "searched", "predicted", "measured",
-                  "cost_status", "gflops", "top1"]
+TARGET_COLUMNS = ["arch", "level", "method", "target_unit", "target_cost", "searched", "predicted", "spent",
+                  "measured", "cost_status", "gflops", "top1"]
 
 
 REQUIRED_COLUMNS = ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s")  # what the report reads
@@ -199,8 +199,9 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
         text += ["## K-search targets", "", "Per model finetuned at a target's level: the target as an absolute "
                  "figure; `searched`, where the K search's soft keep list landed before it was rounded (its cost "
                  "over the unmodified model's: the target's fraction if the search hit it); the cost model's "
-                 "prediction at the model's keep list for its method; and the measured cost where there is one "
-                 "(`cost_status` says which).", "", markdown_table(list(targets), columns), ""]
+                 "prediction at the model's keep list for its method, and `spent`, that prediction over the target "
+                 "(a list predicted more than 3% under it is flagged UNDER in `cost_status`); and the measured cost "
+                 "where there is one (`cost_status` says which).", "", markdown_table(list(targets), columns), ""]
     files["report"] = out_dir / "report.md"
     files["report"].write_text("\n".join(text))
     return files

@@ -222,15 +222,23 @@ def cheapest_fraction(costs: CostModel) -> float:
     return costs.cheapest(candidates(costs))[0] / costs.unmodified()
 
 
+TIE = 1e-9  # retention masses closer than this are a tie, which the list spending more of the limit wins
+
+
 def round_keep(weights: list[Tensor], costs: CostModel, limit: float) -> list[int]:
     """The non-increasing keep list over ``candidates(costs)`` with the most kept retention mass (keeping k tokens
-    in block l keeps its ranks 0..k-1: ``sum(weights[l][:k])``) whose predicted cost is at most ``limit``.
+    in block l keeps its ranks 0..k-1: ``sum(weights[l][:k])``) whose predicted cost is at most ``limit``; where
+    lists keep equal mass (weights clamped at 0 or 1), the one that spends more of the limit.
 
     Exact: a dynamic program over blocks whose state is the count kept so far, holding for each state the Pareto
-    front of (cost so far, mass so far); "no pooling step" (k = the count received) is one of the choices. Raises
-    InputError when even the cheapest list costs more than ``limit``.
+    front of (cost so far, value so far), the value being the mass plus ``TIE`` times the cost over the limit: the
+    value adds up block by block, so the tie rule is decided inside the fronts, and a mass ``TIE`` higher always
+    beats any cost within the limit. "No pooling step" (k = the count received) is one of the choices. A partial
+    list over the limit is dropped, which is exact because no block costs less than 0 (``cost.Curve`` holds its
+    ends). Raises InputError when even the cheapest list costs more than ``limit``.
     """
     counts = candidates(costs)
+    tie = TIE / max(abs(limit), 1e-300)
     mass = [torch.cat([w.new_zeros(1), w.cumsum(0)]).tolist() for w in weights]  # mass[l][k]
     fronts: dict[int, list[tuple[float, float, tuple[int, ...]]]] = {costs.num_tokens: [(costs.fixed, 0.0, ())]}
     for layer in range(costs.depth):
@@ -238,11 +246,11 @@ def round_keep(weights: list[Tensor], costs: CostModel, limit: float) -> list[in
         for n, front in fronts.items():
             for k in (c for c in counts if c <= n):
                 step = costs.block(n, k)
-                gain = mass[layer][min(k, len(mass[layer]) - 1)]
+                gain = mass[layer][min(k, len(mass[layer]) - 1)] + tie * step
                 nxt.setdefault(k, []).extend((cost + step, value + gain, keep + (k,)) for cost, value, keep in front
                                              if cost + step <= limit + 1e-12 * abs(limit))
         fronts = {k: _pareto(items) for k, items in nxt.items() if items}
-    best = max((item for front in fronts.values() for item in front), key=lambda i: (i[1], -i[0]), default=None)
+    best = max((item for front in fronts.values() for item in front), key=lambda i: i[1], default=None)
     if best is None:
         cheapest, full = costs.cheapest(counts)[0], costs.unmodified()
         raise InputError(f"no keep list costs at most {limit:.4g} {costs.unit}: the cheapest over the cost model's "
@@ -252,7 +260,7 @@ def round_keep(weights: list[Tensor], costs: CostModel, limit: float) -> list[in
 
 
 def _pareto(items: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[float, float, tuple[int, ...]]]:
-    """The items no other item beats in both cost (lower) and mass (higher)."""
+    """The items no other item beats in both cost (lower) and value (higher)."""
     front, best = [], float("-inf")
     for item in sorted(items, key=lambda i: (i[0], -i[1])):
         if item[1] > best:

@@ -43,14 +43,16 @@ def _table(scale: float = 1.0) -> CostModel:
 
 def _brute_force(weights: list[torch.Tensor], costs: CostModel, limit: float) -> tuple[float, list[int]]:
     """Every non-increasing list over the candidate counts, its cost written out (``reference.table_cost``, not
-    ``CostModel.predict``): the most kept mass within ``limit``."""
-    best, table = (float("-inf"), []), costs.to_json()
+    ``CostModel.predict``): the most kept mass within ``limit`` and, of the lists keeping it, the one that costs
+    most (the mass and the list)."""
+    best, table = (float("-inf"), float("-inf"), []), costs.to_json()
     for keep in itertools.product(candidates(costs), repeat=costs.depth):
-        if any(b > a for a, b in zip(keep, keep[1:])) or table_cost(table, list(keep)) > limit + 1e-12 * abs(limit):
+        cost = table_cost(table, list(keep))
+        if any(b > a for a, b in zip(keep, keep[1:])) or cost > limit + 1e-12 * abs(limit):
             continue
         mass = sum(float(w[:k].sum()) for w, k in zip(weights, keep))
-        best = max(best, (mass, list(keep)), key=lambda b: b[0])
-    return best
+        best = max(best, (mass, cost, list(keep)), key=lambda b: (b[0], b[1]))
+    return best[0], best[2]
 
 
 def test_gflops_cost_model_equals_fvcore():
@@ -98,20 +100,23 @@ def _tables(draw) -> CostModel:
 @given(costs=_tables(), data=st.data())
 def test_the_rounding_equals_brute_force_on_random_tables_with_tied_masses(costs, data):
     """Random tables (extrapolating ones among them) and weights from {0, 0.5, 1} (many lists keep equal mass):
-    the dynamic program keeps the most mass any list within the limit keeps, and its list is within the limit."""
+    the dynamic program keeps the most mass any list within the limit keeps and, of the lists that keep it, spends
+    the most of the limit."""
     weights = [torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=costs.num_tokens,
                                                max_size=costs.num_tokens)), dtype=torch.float64)
                for _ in range(costs.depth)]
     full = table_cost(costs.to_json(), [costs.num_tokens] * costs.depth)
     limit = data.draw(st.floats(0.2, 1.2)) * full
-    mass, _ = _brute_force(weights, costs, limit)
+    mass, best = _brute_force(weights, costs, limit)
     if mass == float("-inf"):
         with pytest.raises(InputError, match="no keep list costs at most"):
             round_keep(weights, costs, limit)
         return
     keep = round_keep(weights, costs, limit)
     assert table_cost(costs.to_json(), keep) <= limit + 1e-9
-    assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == pytest.approx(mass)
+    assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == mass  # halves: exact sums
+    # of the lists keeping that mass, the one spending the most of the limit
+    assert table_cost(costs.to_json(), keep) == pytest.approx(table_cost(costs.to_json(), best), abs=1e-9)
 
 
 def test_the_cheapest_fraction_is_the_cheapest_list_written_out():

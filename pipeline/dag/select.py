@@ -33,6 +33,9 @@ def search_landed(ctx, stage: Stage) -> float | None:
     return None if found is None else ctx.client.get_run(found[1]).data.metrics.get("target_landed")
 
 
+UNDERSPENT = 0.03  # a rounded list predicted further under its target is flagged in the target table
+
+
 def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of models finetuned at a K-search target's level, with the target, where the search landed before
     rounding (``searched``, a ratio), the predicted and the measured cost (``pipeline.targets.target_cost``); the
@@ -56,6 +59,9 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
         cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
                                   measure_on_table, pooling=config.pooling))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
+        cost["spent"] = None if cost["predicted"] is None else cost["predicted"] / cost["target_cost"]
+        if cost["spent"] is not None and cost["spent"] < 1 - UNDERSPENT:
+            cost["cost_status"] = f"UNDER: predicted {1 - cost['spent']:.1%} under the target; " + cost["cost_status"]
         out.append(row | cost | {"table_sha256": None if target.table is None else file_sha256(target.table),
                                  "searched": search_landed(ctx, stage)})
     return out
