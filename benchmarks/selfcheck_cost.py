@@ -1,6 +1,6 @@
-"""Paired timing, CPU: the device self-check (``models.selfcheck.run_checks``, what a model's first build on a
-device runs once a process) against one training step of DeiT-S at the paper's level 3 with WK-Medoids
-(forward, backward, AdamW; fp32, batch 32), the criterion being <= 1% of one step.
+"""Paired timing, CPU: the device self-check (``models.selfcheck.run_checks`` at the model's shapes, what a
+model's first build on a device runs once a process, ``check_model``) against one training step of DeiT-S at the
+paper's level 3 with WK-Medoids (forward, backward, AdamW; fp32, batch 32), the criterion being <= 1% of one step.
 
     python benchmarks/selfcheck_cost.py > docs/data/cpu/2026-11-29_selfcheck-cost/selfcheck_cost.txt
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.models import create_model
-from pipeline.models.selfcheck import kernel_record, run_checks
+from pipeline.models.selfcheck import kernels_planned, model_shapes, run_checks
 from pipeline.runtime import KernelChoice
 from pipeline.sparsity import level_keep
 
@@ -43,7 +43,7 @@ def step() -> None:
 
 
 def check() -> None:
-    results = run_checks(KernelChoice(), "cpu")
+    results = run_checks(KernelChoice(), "cpu", shapes=model_shapes(model))  # as check_model: the model's shapes
     assert results and all(r.ok for r in results), results
 
 
@@ -57,7 +57,7 @@ check(), step()  # warm-up: the native library's first load, allocator
 pairs = [(seconds(check), seconds(step)) for _ in range(PAIRS)]
 ratios = [c / s for c, s in pairs]
 print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
-print("kernels: " + ", ".join(f"{k}={v}" for k, v in kernel_record(KernelChoice(), "cpu").items()))
+print("kernels: " + ", ".join(f"{k}={v}" for k, v in kernels_planned(KernelChoice(), "cpu").items()))
 print(f"self-check: median {statistics.median(c for c, _ in pairs) * 1e3:.2f} ms "
       f"(min {min(c for c, _ in pairs) * 1e3:.2f}, max {max(c for c, _ in pairs) * 1e3:.2f})")
 print(f"{'DeiT-Ti' if SMOKE else 'DeiT-S'} level-3 WK-Medoids training step, fp32, batch {BATCH}: median "

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import InputError
+from pipeline.kernel_choices import KERNEL_CHOICES
 
 CompileMode = Literal["none", "default", "reduce-overhead", "max-autotune"]
 COMPILE_MODES: tuple[str, ...] = ("none", "default", "reduce-overhead", "max-autotune")
@@ -119,18 +120,8 @@ def resolve_setting(device: str, dtype: str, compile: str, cuda: bool) -> tuple[
     return device, dtype, compile
 
 
-# Which implementation runs each fused step (the ``kernels:`` config section, ``pipeline.config.kernels``).
-# ``auto`` is the fastest one the device has; every other value names an alternative. ``torch`` is the
-# reference the device self-check (``pipeline.models.selfcheck``) compares each fused kernel against.
-KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "kmedoids": ("auto", "tiled", "torch"),  # CUDA: one fused Triton launch, or two tiled ones an iteration
-    "kmeans": ("auto", "torch"),  # CUDA: one Triton launch, or the torch iterations traced by inductor
-    "merge": ("auto", "torch"),  # CUDA: the Triton cluster means, or the one-hot torch product
-    "attention": ("auto", "sdpa", "torch"),  # CUDA inference with eq. 4: one-pass Triton, SDPA + eq. 4, torch
-    "native": ("auto", "torch"),  # CPU: the clustering iterations as native C code, or their torch ops
-}
-
-
+# Which implementation runs each fused step (the ``kernels:`` config section, ``pipeline.config.kernels``): the
+# values are defined once, in ``pipeline.kernel_choices`` (torch-free, for the config), and re-exported here.
 @dataclass(frozen=True)
 class KernelChoice:
     """The implementation of each fused step, as a model runs it; the ops take it as arguments, so a
@@ -149,6 +140,60 @@ class KernelChoice:
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
+
+
+# ---- what each fused step ran ----
+
+# (kernel, implementation, tokens) of every path a fused step's dispatch took since ``forget_dispatches``, noted
+# where the dispatch decides: in a custom op's device kernel, which runs at call time, compiled or not; or in
+# code that torch.compile traces, where the note is taken once, when the graph is traced (``comptime``): the
+# graph runs that path on every call, and a Python side effect replayed by dynamo would guard on the set's
+# contents and recompile. A set: a process that runs forever (a scoring server) holds one entry a path and shape.
+_DISPATCHED: set[tuple[str, str, int]] = set()
+
+
+def note_dispatch(kernel: str, implementation: str, tokens: int) -> None:
+    """Notes that ``kernel`` (a ``KernelChoice`` field: kmedoids, kmeans, merge, attention) ran
+    ``implementation`` on ``tokens`` tokens (the N clustered, or the T of an attention, prefix included). Traced
+    by torch.compile, it notes the path once, at the shape the graph is traced at."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_note_traced)
+        return
+    _DISPATCHED.add((kernel, implementation, tokens))
+
+
+def _note_traced(ctx) -> None:
+    """``note_dispatch``'s note at trace time, from its locals (a dynamic token count gives its traced value)."""
+    def value(name: str) -> object:
+        var = ctx.get_local(name)
+        return var.as_python_constant() if var.is_python_constant() else int(var.as_fake().node.hint)
+
+    _DISPATCHED.add((value("kernel"), value("implementation"), value("tokens")))
+
+
+def forget_dispatches() -> None:
+    """Starts the record of what ran afresh (a job, an evaluation: what ran before it is not its record). A graph
+    compiled before it keeps running its traced paths unnoted: start the record before compiling."""
+    _DISPATCHED.clear()
+
+
+def dispatched() -> frozenset[tuple[str, str, int]]:
+    """Every (kernel, implementation, tokens) noted since ``forget_dispatches`` (``models.selfcheck.kernels_ran``
+    names them)."""
+    return frozenset(_DISPATCHED)
+
+
+@contextlib.contextmanager
+def unrecorded_dispatches() -> Iterator[None]:
+    """What runs inside is left out of the record (the device self-check's cases are not the model's calls)."""
+    saved = set(_DISPATCHED)
+    try:
+        yield
+    finally:
+        _DISPATCHED.clear()
+        _DISPATCHED.update(saved)
 def peak_memory_mb(device: torch.device | str) -> float:
     """The memory high mark of this process so far, in MB: the CUDA allocator's peak on a GPU, else the
     peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""

@@ -45,13 +45,14 @@ def test_the_gpu_checks_run_on_the_cpu_and_pack_their_outputs(tmp_path):
 
 
 def test_the_gpu_checks_doctor_and_loop_parts_run(tmp_path):
-    """``doctor`` checks the kernels the device runs (on the CPU the native ones, and says what it skipped);
+    """``doctor`` checks the kernels the device runs at the default model's shapes (on the CPU the native ones,
+    DeiT-S's 196 tokens first, and says what it skipped);
     ``loop`` runs bench loop and writes its record."""
     out = tmp_path / "gpu"
     proc = checks(out, "doctor", "loop", TRAIN_BATCH="2", COMPILE="none", LOOP_STEPS="2", LOOP_METHODS="powerbert")
     assert proc.returncode == 0 and re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0"], proc.stdout
     doctor = (out / "doctor.md").read_text()
-    row = r"^\| kmedoids \| native-c \| cpu \| float32 \| 0 \| 0 \| [\d.]+ \| [\d.]+ \| ok \|$"
+    row = r"^\| kmedoids \| native-c \| cpu \| float32 \| B=2 N=196 K=181 M=384 \| 0 \| 0 \| [\d.]+ \| [\d.]+ \| ok \|$"
     assert re.search(row, doctor, flags=re.M), doctor
     assert "skipped: Triton kernels" in doctor, doctor
     assert json.loads((out / "loop-none.json").read_text())["rows"][0]["label"] == "powerbert"

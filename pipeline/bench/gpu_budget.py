@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.bench.records import find_record, kernels_current, row
 from pipeline.errors import InputError
-from pipeline.models.selfcheck import kernel_record
+from pipeline.models.selfcheck import kernels_planned
 from pipeline.runtime import KernelChoice
 
 IMAGENET_TRAIN = 1_281_167
@@ -36,7 +36,7 @@ def _status(record: dict, current: dict[str, str]) -> str:
 
 def step_inputs(records: Path, gpu: str) -> tuple[Input, dict[str, Input]]:
     """The unmodified DeiT-S training step rate and each paper method's training-step speed-up."""
-    current = kernel_record(KernelChoice(), "cuda")
+    current = kernels_planned(KernelChoice(), "cuda")
     found = find_record(records, kind="throughput", device=gpu, train=True, label="unmodified")
     if found is None:
         raise InputError(f"no {gpu} training-step record in {records}: run `pipeline bench throughput --train "

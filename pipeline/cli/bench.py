@@ -50,10 +50,11 @@ def _bench_overrides(args: argparse.Namespace, section: str, flags: tuple[str, .
 
 
 def _kernels_line(config, device: str) -> tuple[str, dict[str, str]]:
-    """The line every model benchmark prints under its machine line: the kernels that ran, ``auto`` resolved."""
-    from pipeline.models.selfcheck import kernel_record
+    """The line every model benchmark prints under its machine line: the kernels ``auto`` resolves to on the device
+    where the shape allows (``models.selfcheck.kernels_planned``: a record's key, known before anything runs)."""
+    from pipeline.models.selfcheck import kernels_planned
 
-    record = kernel_record(config.kernels.choice(), device)
+    record = kernels_planned(config.kernels.choice(), device)
     return "kernels: " + ", ".join(f"{key}={value}" for key, value in record.items()), record
 
 

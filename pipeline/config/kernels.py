@@ -13,26 +13,28 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from pipeline.config.base import Section
+from pipeline.kernel_choices import KERNEL_CHOICES
 
 if TYPE_CHECKING:
     from pipeline.runtime import KernelChoice
 
 
 class KernelsConfig(Section):
-    """Which kernel runs each fused step; ``auto`` is the fastest one the device has."""
+    """Which kernel runs each fused step; ``auto`` is the fastest one the device has. The values of each key are
+    ``kernel_choices.KERNEL_CHOICES``' (one definition for the config and ``runtime.KernelChoice``)."""
 
-    kmedoids: Literal["auto", "tiled", "torch"] = Field(
+    kmedoids: Literal[KERNEL_CHOICES["kmedoids"]] = Field(
         "auto", description="K-Medoids' iterations: auto (CUDA: one fused Triton launch; CPU: native C code), tiled "
         "(CUDA: two Triton launches an iteration, the kernels of the earlier GPU figures), torch (the torch ops)")
-    kmeans: Literal["auto", "torch"] = Field(
+    kmeans: Literal[KERNEL_CHOICES["kmeans"]] = Field(
         "auto", description="K-Means' iterations: auto (CUDA: one Triton launch; CPU: native C code), torch (the "
         "torch iterations, traced by torch.compile; the self-check's reference)")
-    merge: Literal["auto", "torch"] = Field(
+    merge: Literal[KERNEL_CHOICES["merge"]] = Field(
         "auto", description="the cluster means: auto (CUDA: the Triton kernel), torch (the one-hot product)")
-    attention: Literal["auto", "sdpa", "torch"] = Field(
+    attention: Literal[KERNEL_CHOICES["attention"]] = Field(
         "auto", description="attention with eq. 4 in CUDA inference: auto (the one-pass Triton kernel), sdpa (the "
         "fused attention, then eq. 4 apart: what the earlier GPU figures ran), torch (one set of logits in torch)")
-    native: Literal["auto", "torch"] = Field(
+    native: Literal[KERNEL_CHOICES["native"]] = Field(
         "auto", description="the clustering iterations on the CPU: auto (native C kernels, built on first use "
         "where a C compiler exists), torch (the torch iterations)")
 

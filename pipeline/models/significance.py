@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
+from pipeline.runtime import note_dispatch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.models.significance_triton import (
@@ -102,7 +103,9 @@ def attention_and_significance_torch(q: Tensor, k: Tensor, v: Tensor, bias: Tens
 @torch.library.custom_op("tokenpool::attention_with_significance", mutates_args=())
 def _joint_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, kernel: str = "auto"
               ) -> tuple[Tensor, Tensor]:
-    """``kernel``: the config's ``kernels.attention`` (``torch`` keeps the torch implementation on CUDA)."""
+    """``kernel``: the config's ``kernels.attention`` (``torch`` keeps the torch implementation on CUDA). Each
+    device's kernel notes the path it took (``runtime.note_dispatch``, T with the prefix)."""
+    note_dispatch("attention", "torch", q.shape[2])
     return attention_and_significance_torch(q, k, v, bias, scale)
 
 
@@ -116,8 +119,10 @@ def one_pass_fits(q: Tensor) -> bool:
 @_joint_op.register_kernel("cuda")
 def _joint_cuda(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float, kernel: str = "auto"
                 ) -> tuple[Tensor, Tensor]:
-    if kernel == "torch" or not one_pass_fits(q):
+    if kernel == "torch" or not one_pass_fits(q):  # T > FUSED_MAX_TOKENS falls back here, whatever the choice
+        note_dispatch("attention", "torch", q.shape[2])
         return attention_and_significance_torch(q, k, v, bias, scale)
+    note_dispatch("attention", "triton-one-pass", q.shape[2])
     return attention_with_columns_triton(q, k, v, bias, scale)
 
 
@@ -169,7 +174,9 @@ _joint_op.register_autograd(_joint_backward, setup_context=_joint_setup_context)
 def _significance_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
                      ) -> tuple[Tensor, Tensor]:
     """(the (B, T) scores, the (B, H, T) row log-sum-exps computed on the way, kept for the backward;
-    empty when given ``lse``)."""
+    empty when given ``lse``). The attention output comes from the fused attention beside it: each device's
+    kernel notes ``sdpa+eq4`` (eq. 4 in Triton) or ``sdpa+eq4-torch``."""
+    note_dispatch("attention", "sdpa+eq4-torch", q.shape[2])
     return significance_and_lse_torch(q, k, bias, scale, lse)
 
 
@@ -177,7 +184,9 @@ def _significance_op(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, ls
 def _significance_cuda(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, lse: Tensor | None = None
                        ) -> tuple[Tensor, Tensor]:
     if significance_and_lse_triton is None:
+        note_dispatch("attention", "sdpa+eq4-torch", q.shape[2])
         return significance_and_lse_torch(q, k, bias, scale, lse)
+    note_dispatch("attention", "sdpa+eq4", q.shape[2])
     return significance_and_lse_triton(q, k, bias, scale, lse)
 
 

@@ -45,7 +45,7 @@ from pipeline.pooling.common import (
     work_dtype,
 )
 from pipeline.pooling.merge import pool_segments
-from pipeline.runtime import KernelChoice
+from pipeline.runtime import KernelChoice, note_dispatch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.pooling.kmeans_triton import kmeans_fused_triton
@@ -128,6 +128,7 @@ def _kmeans(x: Tensor, w: Tensor | None, start: Tensor, iters: int, gram: bool |
         gram = x.shape[1] <= 2 * x.shape[2]
     if gram:
         return _kmeans_gram(x, w, start, iters, kernels)
+    note_dispatch("kmeans", "torch", x.shape[1])  # the feature form: torch ops on every device
     return _kmeans_features(x, w, gather_rows(x, start), iters)
 
 
@@ -171,6 +172,7 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int, kernels
     """
     g = gram(x)
     if kernels.kmeans == "torch":
+        note_dispatch("kmeans", "torch", x.shape[1])
         return kmeans_gram_iterations(g, w, start, iters)
     return _kmeans_gram_op(g, w, start, iters, kernels.native != "torch")
 
@@ -200,20 +202,25 @@ def kmeans_gram_iterations(gram: Tensor, w: Tensor | None, start: Tensor, iters:
 @torch.library.custom_op("tokenpool::kmeans_gram", mutates_args=())
 def _kmeans_gram_op(gram: Tensor, w: Tensor | None, start: Tensor, iters: int, use_native: bool = True) -> Tensor:
     """K-Means' Gram-form iterations (``_kmeans_gram``) as one opaque op: one Triton kernel on CUDA, native
-    code on the CPU (``use_native``: the config's ``kernels.native``), the torch iterations on any other device."""
+    code on the CPU (``use_native``: the config's ``kernels.native``), the torch iterations on any other device.
+    Each device's kernel notes the path it took (``runtime.note_dispatch``)."""
+    note_dispatch("kmeans", "torch", gram.shape[1])
     return kmeans_gram_iterations(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cuda")
 def _kmeans_gram_cuda(gram: Tensor, w: Tensor | None, start: Tensor, iters: int, use_native: bool = True) -> Tensor:
     if kmeans_fused_triton is None or gram.dtype != torch.float32:  # the kernel sums in float32
+        note_dispatch("kmeans", "torch", gram.shape[1])
         return kmeans_gram_iterations(gram, w, start, iters)
+    note_dispatch("kmeans", "triton-fused", gram.shape[1])
     return kmeans_fused_triton(gram, w, start, iters)
 
 
 @_kmeans_gram_op.register_kernel("cpu")
 def _kmeans_gram_cpu(gram: Tensor, w: Tensor | None, start: Tensor, iters: int, use_native: bool = True) -> Tensor:
     lib = native.for_tensor(gram, use_native)
+    note_dispatch("kmeans", "torch" if lib is None else "native-c", gram.shape[1])
     if lib is None:
         return kmeans_gram_iterations(gram, w, start, iters)
     return native.kmeans_gram(lib, gram, w, start, iters)
@@ -280,7 +287,9 @@ def _kmedoids_op(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kerne
                  use_native: bool = True) -> tuple[Tensor, Tensor]:
     """K-Medoids iterations on the Gram matrices g (B, N, N) (``gram``): one opaque op for
     ``torch.compile``, which launches one kernel on CUDA. ``kernel`` is the config's ``kernels.kmedoids``,
-    ``use_native`` its ``kernels.native`` (not ``torch``)."""
+    ``use_native`` its ``kernels.native`` (not ``torch``). Each device's kernel notes the path it took
+    (``runtime.note_dispatch``)."""
+    note_dispatch("kmedoids", "torch", g.shape[1])
     return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
 
 
@@ -292,9 +301,12 @@ def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, ker
     iteration over (B, tiles) grids, the kernel behind the last GPU figures, kept so that
     ``jobs/gpu/checks.sh`` can time the two against each other); ``"torch"``: the dense torch iterations."""
     if kmedoids_triton is None or g.dtype != torch.float32 or kernel == "torch":  # the kernels sum in float32
+        note_dispatch("kmedoids", "torch", g.shape[1])
         return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
     if kernel == "tiled":
+        note_dispatch("kmedoids", "triton-tiled", g.shape[1])
         return kmedoids_triton(dists_from_gram(g), w, medoids, iters, SWAP_RTOL)
+    note_dispatch("kmedoids", "triton-fused", g.shape[1])
     return kmedoids_fused_triton(g, w, medoids, iters, SWAP_RTOL, gram=True)
 
 
@@ -303,6 +315,7 @@ def _kmedoids_cpu(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kern
                   use_native: bool = True) -> tuple[Tensor, Tensor]:
     d = dists_from_gram(g)
     lib = native.for_tensor(d, use_native and kernel != "torch")
+    note_dispatch("kmedoids", "torch" if lib is None else "native-c", g.shape[1])
     if lib is None:
         return _kmedoids_dense_owned(d, w, medoids, iters)
     return native.kmedoids(lib, d, w, medoids, iters, SWAP_RTOL)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from pipeline.pooling.common import Partition, gather_rows, one_hot, use_dense
+from pipeline.runtime import note_dispatch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.pooling.means_triton import cluster_means_triton
@@ -44,6 +45,7 @@ def pool_segments(
     if use_dense(tokens):
         means = cluster_means(tokens, weights, assign, k, start, kernel)
     else:
+        note_dispatch("merge", "torch", tokens.shape[1])  # index_add_ sums, which autograd differentiates
         part = Partition(assign, k, dtype=tokens.dtype)
         means, total = part.mean(tokens, weights)
         if start is not None:  # an empty segment: 0 / 0, replaced by its starting token
@@ -61,7 +63,9 @@ def cluster_means(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Te
                   ) -> Tensor:
     """Weighted cluster means, x (B, N, M), w (B, N) or None, assign (B, N) in [0, k), start (B, K) or None
     -> (B, K, M); an empty cluster gives x at its ``start`` index (0 / 0 without ``start``). ``kernel``:
-    ``auto`` or ``torch`` (the config's ``kernels.merge``)."""
+    ``auto`` or ``torch`` (the config's ``kernels.merge``). Each device's kernel notes the path it took
+    (``runtime.note_dispatch``)."""
+    note_dispatch("merge", "torch", x.shape[1])
     return _means_dense(x, w, assign, k, start)
 
 
@@ -80,7 +84,9 @@ def _cluster_means_cuda(x: Tensor, w: Tensor | None, assign: Tensor, k: int, sta
                         kernel: str = "auto") -> Tensor:
     if (kernel == "torch" or cluster_means_triton is None or x.dtype != torch.float32
             or (w is not None and w.dtype != torch.float32)):
+        note_dispatch("merge", "torch", x.shape[1])
         return _means_dense(x, w, assign, k, start)
+    note_dispatch("merge", "triton", x.shape[1])
     return cluster_means_triton(x, w, assign, k, start)
 
 

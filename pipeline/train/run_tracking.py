@@ -14,6 +14,7 @@ from torch import nn
 from pipeline.config import Config, config_hash, dump_config, git_sha
 from pipeline.methods import KEEP_ALL, plugin_of
 from pipeline.models.selfcheck import kernel_params
+from pipeline.runtime import dispatched, forget_dispatches
 from pipeline.tracking import flatten, log_batch, open_run
 
 
@@ -31,7 +32,8 @@ class JobTracker:
     @classmethod
     def open(cls, config: Config, run_id: str | None = None, device: torch.device | str = "cpu") -> JobTracker:
         """Continues ``run_id`` (from this job's checkpoint), else starts a run for this job; the params are the
-        config and the kernels that run on ``device`` (``kernels_run.*``, ``models.selfcheck.kernel_record``)."""
+        config. The record of what the fused steps run starts here (``runtime.forget_dispatches``); ``finish``
+        logs it (``kernels_run.*``). ``device``: kept for callers; the record comes from the dispatches."""
         train = config.train
         method = config.pooling.method if train.mode == "finetune" else KEEP_ALL
         plugin = plugin_of(method)
@@ -41,14 +43,19 @@ class JobTracker:
                                       run_name=train.name, tags=tags, parent_run_id=train.parent_run_id,
                                       resume_id=run_id)
         tracker = cls(client, found, config)
-        params = flatten(config.model_dump(mode="json")) | kernel_params(config.kernels.choice(), device)
-        if new:
-            log_batch(client, tracker.run_id, params=params)
-        else:  # MLflow params are immutable: a resumed job that changed its config records the new values as tags
-            logged = client.get_run(tracker.run_id).data.params
-            changed = {f"resumed.{k}": v for k, v in params.items() if logged.get(k, v) != v}
-            log_batch(client, tracker.run_id, tags=changed)
+        tracker.log_params(flatten(config.model_dump(mode="json")), new)
+        forget_dispatches()
         return tracker
+
+    def log_params(self, params: dict[str, str], new: bool = False) -> None:
+        """Logs ``params``; MLflow params are immutable, so on a resumed run a value that differs from the logged
+        one is recorded as the tag ``resumed.KEY``."""
+        if new:
+            log_batch(self.client, self.run_id, params=params)
+            return
+        logged = self.client.get_run(self.run_id).data.params
+        log_batch(self.client, self.run_id, params={k: v for k, v in params.items() if k not in logged},
+                  tags={f"resumed.{k}": v for k, v in params.items() if logged.get(k, v) != v})
 
     def log_epoch(self, metrics: dict[str, float], epoch: int) -> None:
         log_batch(self.client, self.run_id, metrics=metrics, step=epoch)
@@ -64,7 +71,10 @@ class JobTracker:
             self.log_epoch(metrics, epoch)
 
     def finish(self, model: nn.Module, keep: list[int] | None) -> None:
-        """Logs the resolved config, the keep list and the weights (or their location), and closes the run."""
+        """Logs what the fused steps' dispatches ran in this process since ``open`` (``kernels_run.*``,
+        ``models.selfcheck.kernels_ran``), the resolved config, the keep list and the weights (or their location),
+        and closes the run."""
+        self.log_params(kernel_params(dispatched()))
         with tempfile.TemporaryDirectory() as tmp:
             config_file = Path(tmp) / "config.yaml"
             config_file.write_text(f"# git {git_sha(Path(__file__).parent)}; hash {config_hash(self.config)}\n"

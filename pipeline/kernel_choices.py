@@ -1,0 +1,15 @@
+"""The values of each fused step's kernel choice, defined once and without torch: ``runtime.KernelChoice``
+validates against them and the config's ``kernels:`` section (``config/kernels.py``) types its keys from
+them (the config loads where torch is not installed)."""
+
+from __future__ import annotations
+
+# ``auto`` is the fastest implementation the device has; every other value names an alternative. ``torch`` is
+# the reference the device self-check (``pipeline.models.selfcheck``) compares each fused kernel against.
+KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
+    "kmedoids": ("auto", "tiled", "torch"),  # CUDA: one fused Triton launch, or two tiled ones an iteration
+    "kmeans": ("auto", "torch"),  # CUDA: one Triton launch, or the torch iterations traced by inductor
+    "merge": ("auto", "torch"),  # CUDA: the Triton cluster means, or the one-hot torch product
+    "attention": ("auto", "sdpa", "torch"),  # CUDA inference with eq. 4: one-pass Triton, SDPA + eq. 4, torch
+    "native": ("auto", "torch"),  # CPU: the clustering iterations as native C code, or their torch ops
+}
