@@ -10,7 +10,7 @@ STAMP := $(VENV)/.setup-stamp
 APT_PACKAGES := build-essential libturbojpeg0-dev libopencv-dev pkg-config dataset-fashion-mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup system test demo bench images clean-venv
+.PHONY: setup system test demo bench mutation images clean-venv
 
 setup: system $(STAMP)
 
@@ -46,6 +46,12 @@ demo: setup
 
 bench: setup
 	$(PY) -m pipeline bench ops configs/bench_ops.yaml --out runs/bench_ops.md
+
+# Mutation scores of the core modules, each against its own focused tests (docs/reliability.md); not part of
+# `make test` or CI: about an hour on 2 cores. mutmut 3.8.1 runs from .venv-mutmut, made on first use beside the
+# venv. MUTATE="cost pareto" runs some modules only.
+mutation: setup
+	$(PY) tests/mutation.py $(MUTATE)
 
 # The CPU and GPU images with podman or docker (settings: docker/build.sh; an offline base: docker/base-image.sh).
 images:

@@ -40,8 +40,8 @@ def interpolate(x: Tensor, xs: Tensor, ys: Tensor) -> Tensor:
     """``numpy.interp`` in torch: linear between the two nearest of the points ``(xs, ys)`` (``xs`` increasing),
     the end values held outside them; x any shape, differentiable in x (the segment's slope; 0 outside).
     ``ys`` may be (..., P): the points' values of several curves on one ``xs``, giving (..., *x.shape)."""
-    if xs.numel() == 1:
-        return ys[..., :1].expand(*ys.shape[:-1], *x.shape) + 0.0 * x
+    if xs.numel() == 1:  # the one point's value everywhere: (..., 1) -> (..., *x.shape), whatever x's dims
+        return ys[..., :1].reshape(*ys.shape[:-1], *(1,) * x.dim()).expand(*ys.shape[:-1], *x.shape) + 0.0 * x
     i = (torch.searchsorted(xs, x.detach().contiguous(), right=True) - 1).clamp(0, xs.numel() - 2)
     x0, x1 = xs[i], xs[i + 1]
     held = torch.minimum(torch.maximum(x, xs[0]), xs[-1])
@@ -88,7 +88,8 @@ class Curve(_Cached):
 
     def at(self, x: Tensor) -> Tensor:
         """``self(x)`` for a tensor of token counts (any shape), differentiable in ``x``."""
-        xs, ys = self._tensors(x.dtype, x.device, lambda: (torch.tensor(self.xs), torch.tensor(self.ys)))
+        xs, ys = self._tensors(x.dtype, x.device, lambda: (torch.tensor(self.xs, dtype=torch.float64),
+                                                           torch.tensor(self.ys, dtype=torch.float64)))  # not float32
         return interpolate(x, xs, ys)
 
 

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.cost import CostModel, Curve, PoolSurface, load_cost_model, save_cost_model
+from pipeline.cost import (
+    MACHINE_FIELDS,
+    CostModel,
+    Curve,
+    PoolSurface,
+    check_key,
+    key_differences,
+    load_cost_model,
+    save_cost_model,
+)
 from pipeline.errors import InputError
 
 
@@ -48,6 +59,50 @@ def test_pool_surface_equals_interpolation_written_out_inside_and_outside():
         assert surface(n, k) == pytest.approx(by_hand(n, k)) and surface(n, k) >= 0
 
 
+def test_the_tensor_forms_keep_the_inputs_dtype_and_float64_precision():
+    """A K search evaluates the cost in float64 (``TargetSearch.ratio``): the curves' figures enter it at full
+    precision, not rounded to float32 on the way; float32 counts give float32 costs."""
+    curve = Curve((0, 3), (0.1, 0.1 + 3e-9))  # float32 cannot tell the two costs apart
+    at = curve.at(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert at.dtype == torch.float64 and at.tolist() == pytest.approx([0.1 + 1e-9, 0.1 + 2e-9], rel=1e-12, abs=0)
+    surface = PoolSurface((4, 8), (Curve((0, 3), (0.1, 0.1 + 3e-9)), Curve((0, 3), (0.3, 0.3 + 3e-9))))
+    at = surface.at(torch.tensor([6.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64))
+    assert at.dtype == torch.float64 and float(at) == pytest.approx(0.2 + 1e-9, rel=1e-12, abs=0)
+    single = surface.at(torch.tensor([6.0]), torch.tensor([1.0]))
+    assert single.dtype == torch.float32 and float(single) == pytest.approx(0.2, rel=1e-6)
+    assert curve.at(torch.tensor([1.0])).dtype == torch.float32
+
+
+def test_a_surface_of_one_point_curves_is_linear_in_n_and_flat_in_k():
+    """Every measured n with one pooling cost (at k = 4): each curve is that cost at any k, and between the ns the
+    surface is linear in n, for a batch of (n, k) pairs."""
+    surface = PoolSurface((8, 16, 24), (Curve((4,), (0.5,)), Curve((4,), (1.5,)), Curve((4,), (1.0,))))
+    ns = torch.tensor([[4.0, 8.0, 12.0], [16.0, 20.0, 30.0]], dtype=torch.float64)
+    ks = torch.tensor([[1.0, 2.0, 6.0], [9.0, 3.0, 1.0]], dtype=torch.float64)
+    assert surface.at(ns, ks).flatten().tolist() == pytest.approx([0.5, 0.5, 1.0, 1.5, 1.25, 1.0])
+    assert surface.at(ns, ks).shape == (2, 3)
+    assert [surface(n, k) for n, k in ((4, 1), (12, 6), (20, 3), (30, 1))] == pytest.approx([0.5, 1.0, 1.25, 1.0])
+
+
+def test_curves_and_surfaces_that_cannot_be_costs_are_refused_naming_the_problem():
+    with pytest.raises(InputError, match=r"as many costs as token counts, at least one \(2 counts, 1 costs\)"):
+        Curve((0, 1), (1.0,))
+    with pytest.raises(InputError, match=r"at least one \(0 counts, 0 costs\)"):
+        Curve((), ())
+    with pytest.raises(InputError, match=r"token counts must increase strictly, got \[4, 2\]"):
+        Curve((4, 2), (1.0, 2.0))
+    one = Curve((0, 4), (0.1, 0.2))
+    with pytest.raises(InputError, match="^a pooling surface needs one curve in k per token count n, at least one$"):
+        PoolSurface((8, 16), (one,))
+    with pytest.raises(InputError, match="^a pooling surface needs one curve in k per token count n, at least one$"):
+        PoolSurface((), ())
+    for ns in ((8, 8), (16, 8), (8, 16, 12)):
+        with pytest.raises(InputError, match=rf"token counts n must increase strictly, got \{list(ns)}"):
+            PoolSurface(ns, (one,) * len(ns))
+    with pytest.raises(InputError, match=r"the pooling curve at n=8 has a point at k=12 > n"):
+        PoolSurface((8,), (Curve((2, 4, 12), (0.1, 0.2, 0.3)),))
+
+
 def test_predict_is_the_sum_of_blocks_written_out():
     m = _model()
     # block 1: 16 -> 12 pools; block 2: 12 -> 12 keeps all (no step); block 3: 12 -> 0 slices (no step).
@@ -55,6 +110,17 @@ def test_predict_is_the_sum_of_blocks_written_out():
     by_hand = 0.25 + (7.0 + pool_16_12 + m.mlp(12)) + (m.attn(12) + m.mlp(12)) + (m.attn(12) + 0.5)
     assert m.predict([12, 12, 0]) == pytest.approx(by_hand)
     assert m.unmodified() == pytest.approx(0.25 + 3 * (7.0 + 4.5))
+
+
+def test_a_block_that_keeps_one_token_pays_its_pooling_step_and_one_that_keeps_none_does_not():
+    """k = 1 of n = 16 pools (the step at (16, 1) read off the n = 16 curve by hand); k = 0 slices to the prefix and
+    k = n keeps every token: neither pays a step."""
+    m = _model()
+    assert m.block(16, 1) == pytest.approx(7.0 + (0.4 + 0.6 * 1 / 8) + (0.5 + 0.25 * 1))
+    assert m.block(16, 0) == pytest.approx(7.0 + 0.5)
+    assert m.block(16, 16) == pytest.approx(7.0 + 4.5)
+    assert m.block(8, 1) == pytest.approx(3.0 + (0.2 + 0.4 / 8) + 0.75)  # n = 8: the first curve
+    assert m.predict([1, 1, 0]) == pytest.approx(0.25 + 8.225 + (1.25 + 0.75) + (1.25 + 0.5))
 
 
 def test_expected_equals_predict_on_integers_and_its_gradient_is_the_slope():
@@ -68,6 +134,38 @@ def test_expected_equals_predict_on_integers_and_its_gradient_is_the_slope():
     # The last block's count moves its MLP (slope 0.25 on [8, 16]) and its pooling step at n = 16
     # (slope (2.0 - 1.0) / 8 on the n = 16 curve's [8, 16] segment).
     assert float(soft.grad[2]) == pytest.approx(0.25 + 0.125)
+
+
+def test_a_soft_count_under_one_token_still_pays_the_pooling_step():
+    """0.5 of 16 tokens kept: the step at (16, 0.5) is paid (read off the n = 16 curve by hand); exactly 0 is the
+    slice to the prefix, which pays none."""
+    m = _model()
+    soft = torch.tensor([16.0, 16.0, 0.5], dtype=torch.float64)
+    by_hand = 0.25 + 2 * (7.0 + 4.5) + 7.0 + (0.4 + 0.6 * 0.5 / 8) + (0.5 + 0.25 * 0.5)
+    assert float(m.expected(soft)) == pytest.approx(by_hand)
+    assert float(m.expected(torch.tensor([16.0, 16.0, 0.0], dtype=torch.float64))) == pytest.approx(
+        0.25 + 2 * (7.0 + 4.5) + 7.0 + 0.5)
+    with pytest.raises(InputError, match=r"one count per block: expected \(3,\), got \(2,\)"):
+        m.expected(torch.tensor([16.0, 8.0]))
+
+
+def test_the_cheapest_list_is_the_cheapest_of_every_list_written_out():
+    """``cheapest`` against every non-increasing list over the counts, each costed by ``reference.table_cost``."""
+    from tests.reference import table_cost
+
+    m = _model()
+    for counts in ([0, 4, 8, 12, 16], [2, 9, 16], [16]):
+        lists = [list(keep) for keep in itertools.product(counts, repeat=m.depth)
+                 if all(b <= a for a, b in zip(keep, keep[1:]))]
+        costs = {tuple(keep): table_cost(m.to_json(), keep) for keep in lists}
+        cost, keep = m.cheapest(counts)
+        assert cost == pytest.approx(min(costs.values())) and costs[tuple(keep)] == pytest.approx(cost)
+    # A table where pooling costs more than it saves: the cheapest list keeps every token, and a slice to the
+    # prefix is cheaper still.
+    dear = CostModel("ms", 8, 1, 2, 0.0, Curve((0, 8), (1.0, 2.0)), Curve((0, 8), (1.0, 2.0)),
+                     PoolSurface((8,), (Curve((0, 8), (9.0, 9.0)),)))
+    assert dear.cheapest([4, 8]) == (pytest.approx(8.0), [8, 8])
+    assert dear.cheapest([0, 4, 8]) == (pytest.approx(2.0 + 1.0 + 1.0 + 1.0), [0, 0])
 
 
 def test_expected_holds_the_ends_past_a_tables_points():
@@ -89,16 +187,107 @@ def test_round_trip_and_refusals(tmp_path):
                       predicted=True)
     again = load_cost_model(save_cost_model(keyed, tmp_path / "keyed.json"))
     assert again.key == {"device": "a CPU", "threads": 1} and again.predicted is True
-    with pytest.raises(InputError, match="non-increasing"):
+    with pytest.raises(InputError, match=r"keep\[1\] is 14: an effective keep list is non-increasing and in "
+                                         r"\[0, 16\] \(block 2 receives 12 tokens\)"):
         m.predict([12, 14, 0])
+    with pytest.raises(InputError, match=r"the keep list \[12, 12\] has 2 entries; the model has 3 blocks"):
+        m.predict([12, 12])
     with pytest.raises(InputError, match="no cost table"):
         load_cost_model(tmp_path / "missing.json")
     with pytest.raises(InputError, match="increase strictly"):
         Curve((0, 0), (1.0, 2.0))
 
 
+def test_a_tables_key_survives_a_save_and_a_load_field_by_field(tmp_path):
+    """Every field of a measured table's key, nested ones too, and its ``predicted`` mark come back from the file as
+    they were written (the file read as plain JSON, not through ``load_cost_model``), and so does every curve."""
+    m = _model()
+    key = {"device": "a CPU", "threads": 2, "kernel_choice": {"native": "torch"}, "batch": 64, "method": "kmedoids"}
+    table = CostModel("ms", 16, 1, 3, 0.25, m.attn, m.mlp, m.pool, key=key, predicted=True)
+    path = save_cost_model(table, tmp_path / "t.json")
+    written = json.loads(path.read_text())
+    assert written["key"] == key and written["predicted"] is True and written["schema_version"] == 1
+    loaded = load_cost_model(path)
+    assert loaded.key == key and loaded.predicted is True and loaded == table
+    assert (loaded.unit, loaded.num_tokens, loaded.prefix, loaded.depth, loaded.fixed) == ("ms", 16, 1, 3, 0.25)
+    assert loaded.pool.ns == (8, 16) and loaded.pool.curves[1].ys == (0.4, 1.0, 2.0)
+    unkeyed = load_cost_model(save_cost_model(m, tmp_path / "u.json"))
+    assert unkeyed.key == {} and unkeyed.predicted is False
+    older = {k: v for k, v in written.items() if k not in ("key", "predicted")}  # a file without either field
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert load_cost_model(tmp_path / "older.json") == m
+
+
+def test_a_saved_table_is_the_shipped_files_bytes(tmp_path):
+    """A table saved again is its file byte for byte (one value a line, keys sorted), so that a table measured
+    again diffs line by line against the committed one; the folders on the way are made."""
+    path = Path(__file__).resolve().parents[1] / DEMO_TABLE
+    saved = save_cost_model(load_cost_model(path), tmp_path / "new" / "folder" / path.name)
+    assert saved.read_bytes() == path.read_bytes()
+
+
+def test_a_table_file_that_is_not_a_table_is_refused_naming_it(tmp_path):
+    m = _model()
+    data = m.to_json()
+    with pytest.raises(InputError, match=r"^the cost table has schema_version 2; this release reads 1 \(measure it "
+                                         r"again with `pipeline bench blocks`\)$"):
+        CostModel.from_json({**data, "schema_version": 2})
+    for broken, why in (({**data, "schema_version": 0}, "schema_version 0; this release reads 1"),
+                        ({k: v for k, v in data.items() if k != "mlp"}, "not a cost table: KeyError"),
+                        ({**data, "depth": "three"}, "not a cost table: ValueError")):
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(InputError, match=f"{path}.*{why}"):
+            load_cost_model(path)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(InputError, match="bad.json is not valid JSON"):
+        load_cost_model(tmp_path / "bad.json")
+
+
+def test_key_differences_name_each_differing_field_including_one_side_only():
+    assert key_differences({"a": 1, "b": 2}, {"a": 1, "b": 2}) == []
+    assert key_differences({"a": 1, "b": 2}, {"a": 1, "b": 3}) == ["b: 2 != 3"]
+    assert key_differences({"a": 1}, {"a": 1, "c": "x"}) == ["c: None != 'x'"]  # only the current key has c
+    assert key_differences({"a": 1, "d": 4}, {"a": 1}) == ["d: 4 != None"]  # only the recorded key has d
+    assert key_differences({}, {"z": 1, "y": 2}) == ["y: None != 2", "z: None != 1"]  # by name
+
+
+def test_check_key_passes_an_equal_key_predicts_another_machine_only_when_asked_and_never_another_setting():
+    m = _model()
+    recorded = {"device": "AMD EPYC", "threads": 1, "batch": 64, "method": "kmedoids"}
+    table = CostModel("ms", 16, 1, 3, 0.25, m.attn, m.mlp, m.pool, key=recorded)
+    assert check_key(table, dict(recorded)) is table  # the same key: the table as it is, not predicted
+    assert "device" in MACHINE_FIELDS and "batch" not in MACHINE_FIELDS
+    elsewhere = {**recorded, "device": "Intel Xeon", "threads": 2}
+    with pytest.raises(InputError, match="the table was measured under another key") as refused:
+        check_key(table, elsewhere)  # another machine without --other-device: refused, naming each field
+    assert str(refused.value) == (
+        "the table was measured under another key (recorded != here):\n  device: 'AMD EPYC' != 'Intel Xeon'\n  "
+        "threads: 1 != 2\nmeasure a table on this machine with `pipeline bench blocks`, or pass --other-device to use "
+        "it as a prediction for this machine (marked predicted)")
+    predicted = check_key(table, elsewhere, other_device=True)
+    assert predicted.predicted is True and predicted.key == recorded and not table.predicted
+    assert predicted.predict([8, 8, 0]) == table.predict([8, 8, 0])  # the same figures, marked
+    other_batch = {**elsewhere, "batch": 32}  # another setting: refused even as a prediction, naming only it
+    with pytest.raises(InputError, match=r"t.json was measured under another key") as refused:
+        check_key(table, other_batch, other_device=True, where="t.json")
+    assert str(refused.value) == (
+        "t.json was measured under another key (recorded != here):\n  batch: 64 != 32\nthese fields say what the "
+        "table measured; measure a table for this setting with `pipeline bench blocks`")
+    # A machine field whose values hold colons (a kernel choice) is still a machine field.
+    kernels = CostModel("ms", 16, 1, 3, 0.25, m.attn, m.mlp, m.pool, key={**recorded, "kernels": {"native": "auto"}})
+    assert check_key(kernels, {**recorded, "kernels": {"native": "torch"}}, other_device=True).predicted is True
+    with pytest.raises(InputError, match="batch: 64 != 32"):
+        check_key(table, {**recorded, "batch": 32}, other_device=False)
+
+
+DEMO_TABLE = "configs/latency/amd-epyc/deit_tiny_patch16_224-m32-d4-28px-p4/wkmedoids-b64-fp32-none-t1-cpuclock.json"
+
+
 def _shipped_tables() -> list[Path]:
-    return sorted((Path(__file__).resolve().parents[1] / "configs" / "latency").rglob("*.json"))
+    """The tables under configs/latency, not the ``.partial.json`` files that a measurement writes as it goes."""
+    return sorted(p for p in (Path(__file__).resolve().parents[1] / "configs" / "latency").rglob("*.json")
+                  if not p.name.endswith(".partial.json"))
 
 
 @pytest.mark.parametrize("path", _shipped_tables(), ids=lambda p: f"{p.parent.name}/{p.stem}")

@@ -80,6 +80,19 @@ def test_k_at_least_n_is_identity(shape, name):
         assert torch.equal(out.sizes, torch.ones(b, n))
 
 
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_k_at_least_n_carries_the_sizes_and_points_at_every_token(name):
+    """A step that keeps every token passes the carried sizes on (as float32) and points each output at its own
+    input token (``index``): the sizes of a model that carries them survive a block that does not pool."""
+    tokens, scores, metric = _batch(3, 2, 5, 4)
+    sizes = torch.tensor([[1, 2, 3, 1, 4], [2, 2, 1, 1, 5]], dtype=torch.float64)
+    for k in (5, 8):
+        out = _run(name, tokens, k, scores, metric, sizes=sizes)
+        assert out.tokens is tokens and out.sizes.dtype == torch.float32
+        assert out.sizes.tolist() == [[1.0, 2.0, 3.0, 1.0, 4.0], [2.0, 2.0, 1.0, 1.0, 5.0]]
+        assert out.index.tolist() == [[0, 1, 2, 3, 4]] * 2 and out.assign.tolist() == [[0, 1, 2, 3, 4]] * 2
+
+
 @SETTINGS
 @given(shapes, st.sampled_from(MERGING))
 def test_outputs_are_convex_combinations_of_their_members(shape, name):

@@ -4,6 +4,7 @@ gradient against the table's slopes, and the self-adjusting strength landing on 
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from pipeline.targets import (
     gflops_cost_model,
     repair_keep,
     round_keep,
+    target_cost,
+    target_cost_model,
 )
 from tests.reference import table_cost
 
@@ -228,6 +231,185 @@ def test_the_strength_adjusts_until_the_search_lands_on_the_target(pull):
     assert landed["target_rounded"] == pytest.approx(costs.predict(keep) / costs.unmodified())
 
 
+def test_the_dual_grows_while_the_search_costs_more_than_the_target_and_shrinks_below_it():
+    """mu moves by dual_rate * (rho - t) after each step: up while the soft list costs more than the target (every
+    weight 1: rho = 1), down once it costs less (every weight 0: rho written out with ``reference.table_cost``); the
+    penalty is mu * rho + w * (rho - t)^2 and ``result`` reports mu as ``target_dual``."""
+    costs, model, table = _table(), _Searched(3, 8), _table().to_json()
+    search = TargetSearch(costs, fraction=0.6, dual_rate=0.5, quadratic=3.0)
+    search.update()  # no step measured yet: nothing moves
+    assert search.dual_value() == 0.0
+    for step in range(1, 4):
+        penalty = search.penalty(model)
+        assert float(penalty) == pytest.approx(0.5 * 0.4 * (step - 1) * 1.0 + 3.0 * 0.4 ** 2, rel=1e-6)
+        search.update()
+        assert search.dual_value() == pytest.approx(0.5 * 0.4 * step)  # grows by 0.5 * (1 - 0.6) a step
+    assert search.result(model)[1]["target_dual"] == pytest.approx(0.6)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.retention.zero_()
+    low = table_cost(table, [0, 0, 0]) / table_cost(table, [8, 8, 8])
+    assert low < 0.6
+    for step in range(1, 3):
+        search.penalty(model)
+        search.update()
+        assert search.dual_value() == pytest.approx(0.6 + 0.5 * (low - 0.6) * step)  # shrinks below the target
+
+
+def _over(ratio: float, calls: list[list[int]]):
+    """A machine on which every list measures ``ratio`` of the unmodified model; it appends each list to ``calls``."""
+    def measure(table: CostModel, keep: list[int]) -> tuple[float, str]:
+        calls.append(list(keep))
+        return ratio, "measured"
+    return measure
+
+
+def test_a_repair_rounds_again_at_most_tries_times_and_says_it_is_still_over():
+    costs = _table()
+    weights = [torch.linspace(1.0, 0.2, 8, dtype=torch.float64) for _ in range(3)]
+    keep = round_keep(weights, costs, 0.7 * costs.unmodified())
+    for tries in (0, 1, 2, 3):
+        calls: list[list[int]] = []
+        repair = repair_keep(weights, costs, 0.7, keep, _over(0.75, calls), tries=tries)
+        assert repair.tries == tries and len(calls) == 1 + tries and calls[0] == keep
+        assert repair.measured == repair.first == 0.75 and repair.searched == keep
+        assert repair.status == f"still over the target after {tries} repair(s): measured"
+    calls = []
+    assert repair_keep(weights, costs, 0.7, keep, _over(0.75, calls)).tries == 3 and len(calls) == 4  # the default
+    # A list that measures under the target: no repair.
+    calls = []
+    fine = repair_keep(weights, costs, 0.7, keep, _over(0.65, calls))
+    assert (fine.keep, fine.tries, fine.measured, fine.status, len(calls)) == (keep, 0, 0.65, "measured", 1)
+    exactly = repair_keep(weights, costs, 0.7, keep, _over(0.7, []))  # on the target is not over it
+    assert exactly.tries == 0 and exactly.status == "measured"
+
+
+def test_a_repair_stops_at_the_first_list_under_the_target():
+    costs = _table()
+    weights = [torch.linspace(1.0, 0.2, 8, dtype=torch.float64) for _ in range(3)]
+    keep = round_keep(weights, costs, 0.7 * costs.unmodified())
+    ratios, calls = iter([0.9, 0.8, 0.68, 0.5]), []
+
+    def improving(table: CostModel, keep: list[int]) -> tuple[float, str]:
+        calls.append(list(keep))
+        return next(ratios), "measured"
+
+    repair = repair_keep(weights, costs, 0.7, keep, improving, tries=3)
+    assert repair.tries == 2 and len(calls) == 3 and repair.measured == 0.68 and repair.first == 0.9
+    assert repair.status == "measured" and repair.keep == calls[-1]
+    # Each retry's limit is the last one times target / measured: 0.7 U * (0.7 / 0.9) * (0.7 / 0.8).
+    limit = 0.7 * costs.unmodified() * (0.7 / 0.9) * (0.7 / 0.8)
+    assert table_cost(costs.to_json(), repair.keep) <= limit + 1e-9
+
+
+def test_a_tighter_limit_that_no_list_fits_is_reported_and_the_list_kept():
+    costs = _table()
+    weights = [torch.linspace(1.0, 0.2, 8, dtype=torch.float64) for _ in range(3)]
+    keep = round_keep(weights, costs, 0.7 * costs.unmodified())
+    calls: list[list[int]] = []
+    # 0.7 * 0.7 / 5 = 0.098 of the unmodified model: below every list's cost (the cheapest is about 0.39)
+    assert cheapest_fraction(costs) > 0.7 * 0.7 / 5
+    repair = repair_keep(weights, costs, 0.7, keep, _over(5.0, calls))
+    assert (repair.keep, repair.searched, repair.measured, repair.first, repair.tries) == (keep, keep, 5.0, 5.0, 1)
+    assert repair.status == "over the target (5.000 > 0.700) and no list fits a tighter limit; measured"
+    assert len(calls) == 1
+
+
+def _latency_table(path: Path, key: dict) -> Path:
+    """A hand-made table for the DEMO model (N = 49, 4 blocks, 1 prefix token), saved at ``path``."""
+    from pipeline.cost import save_cost_model
+
+    table = CostModel("ms", num_tokens=49, prefix=1, depth=4, fixed=0.5, attn=Curve((0, 49), (1.0, 3.0)),
+                      mlp=Curve((0, 49), (0.5, 2.5)), pool=PoolSurface((49,), (Curve((0, 49), (0.2, 0.4)),)), key=key)
+    return save_cost_model(table, path)
+
+
+def test_a_latency_targets_cost_model_is_its_table_checked_against_the_model_and_its_hash(tmp_path):
+    from pipeline.cost import load_cost_model
+    from pipeline.targets import file_sha256
+
+    model = create_model("deit_tiny_patch16_224", **DEMO)
+    path = _latency_table(tmp_path / "t.json", {"embed_dim": 32, "method": "powerbert"})
+    target = CostTarget(cost="latency", fraction=0.5, table=str(path))
+    assert target_cost_model(target, model) == load_cost_model(path)
+    digest = file_sha256(path)
+    assert target_cost_model(target.model_copy(update={"table_sha256": digest}), model) == load_cost_model(path)
+    changed = target.model_copy(update={"table_sha256": "0" * 64})
+    with pytest.raises(InputError, match=rf"the cost table {path} changed since this K search was planned \(sha256 "
+                                         r"000000000000\.\.\.\); rerun `pipeline run`"):
+        target_cost_model(changed, model)
+    wide = _latency_table(tmp_path / "wide.json", {"embed_dim": 64})
+    with pytest.raises(InputError, match=rf"the cost table {wide} times width 64; this model is 32 wide"):
+        target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(wide)), model)
+    unkeyed = _latency_table(tmp_path / "unkeyed.json", {})  # no width recorded: taken as the model's
+    assert target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(unkeyed)), model).key == {}
+    for more, says in (({"depth": 3}, "depth 3"), ({"num_tokens": 48}, "N=48"), ({"prefix": 0}, "prefix 0")):
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({**json.loads(path.read_text()), **more}))
+        if "num_tokens" in more:  # its curves' points must stay within N
+            data = json.loads(other.read_text())
+            data["pool"] = {"ns": [48], "curves": [{"xs": [0, 48], "ys": [0.2, 0.4]}]}
+            other.write_text(json.dumps(data))
+        with pytest.raises(InputError, match=rf"the cost table {other} is for .*{says}.*; this model has N=49, depth "
+                                             r"4, prefix 1"):
+            target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(other)), model)
+
+
+def test_a_search_built_from_a_target_takes_its_cost_model_fraction_and_rates(tmp_path):
+    from pipeline.config import PoolingConfig
+
+    model = create_model("deit_tiny_patch16_224", **DEMO)
+    flops = count_flops(create_model("deit_tiny_patch16_224", **DEMO)).total
+    search = TargetSearch.build(CostTarget(cost="gflops", fraction=0.5, dual_rate=2.0, quadratic=7.0), model)
+    assert (search.fraction, search.dual_rate, search.quadratic, search.dual) == (0.5, 2.0, 7.0, 0.0)
+    assert search.costs.unit == "gflops" and search.costs.unmodified() == pytest.approx(flops, rel=1e-12)
+    by_value = TargetSearch.build(CostTarget(cost="gflops", value=flops / 4), model)
+    assert by_value.fraction == pytest.approx(0.25)
+    # The config's pooling options reach the count: K-Medoids on the keys (16 wide), not on the tokens (32).
+    keep = [40, 20, 20, 0]
+    metric = TargetSearch.build(CostTarget(cost="gflops", fraction=0.5, method="kmedoids"), model,
+                                PoolingConfig(cluster_on="metric")).costs.predict(keep)
+    counted = count_flops(create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep,
+                                       options={"cluster_on": "metric"}, **DEMO)).total
+    assert metric == pytest.approx(counted, rel=1e-12)
+    path = _latency_table(tmp_path / "t.json", {"embed_dim": 32})
+    latency = TargetSearch.build(CostTarget(cost="latency", value=6.0, table=str(path)), model)
+    assert latency.costs.unit == "ms" and latency.fraction == pytest.approx(
+        6.0 / table_cost(json.loads(path.read_text()), [49] * 4))
+
+
+def test_a_finetunes_target_cost_is_predicted_for_its_own_method_and_measured_where_it_can_be(tmp_path):
+    model = create_model("deit_tiny_patch16_224", **DEMO)
+    unmodified = count_flops(model).total
+    keep = [40, 20, 20, 0]
+    target = CostTarget(cost="gflops", fraction=0.5, method="powerbert")
+    counted = count_flops(create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep, **DEMO)).total
+    row = target_cost(target, model, "kmedoids", keep, gflops=1.25)
+    assert (row.target, row.unit, row.measured, row.status) == ("gf0.5", "gflops", 1.25, "measured (fvcore count)")
+    assert row.target_cost == pytest.approx(0.5 * unmodified, rel=1e-12)
+    assert row.predicted == pytest.approx(counted, rel=1e-12)  # the finetune's own method's pooling step counted
+    assert target_cost(target, model, "tome", keep, gflops=1.0).predicted is None  # no closed form for ToMe
+
+    table = json.loads(_latency_table(tmp_path / "t.json", {"embed_dim": 32, "method": "powerbert"}).read_text())
+    latency = CostTarget(cost="latency", fraction=0.8, table=str(tmp_path / "t.json"), name="lat-pb")
+    full, predicted = table_cost(table, [49] * 4), table_cost(table, keep)
+    other = target_cost(latency, model, "kmedoids", keep, gflops=0.0, measure=_over(0.4, []))
+    assert (other.target, other.unit, other.measured) == ("lat-pb", "ms", None)
+    assert other.status == "predicted (the table times powerbert, not kmedoids)"
+    assert other.target_cost == pytest.approx(0.8 * full) and other.predicted == pytest.approx(predicted)
+    unmeasured = target_cost(latency, model, "powerbert", keep, gflops=0.0)
+    assert (unmeasured.measured, unmeasured.status) == (None, "predicted (not measured)")
+    assert unmeasured.predicted == pytest.approx(predicted)
+    calls: list[list[int]] = []
+    measured = target_cost(latency, model, "powerbert", keep, gflops=0.0, measure=_over(0.4, calls))
+    assert measured.measured == pytest.approx(0.4 * full) and measured.status == "measured" and calls == [keep]
+    elsewhere = target_cost(latency, model, "powerbert", keep, gflops=0.0, measure=lambda t, k: (None, "predicted"))
+    assert (elsewhere.measured, elsewhere.status) == (None, "predicted")
+    any_method = CostTarget(cost="latency", fraction=0.8, table=str(_latency_table(tmp_path / "u.json", {})))
+    assert target_cost(any_method, model, "kmedoids", keep, gflops=0.0, measure=_over(0.5, [])).measured == (
+        pytest.approx(0.5 * full))  # a table that names no method is measured for any
+
+
 def test_targets_are_checked_when_loaded():
     with pytest.raises(ValueError, match="fraction .* or value .* exactly one"):
         CostTarget(cost="gflops")
@@ -257,7 +439,8 @@ def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(t
     table, _ = measure_table(settings, tmp_path / "table.json", log=lambda _: None)
     torch.set_num_threads(threads)
     ratio, status = measure_on_table(table, [8, 8], log=lambda _: None)
-    assert ratio is not None and 0 < ratio and status.startswith("measured (paired")
+    assert ratio is not None and 0 < ratio.low <= ratio.ratio <= ratio.high and status.startswith("measured (paired")
+    assert ratio.blocks >= 8 and f"{ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}]" in status
     assert torch.get_num_threads() == threads  # the table's threads for the measurement only
     elsewhere = replace(table, key={**table.key, "device": "another CPU"})
     ratio, status = measure_on_table(elsewhere, [8, 8], log=lambda _: None)
