@@ -344,14 +344,38 @@ def test_the_cli_turns_off_mlflows_telemetry_unless_the_user_set_it():
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["flops", "--embed-dim", "0"], "--embed-dim 0: a width is at least 1"),
-    (["flops", "--method", "kmedoids", "--keep", "-5,3"], "--keep -5,3: a value that starts with '-' reads as an "
-                                                          "option; write --keep=-5,3"),
     (["flops", "--model", "deit_tiny_patch16_224", "--method", "kmedoids", "--keep=-5,3,1,1,1,1,1,1,1,1,1,1"],
      "is -5: a number of tokens cannot be negative"),
 ])
 def test_flops_arguments_get_one_line(argv, says, capsys):
     code, _, err = run(capsys, *argv)
     assert code == 2 and says in err and "Traceback" not in err, err
+
+
+SYNTHETIC = ["--source", "synthetic:classes=2,count=10,size=8"]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["data", "write", *SYNTHETIC, "--out", "x.beton", "--limit", "-5"],
+     "--limit -5: give the number of images to keep, 1 or more"),
+    (["data", "folder", *SYNTHETIC, "--out", "x", "--limit", "-5"], "--limit -5: give the number of images"),
+    (["data", "write", *SYNTHETIC, "--out", "x.beton", "--quality", "-5"], "--quality -5: JPEG quality runs from 1"),
+    (["data", "write", *SYNTHETIC, "--out", "x.beton", "--compress-probability", "-0.5"],
+     "--compress-probability -0.5: give a probability in [0, 1]"),
+    (["flops", "--embed-dim", "-5"], "--embed-dim -5: a width is at least 1"),
+    (["flops", "--model", "deit_tiny_patch16_224", "--method", "kmedoids", "--keep", "-5,3,1,1,1,1,1,1,1,1,1,1"],
+     "is -5: a number of tokens cannot be negative"),
+])
+def test_a_negative_number_after_an_option_gets_that_options_message(argv, says, tmp_path, monkeypatch, capsys):
+    """``--limit -5`` says what is wrong with -5, in the same words as ``--limit=-5`` (it used to say how
+    argparse reads a leading '-'), and writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and says in err and "Traceback" not in err and "reads as an option" not in err, err
+    at = next(i for i, word in enumerate(argv) if word.startswith("-") and word[1:2].isdigit())
+    joined = [*argv[:at - 1], f"{argv[at - 1]}={argv[at]}", *argv[at + 1:]]
+    assert run(capsys, *joined) == (code, "", err)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _tiny_training(tmp_path: Path, data: Path, *extra: str):

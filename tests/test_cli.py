@@ -186,3 +186,56 @@ def test_bench_throughput_patch_embed_matmul_times_every_model_with_it():
     assert re.search(r"^\| unmodified \| 1\.258 \|", proc.stdout, flags=re.M), proc.stdout
     bad = run("bench", "throughput", "--patch-embed", "unfold", check=False)
     assert bad.returncode == 2 and "--patch-embed" in bad.stderr
+
+
+def _leaf_parsers(parser, path=()):
+    """``(command words, parser)`` for every command that takes arguments of its own."""
+    import argparse
+
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield path, parser
+    for action in subparsers:
+        for name, sub in action.choices.items():
+            yield from _leaf_parsers(sub, (*path, name))
+
+
+def _parsed(parser, argv: list[str]) -> tuple[str, dict | None, str]:
+    """What argparse makes of ``argv``: ``("ok", namespace, "")``, or ``("exit", None, its message)``."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            return "ok", vars(parser.parse_args(argv)), ""
+        except SystemExit:
+            return "exit", None, err.getvalue()
+
+
+@pytest.mark.parametrize("value", ["-5", "-0.5", "-1e-3", "-5,3", "-inf"])
+def test_every_option_takes_a_negative_number_as_its_value(value):
+    """``--opt -5`` parses as ``--opt=-5`` for every option of every command that takes a value, so a negative
+    number reaches the option's own check (argparse read ``-5,3`` and ``-1e-3`` as unknown options)."""
+    from pipeline.cli import build_parser
+
+    parser, checked = build_parser(), 0
+    for path, leaf in _leaf_parsers(parser):
+        required = []
+        for action in leaf._actions:
+            if action.required and action.nargs != 0:
+                word = str(action.choices[0]) if action.choices else "1"
+                required += [word] if not action.option_strings else [action.option_strings[0], word]
+        for group in leaf._mutually_exclusive_groups:  # select's budget: one of them is required
+            if group.required:
+                required += [group._group_actions[0].option_strings[0], "1"]
+        for action in leaf._actions:
+            if not action.option_strings or action.nargs is not None or action.help == "==SUPPRESS==":
+                continue
+            flag = action.option_strings[-1]
+            apart = _parsed(parser, [*path, *required, flag, value])
+            joined = _parsed(parser, [*path, *required, f"{flag}={value}"])
+            assert apart == joined, (path, flag, apart, joined)
+            assert "expected one argument" not in apart[2], (path, flag, apart)
+            checked += 1
+    assert checked > 60  # every command's options were reached

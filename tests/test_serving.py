@@ -163,6 +163,21 @@ def test_uint8_arrays_and_the_normalised_tensors_of_earlier_clients(trained, ser
     check_answers(body["predictions"], expected(trained["model"], [picture]), CLASSES)
 
 
+def test_a_tensor_style_body_of_base64_images_is_answered(trained, server):
+    """``{"inputs": [BASE64, ...]}``, as MLflow users send it to a served model (MLflow hands it over as one row
+    holding the list), and the same list as ``instances`` or as the ``image`` column: one answer per string."""
+    files = trained["jpegs"][:3]
+    encoded = [base64.b64encode(f.read_bytes()).decode() for f in files]
+    probs = expected(trained["model"], [Image.open(f) for f in files])
+    for body in ({"inputs": encoded}, {"instances": encoded}, {"inputs": {"image": encoded}}):
+        status, answer = post(server["url"], {**body, "params": {"top_k": 3}})
+        assert status == 200, (body.keys(), answer)
+        check_answers(answer["predictions"], probs, CLASSES)
+    status, answer = post(server["url"], {"inputs": encoded[:1]})  # one image and no params, as first tried
+    assert status == 200, answer
+    check_answers(answer["predictions"], probs[:1], CLASSES, top_k=min(5, len(CLASSES)))
+
+
 def png_1bit(width: int, height: int, truncate: bool = False) -> bytes:
     """A black 1-bit grayscale PNG, written chunk by chunk: a large one is small on disk (its rows compress to
     almost nothing). ``truncate`` cuts the compressed pixels in half, so that decoding it fails."""
@@ -191,6 +206,10 @@ BAD = [
     (lambda jpeg: images_payload([jpeg[: len(jpeg) // 2]]), "image 0: a broken image file"),
     ({"dataframe_split": {"columns": ["image"], "data": [["%%% not base64 %%%"]]}}, "a string that is not base64"),
     ({"dataframe_split": {"columns": ["image"], "data": []}}, "no images; send at least one"),
+    # A tensor-style body's strings are images each: counted as images, and each checked as one.
+    ({"inputs": ["not an image"] * (MAX_IMAGES + 1)}, f"{MAX_IMAGES + 1} images in one request, over the cap"),
+    (lambda jpeg: {"inputs": [base64.b64encode(jpeg).decode(), "%%% not base64 %%%"]},
+     "image 1: a string that is not base64"),
     ({"inputs": {"image": [[[0.5, 0.2], [0.1, 0.3]]]}}, "image 0: a float array of shape (2, 2)"),
     ({"inputs": {"image": [[[[1, 2, 3, 4, 5]]]]}}, "image 0: an array of shape (1, 1, 5)"),
     ({"inputs": {"image": [[[300, 2], [1, 2]]]}}, "pixel values from 1 to 300"),

@@ -10,26 +10,17 @@ import warnings
 from typing import TextIO
 
 from pipeline.cli import analysis, bench, data, doctor, experiments, info, train
+from pipeline.cli.common import Parser
 from pipeline.console import VERBOSE_ENV, quiet_driver
 from pipeline.errors import PipelineError, PipelineWarning
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
+    parser = Parser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in (info, bench, data, train, experiments, analysis, doctor):
         group.add_commands(commands)
     return parser
-
-
-def _dash_values(argv: list[str]) -> str | None:
-    """argparse reads a value that starts with '-' (``--keep -5,3``) as an option and answers "expected one
-    argument"; the way to give one is ``--keep=-5,3``."""
-    for flag, value in zip(argv, argv[1:]):
-        if flag.startswith("--") and "=" not in flag and len(value) > 1 and value[0] == "-" and \
-                (value[1].isdigit() or value[1] == "."):
-            return f"{flag} {value}: a value that starts with '-' reads as an option; write {flag}={value}"
-    return None
 
 
 def _one_line_warnings() -> None:
@@ -52,10 +43,6 @@ def _one_line_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    dash = _dash_values(argv)
-    if dash is not None:
-        print(f"error: {dash}", file=sys.stderr)
-        return 2
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"

@@ -10,6 +10,7 @@ from pipeline.cli.common import log
 
 
 def cmd_data_write(args: argparse.Namespace) -> int:
+    from pipeline.console import verbose
     from pipeline.data import WriteSettings, open_source, write_beton
 
     source = open_source(args.source, limit=args.limit)
@@ -17,7 +18,7 @@ def cmd_data_write(args: argparse.Namespace) -> int:
     settings = WriteSettings(mode=mode, max_res=args.max_res or None, quality=args.quality,
                              compress_probability=args.compress_probability, workers=args.workers,
                              strict=args.strict, overwrite=args.overwrite)
-    write_beton(source, args.out, settings, log=log)
+    write_beton(source, args.out, settings, log=log, verbose=verbose())  # --verbose or PIPELINE_VERBOSE=1
     return 0
 
 
@@ -59,6 +60,8 @@ def add_commands(commands) -> None:
     write.add_argument("--limit", type=int, default=None, help="write only N images, spread over all classes")
     write.add_argument("--strict", action="store_true", help="fail on the first unreadable file instead of skipping it")
     write.add_argument("--overwrite", action="store_true", help="replace an existing --out (refused otherwise)")
+    write.add_argument("--verbose", action="store_true",
+                       help="a failed writer process's traceback above the one-line error")
     write.set_defaults(func=cmd_data_write)
     folder = data_commands.add_parser("folder", help="write a source as a JPEG folder PATH/<class>/*.jpg")
     folder.add_argument("--source", required=True, help="as for data write")

@@ -250,6 +250,9 @@ def _parse_options(text: str, spec: str) -> dict[str, int]:
 
 def open_source(spec: str, limit: int | None = None) -> Source:
     """Parses ``--source``: ``imagefolder:PATH``, ``fashion-mnist:train|test`` or ``synthetic[:k=v,...]``."""
+    if limit is not None and limit < 1:
+        raise SourceError(f"--limit {limit}: give the number of images to keep, 1 or more (or leave --limit out "
+                          "for all of them)")
     kind, _, rest = spec.partition(":")
     if kind == "imagefolder":
         if not rest:

@@ -3,17 +3,21 @@
 Every image is decoded once before FFCV's writer starts: FFCV 1.0.2's ``DatasetWriter`` waits
 forever when one of its worker processes dies (``writer.py: _write_common`` polls a counter that
 then never reaches the total), so a corrupt file must be found first. A watchdog covers what the
-validation cannot foresee, such as a disk that fills up halfway.
+validation cannot foresee, such as a disk that fills up halfway: the write then ends with one line (a
+worker's traceback only with ``verbose``), no partial file, and an existing output kept.
 """
 
 from __future__ import annotations
 
 import _thread
+import errno
+import functools
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -29,6 +33,7 @@ from pipeline.data.sources import Source
 from pipeline.errors import InputError, PipelineError
 
 METADATA_VERSION = 1
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit
 WriteMode = Literal["raw", "jpg", "smart", "proportion"]
 
 
@@ -181,6 +186,22 @@ def _check_space(out: Path, source: Source, settings: WriteSettings) -> None:
                              f"{need / 1e9:.2f} GB; free space or choose another --out")
 
 
+def _no_room(out: Path, err: OSError) -> DataWriteError:
+    kept = f"the existing {out} is kept as it was" if out.exists() else f"nothing was written to {out}"
+    return DataWriteError(f"the disk holding {out.parent} ran out of room during the write ({err.strerror or err}); "
+                          f"{kept}, and no partial file is left; free space or choose another --out")
+
+
+def _interrupt_main() -> None:
+    """KeyboardInterrupt in the main thread, also inside a blocking read: ``_thread.interrupt_main`` alone sets a
+    flag that a thread blocked in ``os.read`` never checks, and FFCV's driver reads a queue a dead worker would
+    have filled (``allocations_queue.get()``, once every image is counted)."""
+    if callable(signal.getsignal(signal.SIGINT)):  # Python's handler, as interrupt_main needs too
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    else:
+        _thread.interrupt_main()
+
+
 def _watch_workers(done: threading.Event, failed: list[str], workers: list[multiprocessing.Process]) -> None:
     """Interrupts the main thread if one of FFCV's writer processes (``workers``, as they start) exits with
     an error: FFCV's writer would wait for it forever."""
@@ -188,7 +209,7 @@ def _watch_workers(done: threading.Event, failed: list[str], workers: list[multi
         for worker in list(workers):
             if worker.exitcode not in (None, 0):
                 failed.append(f"{worker.name} exited with code {worker.exitcode}")
-                _thread.interrupt_main()
+                _interrupt_main()
                 return
 
 
@@ -204,11 +225,13 @@ def _abandon_queues() -> None:
     import multiprocessing.queues
 
     for obj in gc.get_objects():
-        if isinstance(obj, multiprocessing.queues.Queue):
+        # type(), not isinstance(): that reads ``__class__``, which a dead weak proxy answers with ReferenceError
+        # and a deprecated alias of torch's with a FutureWarning
+        if issubclass(type(obj), multiprocessing.queues.Queue):
             obj.cancel_join_thread()
 
 
-def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None:
+def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings, verbose: bool = False) -> None:
     from ffcv import writer as ffcv_writer
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
@@ -218,18 +241,33 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None
               "label": IntField()}
     writer = DatasetWriter(str(tmp), fields, num_workers=max(settings.workers, 1))
     done, failed, workers = threading.Event(), [], []
+    # The first failing worker's error in one line, and its errno: shared memory, as nothing waits on it.
+    said, said_errno = multiprocessing.RawArray("c", 1024), multiprocessing.RawValue("i", 0)
 
     class Tracked(multiprocessing.Process):
         """FFCV's worker process, kept in ``workers`` once started: one that fails before the watchdog first
-        looks has already left ``multiprocessing.active_children()``."""
+        looks has already left ``multiprocessing.active_children()``. Its error goes to the driver's one line;
+        its traceback to stderr only when ``verbose``."""
 
         def start(self) -> None:
             super().start()
             workers.append(self)
 
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as err:
+                if not said.value:
+                    said_errno.value = getattr(err, "errno", None) or 0
+                    said.value = f"{type(err).__name__}: {err}".splitlines()[0].encode()[:1023]
+                if verbose:
+                    raise
+                sys.exit(1)  # multiprocessing prints nothing for SystemExit(1)
+
     watchdog = threading.Thread(target=_watch_workers, args=(done, failed, workers), daemon=True)
     watchdog.start()
     ffcv_writer.Process = Tracked  # the name ffcv.writer starts its workers by
+    ffcv_writer.tqdm = functools.partial(tqdm, disable=None)  # its progress bar, as ours: on a terminal only
     try:
         writer.from_indexed_dataset(_Samples(source, settings.max_res), chunksize=100)
     except KeyboardInterrupt:
@@ -240,10 +278,14 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings) -> None
         _abandon_queues()
         writer.metadata_sm.close()
         writer.metadata_sm.unlink()
-        raise DataWriteError(f"a writer process failed ({failed[0]}); the disk may be full or the source "
-                             "changed during the write, see the traceback above") from None
+        if said_errno.value in NO_ROOM:  # said as write_beton says the driver's own
+            raise OSError(said_errno.value, os.strerror(said_errno.value)) from None
+        reason = ": " + said.value.decode(errors="replace") if said.value else ""
+        hint = "" if verbose else " (--verbose shows its traceback)"
+        raise DataWriteError(f"a writer process failed ({failed[0]}{reason}); the source may have changed during "
+                             f"the write{hint}") from None
     finally:
-        ffcv_writer.Process = multiprocessing.Process
+        ffcv_writer.Process, ffcv_writer.tqdm = multiprocessing.Process, tqdm
         done.set()
 
 
@@ -256,12 +298,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def _remove_stale_partials(out: Path) -> None:
     """Deletes partial files left by writers that were killed (their pid is gone)."""
     for partial in out.parent.glob(f".{out.name}.partial-*"):
@@ -270,11 +306,13 @@ def _remove_stale_partials(out: Path) -> None:
             partial.unlink(missing_ok=True)
 
 
-def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=print) -> dict[str, Any]:
+def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=print,
+                verbose: bool = False) -> dict[str, Any]:
     """Writes ``source`` to ``out`` (a ``.beton``) and ``out.json``; returns the metadata.
 
     The data goes to a hidden temporary file in the same directory, renamed into place only when
-    complete, so an interrupted write never leaves a ``.beton`` that looks finished.
+    complete, so an interrupted write never leaves a ``.beton`` that looks finished. A disk that fills
+    up raises DataWriteError; ``verbose`` shows a failed writer process's traceback.
     """
     from pipeline.config import git_sha
 
@@ -284,9 +322,11 @@ def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=pr
     source, skipped = validate_files(source, settings, log)
     _check_space(out, source, settings)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    meta = metadata_path(out)
+    meta_tmp = meta.with_name(f".{meta.name}.tmp-{os.getpid()}")
     started = time.perf_counter()
     try:
-        _run_ffcv_writer(tmp, source, settings)
+        _run_ffcv_writer(tmp, source, settings, verbose)
         metadata = {
             "format_version": METADATA_VERSION,
             "source": source.spec,
@@ -305,11 +345,15 @@ def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=pr
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "git": git_sha(Path(__file__).parent),
         }
+        meta_tmp.write_text(json.dumps(metadata, indent=2) + "\n")  # before either is renamed: a full disk fails here
         tmp.replace(out)
-    except BaseException:
+        meta_tmp.replace(meta)
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        meta_tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in NO_ROOM:
+            raise _no_room(out, err) from None
         raise
-    _write_json(metadata_path(out), metadata)
     seconds = time.perf_counter() - started
     log(f"wrote {out} ({len(source)} images, {len(source.classes)} classes, {metadata['bytes'] / 1e6:.1f} MB, "
         f"{len(source) / max(seconds, 1e-9):.0f} img/s; {len(skipped)} skipped, "
@@ -342,8 +386,10 @@ def write_folder(source: Source, out: str | Path, size: int | None, quality: int
                 image = image.resize((size, size), Image.Resampling.BICUBIC)
             image.save(tmp / safe[int(source.labels[index])] / f"{index:07d}.jpg", quality=quality)
         tmp.rename(out)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno in NO_ROOM:
+            raise _no_room(out, err) from None
         raise
     log(f"wrote {len(source)} images under {out}")
     return len(source)

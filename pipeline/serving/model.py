@@ -6,7 +6,9 @@ RGBA made RGB) and the dataset's class names. One column, ``image``, takes per r
 
 - an encoded image (JPEG, PNG, WebP, ...), as bytes, or base64 in JSON;
 - a uint8 array (H, W) or (H, W, C), C in 1, 3, 4 (any size: it is resized as a decoded image is);
-- the normalised float tensor (3, H, W) at the model's input size, which earlier versions took.
+- the normalised float tensor (3, H, W) at the model's input size, which earlier versions took;
+- a list of encoded images, each one image: the form a tensor-style body (``{"inputs": ["<base64>", ...]}``,
+  ``{"instances": [...]}``) reaches the model in, as one row holding the list.
 
 Per image it returns the top-1 class (``index``, ``label``, ``probability``) and the ``top_k`` classes
 (``params: {"top_k": 5}``). Input it cannot use raises ``BadInput`` (HTTP 400 from the scoring server), one
@@ -145,8 +147,16 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         return pd.DataFrame(rows, columns=["index", "label", "probability", "top_k"])
 
 
+def _encoded_list(cell: Any) -> bool:
+    """Whether a cell is a non-empty 1-D list of encoded images (base64 strings or bytes), never one image."""
+    if not isinstance(cell, (list, tuple)) and not (isinstance(cell, np.ndarray) and cell.ndim == 1):
+        return False
+    return len(cell) > 0 and all(isinstance(item, (str, bytes, bytearray)) for item in cell)
+
+
 def _column(model_input: Any) -> list[Any]:
-    """The images of a request: the ``image`` column of a DataFrame, or a list / array of images."""
+    """The images of a request: the ``image`` column of a DataFrame, or a list / array of images; a cell that is
+    a list of encoded images gives each of them (MLflow puts ``{"inputs": [STRING, ...]}`` in one cell)."""
     if isinstance(model_input, pd.DataFrame):
         if "image" not in model_input.columns:
             raise BadInput(f"no 'image' column (got {list(model_input.columns)}); send "
@@ -158,6 +168,7 @@ def _column(model_input: Any) -> list[Any]:
         images = list(model_input)
     else:
         raise BadInput(f"{type(model_input).__name__} input; send a column 'image' of images")
+    images = [image for cell in images for image in (cell if _encoded_list(cell) else [cell])]
     if not images:
         raise BadInput("no images; send at least one")
     return images
