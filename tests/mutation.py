@@ -11,7 +11,7 @@ project venv. Each module runs in its own folder, ``.mutmut/<module>/``, which h
 without pytest's ``addopts`` (``-n`` and ``--durations``; mutmut adds ``-x -q``), and mutmut's ``mutants/``.
 Every run starts from no ``mutants/``: mutmut keeps a mutant's verdict while its function is unchanged, even
 after the tests change. Timeouts are mutmut's defaults. One mutmut process and one child at a time
-(``--max-children 1``), as the 2 cores allow.
+(``--max-children 1``), as the 2 cores allow, and torch on one thread (``ONE_THREAD``).
 
 The score is (killed + timed out) / generated: a mutant in a function no selected test calls counts as a
 survivor. The tests that ``torch.compile`` traces are deselected, because mutmut's wrapper of each function
@@ -43,6 +43,12 @@ LINKED = ("pipeline", "tests", "configs")  # what the focused tests read, beside
 # The tests that torch.compile traces (node ids matching any of these), which the wrapper cannot pass through.
 COMPILED = (r"test_powerbert_keeps_top_scores\[True\]", r"test_tome_matches_reference\[.*compiled: bipartite merge",
             r"test_tome_merges_with_the_bipartite_groups_only_when_compiled\[True\]")
+
+
+# mutmut forks each mutant's pytest from a process whose tests already ran torch ops on several threads: the fork
+# then hangs at its first OpenMP region (libgomp is not fork-safe), and mutmut would record a survivor as timed out.
+# One thread starts no OpenMP pool.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,8 @@ def measure(name: str, module: Module, mutmut: Path) -> dict[str, int]:
     (work / "pyproject.toml").write_text(pyproject(module, drop))
     log = work / "run.log"
     with log.open("w") as out:
-        rc = subprocess.run([str(mutmut), "run", "--max-children", "1"], cwd=work, stdout=out, stderr=subprocess.STDOUT)
+        rc = subprocess.run([str(mutmut), "run", "--max-children", "1"], cwd=work, stdout=out, stderr=subprocess.STDOUT,
+                            env=os.environ | ONE_THREAD)
         if rc.returncode != 0:
             raise SystemExit(f"{name}: mutmut exited with {rc.returncode}; see {log}")
         subprocess.run([str(mutmut), "export-cicd-stats"], cwd=work, stdout=out, stderr=subprocess.STDOUT, check=True)

@@ -232,3 +232,77 @@ def test_conv_matches_reference(grid):
         for i in range(h * w):
             assert out.assign[s, i] == (i // w // 2) * -(-w // 2) + (i % w) // 2
     assert torch.equal(out.sizes.sum(-1), torch.full((2,), float(h * w)))
+
+
+@pytest.mark.parametrize("traced_form", [False, True], ids=["eager: sorts", "as traced: compares"])
+def test_the_ranks_orders_and_memberships_equal_a_sort_written_out(traced_form, monkeypatch):
+    """The shared helpers of pipeline/pooling/common.py against plain Python: stable ranks (ties keep their index
+    order), ascending distinct indices, unflagged-then-flagged positions and one-hot memberships. ``traced_form`` runs
+    the branch ``torch.compile`` traces (comparisons, no sort) eagerly, by answering ``is_compiling`` with True."""
+    from pipeline.pooling import common
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced_form)
+    gen = torch.Generator().manual_seed(7)
+    values = torch.randint(0, 4, (3, 9), generator=gen).float()  # many ties
+    for descending in (False, True):
+        got = common.stable_ranks(values, descending=descending).tolist()
+        for row, ranks in zip(values.tolist(), got):
+            order = sorted(range(len(row)), key=lambda i: (-row[i] if descending else row[i], i))
+            assert ranks == [order.index(i) for i in range(len(row))]
+    index = torch.stack([torch.randperm(20, generator=gen)[:6] for _ in range(3)])
+    assert common.sorted_indices(index).tolist() == [sorted(row) for row in index.tolist()]
+    flags = torch.rand(3, 8, generator=gen) < 0.4
+    assert common.flagged_last(flags).tolist() == [[i for i, f in enumerate(row) if not f] + [i for i, f in
+                                                   enumerate(row) if f] for row in flags.tolist()]
+    assign = torch.randint(0, 4, (2, 7), generator=gen)
+    member = common.one_hot(assign, 5, torch.float64)
+    assert member.dtype == torch.float64 and member.shape == (2, 5, 7)
+    assert member.tolist() == [[[1.0 if a == j else 0.0 for a in row] for j in range(5)] for row in assign.tolist()]
+
+
+def test_segment_sums_means_and_the_helpers_rows_written_out():
+    """``Partition`` on both paths, ``augmented`` rows with their weight columns, ``segment_means`` and
+    ``gather_rows`` against sums written out per segment."""
+    from pipeline.pooling import common
+
+    gen = torch.Generator().manual_seed(3)
+    b, n, d, k = 2, 7, 3, 4
+    x = torch.randn(b, n, d, generator=gen, dtype=torch.float64)
+    w = torch.rand(b, n, generator=gen, dtype=torch.float64) + 0.1
+    assign = torch.tensor([[0, 1, 1, 3, 0, 3, 3], [2, 2, 0, 0, 1, 3, 0]])  # segment 2 of sample 0 empty: 0 / 0
+    members = [[[i for i in range(n) if int(assign[s, i]) == j] for j in range(k)] for s in range(b)]
+    sums = torch.tensor([[[float(sum(x[s, i, c] for i in members[s][j])) for c in range(d)] for j in range(k)]
+                         for s in range(b)], dtype=torch.float64)
+    totals = torch.tensor([[float(sum(w[s, i] for i in members[s][j])) for j in range(k)] for s in range(b)],
+                          dtype=torch.float64)
+    counts = torch.tensor([[float(len(members[s][j])) for j in range(k)] for s in range(b)], dtype=torch.float64)
+    weighted = torch.tensor([[[float(sum(w[s, i] * x[s, i, c] for i in members[s][j])) for c in range(d)]
+                              for j in range(k)] for s in range(b)], dtype=torch.float64)
+    assert common.batch_offset(3, 4, torch.device("cpu")).tolist() == [[0], [4], [8]]
+    for dense in (True, False):
+        part = common.Partition(assign, k, dtype=torch.float64, dense=dense)
+        assert part.dense is dense
+        torch.testing.assert_close(part.sum(x), sums)
+        torch.testing.assert_close(part.total(None).squeeze(-1), counts)
+        torch.testing.assert_close(part.total(w).squeeze(-1), totals)
+        means, total = part.mean(x, w)
+        torch.testing.assert_close(means, weighted / totals.unsqueeze(-1), equal_nan=True)
+        torch.testing.assert_close(total.squeeze(-1), totals)
+        means, total = part.mean(x, None)
+        torch.testing.assert_close(means, sums / counts.unsqueeze(-1), equal_nan=True)
+        torch.testing.assert_close(total.squeeze(-1), counts)
+        for rows_w, want, want_total in ((w, weighted, totals), (None, sums, counts)):
+            rows = common.augmented(x, rows_w)
+            assert rows.shape == (b, n, 8)  # d = 3 features and 5 weight columns: a multiple of 8
+            means, total = common.segment_means(part, rows, d)
+            torch.testing.assert_close(means, want / want_total.unsqueeze(-1), equal_nan=True)
+            torch.testing.assert_close(total.squeeze(-1), want_total)
+    for dense, device_says in ((None, False), (True, True), (False, False)):  # None: by device (the CPU: index_add_)
+        with common.dense_segments(dense):
+            assert common.use_dense(x) is device_says
+            assert common.Partition(assign, k, dtype=torch.float64).dense is device_says
+    assert common.augmented(torch.zeros(1, 2, 8), None).shape == (1, 2, 16)  # 8 features: 8 weight columns more
+    assert common.gather_rows(x, torch.tensor([[6, 0], [2, 2]])).tolist() == [[x[0, 6].tolist(), x[0, 0].tolist()],
+                                                                             [x[1, 2].tolist(), x[1, 2].tolist()]]
+    assert common.work_dtype(x) == torch.float64 and common.work_dtype(x.half()) == torch.float32
+    assert common.work_dtype(x.float()) == torch.float32

@@ -296,3 +296,165 @@ def test_the_moved_build_downsampler_still_imports_from_pooling_with_a_warning()
     assert warning == ("pipeline.pooling.build_downsampler moved to pipeline.methods.build_downsampler; import it "
                        "from pipeline.methods (the old place goes in the next release)")
     assert "cannot import name 'no_such_name' from 'pipeline.pooling'" in missing
+
+
+# A spec for the in-process entry points below (``tests.test_registry:PLUGIN_SPEC``).
+PLUGIN_SPEC = MethodSpec(firstk, "keep K tokens from an offset", options={"offset": 0})
+NOT_A_SPEC = "firstk"
+
+
+def test_each_built_in_method_says_what_it_is():
+    """The registry's answers for the built-in methods, written out from the paper's methods and the experiment's
+    default list."""
+    from pipeline.methods import (
+        build_downsampler,
+        downsamples,
+        downsampling_methods,
+        is_builtin,
+        keeps_all,
+        registered_in_code,
+        swept_methods,
+    )
+    from pipeline.pooling import factories
+
+    assert downsampling_methods() == ["kmeans", "wkmeans", "wkmedoids", "kmedoids", "powerbert", "random", "importance",
+                                      "tome", "conv"]
+    assert swept_methods() == ["wkmedoids", "kmedoids", "powerbert", "random", "importance", "tome"]
+    assert not downsamples("none") and downsamples("kmedoids") and keeps_all("none")
+    assert not keeps_all("kmedoids") and not keeps_all("no_such_method")  # a name nobody registered keeps nothing
+    assert is_builtin("tome") and not registered_in_code("tome") and plugin_of("tome") is None
+    with pytest.raises(ValueError, match=r"^unknown downsampling method 'nope'; choose one of \['conv', 'importance'"):
+        method_spec("nope")
+    with pytest.raises(ValueError, match="unknown downsampling method 'nope'"):
+        downsamples("nope")
+    spec = method_spec("kmedoids")
+    assert spec.factory() is factories.kmedoids and spec.needs_scores and not spec.learnable
+    assert spec.resolve("kmedoids", {"iters": 2}) == {"iters": 2, "init": "topk", "cluster_on": "tokens",
+                                                      "significance": "eq4"}
+    with pytest.raises(ValueError, match=r"^method 'kmedoids' got options it does not take: \['alpha', 'beta'\]; it "
+                                         r"takes: cluster_on, init, iters, significance$"):
+        spec.resolve("kmedoids", {"beta": 1, "alpha": 2, "iters": 3})
+    with pytest.raises(ValueError, match=r"^method 'random' got options it does not take: \['iters'\]; it takes: none"):
+        method_spec("random").resolve("random", {"iters": 3})
+    assert spec.needs_metric({"cluster_on": "metric"}) and not spec.needs_metric({"cluster_on": "tokens"})
+    assert not spec.needs_metric({})
+    assert (spec.significance({}), spec.significance({"significance": "cls"})) == ("eq4", "cls")
+    assert method_spec("tome").resolve("tome", {}) == {"cluster_on": "metric"}  # ToMe matches on the keys
+    assert method_spec("conv").learnable and not method_spec("conv").reconstructs
+    with pytest.raises(ValueError, match=r"^method 'conv' has learnable weights and needs dim \(the token width M\)$"):
+        build_downsampler("conv", grid=(4, 4), k=4)
+    conv = build_downsampler("conv", dim=8, grid=(4, 4), k=4)
+    assert conv(torch.randn(2, 16, 8), 4).tokens.shape == (2, 4, 8)
+    with pytest.raises(ValueError, match="method 'kmedoids' got options it does not take: \\['bogus'\\]"):
+        build_downsampler("kmedoids", bogus=1)
+    out = build_downsampler("kmedoids", iters=1)(torch.randn(2, 10, 4), 3, scores=torch.rand(2, 10))
+    assert out.tokens.shape == (2, 3, 4)
+
+
+def test_a_method_registered_in_code_is_known_until_deleted_and_a_bad_name_is_refused():
+    from pipeline.methods import registered_in_code
+
+    with pytest.raises(ValueError, match=r"^method name must be letters, digits and underscores, got 'first-k'$"):
+        register_method("first-k", PLUGIN_SPEC)
+    with pytest.raises(ValueError, match=r"^'tome' is a built-in method, which register_method may not replace; give "
+                                         r"your method a name of its own$"):
+        register_method("tome", PLUGIN_SPEC)
+    register_method("first_k2", PLUGIN_SPEC)
+    try:
+        assert "first_k2" in METHODS and method_spec("first_k2") is PLUGIN_SPEC and registered_in_code("first_k2")
+        assert list(METHODS)[-1] == "first_k2" and len(METHODS) == len(set(METHODS))
+    finally:
+        del METHODS["first_k2"]
+    assert "first_k2" not in METHODS and not registered_in_code("first_k2")
+
+
+def test_entry_points_load_in_this_process_each_refusal_named(monkeypatch):
+    """Entry points (as importlib.metadata gives them) read in this process: a good one loads with its package, and
+    each one left out is warned about once, named with why, and remembered under its name; a reload reads them
+    again and keeps a method registered in code."""
+    from importlib.metadata import EntryPoint
+
+    import pipeline.methods as methods
+
+    class Dist:
+        name, version = "tp-plugin", "0.3"
+
+    def point(name: str, value: str, dist: object | None = Dist) -> EntryPoint:
+        found = EntryPoint(name, value, methods.PLUGIN_GROUP)
+        return found._for(dist) if dist is not None else found
+
+    here = "tests.test_registry"
+    points = [point("good", f"{here}:PLUGIN_SPEC"), point("tome", f"{here}:PLUGIN_SPEC"),
+              point("bad-name", f"{here}:PLUGIN_SPEC"), point("missing", f"{here}:NOTHING"),
+              point("astring", f"{here}:NOT_A_SPEC"), point("good", f"{here}:PLUGIN_SPEC"),
+              point("anon", f"{here}:PLUGIN_SPEC", dist=None), point("coded", f"{here}:PLUGIN_SPEC")]
+    asked = []
+
+    def entry_points(*, group: str) -> list[EntryPoint]:
+        asked.append(group)
+        return points
+
+    monkeypatch.setattr(methods, "entry_points", entry_points)
+    register_method("coded", PLUGIN_SPEC)
+    METHODS.reload_plugins()
+    try:
+        with pytest.warns(PluginWarning) as warned:
+            assert "good" in METHODS
+        assert asked == ["pipeline.methods"] and "good" in METHODS and asked == ["pipeline.methods"]  # read once
+        where = "entry point {} = '{}' of tp-plugin"
+        assert [str(w.message) for w in warned] == [
+            f"{where.format('tome', here + ':PLUGIN_SPEC')} (tp-plugin 0.3, group pipeline.methods) takes the name "
+            "of the built-in method 'tome', which a plugin may not replace; it is not loaded: rename the entry point",
+            f"{where.format('bad-name', here + ':PLUGIN_SPEC')} (group pipeline.methods): a method name is letters, "
+            "digits and underscores",
+            f"{where.format('missing', here + ':NOTHING')} (group pipeline.methods) does not load: AttributeError: "
+            f"module '{here}' has no attribute 'NOTHING'; fix or uninstall that package",
+            f"{where.format('astring', here + ':NOT_A_SPEC')} (group pipeline.methods) names a str, not a "
+            "pipeline.methods.MethodSpec",
+            f"{where.format('good', here + ':PLUGIN_SPEC')} (tp-plugin 0.3, group pipeline.methods) takes the name "
+            "'good' of tp-plugin 0.3's method; it is not loaded: rename one of them",
+            f"{where.format('coded', here + ':PLUGIN_SPEC')} (tp-plugin 0.3, group pipeline.methods) takes the name "
+            "'coded' of a method registered in code; it is not loaded: rename one of them"]
+        good = Plugin("tp-plugin", "0.3", f"good = {here}:PLUGIN_SPEC")
+        assert plugin_of("good") == good and good.tags() == {"pipeline.plugin": "tp-plugin",
+                                                             "pipeline.plugin_version": "0.3"}
+        assert str(good) == "tp-plugin 0.3" and method_spec("good") is PLUGIN_SPEC
+        assert plugin_of("anon") == Plugin("an unnamed package", "unknown", f"anon = {here}:PLUGIN_SPEC")
+        assert sorted(METHODS.problems) == ["astring", "bad-name", "coded", "good", "missing", "tome"]
+        with pytest.raises(ValueError, match=r"^method 'astring' is not registered: entry point astring = "):
+            method_spec("astring")
+        assert METHODS["tome"].summary == "ToMe bipartite soft matching"  # the built-in one stays
+        points[:] = [point("other", f"{here}:PLUGIN_SPEC")]
+        METHODS.reload_plugins()
+        assert "good" not in METHODS.plugins and METHODS.problems == {}  # forgotten until read again
+        assert "other" in METHODS and "good" not in METHODS and "coded" in METHODS and len(asked) == 2
+        register_method("other", PLUGIN_SPEC)  # registered in code over a plugin's: no longer the plugin's
+        assert plugin_of("other") is None
+    finally:
+        monkeypatch.undo()
+        METHODS.pop("coded", None)
+        METHODS.pop("other", None)
+        METHODS.reload_plugins()
+    assert "good" not in METHODS
+
+
+def test_a_registry_read_that_is_interrupted_is_read_again(monkeypatch):
+    import pipeline.methods as methods
+
+    calls = []
+
+    def interrupted(*, group: str):
+        calls.append(group)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(methods, "entry_points", interrupted)
+    METHODS.reload_plugins()
+    try:
+        for _ in range(2):
+            with pytest.raises(KeyboardInterrupt):
+                list(METHODS)
+        assert len(calls) == 2  # not marked as read after the first interruption
+    finally:
+        monkeypatch.undo()
+        METHODS.reload_plugins()
+    assert "kmedoids" in METHODS
