@@ -133,3 +133,59 @@ def test_a_misspelt_kernel_choice_is_refused_by_name(kernel, choices):
         load_config(None, [f"kernels.{kernel}=tiledd"])
     assert getattr(load_config(None, [f"kernels.{kernel}={choices.split(', ')[-1]}"]).kernels.choice(), kernel) \
         == choices.split(", ")[-1]
+
+
+def test_the_shared_checks_name_the_argument_and_the_value_in_full():
+    """pipeline/pooling/common.py's checks, which every operator calls: each message in full, their defaults (values
+    checked, finite required, negative values allowed) and the edges they accept (one token; norms that fit float32
+    even where a sum over the wrong axis would not)."""
+    from pipeline.pooling.common import check_k, check_metric, check_per_token, check_tokens
+
+    assert check_k(3) == 3 and type(check_k(torch.tensor(3).item())) is int
+    with pytest.raises(InputError, match=r"^k must be a positive integer, got '3' of type str$"):
+        check_k("3")
+    with pytest.raises(InputError, match=r"^k must be a positive integer \(>= 1\), got 0$"):
+        check_k(0)
+    with pytest.raises(InputError, match=r"^tokens must be a torch.Tensor of shape \(B, N, M\), got list$"):
+        check_tokens([[1.0]])
+    with pytest.raises(InputError, match=r"^x must have shape \(B, N, M\), got shape \(2, 3\)$"):
+        check_tokens(torch.zeros(2, 3), name="x")
+    with pytest.raises(InputError, match=r"^tokens must be a floating-point tensor, got dtype torch.int64$"):
+        check_tokens(torch.zeros(2, 3, 4, dtype=torch.long))
+    with pytest.raises(InputError, match=r"^tokens must hold at least one token, got shape \(2, 0, 4\)$"):
+        check_tokens(torch.zeros(2, 0, 4))
+    check_tokens(torch.zeros(2, 1, 4))  # one token is enough
+    nan = torch.zeros(1, 3, 2)
+    nan[0, 1, 0] = float("nan")
+    with pytest.raises(InputError, match=r"^tokens contains NaN or inf values; check the upstream layer"):
+        check_tokens(nan)  # finite by default
+    check_tokens(nan, finite=False)
+    big = torch.zeros(1, 4, 3)
+    big[0, :, 0] = 1.5e19  # each token's squared norm 2.25e38 fits float32 (3.4e38); their sum over N would not
+    check_tokens(big)
+    big[0, 2, 1] = 1.5e19  # token 2: 4.5e38
+    with pytest.raises(InputError, match=r"^tokens are too large: their squared norms overflow float32 \(largest "
+                                         r"\|value\| 1.5e\+19\); scale them down, as a normalisation layer would$"):
+        check_tokens(big)
+    tokens = torch.zeros(2, 5, 6)
+    check_per_token(None, tokens, name="sizes")
+    with pytest.raises(InputError, match=r"^sizes must be a torch.Tensor of shape \(B, N\), got list$"):
+        check_per_token([1.0] * 5, tokens, name="sizes")
+    with pytest.raises(InputError, match=r"^sizes must have shape \(B, N\) = \(2, 5\) to match tokens, got \(2, 4\)$"):
+        check_per_token(torch.ones(2, 4), tokens, name="sizes")
+    negative = -torch.ones(2, 5)
+    check_per_token(negative, tokens, name="scores")  # negative values pass unless asked
+    with pytest.raises(InputError, match=r"^weights must be non-negative; got a minimum of -1$"):
+        check_per_token(negative, tokens, name="weights", nonnegative=True)
+    with pytest.raises(InputError, match=r"^scores contains NaN or inf values$"):
+        check_per_token(torch.full((2, 5), float("inf")), tokens, name="scores")  # values checked by default
+    check_per_token(torch.full((2, 5), float("inf")), tokens, name="scores", values=False)
+    check_metric(None, tokens)
+    with pytest.raises(InputError, match=r"^metric must have shape \(B, N, M\), got shape \(2, 5\)$"):
+        check_metric(torch.zeros(2, 5), tokens)
+    with pytest.raises(InputError, match=r"^metric must have shape \(B, N, D\) with \(B, N\) = \(2, 5\) to match "
+                                         r"tokens, got \(2, 4, 3\)$"):
+        check_metric(torch.zeros(2, 4, 3), tokens)
+    with pytest.raises(InputError, match=r"^metric contains NaN or inf values"):
+        check_metric(torch.full((2, 5, 3), float("nan")), tokens)  # finite by default
+    check_metric(torch.full((2, 5, 3), float("nan")), tokens, finite=False)

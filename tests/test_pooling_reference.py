@@ -283,6 +283,7 @@ def test_segment_sums_means_and_the_helpers_rows_written_out():
         part = common.Partition(assign, k, dtype=torch.float64, dense=dense)
         assert part.dense is dense
         torch.testing.assert_close(part.sum(x), sums)
+        assert part.total(None).shape == part.total(w).shape == (b, k, 1)
         torch.testing.assert_close(part.total(None).squeeze(-1), counts)
         torch.testing.assert_close(part.total(w).squeeze(-1), totals)
         means, total = part.mean(x, w)
@@ -306,3 +307,20 @@ def test_segment_sums_means_and_the_helpers_rows_written_out():
                                                                              [x[1, 2].tolist(), x[1, 2].tolist()]]
     assert common.work_dtype(x) == torch.float64 and common.work_dtype(x.half()) == torch.float32
     assert common.work_dtype(x.float()) == torch.float32
+
+
+def test_uniform_noise_is_float32_contiguous_and_the_same_draw_with_or_without_a_generator():
+    """(B, N) float32 noise in [0, 1) shaped as the per-token input it is given, contiguous even for a transposed
+    one, the same numbers from the global generator (``rand_like``, which compiles) as from a generator in the same
+    state (``rand``)."""
+    from pipeline.pooling.common import uniform_noise
+
+    like = torch.zeros(6, 3, dtype=torch.float64).t()  # (3, 6), not contiguous
+    torch.manual_seed(11)
+    drawn = uniform_noise(like, None)
+    again = uniform_noise(like, torch.Generator().manual_seed(11))
+    for noise in (drawn, again):
+        assert noise.shape == (3, 6) and noise.dtype == torch.float32 and noise.is_contiguous()
+        assert bool(((noise >= 0) & (noise < 1)).all())
+    assert torch.equal(drawn, again)
+    assert torch.equal(drawn, torch.rand(3, 6, generator=torch.Generator().manual_seed(11)))
