@@ -97,7 +97,7 @@ def check(config: Config, table: CostModel, measurements: int) -> Row:
     samples = []
     for _ in range(measurements if repair.measured is not None else 0):
         ratio, _status = measure_on_table(table, repair.keep, log=lambda _: None)
-        samples.append(ratio)
+        samples.append(ratio.ratio)  # a paired ratio's median (bench.paired)
     return Row(table.key["method"], Path(target.table).name, target.fraction, result.summary["target_landed"],
                result.summary["target_rounded"], result.keep, repair.first, repair.measured, repair.tries,
                repair.keep, table.predict(repair.keep) / table.unmodified(), samples, repair.status)

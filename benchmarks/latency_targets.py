@@ -80,7 +80,7 @@ def measure_rows(rows: list[dict], tables: dict[str, CostModel], repeats: int) -
                 ratio, status = measure_on_table(table, row["keep"], log=lambda _: None)
                 if ratio is None:
                     raise SystemExit(f"{row['method']}'s table cannot be measured here: {status}")
-                samples.append(ratio)
+                samples.append(ratio.ratio)  # a paired ratio's median (bench.paired)
             row["measured"] = statistics.median(samples)
 
 

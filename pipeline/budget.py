@@ -2,7 +2,9 @@
 
 An experiment's models are the finished evaluate runs under its newest DAG parent run (tags
 ``pipeline.stage = dag``, run name = ``experiment.name``): top-1, GFLOPs and measured images/s
-(with the device they were measured on), and the finetune run that trained each model. The model
+(with the device they were measured on, and the 95% interval the select stage put on one scale), and the
+finetune run that trained each model. A speed budget holds only where the measurement's doubt does: images/s
+at least X by the interval's lower end, latency under X ms by its upper end. The model
 URI is its Model Registry version when it is registered (``models:/token-pooling-NAME/V``), else
 the finetune run's checkpoint artifact.
 """
@@ -15,7 +17,17 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from pipeline.dag.records import DONE, LATENCY_METRIC, LATENCY_TABLE_TAG, STAGE_KIND, TRAINED_RUN
+from pipeline.dag.records import (
+    DONE,
+    LATENCY_HIGH,
+    LATENCY_METRIC,
+    LATENCY_TABLE_TAG,
+    RATE_HIGH,
+    RATE_LOW,
+    SCALED_RATE,
+    STAGE_KIND,
+    TRAINED_RUN,
+)
 from pipeline.errors import InputError, MissingFileError
 from pipeline.tracking import store_missing
 
@@ -35,10 +47,27 @@ class Candidate:
     device: str
     latency_ms: float | None = None  # measured against a latency table (a K-search target's models)
     latency_table: str | None = None  # that table's sha256
+    images_per_s_low: float | None = None  # the select stage's 95% interval of images/s (on its one scale)
+    images_per_s_high: float | None = None
+    latency_ms_high: float | None = None  # the measured latency's interval's upper end
+
+    @property
+    def slowest_rate(self) -> float:
+        """The lower end of the images/s interval (the rate itself where there is none)."""
+        return self.images_per_s if self.images_per_s_low is None else self.images_per_s_low
+
+    @property
+    def longest_latency(self) -> float | None:
+        """The upper end of the measured latency's interval (the latency itself where there is none)."""
+        return self.latency_ms if self.latency_ms_high is None else self.latency_ms_high
 
     def line(self) -> str:
         latency = "" if self.latency_ms is None else f"  {self.latency_ms:.3f} ms measured"
-        return (f"{self.uri}  top1 {self.top1:.2f}%  {self.gflops:.4f} GFLOPs  {self.images_per_s:.0f} img/s "
+        if self.latency_ms is not None and self.latency_ms_high is not None:
+            latency += f" (at most {self.latency_ms_high:.3f})"
+        interval = ("" if self.images_per_s_low is None else
+                    f" [{self.images_per_s_low:.0f}, {self.images_per_s_high:.0f}]")
+        return (f"{self.uri}  top1 {self.top1:.2f}%  {self.gflops:.4f} GFLOPs  {self.images_per_s:.0f}{interval} img/s "
                 f"({self.device}){latency}  [{self.method}, {self.level}]")
 
 
@@ -87,8 +116,10 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
         uri = registered.get(trained) or (f"runs:/{trained}/checkpoint" if trained else run.data.params["checkpoint"])
         metrics, params = run.data.metrics, run.data.params
         out.append(Candidate(uri, params.get("method", "?"), params.get("level", "?"), metrics["top1"],
-                             metrics["gflops"], metrics["images_per_s"], params.get("eval_device", "cpu"),
-                             metrics.get(LATENCY_METRIC), run.data.tags.get(LATENCY_TABLE_TAG)))
+                             metrics["gflops"], metrics.get(SCALED_RATE, metrics["images_per_s"]),
+                             params.get("eval_device", "cpu"), metrics.get(LATENCY_METRIC),
+                             run.data.tags.get(LATENCY_TABLE_TAG), metrics.get(RATE_LOW), metrics.get(RATE_HIGH),
+                             metrics.get(LATENCY_HIGH)))
     if not out:
         raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
     return out
@@ -105,7 +136,7 @@ def best_under_latency(models: list[Candidate], max_latency_ms: float, table: st
     if not measured:
         raise InputError(f"no model of this experiment was measured against {table}; latency is measured for the "
                          "models of a K-search target with that table, on a machine that is the table's key")
-    fits = [m for m in measured if m.latency_ms <= max_latency_ms]
+    fits = [m for m in measured if m.longest_latency <= max_latency_ms]  # the interval's upper end under it
     if not fits:
         cheapest = min(measured, key=lambda m: m.latency_ms)
         raise InputError(f"no model measured within {max_latency_ms:g} ms; the fastest is {cheapest.line()}")
@@ -137,7 +168,7 @@ def best_under_budget(models: list[Candidate], *, max_gflops: float | None = Non
         fits = [m for m in models if m.gflops <= max_gflops]
         cheapest, budget = min(models, key=lambda m: m.gflops), f"{max_gflops:g} GFLOPs"
     else:
-        fits = [m for m in models if m.images_per_s >= min_images_per_s]
+        fits = [m for m in models if m.slowest_rate >= min_images_per_s]  # the interval's lower end over it
         cheapest, budget = max(models, key=lambda m: m.images_per_s), f"{min_images_per_s:g} images/s"
     if not fits:
         raise InputError(f"no model fits the budget of {budget}; the cheapest is {cheapest.line()}")

@@ -1,25 +1,36 @@
-"""Evaluating a trained checkpoint: top-1 on the validation set, GFLOPs (fvcore) and measured images/s.
+"""Evaluating a trained checkpoint: top-1 on the validation set, GFLOPs (fvcore) and measured speed.
 
-Speed is measured where the model would be deployed: ``experiment.eval.device``, ``dtype`` and
-``compile`` (``auto``: the GPU with bf16 and ``torch.compile`` where there is one, else the CPU in
-fp32 eager), and the result records the setting it was measured in.
+Speed is a paired ratio (``bench.paired``): the model's time over the same architecture's unmodified model's
+(the checkpoint's weights without its downsampling), both warm in this process, with a 95% interval, where the
+model would be deployed: ``experiment.eval.device``, ``dtype`` and ``compile`` (``auto``: the GPU with bf16 and
+``torch.compile`` where there is one, else the CPU in fp32 eager; on the CPU ``eval.threads``, one by default,
+timed on the process's CPU clock). The result records the setting it was measured in; its images/s are the
+reference's own rate over the ratio (the select stage puts every model on one scale).
 """
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from pipeline.bench.timing import default_calls, rate
+from pipeline.bench.paired import SpeedRatio, SpeedSettings, paired_ratio, sample_timer
+from pipeline.bench.timing import default_calls
 from pipeline.config import Config, EvalConfig
+from pipeline.errors import InputError
 from pipeline.runtime import (
     DTYPES,
     KernelChoice,
     compile_model,
     cuda_settings,
+    dispatched,
+    forget_dispatches,
     inference,
     resolve_setting,
     step_marker,
@@ -36,7 +47,15 @@ class Evaluation:
     device: str
     dtype: str
     compile: str
-    kernels: dict[str, str]  # what ran: ``models.selfcheck.kernel_record``
+    kernels: dict[str, str]  # what the fused steps' dispatches ran: ``models.selfcheck.kernels_ran``
+    speed_ratio: float = math.nan  # the model's time over its unmodified reference's (paired)
+    speed_ratio_low: float = math.nan  # the ratio's 95% interval
+    speed_ratio_high: float = math.nan
+    speed_blocks: int = 0
+    speed_stop: str = ""  # "tolerance" or "cap" (``bench.paired.SpeedRatio``)
+    speed_seconds: float = 0.0  # wall time of the pilot and the blocks
+    load_before: float = math.nan  # the 1-minute load average before and after the timing
+    load_after: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,48 +83,131 @@ def top1(model: nn.Module, config: Config, device: torch.device, dtype: str = "f
     return 100.0 * correct / max(total, 1), total
 
 
-def throughput(model: nn.Module, *, batch: int, warmup: int, repeats: int, device: torch.device,
-               dtype: str = "fp32", compile: str = "none") -> tuple[float, float]:
-    """Inference images/s at ``batch``: median over ``repeats`` timed samples, and the spread (max - min).
+@contextmanager
+def cpu_threads(device: torch.device, threads: int):
+    """torch's threads set to ``threads`` on the CPU for the block (restored after); nothing on a GPU."""
+    saved = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
-    A sample queues ``timing.default_calls`` calls back to back (10 on CUDA), in one held inference
-    context (``runtime.inference``), as ``bench throughput`` times. ``compile`` compiles the model
-    (fullgraph) first; the compiling call is part of the warm-up.
-    """
-    run = compile_model(model, compile, device)
+
+def speed(run: Callable[[Tensor], Tensor], reference: Callable[[Tensor], Tensor], images: Tensor, *,
+          device: torch.device, dtype: str, compile: str = "none", threads: int = 1,
+          settings: SpeedSettings | None = None) -> SpeedRatio:
+    """``run``'s time over ``reference``'s on ``images`` (B, 3, H, W), paired (``bench.paired``), in one held
+    inference context (``runtime.inference``). A sample queues ``timing.default_calls`` calls (10 on CUDA, timed
+    by CUDA events); on the CPU ``threads`` threads, one timed on the process's CPU clock (more on wall time)."""
+    timer = sample_timer(device, calls=default_calls(device), clock="cpu" if threads == 1 else "wall")
     mark = step_marker(compile)
-    images = torch.randn(batch, 3, *model.patch_embed.img_size, device=device)
 
-    def forward() -> object:
+    def model() -> object:
         mark()
         return run(images)
 
-    with inference(device, dtype):
-        return rate(forward, items=batch, warmup=max(warmup, 1 if compile != "none" else 0), repeats=repeats,
-                    device=device, calls=default_calls(device))
+    def unmodified() -> object:
+        mark()
+        return reference(images)
+
+    with inference(device, dtype), cpu_threads(device, threads):
+        return paired_ratio(model, unmodified, timer=timer, settings=settings or SpeedSettings())
+
+
+def speed_settings(cfg: EvalConfig) -> SpeedSettings:
+    return SpeedSettings(tolerance=cfg.speed_tolerance, cap_s=cfg.speed_cap_s, warmup=max(cfg.warmup, 1))
 
 
 def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
                         kernels: KernelChoice | None = None) -> Evaluation:
     """Everything the select stage needs about one trained model, measured in ``cfg``'s setting with
-    ``kernels`` (default all ``auto``; each fused kernel is checked on the device first)."""
+    ``kernels`` (default all ``auto``; each fused kernel is checked on the device first at the model's shapes);
+    ``kernels`` of the result is what the dispatches of its top-1 and timed calls ran."""
     from pipeline.flops import count_flops
     from pipeline.models import set_kernels
-    from pipeline.models.selfcheck import check_model, kernel_record
+    from pipeline.models.selfcheck import check_model, kernels_ran
     from pipeline.train.checkpoint import model_from_checkpoint
 
     model, config, _ = model_from_checkpoint(path)
+    reference, _, _ = model_from_checkpoint(path, plain=True)  # the same weights, no downsampling
     flops = count_flops(model).total
     device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,
                                           torch.cuda.is_available() if cuda is None else cuda)
     target = torch.device(device)
     kernels = kernels or KernelChoice()
     model = set_kernels(model.to(target), kernels)
+    reference = set_kernels(reference.to(target), kernels)
     check_model(model, target, DTYPES[dtype] or torch.float32)
+    forget_dispatches()  # the FLOP count's CPU trace ran before: not this evaluation's record
+    images = torch.randn(cfg.batch, 3, *model.patch_embed.img_size, device=target)
     with cuda_settings(target):
         accuracy, count = top1(model, config, target, dtype)
-        images_s, spread = throughput(model, batch=cfg.batch, warmup=cfg.warmup, repeats=cfg.repeats,
-                                      device=target, dtype=dtype, compile=mode)
-    return Evaluation(top1=accuracy, gflops=flops, images_per_s=images_s, images_per_s_spread=spread,
-                      num_images=count, device=device, dtype=dtype, compile=mode,
-                      kernels=kernel_record(kernels, target))
+        run, run_reference = compile_model(model, mode, target), compile_model(reference, mode, target)
+        with inference(target, dtype):
+            run(images)  # the timed form's first call: its dispatches join the record, the reference's do not
+        ran = kernels_ran(dispatched())
+        load_before = os.getloadavg()[0]
+        ratio = speed(run, run_reference, images, device=target, dtype=dtype, compile=mode, threads=cfg.threads,
+                      settings=speed_settings(cfg))
+        load_after = os.getloadavg()[0]
+    rate = cfg.batch / ratio.reference_s  # the reference's images/s in this process
+    return Evaluation(top1=accuracy, gflops=flops, images_per_s=rate / ratio.ratio,
+                      images_per_s_spread=rate / ratio.low - rate / ratio.high, num_images=count, device=device,
+                      dtype=dtype, compile=mode, kernels=ran, speed_ratio=ratio.ratio, speed_ratio_low=ratio.low,
+                      speed_ratio_high=ratio.high, speed_blocks=ratio.blocks, speed_stop=ratio.stop,
+                      speed_seconds=ratio.seconds,
+                      load_before=load_before, load_after=load_after)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One speed scale for every width: each architecture's unmodified model against the anchor's (the first),
+    paired, the anchor's images/s, and the anchor against a copy of itself (whose interval should cover 1)."""
+
+    anchor: str
+    anchor_images_per_s: float
+    references: dict[str, SpeedRatio]  # architecture -> its unmodified model's time over the anchor's
+    self_check: SpeedRatio
+
+    def images_per_s(self, arch: str, ratio: float, low: float, high: float) -> tuple[float, float, float]:
+        """A model of ``arch`` timed at ``ratio`` [low, high] of its reference: images/s and the interval's ends on
+        this scale (the reference's interval and the model's multiply, ``bench.paired.chain``)."""
+        ref = self.references[arch]
+        return (self.anchor_images_per_s / (ratio * ref.ratio), self.anchor_images_per_s / (high * ref.high),
+                self.anchor_images_per_s / (low * ref.low))
+
+
+def reference_scale(checkpoints: dict[str, str], cfg: EvalConfig, *, cuda: bool = False,
+                    kernels: KernelChoice | None = None) -> Scale:
+    """``Scale`` of the architectures in ``checkpoints`` (architecture -> any checkpoint of it, whose weights the
+    unmodified model takes), timed in ``cfg``'s setting as the evaluate stage times (``speed``)."""
+    from pipeline.models import set_kernels
+    from pipeline.train.checkpoint import model_from_checkpoint
+
+    device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,
+                                          torch.cuda.is_available() if cuda is None else cuda)
+    target, kernels = torch.device(device), kernels or KernelChoice()
+
+    def unmodified(path: str) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+        model = set_kernels(model_from_checkpoint(path, plain=True)[0].to(target), kernels)
+        images = torch.randn(cfg.batch, 3, *model.patch_embed.img_size, device=target)
+        return compile_model(model, mode, target), images
+
+    labels = list(checkpoints)
+    anchor, images = unmodified(checkpoints[labels[0]])
+    settings = speed_settings(cfg)
+    with cuda_settings(target):
+        copy, _ = unmodified(checkpoints[labels[0]])
+        self_check = speed(copy, anchor, images, device=target, dtype=dtype, compile=mode, threads=cfg.threads,
+                           settings=settings)
+        references = {labels[0]: SpeedRatio(1.0, 1.0, 1.0, 0, "anchor", 0.0, 0.0)}
+        for label in labels[1:]:
+            run, own = unmodified(checkpoints[label])
+            if own.shape != images.shape:
+                raise InputError(f"architecture {label} takes {tuple(own.shape[1:])} images and {labels[0]} "
+                                 f"{tuple(images.shape[1:])}: their speeds have no common scale")
+            references[label] = speed(run, anchor, images, device=target, dtype=dtype, compile=mode,
+                                      threads=cfg.threads, settings=settings)
+    return Scale(labels[0], cfg.batch / self_check.reference_s, references, self_check)

@@ -46,3 +46,32 @@ def best_at_budgets(points: Sequence[Point], budgets: Sequence[float]) -> list[t
         within = [p for p in points if p.cost <= budget]
         table.append((budget, min(within, key=lambda p: (-p.top1, p.cost, p.id)) if within else None))
     return table
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A model whose cost is a measured interval [low, high] (seconds per image: lower is better) with top-1."""
+
+    id: str
+    low: float
+    high: float
+    top1: float
+
+
+def beats(a: Measured, b: Measured) -> bool:
+    """``a`` beats ``b`` beyond the intervals: at least as accurate and faster beyond them (``a.high < b.low``), or
+    more accurate at a cost no interval tells apart (overlapping) or lower."""
+    if a.top1 < b.top1:
+        return False
+    if a.high < b.low:
+        return True
+    return a.top1 > b.top1 and a.low <= b.high
+
+
+def measured_front(models: Sequence[Measured]) -> list[tuple[Measured, list[str]]]:
+    """The models no other beats beyond the intervals (``beats``), cheapest first by the interval's middle, each
+    with the ids of the other front models whose intervals overlap its own: ties, which the measurement does not
+    order. O(n^2): a front of an experiment's models, not of millions."""
+    front = [m for m in models if not any(beats(o, m) for o in models if o.id != m.id)]
+    front.sort(key=lambda m: ((m.low + m.high) / 2, -m.top1, m.id))
+    return [(m, [o.id for o in front if o.id != m.id and o.low <= m.high and m.low <= o.high]) for m in front]

@@ -12,10 +12,12 @@ from typing import Any
 from pipeline import plots
 from pipeline.errors import InputError
 from pipeline.methods import keeps_all
-from pipeline.pareto import Point, best_at_budgets, pareto_front
+from pipeline.pareto import Measured, Point, best_at_budgets, measured_front, pareto_front
 
-COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "train_top1", "checkpoint",
-           "stage_id", "run_id", "analysis", "speed_setting"]
+COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "images_per_s_low",
+           "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high", "speed_ties", "train_top1",
+           "checkpoint", "stage_id", "run_id", "analysis", "speed_setting"]
+SPEED_COLUMNS = ("images_per_s_low", "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high")
 # The cost axes of a Pareto front: GFLOPs, or the measured time per image (lower is better for both).
 COSTS = {"gflops": lambda r: r["gflops"], "images_per_s": lambda r: 1.0 / r["images_per_s"]}
 COST_LABELS = {"gflops": "GFLOPs lower", "images_per_s": "measured images/s higher"}
@@ -42,7 +44,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
                              "or was edited; run `pipeline run` again to write it")
         for line, row in enumerate(reader, start=2):
             try:
-                for key in ("gflops", "top1", "images_per_s", "train_top1"):
+                for key in ("gflops", "top1", "images_per_s", "train_top1", *SPEED_COLUMNS):
                     row[key] = float(row[key]) if row.get(key) not in (None, "", "None") else None
                 row["keep"] = json.loads(row["keep"]) if row.get("keep") not in (None, "", "None") else None
             except (ValueError, TypeError) as err:
@@ -73,12 +75,32 @@ def budget_table(rows: Sequence[dict[str, Any]], budgets: Sequence[float]) -> li
     return table
 
 
-def fronts(rows: Sequence[dict[str, Any]], cost: str = "gflops") -> dict[str, list[dict[str, Any]]]:
-    """The Pareto front overall (key ``all``) and per method, over (``cost``, top-1), cheapest first."""
+def speed_text(row: dict[str, Any]) -> str | None:
+    """``0.642 [0.631, 0.655]``: the speed ratio and its interval, where the row has them."""
+    if row.get("speed_ratio") is None:
+        return None
+    return f"{row['speed_ratio']:.3f} [{row['speed_ratio_low']:.3f}, {row['speed_ratio_high']:.3f}]"
+
+
+def _front(rows: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
+    """The Pareto front of ``rows`` over (``cost``, top-1), cheapest first. By measured speed, where the rows carry
+    its interval (``images_per_s_low`` / ``_high``), a model is left out only where another beats it beyond the
+    intervals (``pareto.measured_front``), and ``speed_ties`` names the front's models it cannot be told from."""
     by_id = {r["stage_id"]: r for r in rows}
-    out = {"all": [by_id[p.id] for p in pareto_front(points(rows, cost))]}
+    if cost != "images_per_s" or any(r.get("images_per_s_low") is None for r in rows):
+        return [by_id[p.id] for p in pareto_front(points(rows, cost))]
+    measured = [Measured(r["stage_id"], 1.0 / r["images_per_s_high"], 1.0 / r["images_per_s_low"], r["top1"])
+                for r in rows]
+    label = {r["stage_id"]: f"{r['arch']}/{r['level']}/{r['method']}" for r in rows}
+    return [by_id[m.id] | {"speed_ties": ", ".join(label[t] for t in ties) or None}
+            for m, ties in measured_front(measured)]
+
+
+def fronts(rows: Sequence[dict[str, Any]], cost: str = "gflops") -> dict[str, list[dict[str, Any]]]:
+    """The Pareto front overall (key ``all``) and per method, over (``cost``, top-1), cheapest first (``_front``)."""
+    out = {"all": _front(rows, cost)}
     for method in sorted({r["method"] for r in rows}):
-        out[method] = [by_id[p.id] for p in pareto_front(points([r for r in rows if r["method"] == method], cost))]
+        out[method] = _front([r for r in rows if r["method"] == method], cost)
     return out
 
 
@@ -169,11 +191,17 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
         "keep_plot": plot_keep_lists(rows, out_dir / "keep_lists.png"),
     }
     shown = ["arch", "level", "method", "gflops", "top1", "images_per_s"]
+    timed = [{**r, "speed": speed_text(r)} for r in speed_front]
     setting = sorted({r.get("speed_setting") or "" for r in rows} - {""})
     measured = f" (measured {', '.join(setting)})" if setting else ""
     text = [f"# {title}", "", "## Pareto front (GFLOPs lower, top-1 higher)", "", markdown_table(front, shown), "",
             f"## Pareto front by measured speed (images/s higher, top-1 higher){measured}", "",
-            markdown_table(speed_front, shown), "",
+            "Each model's time is a paired ratio to its architecture's unmodified model with a 95% interval "
+            "(`speed`: ratio [low, high]); images/s are the references' rates over it, on one scale for every width. "
+            "A model is left out only where another is at least as accurate and faster beyond the intervals (or more "
+            "accurate and not slower); `speed_ties` names the models of the front it cannot be told apart from.", "",
+            markdown_table(timed, ["arch", "level", "method", "gflops", "top1", "images_per_s", "speed",
+                                   "speed_ties"]), "",
             "## Best top-1 within a GFLOPs budget", "",
             markdown_table(table, ["budget_gflops", "top1", "method", "arch", "level", "gflops"]), "",
             "## Plots", "", "![top-1 vs GFLOPs](tradeoff.png)", "", "![top-1 vs images/s](tradeoff_speed.png)", "",

@@ -269,6 +269,21 @@ def _pareto(items: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[flo
     return front
 
 
+# What a measurement of a keep list gives (``dag.latency.measure_on_table``): a paired ratio to the unmodified
+# model with its interval (``bench.paired.SpeedRatio``: ``ratio``, ``low``, ``high``), a bare ratio, or None; and how
+# it came about.
+Measure = Callable[[CostModel, list[int]], tuple[Any, str]]
+
+
+def measured_ratio(value: Any) -> tuple[float | None, float | None, float | None]:
+    """(ratio, low, high) of what a ``Measure`` gave: a paired ratio's, a bare ratio as its own interval, or Nones."""
+    if value is None:
+        return None, None, None
+    if isinstance(value, (int, float)):
+        return float(value), float(value), float(value)
+    return value.ratio, value.low, value.high
+
+
 @dataclass(frozen=True)
 class TargetCost:
     """A finetuned model against the K-search target of its level (one row of the report's target table)."""
@@ -279,17 +294,19 @@ class TargetCost:
     predicted: float | None  # the cost model's figure at the model's keep list, for its method
     measured: float | None  # GFLOPs: the evaluate stage's fvcore count; ms: None (see ``status``)
     status: str  # how ``measured`` came about, or why there is none
+    measured_low: float | None = None  # a measured latency's 95% interval (ms)
+    measured_high: float | None = None
 
 
 def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[int], gflops: float,
-                measure: Callable[[CostModel, list[int]], tuple[float | None, str]] | None = None,
-                pooling: PoolingConfig | None = None) -> TargetCost:
+                measure: Measure | None = None, pooling: PoolingConfig | None = None) -> TargetCost:
     """``model`` (the finetune's network: its structure only) with ``method`` at ``keep`` against ``target``.
 
     A GFLOPs target is predicted with the closed forms for the model's own method (its pooling step may cost more
     than the searched method's) and measured by the evaluate stage's count. A latency target is predicted with its
     table; ``measure(table, keep)`` (``dag.latency.measure_on_table``) gives the measured ratio to the unmodified
-    model, or None and why (another machine or setting than the table's key), for the table's own method only.
+    model with its interval, or None and why (another machine or setting than the table's key), for the table's own
+    method only.
     """
     if target.cost == "gflops":
         costs = target_cost_model(target, model, pooling)
@@ -303,9 +320,10 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
     if table_method not in (None, method):
         return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None,
                           f"predicted (the table times {table_method}, not {method})")
-    ratio, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)
-    return TargetCost(target.label, costs.unit, limit, costs.predict(keep),
-                      None if ratio is None else ratio * full, status)
+    value, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)
+    ratio, low, high = measured_ratio(value)
+    scaled = [None if r is None else r * full for r in (ratio, low, high)]
+    return TargetCost(target.label, costs.unit, limit, costs.predict(keep), scaled[0], status, scaled[1], scaled[2])
 
 
 @dataclass(frozen=True)
@@ -318,27 +336,32 @@ class Repair:
     status: str
     tries: int = 0  # roundings under a tightened limit
     first: float | None = None  # the searched list's measured cost ratio
+    low: float | None = None  # the final list's measured ratio's 95% interval
+    high: float | None = None
 
 
-def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: list[int],
-                measure: Callable[[CostModel, list[int]], tuple[float | None, str]], tries: int = 3) -> Repair:
-    """Measures ``keep`` (the rounding's list) and, while it measures over ``fraction`` of the unmodified model,
-    rounds the retention again under a limit tightened by target / measured (at most ``tries`` times).
+def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: list[int], measure: Measure,
+                tries: int = 3) -> Repair:
+    """Measures ``keep`` (the rounding's list) and, while the lower end of its measured interval is over ``fraction``
+    of the unmodified model (it is over the target beyond the measurement's doubt), rounds the retention again under
+    a limit tightened by target / measured (at most ``tries`` times).
 
-    ``measure(costs, keep)``: the measured cost ratio to the unmodified model, or None and why. A list that still
-    measures over the target after ``tries`` is kept, and its status says so.
+    ``measure(costs, keep)``: the measured cost ratio to the unmodified model (``Measure``), or None and why. A list
+    that still measures over the target after ``tries`` is kept, and its status says so.
     """
-    ratio, status = measure(costs, keep)
+    value, status = measure(costs, keep)
+    ratio, low, high = measured_ratio(value)
     limit, searched, tried, first = fraction * costs.unmodified(), list(keep), 0, ratio
-    while ratio is not None and ratio > fraction and tried < tries:
+    while low is not None and low > fraction and tried < tries:
         limit *= fraction / ratio
         tried += 1
         try:
             keep = round_keep(weights, costs, limit)
         except InputError:
             return Repair(keep, searched, ratio, f"over the target ({ratio:.3f} > {fraction:.3f}) and no list fits a "
-                          "tighter limit; " + status, tried, first)
-        ratio, status = measure(costs, keep)
-    if ratio is not None and ratio > fraction:
+                          "tighter limit; " + status, tried, first, low, high)
+        value, status = measure(costs, keep)
+        ratio, low, high = measured_ratio(value)
+    if low is not None and low > fraction:
         status = f"still over the target after {tried} repair(s): " + status
-    return Repair(keep, searched, ratio, status, tried, first)
+    return Repair(keep, searched, ratio, status, tried, first, low, high)

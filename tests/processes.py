@@ -84,7 +84,8 @@ def ray_env(**extra: str) -> dict[str, str]:
 def start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     ports = [f"--{name}={free_port()}" for name in NODE_PORTS]
     with open(log, "ab") as out:
-        return subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", *ports, *args],
+        return subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", *ports,
+                                 '--resources={"timing": 1}', *args],  # as every node of a cluster (docs/cluster.md)
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 

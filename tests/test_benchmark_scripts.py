@@ -29,6 +29,9 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
     "kmeans_gram_form.py": (["--smoke"], "same assignments True"),
     "latency_budgets.py": (["--smoke"], "resumed: the same searched lists True"),  # a rerun trains nothing anew
     "latency_targets.py": (["--smoke"], "| wkmedoids | 0.7 | "),  # a row of its last table
+    "speed_repeat.py": (["--smoke"], "agree within their intervals: 67% of 3 models"),
+    "paired_speed.py": (["--device", "cpu", "--methods", "powerbert", "--batch", "1", "--cap-s", "0.5"],
+                        "| powerbert | "),
     "native_kmeans.py": (["--smoke"], "| True |"),
     "native_kmedoids.py": (["--smoke"], "| True |"),
     "record_from_output.py": (["docs/data/gpu/h200_2026-11-27_kmeans-and-training-step/"

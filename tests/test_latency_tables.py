@@ -25,11 +25,13 @@ from pipeline.bench.blocks import (
     table_key,
     token_grid,
 )
-from pipeline.bench.latency import CheckRow, held_out_lists, kendall_tau, run_check, summarize
-from pipeline.cost import check_key, load_cost_model, save_cost_model
+from pipeline.bench.latency import CheckRow, held_out_lists, kendall_tau, measure_lists, run_check, summarize
+from pipeline.bench.paired import SpeedRatio, SpeedSettings
+from pipeline.cost import Curve, PoolSurface, check_key, load_cost_model, save_cost_model
 from pipeline.errors import InputError
 from pipeline.methods import method_spec
 
+QUICK = SpeedSettings(cap_s=0.5, warmup=1)  # the fewest blocks: these tests check what is measured, not how well
 TINY = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=4)
 
 
@@ -172,8 +174,11 @@ def test_kendall_tau_and_the_errors_against_scipy_and_by_hand():
         a = [rng.choice([0.1, 0.2, 0.3, 0.4, 0.5]) for _ in range(9)]  # ties on both sides
         b = [rng.choice([1.0, 2.0, 3.0, 4.0]) for _ in range(9)]
         assert kendall_tau(a, b) == pytest.approx(scipy.stats.kendalltau(a, b).statistic)
-    rows = [CheckRow("a", [], 0.5, 0.5, 0.0), CheckRow("b", [], 0.66, 0.6, 0.0), CheckRow("c", [], 0.76, 0.8, 0.0),
-            CheckRow("d", [], 0.9, 0.75, 0.0)]
+    def measured(ratio: float) -> SpeedRatio:
+        return SpeedRatio(ratio, ratio, ratio, 8, "tolerance", 0.0, 0.0)
+
+    rows = [CheckRow("a", [], 0.5, measured(0.5)), CheckRow("b", [], 0.66, measured(0.6)),
+            CheckRow("c", [], 0.76, measured(0.8)), CheckRow("d", [], 0.9, measured(0.75))]
     s = summarize(rows)
     assert s.median_abs_error == pytest.approx((0.05 + 0.1) / 2)  # |errors| 0, 0.1, 0.05, 0.2
     assert s.worst_abs_error == pytest.approx(0.2)
@@ -181,21 +186,35 @@ def test_kendall_tau_and_the_errors_against_scipy_and_by_hand():
 
 
 def test_the_check_measures_planted_lists_and_reports_the_planted_predictions(tmp_path):
+    """The check's predicted ratio of each list it measures, against values written out by hand for written-out
+    curves, then against the brute-force sum of the measured table's JSON (never against ``predict`` itself)."""
     s = settings("tome")
     device, model = setup(s)
-    table, _ = measure_table(s, tmp_path / "t.json", log=lambda line: None)
+    table, out = measure_table(s, tmp_path / "t.json", log=lambda line: None)
+    # Written-out curves: 1 ms outside the blocks; a block's first half costs n for the n tokens it receives, its
+    # second half k / 2 for the k it keeps, and pooling 2. Unmodified (16, 16): 1 + (16 + 8) + (16 + 8) = 49.
+    # 16, 8: 1 + (16 + 8) + (16 + 2 + 4) = 47; 8, 4: 1 + (16 + 2 + 4) + (8 + 2 + 2) = 35; 4, 0 (the class token
+    # alone after block 2, which pools nothing and keeps nothing): 1 + (16 + 2 + 2) + (4 + 0 + 0) = 25.
+    planted = replace(table, fixed=1.0, attn=Curve((0, 16), (0.0, 16.0)), mlp=Curve((0, 16), (0.0, 8.0)),
+                      pool=PoolSurface((16,), (Curve((1,), (2.0,)),)))
+    rows = measure_lists(s, [("a", [16, 8]), ("b", [8, 4]), ("c", [4, 0])], planted, model, device,
+                         log=lambda line: None, speed=QUICK)
+    assert [row.predicted for row in rows] == pytest.approx([47 / 49, 35 / 49, 25 / 49], rel=1e-12)
+    assert all(row.measured > 0 for row in rows)
     lists = held_out_lists(table, 4, seed=1, levels=True)
     assert len(lists) == 4 and all(label.startswith("random") for label, _ in lists)  # no paper levels at 16 px
     for _, keep in lists:
         assert all(b <= a for a, b in zip([16, *keep], keep)) and any(b < a for a, b in zip([16, *keep], keep))
-    checked, rows = run_check(table, count=4, seed=1, levels=True, other_device=False, warmup=1, repeats=1,
+    checked, rows = run_check(table, count=4, seed=1, levels=True, other_device=False, speed=QUICK,
                               log=lambda line: None)
     assert [row.keep for row in rows] == [keep for _, keep in lists]
+    data = json.loads(out.read_text())
     for row in rows:
-        assert row.predicted == pytest.approx(table.predict(row.keep) / table.unmodified()) and row.measured > 0
+        assert row.predicted == pytest.approx(brute_force(data, row.keep) / brute_force(data, [16, 16]))
+        assert row.measured > 0
     moved = replace(table, key={**table.key, "device": "Some Other CPU"})
     with pytest.raises(InputError, match="device: 'Some Other CPU'"):
-        run_check(moved, count=2, seed=1, levels=False, other_device=False, warmup=1, repeats=1)
+        run_check(moved, count=2, seed=1, levels=False, other_device=False, speed=QUICK)
     assert not checked.predicted
 
 
@@ -213,7 +232,7 @@ def test_the_cli_measures_a_table_and_checks_it_as_a_prediction_for_another_devi
     data = json.loads(out.read_text())
     data["key"]["device"] = "Some Other CPU"
     save_cost_model(load_cost_model(out).__class__.from_json(data), out)
-    check = ["bench", "latency-check", str(out), "--lists", "3", "--repeats", "1", "--warmup", "1"]
+    check = ["bench", "latency-check", str(out), "--lists", "3", "--cap-s", "0.5", "--warmup", "1"]
     assert main(check) == 2
     assert "device: 'Some Other CPU' != " in capsys.readouterr().err
     assert main([*check, "--other-device"]) == 0

@@ -57,3 +57,27 @@ def test_best_at_budget_matches_brute_force(seed):
     budgets = [0.25, 0.5, 0.75, 1.0, 1.5, 3.0]
     got = {b: (p.id if p else None) for b, p in best_at_budgets(points, budgets)}
     assert got == {b: brute_budget(points, b) for b in budgets}
+
+
+def test_the_measured_front_keeps_what_the_intervals_cannot_order_and_marks_ties():
+    """Seconds per image as 95% intervals: written-out cases, then random ones against the rule applied literally."""
+    from pipeline.pareto import Measured, measured_front
+
+    models = [Measured("A", 1.0, 1.1, 70.0), Measured("B", 1.05, 1.2, 70.0),  # overlapping, equally accurate
+              Measured("C", 2.0, 2.1, 75.0),  # slower beyond the intervals, more accurate: a real trade-off
+              Measured("D", 1.0, 1.1, 65.0),  # A is as fast as the measurement tells and more accurate
+              Measured("E", 0.5, 0.6, 60.0),  # the fastest
+              Measured("F", 2.05, 2.5, 74.0)]  # C overlaps it and is more accurate
+    front = measured_front(models)
+    assert [(m.id, ties) for m, ties in front] == [("E", []), ("A", ["B"]), ("B", ["A"]), ("C", [])]
+    rng = random.Random(4)
+    for _ in range(200):
+        ms = []
+        for i in range(8):
+            low = rng.uniform(1, 3)
+            ms.append(Measured(str(i), low, low + rng.uniform(0, 0.5), float(rng.choice([60, 65, 70, 75]))))
+        kept = {m.id for m, _ in measured_front(ms)}
+        for m in ms:
+            beaten = any(o.top1 >= m.top1 and (o.high < m.low or (o.top1 > m.top1 and o.low <= m.high))
+                         for o in ms if o is not m)
+            assert (m.id in kept) == (not beaten)

@@ -165,3 +165,48 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
     assert "no model measured within 2 ms; the fastest is /ckpt/fast" in capsys.readouterr().err
     assert main(["select", "--experiment", "lat", "--tracking-uri", uri, "--max-latency-ms", "2"]) == 2
     assert "--max-latency-ms X goes with --table PATH" in capsys.readouterr().err
+
+
+def test_speed_budgets_hold_by_the_intervals_end(tmp_path, capsys):
+    """The select stage's images/s on one scale with its interval: ``--min-images-per-s`` by the lower end,
+    ``--max-latency-ms`` by the upper end; the evaluate stage's own figure is not read where the scale is there."""
+    from pipeline.dag.records import LATENCY_HIGH, LATENCY_METRIC, LATENCY_TABLE_TAG, RATE_HIGH, RATE_LOW, SCALED_RATE
+    from pipeline.targets import file_sha256
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())
+    parent = client.create_run(exp, run_name="scaled", tags={"pipeline.stage": "dag"}).info.run_id
+    table = tmp_path / "table.json"
+    table.write_text('{"a": 1}\n')
+    # name, top1, evaluate's own images/s, (scaled, low, high), (latency ms, its upper end)
+    for name, top1, own, scaled, ms in (("wide", 80.0, 9000.0, (2000.0, 1700.0, 2300.0), (3.0, 3.6)),
+                                        ("tight", 78.0, 10.0, (1950.0, 1900.0, 2000.0), (3.2, 3.3))):
+        run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
+                                           "pipeline.done": "1"}).info.run_id
+        client.log_param(run, "checkpoint", f"/ckpt/{name}")
+        for key, value in (("top1", top1), ("gflops", 0.002), ("images_per_s", own), *zip(
+                (SCALED_RATE, RATE_LOW, RATE_HIGH), scaled), (LATENCY_METRIC, ms[0]), (LATENCY_HIGH, ms[1])):
+            client.log_metric(run, key, value)
+        client.set_tag(run, LATENCY_TABLE_TAG, file_sha256(table))
+    args = ["select", "--experiment", "scaled", "--tracking-uri", uri]
+    assert main([*args, "--min-images-per-s", "1800"]) == 0  # wide's 2000 may be 1700: only tight holds 1800
+    out = capsys.readouterr().out
+    assert "model: /ckpt/tight" in out and "images_per_s: 1950.0 [1900.0, 2000.0] (cpu)" in out
+    assert main([*args, "--min-images-per-s", "1600"]) == 0
+    assert "model: /ckpt/wide" in capsys.readouterr().out
+    assert main([*args, "--max-latency-ms", "3.5", "--table", str(table)]) == 0  # wide's 3.0 ms may be 3.6
+    assert "model: /ckpt/tight" in capsys.readouterr().out
+
+
+def test_the_fastest_alias_goes_to_the_most_accurate_model_the_intervals_cannot_tell_from_the_fastest():
+    from pipeline.dag.select import fastest
+
+    rows = [{"name": "fastest", "images_per_s": 2000.0, "images_per_s_low": 1900.0, "images_per_s_high": 2100.0,
+             "top1": 70.0},
+            {"name": "overlapping", "images_per_s": 1850.0, "images_per_s_low": 1700.0, "images_per_s_high": 1950.0,
+             "top1": 75.0},
+            {"name": "slower", "images_per_s": 1500.0, "images_per_s_low": 1400.0, "images_per_s_high": 1600.0,
+             "top1": 90.0}]
+    assert fastest(rows)["name"] == "overlapping"
+    assert fastest([{**r, "images_per_s_low": None, "images_per_s_high": None} for r in rows])["name"] == "fastest"

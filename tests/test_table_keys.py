@@ -20,6 +20,7 @@ from pipeline.bench.blocks import (
     usable_cores,
 )
 from pipeline.bench.latency import run_check
+from pipeline.bench.paired import SpeedSettings
 from pipeline.bench.records import find_record
 from pipeline.cost import check_key
 from pipeline.errors import InputError
@@ -49,7 +50,7 @@ def test_a_table_keyed_for_more_threads_than_usable_cores_is_refused_naming_thre
     planted = replace(table, key={**table.key, "threads": more})
     with pytest.raises(InputError, match=rf"threads: the key says {more} thread\(s\); this process can use "
                                          rf"{usable_cores()} core"):
-        run_check(planted, count=2, seed=0, levels=False, other_device=False, warmup=1, repeats=2, log=lambda _: None)
+        run_check(planted, count=2, seed=0, levels=False, other_device=False, log=lambda _: None)
     ratio, status = measure_on_table(planted, [8, 4], log=lambda _: None)
     assert ratio is None and status.startswith("predicted (") and f"the key says {more} thread(s)" in status
     with pytest.raises(InputError, match="threads: the key says"):  # and no table is measured for it either
@@ -63,8 +64,8 @@ def test_a_table_keeps_its_kernel_choice_and_another_choice_is_refused_naming_it
     assert settings_from_key(table.key).kernels == torch_native
     old = {k: v for k, v in table.key.items() if k != "kernel_choice"}  # a key from before the choice was recorded
     assert settings_from_key(old).kernels == KernelChoice()
-    checked, rows = run_check(table, count=1, seed=0, levels=False, other_device=False, warmup=1, repeats=2,
-                              log=lambda _: None)  # on its own machine, with its own kernels: measured
+    checked, rows = run_check(table, count=1, seed=0, levels=False, other_device=False,
+                              speed=SpeedSettings(cap_s=0.5, warmup=1), log=lambda _: None)  # its own kernels: measured
     assert not checked.predicted and len(rows) == 1 and rows[0].measured > 0
     with pytest.raises(InputError, match=r"kernel_choice: \{.*'native': 'torch'.*\} != \{.*'native': 'auto'"):
         measure_table(settings(), out, log=lambda _: None)  # measuring into it with every kernel at auto

@@ -525,3 +525,25 @@ def test_run_plan_refuses_a_target_below_the_cheapest_list_naming_its_fraction(t
     assert (f"lat0.02 (M32): 0.02 of the unmodified model is below the cheapest keep list the cost table {table} "
             f"allows, {cheapest:.4f}") in lines[0]
     assert 0.02 < cheapest < 0.8 and not (tmp_path / "m.db").exists()  # nothing ran, no store was made
+
+
+def test_a_list_is_repaired_only_when_its_interval_is_over_the_target():
+    """A paired measurement's lower end decides: a list whose ratio is over the target but whose interval reaches under
+    it is kept; one whose interval is wholly over it is repaired."""
+    from types import SimpleNamespace
+
+    costs = _table()
+    weights = [torch.linspace(1.0, 0.2, 8, dtype=torch.float64) for _ in range(3)]
+    keep = round_keep(weights, costs, 0.7 * costs.unmodified())
+    doubtful = repair_keep(weights, costs, 0.7, keep, lambda t, k: (SimpleNamespace(ratio=0.72, low=0.69, high=0.75),
+                                                                    "measured"))
+    assert doubtful.keep == keep and doubtful.tries == 0 and (doubtful.low, doubtful.high) == (0.69, 0.75)
+    calls = []
+
+    def over(table: CostModel, k: list[int]) -> tuple[SimpleNamespace, str]:
+        calls.append(k)
+        return SimpleNamespace(ratio=0.74, low=0.71, high=0.77), "measured"
+
+    repaired = repair_keep(weights, costs, 0.7, keep, over, tries=2)
+    assert repaired.tries == 2 and len(calls) == 3 and repaired.keep != keep  # at most `tries` roundings
+    assert repaired.status.startswith("still over the target after 2 repair(s)")

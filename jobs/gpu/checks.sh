@@ -23,6 +23,9 @@
 #             cells, each compiled shape costs seconds), then bench latency-check of it on the paper's levels (LATENCY_LISTS 8 lists: levels 0-7);
 #             OUT/latency-METHOD.{json,md,log} and OUT/latency-check-METHOD.{md,log}; LATENCY_ARGS replaces the
 #             model flags of bench blocks (the CPU test gives a tiny model and one thread; the check takes the table's)
+#   speed     benchmarks/paired_speed.py: DeiT-S level 3 (SPEED_METHODS: powerbert,wkmedoids) against the unmodified
+#             model, bf16, batch BATCH, compiled (COMPILE), with the evaluate stage's paired primitive (CUDA events,
+#             ABBA blocks, a 95% interval; SPEED_CAP_S 40 s a method)
 #   pack      every output so far in one archive (below)
 # SPLIT=1 runs eager, compiled, train and fp32 once per method (OUT/PART-METHOD.*), each under the
 # part's limit, so that one method's slow compilation cannot take the later methods' results; each
@@ -134,10 +137,19 @@ for part in "$@"; do
                echo "   exit $? ($(date +%T))"; cat "$out/latency-$m.md"
                fits "${LATENCY_CHECK_S:-300}" "latency-check-$m" || continue
                timeout "${LATENCY_CHECK_S:-300}" python3 -m pipeline bench latency-check "$out/latency-$m.json" \
-                 --lists "${LATENCY_LISTS:-8}" --repeats 7 > "$out/latency-check-$m.md" 2> "$out/latency-check-$m.log"
+                 --lists "${LATENCY_LISTS:-8}" --cap-s "${LATENCY_CHECK_CAP_S:-30}" > "$out/latency-check-$m.md" \
+                 2> "$out/latency-check-$m.log"
                echo "   exit $? ($(date +%T))"; cat "$out/latency-check-$m.md"
              done ;;
+    speed) fits "${SPEED_S:-240}" "speed-$mode" || continue
+           echo "== speed-$mode ($(date +%T))"
+           timeout "${SPEED_S:-240}" python3 benchmarks/paired_speed.py --device "$device" --level 3 \
+             --model "${SPEED_MODEL:-deit_small_patch16_224}" \
+             --methods "${SPEED_METHODS:-powerbert,wkmedoids}" --batch "$batch" --dtype bf16 --compile "$mode" \
+             --cap-s "${SPEED_CAP_S:-40}" > "$out/speed-$mode.md" 2> "$out/speed-$mode.log"
+           echo "   exit $? ($(date +%T))"; cat "$out/speed-$mode.md" ;;
     pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
-    *) echo "unknown part $part (doctor tests kernels eager compiled train fp32 loop pooling latency pack)"; exit 2 ;;
+    *) echo "unknown part $part (doctor tests kernels eager compiled train fp32 loop pooling latency speed pack)"
+       exit 2 ;;
   esac
 done

@@ -4,9 +4,9 @@ The held-out keep lists are the paper's sparsity levels for the model (where it 
 random non-increasing lists, some with no pooling step in some blocks (K_l = K_{l-1}), picked so that
 their predicted time spreads over ``SPREAD`` of the unmodified model's. Each list's model (the table's
 method and options) is timed paired against the unmodified timm model at the table's setting
-(``timing.time_paired``), and the prediction is judged on that ratio, since absolute milliseconds drift
-on a loaded machine: the relative error ``predicted ratio / measured ratio - 1`` per list, its median and
-worst absolute value, and Kendall's tau between predicted and measured ratios.
+(``bench.paired``: ABBA blocks, the median's 95% interval), and the prediction is judged on that ratio,
+since absolute milliseconds drift on a loaded machine: the relative error ``predicted ratio / measured ratio - 1``
+per list, its median and worst absolute value, and Kendall's tau between predicted and measured ratios.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from pipeline.bench.blocks import BlocksSettings, paired_cell, replace_key, settings_from_key, setup, table_key
+from pipeline.bench.blocks import BlocksSettings, replace_key, settings_from_key, setup, table_key
+from pipeline.bench.paired import SpeedRatio, SpeedSettings, paired_ratio, sample_timer
+from pipeline.bench.timing import default_calls
 from pipeline.cost import CostModel, check_key
 from pipeline.errors import InputError
 from pipeline.models.keep import effective_keep
@@ -35,8 +37,11 @@ class CheckRow:
     label: str
     keep: list[int]
     predicted: float  # predicted time / predicted unmodified time
-    measured: float  # median over pairs of (this model's time / the unmodified model's time)
-    iqr: float  # of the measured per-pair ratios
+    speed: SpeedRatio  # this model's time over the unmodified model's, paired (``bench.paired``)
+
+    @property
+    def measured(self) -> float:
+        return self.speed.ratio
 
     @property
     def error(self) -> float:
@@ -126,34 +131,38 @@ def held_out_lists(table: CostModel, count: int, seed: int, levels: bool = True)
 
 
 def measure_lists(s: BlocksSettings, lists: list[tuple[str, list[int]]], table: CostModel, base: nn.Module,
-                  device: torch.device, log: Callable[[str], None] = print) -> list[CheckRow]:
-    """Each list's model paired against the unmodified model ``base`` (on ``device``) at the setting ``s``."""
+                  device: torch.device, log: Callable[[str], None] = print, speed: SpeedSettings | None = None
+                  ) -> list[CheckRow]:
+    """Each list's model against the unmodified model ``base`` (on ``device``) at the setting ``s``: a paired ratio
+    with its 95% interval (``bench.paired``, ``speed`` its tolerance, cap and warm-up)."""
     images = torch.randn(s.batch, 3, *base.patch_embed.img_size, generator=torch.Generator().manual_seed(0))
     images = images.to(device)
     run_base = compile_model(base, s.compile, device)
+    timer = sample_timer(device, calls=default_calls(device), clock=s.clock)
     full, rows = table.unmodified(), []
     with cuda_settings(device), inference(device, s.dtype):
         for i, (label, keep) in enumerate(lists, 1):
             model = s.model.build(method=s.method, keep=keep, options=s.options, kernels=s.kernels)
             model.load_state_dict(base.state_dict(), strict=False)
             run = compile_model(model.to(device), s.compile, device)
-            cell = paired_cell(partial(run, images), partial(run_base, images), s, device)
-            measured, iqr = cell["ratio"], cell["iqr"]
-            rows.append(CheckRow(label, keep, table.predict(keep) / full, measured, iqr))
+            ratio = paired_ratio(partial(run, images), partial(run_base, images), timer=timer,
+                                 settings=speed or SpeedSettings(warmup=s.warmup))
+            rows.append(CheckRow(label, keep, table.predict(keep) / full, ratio))
             log(f"[latency-check] {i}/{len(lists)} {label}: predicted {rows[-1].predicted:.3f}, measured "
-                f"{measured:.3f} (IQR {iqr:.3f}), error {rows[-1].error:+.1%}")
+                f"{ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}] ({ratio.blocks} blocks, {ratio.stop}), "
+                f"error {rows[-1].error:+.1%}")
     return rows
 
 
-def run_check(table: CostModel, *, count: int, seed: int, levels: bool, other_device: bool, warmup: int,
-              repeats: int, log: Callable[[str], None] = print, where: str = "the table"
+def run_check(table: CostModel, *, count: int, seed: int, levels: bool, other_device: bool,
+              speed: SpeedSettings | None = None, log: Callable[[str], None] = print, where: str = "the table"
               ) -> tuple[CostModel, list[CheckRow]]:
     """Checks the table's key against this machine (``cost.check_key``), then measures the held-out lists."""
-    s = settings_from_key(table.key, warmup=warmup, repeats=repeats)
+    s = settings_from_key(table.key)
     device, base = setup(s)
     table = check_key(replace_key(table), table_key(s, base, device), other_device=other_device, where=where)
     lists = held_out_lists(table, count, seed, levels)
-    return table, measure_lists(s, lists, table, base, device, log)
+    return table, measure_lists(s, lists, table, base, device, log, speed)
 
 
 def format_check(table: CostModel, rows: list[CheckRow], where: str) -> str:
@@ -162,10 +171,12 @@ def format_check(table: CostModel, rows: list[CheckRow], where: str) -> str:
     lines = [f"latency check of {where}{mark}",
              f"{k['model']} (M={k['embed_dim']}, L={k['depth']}), {k['method']}, batch {k['batch']}, {k['dtype']}, "
              f"compile {k['compile']}, {k['threads']} thread(s), {k.get('clock', 'wall')} clock, {k['device']}", "",
-             "| list | keep | predicted ratio | measured ratio | IQR | error |", "|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {r.label} | {','.join(map(str, r.keep))} | {r.predicted:.3f} | {r.measured:.3f} | {r.iqr:.3f} | "
-              f"{r.error:+.1%} |" for r in rows]
+             "| list | keep | predicted ratio | measured ratio | 95% interval | error |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r.label} | {','.join(map(str, r.keep))} | {r.predicted:.3f} | {r.measured:.3f} | "
+              f"[{r.speed.low:.3f}, {r.speed.high:.3f}] | {r.error:+.1%} |" for r in rows]
     lines += ["", f"{summary.lists} lists: median |error| {summary.median_abs_error:.1%}, worst "
               f"{summary.worst_abs_error:.1%}, Kendall tau {summary.tau:.3f}",
-              "ratio: time / the unmodified model's time at the same setting (measured: median over paired samples)"]
+              "ratio: time / the unmodified model's time at the same setting (measured: the median of paired ABBA "
+              "blocks, with its 95% interval; bench.paired)"]
     return "\n".join(lines)

@@ -58,6 +58,7 @@ class SpeedRatio:
     pilot_half_width: float
     seconds: float  # wall time of the pilot and the blocks
     block_ratios: tuple[float, ...] = field(repr=False, default=())
+    reference_s: float = math.nan  # the reference's median seconds a call over the blocks (its own scale)
 
     @property
     def half_width(self) -> float:
@@ -131,9 +132,18 @@ def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, t
     n, stop, half = planned_blocks(pilot, wall() - start, settings)
     if log is not None:
         log(f"[speed] pilot half-width {half:.1%}: measuring {n} blocks ({stop})")
-    blocks = [block_ratio(fn, reference, settings.pilot + i, timer) for i in range(n)]
+    reference_times: list[float] = []
+
+    def recorded(f: Callable[[], object]) -> float:
+        seconds = timer(f)
+        if f is reference:
+            reference_times.append(seconds)
+        return seconds
+
+    blocks = [block_ratio(fn, reference, settings.pilot + i, recorded) for i in range(n)]
     ratio, low, high = median_interval(blocks)
-    return SpeedRatio(ratio, low, high, n, stop, half, wall() - start, tuple(blocks))
+    return SpeedRatio(ratio, low, high, n, stop, half, wall() - start, tuple(blocks),
+                      statistics.median(reference_times))
 
 
 def sample_timer(device: torch.device, *, calls: int = 1, clock: str = "cpu") -> Callable[[Callable], float]:
@@ -168,4 +178,5 @@ def chain(first: SpeedRatio, second: SpeedRatio) -> SpeedRatio:
     at least 90%, and both measurements are usually much tighter than the tolerance)."""
     return SpeedRatio(first.ratio * second.ratio, first.low * second.low, first.high * second.high,
                       first.blocks + second.blocks, first.stop if first.stop == "cap" else second.stop,
-                      max(first.pilot_half_width, second.pilot_half_width), first.seconds + second.seconds)
+                      max(first.pilot_half_width, second.pilot_half_width), first.seconds + second.seconds,
+                      reference_s=second.reference_s)

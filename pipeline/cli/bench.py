@@ -315,13 +315,15 @@ def cmd_bench_blocks(args: argparse.Namespace) -> int:
 
 def cmd_bench_latency_check(args: argparse.Namespace) -> int:
     from pipeline.bench.latency import format_check, run_check
+    from pipeline.bench.paired import SpeedSettings
     from pipeline.cost import load_cost_model
 
-    if args.lists < 2 or args.repeats < 1:
-        raise InputError("--lists must be at least 2 (Kendall's tau compares pairs) and --repeats at least 1")
+    if args.lists < 2 or not 0 < args.tolerance < 1 or args.cap_s <= 0:
+        raise InputError("--lists must be at least 2 (Kendall's tau compares pairs), --tolerance in (0, 1) and "
+                         "--cap-s above 0")
+    speed = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, warmup=args.warmup)
     table, rows = run_check(load_cost_model(args.table), count=args.lists, seed=args.seed, levels=not args.no_levels,
-                            other_device=args.other_device, warmup=args.warmup, repeats=args.repeats, log=log,
-                            where=str(args.table))
+                            other_device=args.other_device, speed=speed, log=log, where=str(args.table))
     print(format_check(table, rows, str(args.table)))
     return 0
 
@@ -364,8 +366,10 @@ def _add_bench_latency(bench_commands) -> None:
     check.add_argument("--lists", type=int, default=20, help="held-out keep lists, the paper's levels included")
     check.add_argument("--no-levels", action="store_true", help="random lists only")
     check.add_argument("--seed", type=int, default=0, help="of the random lists")
-    check.add_argument("--warmup", type=int, default=2)
-    check.add_argument("--repeats", type=int, default=7, help="timed pairs a list; the median ratio is kept")
+    check.add_argument("--warmup", type=int, default=2, help="calls of each model before a list is timed")
+    check.add_argument("--tolerance", type=float, default=0.02, help="each list's paired ratio is timed in blocks "
+                       "until its 95%% interval's half-width is about this share of it (bench.paired)")
+    check.add_argument("--cap-s", type=float, default=30.0, help="the most seconds a list's blocks may take")
     check.add_argument("--other-device", action="store_true",
                        help="accept a table measured on another machine (device, threads, versions, kernels): its "
                             "figures are then a prediction, and the output says so")

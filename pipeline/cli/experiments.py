@@ -72,8 +72,10 @@ def _pick(args: argparse.Namespace):
 
 def cmd_select(args: argparse.Namespace) -> int:
     pick = _pick(args)
+    interval = "" if pick.images_per_s_low is None else f" [{pick.images_per_s_low:.1f}, {pick.images_per_s_high:.1f}]"
     print(f"model: {pick.uri}\ntop1: {pick.top1:.2f}\ngflops: {pick.gflops:.4f}\n"
-          f"images_per_s: {pick.images_per_s:.1f} ({pick.device})\nmethod: {pick.method}\nlevel: {pick.level}")
+          f"images_per_s: {pick.images_per_s:.1f}{interval} ({pick.device})\n"
+          f"method: {pick.method}\nlevel: {pick.level}")
     return 0
 
 
@@ -132,9 +134,11 @@ def _add_budget_args(parser: argparse.ArgumentParser, *, required: bool) -> None
     budget = parser.add_mutually_exclusive_group(required=required)
     budget.add_argument("--max-gflops", type=float, default=None)
     budget.add_argument("--min-images-per-s", type=float, default=None,
-                        help="measured images/s, as the evaluate stage timed them")
+                        help="measured images/s: a model fits when the lower end of its 95%% interval (the select "
+                        "stage's, on one scale for every width) is at least this")
     budget.add_argument("--max-latency-ms", type=float, default=None,
-                        help="latency measured against --table (a K-search target's models)")
+                        help="latency measured against --table (a K-search target's models): a model fits when "
+                        "the upper end of its 95%% interval is under this")
     parser.add_argument("--table", default=None, help="the cost table --max-latency-ms refers to")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="only models timed on this device (default: any)")

@@ -9,17 +9,17 @@ import torch
 from pipeline.cost import CostModel, key_differences
 
 
-def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], None] = print
-                     ) -> tuple[float | None, str]:
-    """The measured time of the table's model and method at ``keep`` over the unmodified model's, paired at the
-    table's setting (``bench.latency.measure_lists``), with how it was measured; None and why when this process
-    is not what the table's key says (device, threads against the usable cores, versions, kernels): the figure would
-    not be comparable."""
+def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], None] = print):
+    """The table's model and method at ``keep`` timed against the unmodified model, paired at the table's setting
+    (``bench.latency.measure_lists``: a ``bench.paired.SpeedRatio``, the ratio with its 95% interval), and how it
+    was measured; None and why when this process is not what the table's key says (device, threads against the
+    usable cores, versions, kernels): the figure would not be comparable."""
     from pipeline.bench.blocks import check_threads, measured_key, settings_from_key, table_key
     from pipeline.bench.latency import measure_lists
+    from pipeline.bench.paired import SpeedSettings
     from pipeline.errors import InputError
 
-    settings = settings_from_key(table.key, warmup=2, repeats=7)
+    settings = settings_from_key(table.key)
     if settings.device == "cuda" and not torch.cuda.is_available():
         return None, "predicted (the table is a CUDA one; no CUDA device here)"
     try:
@@ -32,14 +32,20 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
     try:
         torch.manual_seed(0)
         device = torch.device(settings.device)
-        base = settings.model.build().to(device)
+        base = settings.model.build(kernels=settings.kernels).to(device)
         differences = key_differences(measured_key(table), table_key(settings, base, device))
         if differences:
             return None, f"predicted (this machine is not the table's key: {'; '.join(differences)})"
-        (row,) = measure_lists(settings, [("target", keep)], table, base, device, log)
+        (row,) = measure_lists(settings, [("target", keep)], table, base, device, log,
+                               SpeedSettings(cap_s=CHECK_CAP_S))
     finally:
         torch.set_num_threads(threads)
-    return row.measured, f"measured (paired against the unmodified model, IQR {row.iqr:.3f} of the ratio)"
+    ratio = row.speed
+    return ratio, (f"measured (paired against the unmodified model: {ratio.ratio:.3f} [{ratio.low:.3f}, "
+                   f"{ratio.high:.3f}], {ratio.blocks} blocks, {ratio.stop})")
+
+
+CHECK_CAP_S = 60.0  # the most seconds a keep list's check may spend on its blocks
 
 
 REPAIR_TAG = "pipeline.target_check"  # on a latency K search's run: the check's Repair as JSON
@@ -83,13 +89,15 @@ def check_latency_targets(ctx, stages: list, results: dict) -> dict:
                                  result.keep, partial(measure_on_table, log=lambda _: None))
             metrics = {} if repair.measured is None else {"target_measured": repair.measured}
             log_batch(ctx.client, result.run_id, tags={REPAIR_TAG: json.dumps(asdict(repair))}, metrics=metrics)
+        interval = "" if repair.low is None else f" [{repair.low:.3f}, {repair.high:.3f}]"
         if repair.measured is None:
             said = f"{repair.searched} not measured"
         elif repair.keep == repair.searched:
-            said = f"{repair.searched} measured {repair.measured:.3f} of the unmodified model"
+            said = f"{repair.searched} measured {repair.measured:.3f}{interval} of the unmodified model"
         else:
             first = "over the target" if repair.first is None else f"{repair.first:.3f} of the unmodified model"
-            said = f"{repair.searched} measured {first}; repaired to {repair.keep}, measured {repair.measured:.3f}"
+            said = (f"{repair.searched} measured {first}; repaired to {repair.keep}, measured "
+                    f"{repair.measured:.3f}{interval}")
         ctx.log(f"[target] {stage.label}: {said}: {repair.status}")
         out[stage.id] = replace(result, keep=repair.keep)
     return out

@@ -25,6 +25,8 @@ TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of 
 # On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
 # table's sha256.
 LATENCY_METRIC, LATENCY_TABLE_TAG = "latency_ms", "pipeline.latency_table"
+LATENCY_HIGH = "latency_ms_high"  # the measured latency's 95% interval's upper end
+SCALED_RATE, RATE_LOW, RATE_HIGH = "images_per_s_scaled", "images_per_s_low", "images_per_s_high"  # the select stage's
 
 
 def find_done(client: MlflowClient, exp_id: str, stage_id: str) -> tuple[dict[str, Any], str] | None:

@@ -249,6 +249,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     counts = count_plan(config)
     log(f"[plan] {exp.name}: {counts.as_dict()}")
     connect_ray(address or config.train.address)
+    check_timing()
     client, exp_id, parent = open_parent(config.train.tracking_uri, config.train.experiment,
                                          config.train.artifact_root, dag_id(config), exp.name)
     ctx = Context(config, dag_id(config), parent, client, exp_id, log, keep_going, slicer)
@@ -291,6 +292,35 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     return {**summary, "failures": dict(ctx.failures), "planned": list(ctx.planned)}
 
 
+def check_timing() -> None:
+    """A ConfigError, before any stage runs, where no node of the Ray cluster has the ``timing`` resource that every
+    speed measurement holds (one at a time per node)."""
+    import ray
+
+    from pipeline.train.launch import TIMING
+
+    if ray.cluster_resources().get(TIMING, 0) < 1:
+        raise ConfigError(f"the Ray cluster has no {TIMING!r} resource, which every speed measurement holds so that "
+                          f"none shares a node with another: start each node with `ray start --resources='{{\"{TIMING}"
+                          "\": 1}'` (jobs/k8s and jobs/vm do; docs/cluster.md)")
+
+
+def eval_task(config: Config, fn: Callable):
+    """``fn`` as a Ray task in the evaluate stage's setting, holding the ``timing`` resource, and whether it gets a
+    GPU."""
+    import ray
+
+    from pipeline.train.launch import TIMING
+
+    check_timing()
+    resources = ray.cluster_resources()
+    device = config.experiment.eval.device
+    cuda = device == "cuda" or (device == "auto" and resources.get("GPU", 0) > 0)
+    task = ray.remote(num_cpus=min(config.experiment.eval.cpus, resources.get("CPU", 1)), num_gpus=1 if cuda else 0,
+                      resources={TIMING: 1})(fn)
+    return task, cuda
+
+
 def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                     ) -> dict[str, EvalResult]:
     """One Ray task per finetuned model; each takes ``eval.cpus`` so timings do not share cores."""
@@ -299,10 +329,7 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
     config = ctx.config
     tracking = Tracking(uri=config.train.tracking_uri, experiment=config.train.experiment,
                         artifact_root=config.train.artifact_root, parent=ctx.parent, dag=ctx.dag)
-    device = config.experiment.eval.device
-    cuda = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    task = ray.remote(num_cpus=min(config.experiment.eval.cpus, ray.cluster_resources().get("CPU", 1)),
-                      num_gpus=1 if cuda else 0)(run_evaluation_spec)
+    task, cuda = eval_task(config, run_evaluation_spec)
     chosen = {stage.upstream[0]: stage for stage in ctx.plan([evaluate_stage(config, s) for s in ft_stages])}
     stages = {source.id: chosen[source.id] for source in ft_stages if source.id in chosen}
     done = recorded(ctx, list(stages.values()), f"{config.experiment.name}-evaluate")
@@ -321,6 +348,8 @@ def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, 
         except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
             ctx.failed(stages[source_id].label, err)
             continue
-        ctx.log(f"[evaluate] {index}/{len(futures)} {result.top1:.2f}% {result.gflops:.4f} GFLOPs "
-                f"{result.images_per_s:.0f} img/s ({result.device}, {result.dtype}, compile {result.compile})")
+        ctx.log(f"[evaluate] {index}/{len(futures)} {result.top1:.2f}% {result.gflops:.4f} GFLOPs, time "
+                f"{result.speed_ratio:.3f} [{result.speed_ratio_low:.3f}, {result.speed_ratio_high:.3f}] of the "
+                f"unmodified model ({result.speed_blocks} blocks, {result.speed_stop}; {result.device}, "
+                f"{result.dtype}, compile {result.compile})")
     return {source.id: results[source.id] for source in ft_stages if source.id in results}

@@ -19,9 +19,74 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                      "keep": trained.keep, "gflops": measured.gflops, "top1": measured.top1,
                      "images_per_s": measured.images_per_s, "train_top1": trained.val_top1,
                      "checkpoint": trained.checkpoint, "stage_id": stage.id, "run_id": trained.run_id,
-                     "analysis": measured.analysis,
+                     "analysis": measured.analysis, "speed_ratio": measured.speed_ratio,
+                     "speed_ratio_low": measured.speed_ratio_low, "speed_ratio_high": measured.speed_ratio_high,
+                     "speed_seconds": measured.speed_seconds, "speed_half_width": None if measured.speed_ratio is None
+                     else (measured.speed_ratio_high - measured.speed_ratio_low) / 2 / measured.speed_ratio,
                      "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile}"})
     return rows
+
+
+def measure_scale(ctx, rows: list[dict[str, Any]]):
+    """``evaluate.Scale`` of the rows' architectures, measured now (never cached: it is what puts this run's
+    models on one scale) in a Ray task that holds the ``timing`` resource, as every evaluation does; None where
+    no row carries a paired speed (records from before it)."""
+    import ray
+
+    from pipeline.dag.runner import eval_task
+
+    timed = [r for r in rows if r.get("speed_ratio") is not None]
+    if not timed:
+        return None
+    checkpoints = {}
+    for row in timed:
+        checkpoints.setdefault(row["arch"], row["checkpoint"])
+    task, cuda = eval_task(ctx.config, reference_scale_task)
+    scale = ray.get(task.remote(checkpoints, ctx.config.experiment.eval, cuda, ctx.config.kernels.choice()))
+    check, spent = scale.self_check, sum(r.get("speed_seconds") or 0.0 for r in timed)
+    ctx.log(f"[select] the evaluations' paired speed measurements took {spent:.0f} s in all; half-widths "
+            f"{_spread([r['speed_half_width'] for r in timed])}")
+    ctx.log(f"[select] speed scale: {scale.anchor}'s unmodified model {scale.anchor_images_per_s:.0f} img/s; against "
+            f"itself {check.ratio:.3f} [{check.low:.3f}, {check.high:.3f}]"
+            + "".join(f"; {arch} {r.ratio:.3f} [{r.low:.3f}, {r.high:.3f}] of it"
+                      for arch, r in scale.references.items() if arch != scale.anchor))
+    return scale
+
+
+def _spread(values: list[float]) -> str:
+    ordered = sorted(values)
+    return f"median {ordered[len(ordered) // 2]:.1%}, widest {ordered[-1]:.1%}"
+
+
+def reference_scale_task(checkpoints, cfg, cuda, kernels):
+    from pipeline.evaluate import reference_scale
+
+    return reference_scale(checkpoints, cfg, cuda=cuda, kernels=kernels)
+
+
+def on_scale(rows: list[dict[str, Any]], scale) -> list[dict[str, Any]]:
+    """The rows with images/s and its interval on ``scale`` (rows without a paired speed keep their own)."""
+    out = []
+    for row in rows:
+        if scale is None or row.get("speed_ratio") is None:
+            out.append(row)
+            continue
+        rate, low, high = scale.images_per_s(row["arch"], row["speed_ratio"], row["speed_ratio_low"],
+                                             row["speed_ratio_high"])
+        out.append(row | {"images_per_s": rate, "images_per_s_low": low, "images_per_s_high": high})
+    return out
+
+
+def record_scale(client, rows: list[dict[str, Any]], evaluations: dict[str, EvalResult]) -> None:
+    """Each model's images/s on the scale and its interval, on its evaluate run: what ``pipeline select`` reads."""
+    from pipeline.dag.records import RATE_HIGH, RATE_LOW, SCALED_RATE
+    from pipeline.tracking import log_batch
+
+    for row in rows:
+        if row.get("images_per_s_low") is not None:
+            log_batch(client, evaluations[row["stage_id"]].run_id, metrics={
+                SCALED_RATE: row["images_per_s"], RATE_LOW: row["images_per_s_low"],
+                RATE_HIGH: row["images_per_s_high"]})
 
 
 def search_landed(ctx, stage: Stage) -> float | None:
@@ -70,12 +135,13 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
 def record_latency(client, rows: list[dict[str, Any]], evaluations: dict[str, EvalResult]) -> None:
     """The measured latency of each target row on its evaluate run, with its table's hash: what ``pipeline select
     --max-latency-ms`` reads."""
-    from pipeline.dag.records import LATENCY_METRIC, LATENCY_TABLE_TAG
+    from pipeline.dag.records import LATENCY_HIGH, LATENCY_METRIC, LATENCY_TABLE_TAG
     from pipeline.tracking import log_batch
 
     for row in rows:
         if row["target_unit"] == "ms" and row["measured"] is not None:
-            log_batch(client, evaluations[row["stage_id"]].run_id, metrics={LATENCY_METRIC: row["measured"]},
+            log_batch(client, evaluations[row["stage_id"]].run_id,
+                      metrics={LATENCY_METRIC: row["measured"], LATENCY_HIGH: row["measured_high"]},
                       tags={LATENCY_TABLE_TAG: row["table_sha256"]})
 
 
@@ -89,17 +155,29 @@ def fastest_alias(budget: float) -> str:
     return f"fastest-under-{budget:g}-gflops".replace(".", "_")
 
 
+def fastest(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The most accurate of the models the measurement cannot tell from the fastest: those whose images/s interval
+    overlaps the fastest one's (each model its own point where there is no interval)."""
+    def end(row: dict[str, Any], which: str) -> float:
+        return row[which] if row.get(which) is not None else row["images_per_s"]
+
+    top = max(rows, key=lambda r: (r["images_per_s"], r["top1"]))
+    tied = [r for r in rows if end(r, "images_per_s_high") >= end(top, "images_per_s_low")]
+    return max(tied, key=lambda r: (r["top1"], r["images_per_s"]))
+
+
 def registry_picks(rows: list[dict[str, Any]], front: list[dict[str, Any]], budgets: list[float],
                    targeted: list[dict[str, Any]] = ()) -> list[tuple[str, dict[str, Any]]]:
     """(alias, row): ``pareto-1..n`` along the front, ``best`` (its top top-1), for each GFLOPs budget
-    the model with the most measured images/s within it, ``fastest-under-<budget>-gflops``, and for each
+    the most accurate model whose images/s interval overlaps the fastest one's within it (``fastest``),
+    ``fastest-under-<budget>-gflops``, and for each
     K-search target the most accurate model of its level, ``target-<level>`` (``targeted``: ``target_rows``)."""
     picks = {f"pareto-{index}": row for index, row in enumerate(front, 1)}
     picks["best"] = max(front, key=lambda r: r["top1"])
     for budget in budgets:  # budgets that print alike (close default ones) give one alias
         fitting = [r for r in rows if r["gflops"] <= budget]
         if fitting:
-            picks[fastest_alias(budget)] = max(fitting, key=lambda r: (r["images_per_s"], r["top1"]))
+            picks[fastest_alias(budget)] = fastest(fitting)
     for level in sorted({r["level"] for r in targeted}):
         picks[target_alias(level)] = max((r for r in targeted if r["level"] == level), key=lambda r: r["top1"])
     return list(picks.items())
@@ -158,6 +236,8 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                evaluations: dict[str, EvalResult], bases: dict[str, TrainedResult] | None = None) -> dict[str, Any]:
     exp = ctx.config.experiment
     rows = result_rows(ft_stages, ft_results, evaluations)
+    rows = on_scale(rows, measure_scale(ctx, rows))
+    record_scale(ctx.client, rows, evaluations)
     base_rows = [{"arch": arch, "val_top1": base.val_top1, "test_top1": base.test_top1, "run_id": base.run_id}
                  for arch, base in (bases or {}).items()]
     targeted = target_rows(ctx, ft_stages, rows)

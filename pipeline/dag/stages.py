@@ -112,12 +112,15 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     setting = {"device": measured.device, "dtype": measured.dtype, "compile": measured.compile}
     kernels = {f"kernels.{key}": value for key, value in choice.as_dict().items()}
     kernels |= {f"kernels_run.{key}": value for key, value in measured.kernels.items()}
+    speed = {key: getattr(measured, key) for key in ("speed_ratio", "speed_ratio_low", "speed_ratio_high",
+                                                      "speed_blocks", "speed_seconds", "load_before", "load_after")}
     log_batch(client, run_id, metrics={"top1": measured.top1, "gflops": measured.gflops,
                                        "images_per_s": measured.images_per_s,
-                                       "images_per_s_spread": measured.images_per_s_spread,
+                                       "images_per_s_spread": measured.images_per_s_spread, **speed,
                                        "peak_memory_mb": peak_memory_mb("cuda" if cuda else "cpu")},
               params={"checkpoint": checkpoint, "method": spec.meta.method, "level": spec.meta.level,
-                      **{f"eval_{key}": value for key, value in setting.items()}, **kernels})
+                      "speed_stop": measured.speed_stop, **{f"eval_{key}": value for key, value in setting.items()},
+                      **kernels})
     analysis = log_analysis(client, run_id, checkpoint, cfg)
     result = EvalResult(run_id=run_id, checkpoint=checkpoint, analysis=analysis, **measured.as_dict())
     mark_done(client, run_id, stage_id=spec.id, kind="evaluate", result=result.as_record())

@@ -91,6 +91,16 @@ class EvalResult:
     kernels: dict[str, str] | None = None  # what ran (``models.selfcheck.kernel_record``)
     analysis: str | None = None
     skipped: bool = False
+    # The paired speed (``bench.paired``): the model's time over its unmodified reference's, its 95% interval,
+    # the blocks and why they stopped, and the load average around it; None in records from before it.
+    speed_ratio: float | None = None
+    speed_ratio_low: float | None = None
+    speed_ratio_high: float | None = None
+    speed_blocks: int = 0
+    speed_stop: str | None = None
+    speed_seconds: float | None = None
+    load_before: float | None = None
+    load_after: float | None = None
 
     as_record = _record
 

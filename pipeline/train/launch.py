@@ -162,8 +162,12 @@ def check_reaches_workers(config: Config) -> None:
                           "runtime_env; docs/architecture.md), or train in this process (train.workers: 0)")
 
 
+TIMING = "timing"  # a Ray resource of 1 per node: a speed measurement holds it, so no other one runs beside it
+
+
 def connect_ray(address: str | None) -> None:
-    """A local Ray by default, or the cluster at ``address`` (or ``RAY_ADDRESS``)."""
+    """A local Ray by default (one node, with the ``timing`` resource), or the cluster at ``address`` (or
+    ``RAY_ADDRESS``), whose nodes are started with ``--resources='{"timing": 1}'``."""
     import ray
 
     if ray.is_initialized():
@@ -178,7 +182,7 @@ def connect_ray(address: str | None) -> None:
     # at every training's start (ray-project/ray#53727). A local Ray is one node that nothing drains; its
     # processes inherit this environment, and Ray Train passes the variable on to its controller.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    ray.init(logging_level=logging.WARNING, include_dashboard=False,
+    ray.init(logging_level=logging.WARNING, include_dashboard=False, resources={TIMING: 1},
              runtime_env={"worker_process_setup_hook": f"{__name__}.{setup_local_worker.__name__}"})
 
 
