@@ -7,14 +7,19 @@ GPU, a batch of a few images, the evaluation on the CPU. The slice covers every 
 and every stage kind: each kind's planned stages pass through ``rehearsal_slicer``, which keeps every
 architecture and every variant of the kind (the method of a finetune, the kind of search of a K search)
 at least once, spread round-robin. Everything goes to its own folder, MLflow store and experiment names,
-so a rehearsal is never mistaken for results. Failures do not stop it (the runner's keep-going mode): it
-prints a table of every stage, pass or fail with its error, and exits non-zero if any failed.
+so a rehearsal is never mistaken for results. Each rehearsal starts from a clean store (``clear_store``: only
+its generated data, which depends on the shapes alone, is kept), so every stage runs on the code of the day:
+stage ids hash the config and the upstream ids, not the code, and a record left by an earlier rehearsal
+would pass a stage that today's code breaks. Failures do not stop it (the runner's keep-going mode): it
+prints a table of every stage (pass, FAIL with its error, skipped, reused or not run) and exits non-zero
+unless every stage it was to run ran and passed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import socket
 import time
 import urllib.request
@@ -44,6 +49,47 @@ class RehearsalSettings:
         if self.steps < 1 or self.batch < 2 or self.batch % 2 or self.workers < 0 or self.cpus <= 0:
             raise InputError(f"rehearsal: steps {self.steps}, batch {self.batch}, workers {self.workers}, cpus "
                              f"{self.cpus}: give steps >= 1, an even batch >= 2, workers >= 0 and cpus > 0")
+
+
+# ---- the folder: its generated data kept, its store cleared ----
+
+MARKER = "rehearsal.json"  # what says a folder is a rehearsal's, so that ``clear_store`` may empty it
+STORE = ("mlflow.db", "mlartifacts", "ray", "experiments", "serve")  # what a rehearsal writes besides data/
+
+
+def clear_store(root: Path, log: Callable[[str], None]) -> None:
+    """Empties the store of an earlier rehearsal in ``root`` (its MLflow store and artifacts, Ray storage,
+    reports and downloaded models), keeping ``data/``; marks ``root`` as a rehearsal's folder. A folder that
+    holds anything else and no marker is refused: it may be an experiment's own store."""
+    root.mkdir(parents=True, exist_ok=True)
+    entries = sorted(p.name for p in root.iterdir())
+    if entries and not (root / MARKER).is_file() and not _earlier_rehearsal(root, entries):
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise InputError(f"--rehearse-dir {root}: it holds {shown} and no {MARKER}, so it is not a rehearsal's "
+                         "folder, and a rehearsal empties its store before it starts; give a new or empty folder")
+    cleared = sorted(name for name in entries if _stored(name))
+    for name in cleared:
+        path = root / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if cleared:
+        log(f"[rehearse] {root}: cleared the earlier rehearsal's {', '.join(cleared)} (data/ kept): every stage "
+            "runs on today's code")
+    (root / MARKER).write_text(json.dumps({"kept": ["data"], "cleared_at_start": list(STORE)}) + "\n")
+
+
+def _stored(name: str) -> bool:
+    return name in STORE or name.startswith("mlflow.db-")  # SQLite's journal beside the store
+
+
+def _earlier_rehearsal(root: Path, entries: list[str]) -> bool:
+    """A folder that a rehearsal wrote before folders were marked: its own entries only, and its data/
+    holding the ImageNet-like images only a rehearsal writes."""
+    data = root / "data"
+    return all(_stored(name) or name == "data" for name in entries) and data.is_dir() and any(
+        p.name.startswith("imagenet_like_") for p in data.iterdir())
 
 
 # ---- the data: ImageNet-like JPEGs in the experiment's own data format ----
@@ -128,7 +174,8 @@ def _scaled(config: Config, settings: RehearsalSettings, train: Path, val: Path)
     exp["search"].update(algorithm="grid", num_samples=1, trial_workers=min(exp["search"]["trial_workers"],
                          settings.workers), trial_cpus=settings.cpus, trial_gpus=0.0, max_concurrent=None)
     eval_ = exp["eval"]
-    eval_.update(batch=settings.batch, warmup=1, repeats=2, device="cpu", cpus=settings.cpus,
+    eval_.update(batch=settings.batch, warmup=1, speed_tolerance=0.05, speed_cap_s=1.0, device="cpu",
+                 cpus=settings.cpus,
                  analysis_images=min(eval_["analysis_images"], 1),
                  analysis_batch=min(eval_["analysis_batch"], settings.batch))
     exp.update(name=f"{exp['name']}-rehearsal", runs_dir=str(root / "experiments"), prepare=[],
@@ -218,11 +265,17 @@ class Slicer:
 
 # ---- the report ----
 
+PASS, FAIL, SKIPPED, REUSED, NOT_RUN = "pass", "FAIL", "skipped", "reused", "not run"
+# pass: it ran in this rehearsal and finished; FAIL: it ran and failed; skipped: a stage it needs failed;
+# reused: its record was found done and nothing ran (a rehearsal starts from a clean store, so this says the
+# store was not clean); not run: the config turns it off (register_models: false). Only "not run" is not a fault.
+
+
 @dataclass(frozen=True)
 class StageReport:
     kind: str
     label: str
-    status: str  # pass, FAIL, skipped
+    status: str  # one of PASS, FAIL, SKIPPED, REUSED, NOT_RUN
     step_s: float | None = None
     peak_mb: float | None = None
     seconds: float | None = None
@@ -235,9 +288,9 @@ class StageReport:
                 f"{num(self.peak_mb, ',.0f')} | {num(self.seconds, '.0f')} | {self.error} |")
 
 
-def stage_reports(config: Config, summary: dict[str, Any]) -> list[StageReport]:
-    """One report per planned stage, from its MLflow record (passed), the failures (failed), or neither
-    (skipped: a stage it needs failed)."""
+def stage_reports(config: Config, summary: dict[str, Any], started_ms: int) -> list[StageReport]:
+    """One report per planned stage, from its MLflow record (passed, or reused when the record is older than
+    this rehearsal, ``started_ms``), the failures (failed), or neither (skipped: a stage it needs failed)."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.dag.records import find_done
@@ -248,18 +301,23 @@ def stage_reports(config: Config, summary: dict[str, Any]) -> list[StageReport]:
     out = []
     for stage in summary["planned"]:
         if stage.label in summary["failures"]:
-            out.append(StageReport(stage.kind, stage.label, "FAIL", error=summary["failures"][stage.label]))
+            out.append(StageReport(stage.kind, stage.label, FAIL, error=summary["failures"][stage.label]))
             continue
         found = find_done(client, exp_id, stage.id)
         if found is None:
-            out.append(StageReport(stage.kind, stage.label, "skipped", error="a stage it needs failed"))
+            out.append(StageReport(stage.kind, stage.label, SKIPPED, error="a stage it needs failed"))
             continue
         record, run_id = found
-        metrics = client.get_run(run_id).data.metrics
+        run = client.get_run(run_id)
+        if run.info.start_time < started_ms:
+            out.append(StageReport(stage.kind, stage.label, REUSED, error=f"done in MLflow run {run_id} before this "
+                                   "rehearsal: nothing ran, today's code is not checked"))
+            continue
+        metrics = run.data.metrics
         step = metrics.get("step_s")
         if stage.kind == "evaluate" and metrics.get("images_per_s"):
             step = config.experiment.eval.batch / metrics["images_per_s"]  # one timed batch
-        out.append(StageReport(stage.kind, stage.label, "pass", step, metrics.get("peak_memory_mb"),
+        out.append(StageReport(stage.kind, stage.label, PASS, step, metrics.get("peak_memory_mb"),
                                record.get("seconds")))
     return out
 
@@ -268,16 +326,46 @@ def tail_reports(config: Config, summary: dict[str, Any], served: StageReport) -
     """The select and register stages, and the served request."""
     name = config.experiment.name
     if f"{name}-select" in summary["failures"]:
-        return [StageReport("select", f"{name}-select", "FAIL", error=summary["failures"][f"{name}-select"]),
-                StageReport("register", f"token-pooling-{name}", "skipped", error="select failed"), served]
-    out = [StageReport("select", f"{name}-select", "pass" if "rows" in summary else "skipped",
+        return [StageReport("select", f"{name}-select", FAIL, error=summary["failures"][f"{name}-select"]),
+                StageReport("register", f"token-pooling-{name}", SKIPPED, error="select failed"), served]
+    out = [StageReport("select", f"{name}-select", PASS if "rows" in summary else SKIPPED,
                        error="" if "rows" in summary else "no evaluated model")]
     if config.experiment.register_models:
         aliases = summary.get("aliases") or []
-        out.append(StageReport("register", f"token-pooling-{name}", "pass" if aliases else "FAIL",
+        out.append(StageReport("register", f"token-pooling-{name}", PASS if aliases else FAIL,
                                error=f"{len(aliases)} alias(es): " + ", ".join(a.rsplit("@", 1)[1] for a in aliases)
                                if aliases else "no model was registered"))
     return [*out, served]
+
+
+def not_served(config: Config) -> StageReport:
+    """The serve row when no request was sent: the config registers nothing (not a fault), or no model was
+    registered (a stage it needs failed)."""
+    if not config.experiment.register_models:
+        return StageReport("serve", "one request", NOT_RUN, error="experiment.register_models is false: no "
+                           "registered model to serve")
+    return StageReport("serve", "one request", SKIPPED, error="no registered model")
+
+
+def exit_status(reports: list[StageReport]) -> int:
+    """0 when every stage the rehearsal was to run ran in it and passed, else 1."""
+    return 0 if all(r.status in (PASS, NOT_RUN) for r in reports) else 1
+
+
+def count_line(reports: list[StageReport], seconds: float) -> str:
+    """``N of M passed in S s``, then what failed, was skipped or reused, and what the config did not run."""
+    faults = [r for r in reports if r.status not in (PASS, NOT_RUN)]
+    off = [r for r in reports if r.status == NOT_RUN]
+    ran = len(reports) - len(off)
+    line = f"{ran - len(faults)} of {ran} passed in {seconds:.0f} s"
+    for status, said in ((FAIL, "failed"), (SKIPPED, "skipped (a stage they need failed)"),
+                         (REUSED, "reused, not run")):
+        labels = [r.label for r in faults if r.status == status]
+        if labels:
+            line += f"; {said}: {', '.join(labels)}"
+    if off:
+        line += f"; not run (the config turns them off): {', '.join(f'{r.kind} ({r.label})' for r in off)}"
+    return line
 
 
 # ---- one served request ----
@@ -312,12 +400,12 @@ def serve_one(model: str, tracking_uri: str, folder: Path, log: Callable[[str], 
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
         label = answer["predictions"][0]["label"]
-        return StageReport("serve", f"one request to {model}", "pass", time.perf_counter() - sent, None,
+        return StageReport("serve", f"one request to {model}", PASS, time.perf_counter() - sent, None,
                            time.perf_counter() - started, f"answered {label!r}")
     except Exception as err:  # noqa: BLE001 - the rehearsal reports any failure and goes on
         from pipeline.dag.sweep import one_line
 
-        return StageReport("serve", f"one request to {model}", "FAIL", error=one_line(err))
+        return StageReport("serve", f"one request to {model}", FAIL, error=one_line(err))
     finally:
         if process is not None:
             process.terminate()
@@ -333,8 +421,8 @@ def format_table(reports: list[StageReport]) -> str:
 
 def run_rehearsal(config: Config, settings: RehearsalSettings, *, address: str | None = None,
                   log: Callable[[str], None] = print) -> int:
-    """Rehearses ``config``'s experiment; prints the table and the projected GPU-hours; returns the exit
-    status: 0 when every stage passed, 1 otherwise."""
+    """Rehearses ``config``'s experiment from a clean store; prints the table and the projected GPU-hours;
+    returns the exit status: 0 when every stage it was to run ran and passed, 1 otherwise."""
     from pipeline.dag.projection import projected_gpu_hours
     from pipeline.dag.runner import run_experiment
 
@@ -342,22 +430,22 @@ def run_rehearsal(config: Config, settings: RehearsalSettings, *, address: str |
         raise InputError(f"--rehearse-fail {settings.fail_method!r}: not one of experiment.methods "
                          f"{config.experiment.methods}")
     started = time.perf_counter()
-    train, val = write_data(config, settings, settings.root.resolve() / "data", log)
+    started_ms = int(time.time() * 1000)
+    root = settings.root.resolve()
+    clear_store(root, log)
+    train, val = write_data(config, settings, root / "data", log)
     rehearsal = rehearsal_config(config, settings, train, val)
     log(f"[rehearse] {config.experiment.name} at its shapes in {settings.root} (MLflow {rehearsal.train.tracking_uri}, "
         f"experiment {rehearsal.train.experiment!r}): {settings.steps} step(s) of {settings.batch} images a stage")
     slicer = Slicer(config.train.compile, settings.fail_method, log)
     summary = run_experiment(rehearsal, address=address, log=log, keep_going=True, slicer=slicer)
     best = next((alias for alias in summary.get("aliases") or [] if alias.endswith("@best")), None)
-    served = (serve_one(best, rehearsal.train.tracking_uri, settings.root.resolve() / "serve", log)
-              if best is not None else
-              StageReport("serve", "one request", "skipped", error="no registered model"))
-    reports = stage_reports(rehearsal, summary) + tail_reports(rehearsal, summary, served)
-    failed = [r for r in reports if r.status != "pass"]
+    served = (serve_one(best, rehearsal.train.tracking_uri, root / "serve", log) if best is not None
+              else not_served(rehearsal))
+    reports = stage_reports(rehearsal, summary, started_ms) + tail_reports(rehearsal, summary, served)
     log(f"\nRehearsal of {config.experiment.name} (real shapes; {settings.steps} step(s) of {settings.batch} "
         "images a stage on this machine's CPUs: step times and memory are this machine's, not a GPU's):\n"
         + format_table(reports))
     log(projected_gpu_hours(config).line())
-    log(f"{len(reports) - len(failed)} of {len(reports)} passed in {time.perf_counter() - started:.0f} s"
-        + (f"; failed or skipped: {', '.join(r.label for r in failed)}" if failed else ""))
-    return 1 if failed else 0
+    log(count_line(reports, time.perf_counter() - started))
+    return exit_status(reports)
