@@ -177,9 +177,10 @@ def add_commands(commands) -> None:
                      help="a dress rehearsal: a slice of the DAG covering every architecture, method and stage kind "
                           "at the real shapes for a few steps each, on synthetic ImageNet-like data, in its own "
                           "runs folder and MLflow store; prints a table per stage and the projected GPU-hours; "
-                          "exits 1 if any stage failed")
+                          "exits 1 unless every stage it was to run ran and passed")
     run.add_argument("--rehearse-dir", type=Path, default=None,
-                     help="the rehearsal's data, Ray storage, MLflow store and report (default: runs/rehearsal)")
+                     help="the rehearsal's data, Ray storage, MLflow store and report (default: runs/rehearsal); "
+                          "each rehearsal empties its store first and keeps its data")
     run.add_argument("--rehearse-steps", type=int, default=None, help="training steps a rehearsed stage (default: 2)")
     run.add_argument("--rehearse-fail", default=None, metavar="METHOD",
                      help="plant a failure at the first step of METHOD's finetune (to see the rehearsal report it)")
