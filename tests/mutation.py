@@ -15,7 +15,8 @@ after the tests change. Timeouts are mutmut's defaults. One mutmut process and o
 
 The score is (killed + timed out) / generated: a mutant in a function no selected test calls counts as a
 survivor. The tests that ``torch.compile`` traces are deselected, because mutmut's wrapper of each function
-(a ContextVar read) does not trace (``fullgraph=True`` refuses it).
+(a ContextVar read) does not trace (``fullgraph=True`` refuses it); so are the registry's end-to-end tests
+(``INTEGRATION``).
 """
 
 from __future__ import annotations
@@ -50,13 +51,19 @@ COMPILED = (r"test_powerbert_keeps_top_scores\[True\]", r"test_tome_matches_refe
 # One thread starts no OpenMP pool.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
+# test_registry.py's end-to-end tests of a method (training, the CLI in subprocesses, a model's forward): 5-60 s each,
+# and every mutant of the registry's lookups would run them all before the unit tests that kill it, hours in all.
+INTEGRATION = ("test_a_registered_method_trains", "test_a_plugins_entry_point_registers_its_method",
+               "test_a_broken_plugin_is_named_in_one_line", "test_the_moved_build_downsampler_still_imports",
+               "test_a_registered_method_counts_flops_and_benchmarks", "test_a_step_written_without_the_kernels_arg")
+
 
 @dataclass(frozen=True)
 class Module:
     source: str  # the file mutated
     tests: tuple[str, ...]  # its focused tests
     floor: float  # the lowest score accepted (docs/reliability.md says why for each)
-    deselect: tuple[str, ...] = ()  # patterns of node ids left out (see COMPILED)
+    deselect: tuple[str, ...] = ()  # patterns of node ids left out (COMPILED, INTEGRATION)
 
 
 MODULES = {
@@ -68,7 +75,7 @@ MODULES = {
                              ("tests/test_pooling_reference.py", "tests/test_pooling_properties.py",
                               "tests/test_pooling_errors.py", "tests/test_merge.py"), 0.85, COMPILED),
     "pooling/merge": Module("pipeline/pooling/merge.py", ("tests/test_merge.py",), 0.95),
-    "methods": Module("pipeline/methods.py", ("tests/test_registry.py",), 0.80),
+    "methods": Module("pipeline/methods.py", ("tests/test_registry.py",), 0.80, INTEGRATION),
 }
 
 

@@ -47,3 +47,37 @@ def test_the_cuda_path_has_the_cpu_paths_gradients():
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert (results[0][3][:, -1] == 0).all() and results[0][1].abs().sum() > 0  # an empty cluster, real gradients
+
+
+def test_pool_segments_means_and_summed_sizes_written_out_on_both_paths():
+    """Weighted means and carried sizes of each segment, written out per segment, on the CPU path (by device, with
+    no override) and on the CUDA path; a segment whose members weigh under one in all is their mean like any other,
+    and only an empty one takes its start token. Each path notes what ran (``runtime.dispatched``)."""
+    from pipeline.runtime import dispatched, forget_dispatches
+
+    x = torch.arange(2 * 6 * 3, dtype=torch.float64).reshape(2, 6, 3)
+    w = torch.tensor([[0.5, 0.25, 2.0, 1.0, 1.0, 0.2], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    sizes = torch.tensor([[1.0, 2.0, 3.0, 1.0, 1.0, 4.0], [2.0, 2.0, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    assign = torch.tensor([[0, 0, 1, 1, 1, 3], [2, 2, 2, 0, 0, 0]])  # sample 0: segment 2 empty; 1: segment 1 and 3
+    start = torch.tensor([[0, 2, 4, 5], [3, 1, 0, 5]])
+    members = [[[i for i in range(6) if int(assign[s, i]) == j] for j in range(4)] for s in range(2)]
+
+    def mean(s: int, j: int) -> list[float]:
+        if not members[s][j]:
+            return x[s, int(start[s, j])].tolist()
+        total = sum(float(w[s, i]) for i in members[s][j])
+        return [sum(float(w[s, i] * x[s, i, c]) for i in members[s][j]) / total for c in range(3)]
+
+    want_means = torch.tensor([[mean(s, j) for j in range(4)] for s in range(2)], dtype=torch.float64)
+    want_sizes = [[sum(float(sizes[s, i]) for i in members[s][j]) for j in range(4)] for s in range(2)]
+    want_counts = [[float(len(members[s][j])) for j in range(4)] for s in range(2)]
+    assert float(w[0, 0] + w[0, 1]) < 1  # segment 0 of sample 0 weighs 0.75: still a mean, not its start token
+    for dense in (None, True):  # None: the path of the device (the CPU: index_add_ sums)
+        forget_dispatches()
+        with dense_segments(dense):
+            means, summed = pool_segments(x, w, sizes, assign, 4, start)
+            counted = pool_segments(x, w, None, assign, 4, start)[1]
+        torch.testing.assert_close(means, want_means)
+        assert summed().shape == (2, 4) and summed().dtype == torch.float32
+        assert summed().tolist() == want_sizes and counted().tolist() == want_counts
+        assert dispatched() == {("merge", "torch", 6)}
