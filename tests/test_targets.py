@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -336,7 +337,8 @@ def test_a_latency_targets_cost_model_is_its_table_checked_against_the_model_and
     assert target_cost_model(target.model_copy(update={"table_sha256": digest}), model) == load_cost_model(path)
     changed = target.model_copy(update={"table_sha256": "0" * 64})
     with pytest.raises(InputError, match=rf"the cost table {path} changed since this K search was planned \(sha256 "
-                                         r"000000000000\.\.\.\); rerun `pipeline run`"):
+                                         r"000000000000\.\.\.\); rerun `pipeline run` so that the stage's "
+                                         r"identity follows it$"):
         target_cost_model(changed, model)
     wide = _latency_table(tmp_path / "wide.json", {"embed_dim": 64})
     with pytest.raises(InputError, match=rf"the cost table {wide} times width 64; this model is 32 wide"):
@@ -547,3 +549,135 @@ def test_a_list_is_repaired_only_when_its_interval_is_over_the_target():
     repaired = repair_keep(weights, costs, 0.7, keep, over, tries=2)
     assert repaired.tries == 2 and len(calls) == 3 and repaired.keep != keep  # at most `tries` roundings
     assert repaired.status.startswith("still over the target after 2 repair(s)")
+
+
+def test_the_gflops_model_takes_its_points_key_and_head_from_the_model():
+    """Points at every count up to 64 tokens and every 8th beyond (and N); a model without a head counts none; the
+    key names the model, its width, the method and only the options that change the count; all against fvcore."""
+    from pipeline.targets import grid
+
+    assert grid(20, 8) == [0, 8, 16, 20] and grid(16, 8) == [0, 8, 16] and grid(3, 1) == [0, 1, 2, 3]
+    tiny = {**DEMO, "depth": 2}
+    for img, points in ((28, list(range(50))), (32, list(range(65))), (36, [*range(0, 81, 8), 81])):
+        model = create_model("deit_tiny_patch16_224", **{**tiny, "img_size": img})
+        costs = gflops_cost_model(model, "powerbert")
+        assert list(costs.attn.xs) == list(costs.mlp.xs) == list(costs.pool.ns) == points
+    keep = [40, 20]
+    for head in (10, 0):
+        model = create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep, **{**tiny, "num_classes": head})
+        counted = count_flops(model).total
+        assert gflops_cost_model(model, "kmedoids").predict(keep) == pytest.approx(counted, rel=1e-12, abs=0)
+    costs = gflops_cost_model(model, "kmedoids", options={"cluster_on": "metric", "iters": 3})
+    assert costs.key == {"model": "VisionTransformer", "embed_dim": 32, "method": "kmedoids",
+                         "options": {"cluster_on": "metric"}}
+    assert gflops_cost_model(model, "powerbert").key["options"] == {}
+    with pytest.raises(InputError, match=r"^no closed-form GFLOPs count of method 'tome''s pooling step; give a "
+                                         r"latency target with a cost table, or one of importance, kmedoids, "
+                                         r"powerbert, random, wkmedoids$"):
+        gflops_cost_model(model, "tome")
+
+
+def test_the_config_options_of_the_targets_own_method_reach_its_count_and_the_prediction():
+    """The pooling section's options are taken for the method named, not for the section's own method: with
+    ``pooling.method: tome`` (which matches on the keys by default) K-Medoids still clusters the tokens."""
+    from pipeline.config import PoolingConfig
+
+    model = create_model("deit_tiny_patch16_224", **DEMO)
+    keep = [40, 20, 20, 0]
+    tokens = count_flops(create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep, **DEMO)).total
+    metric = count_flops(create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep,
+                                      options={"cluster_on": "metric"}, **DEMO)).total
+    target = CostTarget(cost="gflops", fraction=0.5, method="kmedoids")
+    for pooling, want in ((PoolingConfig(method="tome"), tokens), (PoolingConfig(cluster_on="metric"), metric)):
+        assert target_cost_model(target, model, pooling).predict(keep) == pytest.approx(want, rel=1e-12, abs=0)
+        assert TargetSearch.build(target, model, pooling).costs.predict(keep) == pytest.approx(want, rel=1e-12, abs=0)
+        row = target_cost(target, model, "kmedoids", keep, gflops=1.0, pooling=pooling)
+        assert row.predicted == pytest.approx(want, rel=1e-12, abs=0)
+    unmodified = count_flops(model).total
+    by_value = target_cost(CostTarget(cost="gflops", value=0.002), model, "powerbert", keep, gflops=1.0)
+    assert by_value.target_cost == pytest.approx(0.002) and by_value.target == "gf0.002g" and unmodified > 0.002
+
+
+def test_a_latency_targets_row_carries_the_measured_interval_and_the_measure_gets_the_table(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.cost import load_cost_model
+
+    model = create_model("deit_tiny_patch16_224", **DEMO)
+    keep = [40, 20, 20, 0]
+    path = _latency_table(tmp_path / "t.json", {"embed_dim": 32, "method": "powerbert"})
+    table = json.loads(path.read_text())
+    full = table_cost(table, [49] * 4)
+    seen = []
+
+    def paired(costs: CostModel, keep: list[int]) -> tuple[SimpleNamespace, str]:
+        seen.append((costs, list(keep)))
+        return SimpleNamespace(ratio=0.4, low=0.35, high=0.45), "measured (paired)"
+
+    row = target_cost(CostTarget(cost="latency", value=6.0, table=str(path)), model, "powerbert", keep, gflops=0.0,
+                      measure=paired)
+    assert seen == [(load_cost_model(path), keep)]
+    assert (row.target, row.unit, row.status) == ("lat6ms", "ms", "measured (paired)")
+    assert row.target_cost == pytest.approx(6.0) and row.predicted == pytest.approx(table_cost(table, keep))
+    assert (row.measured, row.measured_low, row.measured_high) == (pytest.approx(0.4 * full),
+                                                                   pytest.approx(0.35 * full),
+                                                                   pytest.approx(0.45 * full))
+    bare = target_cost(CostTarget(cost="latency", fraction=0.8, table=str(path)), model, "powerbert", keep,
+                       gflops=0.0, measure=_over(0.5, []))
+    assert bare.measured == bare.measured_low == bare.measured_high == pytest.approx(0.5 * full)
+
+
+def test_a_repair_that_no_tighter_limit_fits_reports_the_measured_interval():
+    from types import SimpleNamespace
+
+    costs = _table()
+    weights = [torch.linspace(1.0, 0.2, 8, dtype=torch.float64) for _ in range(3)]
+    keep = round_keep(weights, costs, 0.7 * costs.unmodified())
+    repair = repair_keep(weights, costs, 0.7, keep, lambda t, k: (SimpleNamespace(ratio=5.0, low=4.5, high=5.5), "m"))
+    assert (repair.keep, repair.tries, repair.measured, repair.first, repair.low, repair.high) == (
+        keep, 1, 5.0, 5.0, 4.5, 5.5)
+    assert repair.status == "over the target (5.000 > 0.700) and no list fits a tighter limit; m"
+
+
+def test_the_soft_keep_list_is_the_running_minimum_of_the_retained_masses():
+    """Each block's expected count is its retained mass, but never above the block before it (a block cannot keep
+    tokens the one before dropped): masses 3, 5, 2, 4 give 3, 3, 2, 2."""
+    from pipeline.targets import retentions, soft_keep
+
+    masses = (3.0, 5.0, 2.0, 4.0)
+    weights = [torch.full((8,), m / 8, dtype=torch.float64) for m in masses]
+    assert soft_keep(weights).tolist() == pytest.approx([3.0, 3.0, 2.0, 2.0])
+    with pytest.raises(InputError, match=r"^the model has no soft-extract layers; apply_downsampling\(\.\.\., "
+                                         r"soft_extract=True\)$"):
+        retentions(create_model("deit_tiny_patch16_224", **DEMO))
+    model = _Searched(2, 4)
+    with torch.no_grad():
+        model.blocks[0].retention.copy_(torch.tensor([1.5, 0.5, -0.5, 1.0]))  # clamped to [0, 1]
+    assert [w.tolist() for w in retentions(model)] == [[1.0, 0.5, 0.0, 1.0], [1.0] * 4]
+
+
+def test_the_search_result_names_its_target_and_the_candidates_start_at_one_without_prefix_tokens():
+    costs, model = _table(), _Searched(3, 8)
+    search = TargetSearch(costs, fraction=0.9, dual_rate=1.0, quadratic=0.0)
+    keep, landed = search.result(model)
+    assert sorted(landed) == ["target", "target_dual", "target_landed", "target_rounded"]
+    assert landed["target"] == 0.9 and landed["target_landed"] == pytest.approx(1.0) and landed["target_dual"] == 0
+    no_prefix = CostModel("ms", num_tokens=6, prefix=0, depth=2, fixed=0.0, attn=Curve((0, 6), (1.0, 2.0)),
+                          mlp=Curve((0, 6), (1.0, 2.0)), pool=PoolSurface((6,), (Curve((0, 6), (0.1, 0.2)),)))
+    assert candidates(no_prefix) == [1, 2, 3, 4, 5, 6]  # no token left at all is no model
+    assert candidates(replace(no_prefix, prefix=2)) == [0, 1, 2, 3, 4, 5, 6]  # the prefix tokens go on alone
+
+
+def test_the_rounding_keeps_the_most_mass_whatever_the_tables_unit():
+    """The same table in ms and in ns (1e6 times the figures): the rounding keeps the brute force's most mass in
+    both, so the tie rule's share of the cost never outweighs a mass."""
+    generator = torch.Generator().manual_seed(5)
+    for scale in (1e-6, 1.0, 1e6):
+        costs = _table(scale)
+        for _ in range(4):
+            weights = [torch.rand(8, generator=generator, dtype=torch.float64) for _ in range(3)]
+            for fraction in (0.5, 0.8):
+                limit = fraction * costs.unmodified()
+                keep = round_keep(weights, costs, limit)
+                mass, _ = _brute_force(weights, costs, limit)
+                assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == pytest.approx(mass, rel=1e-9)
