@@ -359,9 +359,13 @@ def test_a_method_registered_in_code_is_known_until_deleted_and_a_bad_name_is_re
     with pytest.raises(ValueError, match=r"^'tome' is a built-in method, which register_method may not replace; give "
                                          r"your method a name of its own$"):
         register_method("tome", PLUGIN_SPEC)
+    for bad in ("_", "__", ""):
+        with pytest.raises(ValueError, match="method name must be letters, digits and underscores"):
+            register_method(bad, PLUGIN_SPEC)
     register_method("first_k2", PLUGIN_SPEC)
     try:
         assert "first_k2" in METHODS and method_spec("first_k2") is PLUGIN_SPEC and registered_in_code("first_k2")
+        assert method_spec("first_k2").factory() is firstk  # a callable build is the factory itself
         assert list(METHODS)[-1] == "first_k2" and len(METHODS) == len(set(METHODS))
     finally:
         del METHODS["first_k2"]
@@ -387,7 +391,8 @@ def test_entry_points_load_in_this_process_each_refusal_named(monkeypatch):
     points = [point("good", f"{here}:PLUGIN_SPEC"), point("tome", f"{here}:PLUGIN_SPEC"),
               point("bad-name", f"{here}:PLUGIN_SPEC"), point("missing", f"{here}:NOTHING"),
               point("astring", f"{here}:NOT_A_SPEC"), point("good", f"{here}:PLUGIN_SPEC"),
-              point("anon", f"{here}:PLUGIN_SPEC", dist=None), point("coded", f"{here}:PLUGIN_SPEC")]
+              point("anon", f"{here}:PLUGIN_SPEC", dist=None), point("coded", f"{here}:PLUGIN_SPEC"),
+              point("anon-bad", f"{here}:PLUGIN_SPEC", dist=None)]
     asked = []
 
     def entry_points(*, group: str) -> list[EntryPoint]:
@@ -414,16 +419,23 @@ def test_entry_points_load_in_this_process_each_refusal_named(monkeypatch):
             f"{where.format('good', here + ':PLUGIN_SPEC')} (tp-plugin 0.3, group pipeline.methods) takes the name "
             "'good' of tp-plugin 0.3's method; it is not loaded: rename one of them",
             f"{where.format('coded', here + ':PLUGIN_SPEC')} (tp-plugin 0.3, group pipeline.methods) takes the name "
-            "'coded' of a method registered in code; it is not loaded: rename one of them"]
+            "'coded' of a method registered in code; it is not loaded: rename one of them",
+            f"entry point anon-bad = '{here}:PLUGIN_SPEC' of a package (group pipeline.methods): a method name is "
+            "letters, digits and underscores"]
         good = Plugin("tp-plugin", "0.3", f"good = {here}:PLUGIN_SPEC")
         assert plugin_of("good") == good and good.tags() == {"pipeline.plugin": "tp-plugin",
                                                              "pipeline.plugin_version": "0.3"}
         assert str(good) == "tp-plugin 0.3" and method_spec("good") is PLUGIN_SPEC
         assert plugin_of("anon") == Plugin("an unnamed package", "unknown", f"anon = {here}:PLUGIN_SPEC")
-        assert sorted(METHODS.problems) == ["astring", "bad-name", "coded", "good", "missing", "tome"]
+        assert sorted(METHODS.problems) == ["anon-bad", "astring", "bad-name", "coded", "good", "missing", "tome"]
+        from pipeline.methods import registered_in_code
+
+        assert not registered_in_code("good") and registered_in_code("coded")  # a plugin's is not code's
         with pytest.raises(ValueError, match=r"^method 'astring' is not registered: entry point astring = "):
             method_spec("astring")
         assert METHODS["tome"].summary == "ToMe bipartite soft matching"  # the built-in one stays
+        del METHODS["anon"]  # a plugin's method taken out: no longer listed, nor its package
+        assert "anon" not in METHODS and plugin_of("anon") is None
         points[:] = [point("other", f"{here}:PLUGIN_SPEC")]
         METHODS.reload_plugins()
         assert "good" not in METHODS.plugins and METHODS.problems == {}  # forgotten until read again
@@ -458,3 +470,41 @@ def test_a_registry_read_that_is_interrupted_is_read_again(monkeypatch):
         monkeypatch.undo()
         METHODS.reload_plugins()
     assert "kmedoids" in METHODS
+
+
+def test_a_fresh_registry_lists_its_built_in_methods_then_reads_the_entry_points_once(monkeypatch):
+    """A registry made from a dict of built-in methods (as ``METHODS`` is at import): those methods, nothing else
+    recorded, and the entry points read on the first lookup and not again."""
+    from importlib.metadata import EntryPoint
+
+    import pipeline.methods as methods
+
+    reads = []
+
+    def entry_points(*, group: str) -> list[EntryPoint]:
+        reads.append(group)
+        return [EntryPoint("extra", "tests.test_registry:PLUGIN_SPEC", group)]
+
+    monkeypatch.setattr(methods, "entry_points", entry_points)
+    spec = MethodSpec(firstk, "keep K tokens from an offset")
+    registry = methods._Registry({"mine": spec})
+    assert registry.builtin == frozenset({"mine"}) and registry.plugins == {} and registry.problems == {}
+    assert reads == []  # nothing read until asked
+    assert list(registry) == ["mine", "extra"] and registry["mine"] is spec and len(registry) == 2
+    assert reads == ["pipeline.methods"] and registry.plugins["extra"].distribution == "an unnamed package"
+    registry["other"] = spec
+    assert "other" in registry and reads == ["pipeline.methods"]
+
+
+def test_a_learnable_method_is_built_with_the_width_grid_k_and_its_options():
+    from pipeline.methods import build_downsampler
+
+    def learnable(dim: int, *, grid: tuple[int, int] | None, k: int | None, scale: int) -> tuple:
+        return dim, grid, k, scale
+
+    register_method("learnt", MethodSpec(learnable, "a learnable toy", options={"scale": 2}, learnable=True))
+    try:
+        assert build_downsampler("learnt", dim=8, grid=(4, 6), k=6, scale=3) == (8, (4, 6), 6, 3)
+        assert build_downsampler("learnt", dim=8) == (8, None, None, 2)
+    finally:
+        del METHODS["learnt"]
