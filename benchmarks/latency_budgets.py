@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.65, 0.8])
     parser.add_argument("--images", type=int, default=640, help="training images of each search")
     parser.add_argument("--measurements", type=int, default=3, help="measurements of each final list (each "
-                        "paired 7 times)")
+                        "a paired ratio, bench.paired)")
     parser.add_argument("--out", type=Path, default=Path("runs/latency_budgets"))
     parser.add_argument("--smoke", action="store_true", help="a tiny model and table: checks that it runs")
     args = parser.parse_args()

@@ -165,7 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="*", type=Path, help="each seed's report folder (RUNS_DIR/NAME)")
     parser.add_argument("--config", default="configs/experiments/fmnist_latency.yaml")
-    parser.add_argument("--repeats", type=int, default=3, help="measurements a list (each paired 7 times)")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements a list (each a paired ratio)")
     parser.add_argument("--smoke", action="store_true", help="tiny tables, made-up accuracies: checks that it runs")
     args = parser.parse_args()
     if args.smoke:

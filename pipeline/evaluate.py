@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipeline.bench.paired import SpeedRatio, SpeedSettings, paired_ratio, sample_timer
+from pipeline.bench.paired import SpeedRatio, SpeedSettings, chain, paired_ratio, sample_timer
 from pipeline.bench.timing import default_calls
 from pipeline.config import Config, EvalConfig
 from pipeline.errors import InputError
@@ -174,12 +174,12 @@ class Scale:
     def images_per_s(self, arch: str, ratio: float, low: float, high: float) -> tuple[float, float, float]:
         """A model of ``arch`` timed at ``ratio`` [low, high] of its reference: images/s and the interval's ends on
         this scale (the reference's interval and the model's multiply, ``bench.paired.chain``)."""
-        ref = self.references[arch]
-        return (self.anchor_images_per_s / (ratio * ref.ratio), self.anchor_images_per_s / (high * ref.high),
-                self.anchor_images_per_s / (low * ref.low))
+        total = chain(SpeedRatio(ratio, low, high, 0, "", 0.0, 0.0), self.references[arch])
+        rate = self.anchor_images_per_s
+        return rate / total.ratio, rate / total.high, rate / total.low
 
 
-def reference_scale(checkpoints: dict[str, str], cfg: EvalConfig, *, cuda: bool = False,
+def reference_scale(checkpoints: dict[str, str], cfg: EvalConfig, *, cuda: bool | None = None,
                     kernels: KernelChoice | None = None) -> Scale:
     """``Scale`` of the architectures in ``checkpoints`` (architecture -> any checkpoint of it, whose weights the
     unmodified model takes), timed in ``cfg``'s setting as the evaluate stage times (``speed``)."""

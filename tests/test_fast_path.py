@@ -657,16 +657,6 @@ def test_top1_of_a_random_method_does_not_depend_on_earlier_draws(monkeypatch):
     assert not torch.equal(model(images(4)), logits[0][:4]), "the model must draw from torch's generator"
 
 
-def test_speed_is_measured_in_the_dtype():
-    from pipeline.bench.paired import SpeedSettings
-    from pipeline.evaluate import speed
-
-    model, reference = apply_downsampling(tiny(), "tome", KEEP).eval(), tiny().eval()
-    ratio = speed(model, reference, images(2), device=torch.device("cpu"), dtype="bf16",
-                  settings=SpeedSettings(cap_s=0.5, warmup=1))
-    assert 0 < ratio.low <= ratio.ratio <= ratio.high and ratio.blocks >= 8
-
-
 def test_training_with_train_compile(tmp_path):
     """`train.compile: default` trains the inductor-compiled model (fullgraph) and writes a checkpoint of
     the plain module, which rebuilds and loads without compilation."""

@@ -151,3 +151,27 @@ def test_a_block_cancels_a_linear_drift_in_either_order():
     other = lambda: model()  # noqa: E731  (the same model under another name)
     ratios = [block_ratio(other, model, index, timer) for index in range(4)]
     assert ratios == pytest.approx([1.0] * 4, abs=0.01), ratios
+
+
+def test_the_stop_reason_names_what_bounded_the_blocks():
+    from pipeline.bench.paired import planned_blocks
+
+    pilot = [1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 0.8, 1.0]  # a half-width of 20%: 8 (0.2 / 0.02)^2 = 800 blocks asked for
+    assert planned_blocks(pilot, 8.0, SpeedSettings(cap_s=1e9)) == (800, "tolerance", pytest.approx(0.2))
+    assert planned_blocks(pilot, 8.0, SpeedSettings(cap_s=50.0))[:2] == (50, "cap")  # 1 s a block
+    assert planned_blocks(pilot, 8.0, SpeedSettings(cap_s=1e9, max_blocks=300))[:2] == (300, "max_blocks")
+    assert planned_blocks(pilot, 8.0, SpeedSettings(cap_s=1.0))[:2] == (8, "cap")  # never fewer than 8
+
+
+def test_images_per_s_on_one_scale_written_out():
+    """A 64-wide model timed at 0.5 [0.45, 0.55] of its reference, whose reference takes 2.0 [1.9, 2.1] of the
+    32-wide anchor's time, the anchor at 1,000 images/s: 1000 / (0.5 * 2.0) = 1,000 images/s, and the interval's
+    ends from the ends multiplied, 1000 / (0.55 * 2.1) and 1000 / (0.45 * 1.9)."""
+    from pipeline.bench.paired import SpeedRatio
+    from pipeline.evaluate import Scale
+
+    one = SpeedRatio(1.0, 1.0, 1.0, 0, "anchor", 0.0, 0.0)
+    scale = Scale("M32", 1000.0, {"M32": one, "M64": SpeedRatio(2.0, 1.9, 2.1, 40, "tolerance", 0.05, 3.0)},
+                  SpeedRatio(1.001, 0.99, 1.01, 40, "tolerance", 0.05, 3.0))
+    assert scale.images_per_s("M64", 0.5, 0.45, 0.55) == pytest.approx((1000.0, 1000 / 1.155, 1000 / 0.855))
+    assert scale.images_per_s("M32", 0.5, 0.45, 0.55) == pytest.approx((2000.0, 1000 / 0.55, 1000 / 0.45))

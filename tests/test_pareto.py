@@ -77,7 +77,9 @@ def test_the_measured_front_keeps_what_the_intervals_cannot_order_and_marks_ties
             low = rng.uniform(1, 3)
             ms.append(Measured(str(i), low, low + rng.uniform(0, 0.5), float(rng.choice([60, 65, 70, 75]))))
         kept = {m.id for m, _ in measured_front(ms)}
+        faster = {(o.id, m.id) for o in ms for m in ms if o.high < m.low}  # o faster than m beyond the intervals
         for m in ms:
-            beaten = any(o.top1 >= m.top1 and (o.high < m.low or (o.top1 > m.top1 and o.low <= m.high))
-                         for o in ms if o is not m)
+            # m stays unless some o is as accurate and faster, or more accurate and not slower beyond the intervals
+            as_good = [o for o in ms if o is not m and o.top1 >= m.top1]
+            beaten = [o for o in as_good if (o.id, m.id) in faster or (o.top1 > m.top1 and (m.id, o.id) not in faster)]
             assert (m.id in kept) == (not beaten)

@@ -210,3 +210,50 @@ def test_the_fastest_alias_goes_to_the_most_accurate_model_the_intervals_cannot_
              "top1": 90.0}]
     assert fastest(rows)["name"] == "overlapping"
     assert fastest([{**r, "images_per_s_low": None, "images_per_s_high": None} for r in rows])["name"] == "fastest"
+
+
+def test_the_reports_speed_front_goes_by_the_intervals_and_names_ties(tmp_path):
+    """Rows with images/s intervals: the front leaves out only what another model beats beyond the intervals, and
+    the report's tables carry the ratio with its interval and the ties; rows without intervals (records from
+    before the paired timing) keep the point front."""
+    from pipeline.report import fronts, read_csv, write_report
+
+    def row(name: str, rate: float, low: float, high: float, top1: float) -> dict:
+        return {"arch": "M32", "level": name, "method": "powerbert", "keep": [8], "gflops": 0.001, "top1": top1,
+                "images_per_s": rate, "images_per_s_low": low, "images_per_s_high": high, "speed_ratio": 1000 / rate,
+                "speed_ratio_low": 1000 / high, "speed_ratio_high": 1000 / low, "stage_id": name, "run_id": "",
+                "checkpoint": "", "train_top1": top1}
+
+    rows = [row("fast", 2000.0, 1900.0, 2100.0, 60.0), row("tied", 1950.0, 1850.0, 2050.0, 60.0),
+            row("accurate", 1000.0, 950.0, 1050.0, 70.0), row("beaten", 990.0, 940.0, 1040.0, 65.0)]
+    front = fronts(rows, "images_per_s")["all"]
+    assert [(r["level"], r["speed_ties"]) for r in front] == [("fast", "M32/tied/powerbert"),
+                                                              ("tied", "M32/fast/powerbert"), ("accurate", None)]
+    files = write_report(rows, tmp_path)
+    again = read_csv(files["pareto_speed"])
+    assert {r["level"] for r in again} == {"fast", "tied", "accurate"}
+    accurate = next(r for r in again if r["level"] == "accurate")
+    assert accurate["images_per_s_low"] == pytest.approx(950.0) and accurate["speed_ratio_high"] == pytest.approx(
+        1000 / 950)
+    assert "| M32 | fast | powerbert | 0.0010 | 60.00 | 2000.00 | 0.500 [0.476, 0.526] | M32/tied/powerbert |" in \
+        files["report"].read_text()
+    bare = [{k: v for k, v in r.items() if not k.startswith(("images_per_s_", "speed_"))} for r in rows]
+    # by the points alone, "tied" is slower than "fast" at equal top-1, and is left out
+    assert [r["level"] for r in fronts(bare, "images_per_s")["all"]] == ["fast", "accurate"]
+
+
+def test_a_cluster_without_the_timing_resource_is_warned_about_before_any_stage(monkeypatch):
+    """Not refused: an autoscaling worker group at zero nodes starts one when an evaluation asks for the resource."""
+    import ray
+
+    from pipeline.dag.runner import check_timing
+
+    said = []
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    check_timing(said.append)
+    assert len(said) == 1 and "no running node of the Ray cluster has the 'timing' resource" in said[0]
+    assert """ray start --resources='{"timing": 1}'""" in said[0]
+    said.clear()
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "timing": 2.0})
+    check_timing(said.append)
+    assert said == []

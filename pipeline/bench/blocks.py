@@ -117,10 +117,10 @@ def device_name(device: torch.device) -> str:
 
 def kernels_in_use(device: torch.device, choice: KernelChoice | None = None) -> dict[str, str]:
     """The kernels the models run on ``device`` under the config's ``kernels`` section (``auto`` resolved,
-    ``models.selfcheck.kernel_record``): the one place a table's key learns them."""
-    from pipeline.models.selfcheck import kernel_record
+    ``models.selfcheck.kernels_planned``): the one place a table's key learns them."""
+    from pipeline.models.selfcheck import kernels_planned
 
-    record = kernel_record(choice or KernelChoice(), device)
+    record = kernels_planned(choice or KernelChoice(), device)
     return {name: record[name] for name in ("kmedoids", "kmeans", "merge", "attention")}
 
 

@@ -48,7 +48,7 @@ class SpeedRatio:
     """A paired ratio: the model's time over the reference's, as the median of block ratios with its interval.
 
     ``stop``: ``"tolerance"`` when the blocks the pilot asked for were measured, ``"cap"`` when ``cap_s``
-    allowed fewer (the interval is then wider than the tolerance)."""
+    allowed fewer, ``"max_blocks"`` when ``max_blocks`` did (the interval is then wider than the tolerance)."""
 
     ratio: float
     low: float
@@ -67,11 +67,6 @@ class SpeedRatio:
 
     def covers(self, value: float) -> bool:
         return self.low <= value <= self.high
-
-    def summary(self) -> dict[str, float | int | str]:
-        """The MLflow fields: ratio, its interval's ends, the blocks and why they stopped."""
-        return {"speed_ratio": self.ratio, "speed_ratio_low": self.low, "speed_ratio_high": self.high,
-                "speed_blocks": self.blocks, "speed_stop": self.stop, "speed_half_width": self.half_width}
 
 
 def order_statistic_rank(n: int, confidence: float = CONFIDENCE) -> int:
@@ -112,7 +107,7 @@ def planned_blocks(pilot: list[float], pilot_s: float, s: SpeedSettings) -> tupl
     needed = max(MIN_BLOCKS, math.ceil(len(pilot) * (half / s.tolerance) ** 2))
     affordable = max(MIN_BLOCKS, math.floor(s.cap_s / max(pilot_s / len(pilot), 1e-9)))
     n = min(needed, affordable, s.max_blocks)
-    return n, "tolerance" if n == needed else "cap", half
+    return n, "tolerance" if n == needed else "cap" if n == affordable else "max_blocks", half
 
 
 def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, timer: Callable[[Callable], float],

@@ -3,7 +3,7 @@ and what the cluster budget (``benchmarks/cluster_budget.py``) and ``bench loade
 
 A record is one JSON file: the command's setting (model, device, dtype, compile, batch, keep, inference or
 training step), one row a model, the machine line, the torch and Triton versions, the kernels that ran
-(``models.selfcheck.kernel_record``), the date and the commit. The records the commands read at run time
+(``models.selfcheck.kernels_planned``), the date and the commit. The records the commands read at run time
 live in ``MEASURED`` inside the package (Docker images copy the package, not ``docs/``); a run on a lent
 GPU adds its files there.
 

@@ -1,4 +1,4 @@
-"""Timing primitives shared by the benchmarks and the evaluate stage (as ToMe's ``utils.benchmark``).
+"""Timing primitives of the benchmarks (as ToMe's ``utils.benchmark``); the DAG's speeds are ``bench.paired``'s.
 
 Warm up, synchronise the device around every timed sample, repeat, and report medians; a speed-up is a
 median of per-pair ratios measured side by side, never a ratio of two separate runs. A sample is one
@@ -77,13 +77,3 @@ def time_paired(fn: Callable[[], object], baseline: Callable[[], object], *, war
         base.append(timed(baseline, device, calls, clock))
         own.append(timed(fn, device, calls, clock))
     return base, own
-
-
-def rate(fn: Callable[[], object], *, items: int, warmup: int, repeats: int, device: torch.device,
-         calls: int = 1) -> tuple[float, float]:
-    """Items per second of ``fn``: the median over ``repeats`` timed samples of ``calls`` calls each
-    (``timed``), and the spread (max - min)."""
-    for _ in range(warmup):
-        timed(fn, device)
-    rates = [items / timed(fn, device, calls) for _ in range(repeats)]
-    return statistics.median(rates), max(rates) - min(rates)

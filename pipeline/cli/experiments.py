@@ -138,7 +138,7 @@ def _add_budget_args(parser: argparse.ArgumentParser, *, required: bool) -> None
                         "stage's, on one scale for every width) is at least this")
     budget.add_argument("--max-latency-ms", type=float, default=None,
                         help="latency measured against --table (a K-search target's models): a model fits when "
-                        "the upper end of its 95%% interval is under this")
+                        "the upper end of its 95%% interval is at most this")
     parser.add_argument("--table", default=None, help="the cost table --max-latency-ms refers to")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="only models timed on this device (default: any)")

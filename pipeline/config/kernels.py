@@ -3,7 +3,7 @@
 How a model runs, not what it computes: every value gives the same results within the device self-check's
 tolerance (``pipeline doctor``). Training identities leave the section out (``config/identity.py``); an
 evaluation's identity and every benchmark's output name it, and MLflow records both the values and what
-they resolved to on the device (``models.selfcheck.kernel_record``).
+they resolved to on the device (``models.selfcheck.kernels_planned``, and what ran ``kernels_ran``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,7 +178,7 @@ def check_targets(config: Config) -> None:
                 where = f"the cost table {target.table}" if target.cost == "latency" else f"{target.method}'s GFLOPs"
                 raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): {fraction:.4g} of the "
                                  f"unmodified model is below the cheapest keep list {where} allows, {cheapest:.4f}; "
-                                 f"give a target of at least {cheapest:.4f}")
+                                 f"give a target of at least {math.ceil(cheapest * 1e4) / 1e4:.4f}")
 
 
 def target_methods(exp: ExperimentConfig, level: str) -> list[str]:

@@ -38,6 +38,10 @@ def measure_scale(ctx, rows: list[dict[str, Any]]):
     timed = [r for r in rows if r.get("speed_ratio") is not None]
     if not timed:
         return None
+    if len(timed) < len(rows):
+        ctx.log(f"[warning] {len(rows) - len(timed)} of {len(rows)} evaluations are records from before the paired "
+                "timing: their images/s are not on the scale, and the speed front compares them as points; "
+                "`pipeline run CONFIG --force evaluate` measures them again")
     checkpoints = {}
     for row in timed:
         checkpoints.setdefault(row["arch"], row["checkpoint"])

@@ -88,7 +88,7 @@ class EvalResult:
     device: str = "cpu"
     dtype: str = "fp32"
     compile: str = "none"
-    kernels: dict[str, str] | None = None  # what ran (``models.selfcheck.kernel_record``)
+    kernels: dict[str, str] | None = None  # what ran (``models.selfcheck.kernels_ran``)
     analysis: str | None = None
     skipped: bool = False
     # The paired speed (``bench.paired``): the model's time over its unmodified reference's, its 95% interval,
