@@ -515,6 +515,12 @@ def rehearsal_rows(text: str) -> dict[str, list[str]]:
     return {cells[1]: cells for cells in table if cells[1] != "stage"}
 
 
+def resident_high_mark_mb() -> float:
+    """This process's peak resident memory in MB, as Linux reports it in /proc/self/status (VmHWM, in kB)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, flags=re.M).group(1)) / 1024
+
+
 def planted_checkout(where: Path) -> Path:
     """A copy of the package with a fault planted in PoWER-BERT's ``select_topk`` (it raises), as an edit to the
     code would; the config is untouched."""
@@ -535,26 +541,26 @@ def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, tmp_path
     same folder: it starts from a clean store (its data kept), so nothing is reused, both finetunes fail, each named
     with its own error, nothing is evaluated, and the exit status is 1."""
     from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
-    from pipeline.runtime import peak_memory_mb
 
     before = {kind: len(runs) for kind, runs in runs_by_kind(root).items()}
     overrides = [*tiny_overrides(root), *REHEARSED]
     lines: list[str] = []
     folder = tmp_path / "rehearsal"
-    high_before = peak_memory_mb("cpu")
+    high_before = resident_high_mark_mb()
     assert run_rehearsal(load_config(TINY, overrides), RehearsalSettings(root=folder, steps=1), log=lines.append) == 0
-    high_after = peak_memory_mb("cpu")
+    high_after = resident_high_mark_mb()
     text = "\n".join(lines)
     rows = rehearsal_rows(text)
     assert {cells[2] for cells in rows.values()} == {"pass"}, rows
     assert sorted(cells[0].strip("| ") for cells in rows.values()) == [
         "base", "evaluate", "evaluate", "finetune", "finetune", "ksearch", "register", "select", "serve"], rows
     # A step time, and the memory high mark of the process that ran the stage, in MB: the base trained in this
-    # process (train.workers 0), so its mark lies between this process's marks before and after the rehearsal
-    # (not KiB, not bytes, not another process's); the others, in Ray's processes, under this machine's memory.
+    # process (train.workers 0), so its mark lies between this process's marks before and after the rehearsal, as
+    # the kernel reports them (not KiB, not bytes, not another process's); the others, in Ray's processes, under
+    # this machine's memory.
     ceiling = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     base = float(rows["tiny-rehearsal-base-M16"][4].replace(",", ""))
-    assert high_before - 1 <= base <= high_after + 1, (high_before, high_after, rows)
+    assert high_before - 5 <= base <= high_after + 5, (high_before, high_after, rows)
     peaks = [cells[4] for cells in rows.values() if cells[0] in ("| ksearch", "| finetune", "| evaluate")]
     assert all(0 < float(peak.replace(",", "")) < ceiling for peak in peaks), (ceiling, peaks)
     assert all(float(cells[3]) > 0 for cells in rows.values() if cells[0] in ("| base", "| ksearch", "| finetune"))
