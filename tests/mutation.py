@@ -75,7 +75,7 @@ MODULES = {
                              ("tests/test_pooling_reference.py", "tests/test_pooling_properties.py",
                               "tests/test_pooling_errors.py", "tests/test_merge.py"), 0.85, COMPILED),
     "pooling/merge": Module("pipeline/pooling/merge.py", ("tests/test_merge.py",), 0.95),
-    "methods": Module("pipeline/methods.py", ("tests/test_registry.py",), 0.80, INTEGRATION),
+    "methods": Module("pipeline/methods.py", ("tests/test_registry.py",), 0.90, INTEGRATION),
 }
 
 
