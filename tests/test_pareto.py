@@ -83,3 +83,19 @@ def test_the_measured_front_keeps_what_the_intervals_cannot_order_and_marks_ties
             as_good = [o for o in ms if o is not m and o.top1 >= m.top1]
             beaten = [o for o in as_good if (o.id, m.id) in faster or (o.top1 > m.top1 and (m.id, o.id) not in faster)]
             assert (m.id in kept) == (not beaten)
+
+
+def test_intervals_that_share_an_end_are_not_apart():
+    """[1, 2] and [2, 3] s per image touch: neither is faster beyond the intervals, so two equally accurate models
+    with them are both on the front, each the other's tie, and the more accurate of two touching ones beats the
+    other."""
+    from pipeline.pareto import Measured, beats, measured_front
+
+    fast, slow = Measured("a", 1.0, 2.0, 70.0), Measured("b", 2.0, 3.0, 70.0)
+    assert not beats(fast, slow) and not beats(slow, fast)
+    assert measured_front([slow, fast]) == [(fast, ["b"]), (slow, ["a"])]
+    accurate = Measured("c", 2.0, 3.0, 75.0)
+    assert beats(accurate, fast) and not beats(fast, accurate)
+    assert measured_front([fast, accurate]) == [(accurate, [])]
+    apart = Measured("d", 2.5, 3.0, 70.0)  # 2 < 2.5: faster beyond the intervals
+    assert beats(fast, apart) and measured_front([apart, fast]) == [(fast, [])]
