@@ -48,7 +48,7 @@ bench: setup
 	$(PY) -m pipeline bench ops configs/bench_ops.yaml --out runs/bench_ops.md
 
 # Mutation scores of the core modules, each against its own focused tests (docs/reliability.md); not part of
-# `make test` or CI: about an hour on 2 cores. mutmut 3.8.1 runs from .venv-mutmut, made on first use beside the
+# `make test` or CI: about half an hour on 2 cores. mutmut 3.8.1 runs from .venv-mutmut, made on first use beside the
 # venv. MUTATE="cost pareto" runs some modules only.
 mutation: setup
 	$(PY) tests/mutation.py $(MUTATE)
