@@ -430,14 +430,16 @@ def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_f
 
 def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path):
     """Another release of a plugin, or another value of its option, is another result: its finetune and
-    evaluation get new ids. The built-in methods' stages keep the ids the release before plugins counted
-    recorded (commit 1e154bf computed these three), whatever plugin is installed or configured; a built-in
+    evaluation get new ids. The built-in methods' stages keep the ids recorded below, whatever plugin is
+    installed or configured; a built-in
     method's option set away from its default gives another id (it gave the default's id before)."""
     from pipeline.config.identity import identity_content
     from pipeline.dag.plan import archs, base_stage, evaluate_stage, finetune_stage
 
     paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    recorded = ("d8a98bddb9d46ff2", "135039b99e675132", "b459ce2420608641")  # base, wkmedoids L3, its evaluation
+    # base and wkmedoids L3 as commit 1e154bf computed them; its evaluation as commit dfa4ad4's paired
+    # speed keys (speed_tolerance, speed_cap_s, threads in place of repeats) made it
+    recorded = ("d8a98bddb9d46ff2", "135039b99e675132", "c83dd9b97dd2e006")
     plugin_ids = []
     for version in ("0.1", "0.2"):
         with plugins_from(write_plugin(tmp_path / version, version=version)):
