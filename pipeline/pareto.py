@@ -27,13 +27,12 @@ def pareto_front(points: Sequence[Point]) -> list[Point]:
 
     Exact duplicates (same cost and top-1) dominate nothing and are not dominated by each other;
     only the one with the smallest id is kept, so a front never lists the same trade-off twice.
-    Sort-and-sweep, O(n log n).
+    Sort-and-sweep, O(n log n): by cost, the more accurate and then the smaller id first, a point joins the
+    front only when it is more accurate than the last one kept, which no duplicate of that one is.
     """
     ordered = sorted(points, key=lambda p: (p.cost, -p.top1, p.id))
     front: list[Point] = []
     for point in ordered:
-        if front and front[-1].cost == point.cost and front[-1].top1 == point.top1:
-            continue  # an exact duplicate of the point just kept (smaller id)
         if not front or point.top1 > front[-1].top1:
             front.append(point)
     return front
@@ -69,9 +68,10 @@ def beats(a: Measured, b: Measured) -> bool:
 
 
 def measured_front(models: Sequence[Measured]) -> list[tuple[Measured, list[str]]]:
-    """The models no other beats beyond the intervals (``beats``), cheapest first by the interval's middle, each
-    with the ids of the other front models whose intervals overlap its own: ties, which the measurement does not
-    order. O(n^2): a front of an experiment's models, not of millions."""
+    """The models no other beats beyond the intervals (``beats``), cheapest first by the interval's middle (its
+    ends' sum sorts alike), then by id, each with the ids of the other front models whose intervals overlap its own:
+    ties, which the measurement does not order. Two front models with one middle overlap, so neither is more
+    accurate (it would beat the other). O(n^2): a front of an experiment's models, not of millions."""
     front = [m for m in models if not any(beats(o, m) for o in models if o.id != m.id)]
-    front.sort(key=lambda m: ((m.low + m.high) / 2, -m.top1, m.id))
+    front.sort(key=lambda m: (m.low + m.high, m.id))
     return [(m, [o.id for o in front if o.id != m.id and o.low <= m.high and m.low <= o.high]) for m in front]

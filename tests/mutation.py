@@ -70,7 +70,7 @@ MODULES = {
     "cost": Module("pipeline/cost.py", ("tests/test_cost.py",), 0.85),
     "targets": Module("pipeline/targets.py", ("tests/test_targets.py",), 0.85),
     "sparsity": Module("pipeline/sparsity.py", ("tests/test_sparsity.py",), 0.85),
-    "pareto": Module("pipeline/pareto.py", ("tests/test_pareto.py",), 0.92),
+    "pareto": Module("pipeline/pareto.py", ("tests/test_pareto.py",), 0.95),
     "pooling/common": Module("pipeline/pooling/common.py",
                              ("tests/test_pooling_reference.py", "tests/test_pooling_properties.py",
                               "tests/test_pooling_errors.py", "tests/test_merge.py"), 0.85, COMPILED),
