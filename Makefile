@@ -10,7 +10,7 @@ STAMP := $(VENV)/.setup-stamp
 APT_PACKAGES := build-essential libturbojpeg0-dev libopencv-dev pkg-config dataset-fashion-mnist
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup system test demo bench mutation images clean-venv
+.PHONY: setup system test check demo bench mutation images clean-venv
 
 setup: system $(STAMP)
 
@@ -32,13 +32,22 @@ $(STAMP): pyproject.toml constraints.txt
 # TEST_WORKERS=0 runs the suite in this process. The tests marked `alone` (a failed FFCV write ending, Ctrl-C
 # during training: processes whose timing another test's load on the 2 cores upsets) run afterwards, by
 # themselves. tests/floors.py holds the floors of docs/architecture.md (import-linter) before the tests run.
+# The JUnit reports in runs/ give where the time went: `$(PY) -m tests.durations runs/test-report*.xml`.
 TEST_WORKERS ?= 2
 
 test: setup
 	$(PY) -m ruff check pipeline tests jobs benchmarks
 	$(PY) tests/floors.py
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone"
-	$(PY) -m pytest -q -m alone
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" --junitxml=runs/test-report.xml
+	$(PY) -m pytest -q -m alone --junitxml=runs/test-report-alone.xml
+
+# The inner loop (docs/testing.md): ruff, the floors, and every test not marked ray, beton, compile, gpu or alone,
+# on two workers; tests/tiers.py fails any of them that imports ray, writes a beton or calls torch.compile.
+# `make test` is what CI runs.
+check: setup
+	$(PY) -m ruff check pipeline tests jobs benchmarks
+	$(PY) tests/floors.py
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --inner-loop
 
 # The whole protocol on Fashion-MNIST (writes its data subset first); prints the Pareto table.
 demo: setup

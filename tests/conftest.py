@@ -11,6 +11,15 @@ from pathlib import Path
 import hypothesis  # noqa: F401
 import pytest
 
+from tests.tiers import (  # noqa: F401  (the tiers' hooks and guard: tests/tiers.py)
+    inner_loop_guard,
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_terminal_summary,
+)
+
 
 def write_synthetic_pair(root, train: int, val: int):
     """``root/train.beton`` and ``root/val.beton``: 4-class 16 px synthetic data (raw pixels)."""

@@ -165,6 +165,7 @@ def assert_picture(path: Path, size: tuple[int, int] | None = None) -> None:
         assert Image.open(path).size == size
 
 
+@pytest.mark.beton
 def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path, capsys):
     ckpt, _ = tiny_checkpoint
     images = []
@@ -188,6 +189,7 @@ def test_viz_clusters_cli_writes_maps_and_sheets(tiny_checkpoint, tmp_path, caps
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.beton
 def test_analyze_cli_writes_plots_and_csvs(tiny_checkpoint, tmp_path, capsys):
     ckpt, root = tiny_checkpoint
     base = ["--checkpoint", str(ckpt), "--data", str(root / "val.beton"), "--batches", "2", "--batch-size", "16"]
@@ -208,6 +210,7 @@ def test_analyze_cli_writes_plots_and_csvs(tiny_checkpoint, tmp_path, capsys):
         assert_picture(tmp_path / name)
 
 
+@pytest.mark.beton
 def test_bad_inputs_are_refused_with_a_clear_message(tiny_checkpoint, tmp_path, capsys):
     ckpt, root = tiny_checkpoint
     missing = run_cli(capsys, "viz", "clusters", "--checkpoint", str(ckpt), "--images",

@@ -63,6 +63,7 @@ def test_keep_lists_are_checked_when_the_config_loads():
         load_config(None, ["model.depth=3", "pooling.keep=[4, 2]"])
 
 
+@pytest.mark.beton
 def test_viz_on_a_truncated_beton_says_so(capsys, tmp_path):
     from pipeline.data import WriteSettings, open_source, write_beton
 
@@ -151,6 +152,7 @@ def test_catalogue_of_wrong_inputs_gives_one_clear_line_and_writes_nothing(argv,
 
 # ---- what a new user's probe found (each with its fix) ----
 
+@pytest.mark.beton
 def test_a_rerun_under_the_same_name_with_another_config_is_refused(tmp_path):
     """`pipeline train` reruns a run folder only under the config that made it: another learning rate,
     seed, dataset or width is refused with the keys that differ, as are fewer epochs than done; more epochs
@@ -196,6 +198,7 @@ def test_a_directory_link_back_into_the_tree_is_not_followed(tmp_path):
     assert sorted(Path(p).name for p in source.skipped_links) == ["self", "up"]
 
 
+@pytest.mark.beton
 def test_data_check_refuses_labels_beyond_the_classes(tmp_path, capsys):
     import json
 
@@ -212,6 +215,7 @@ def test_data_check_refuses_labels_beyond_the_classes(tmp_path, capsys):
     assert code == 2 and "its labels run from 0 to 3, but its metadata says num_classes=3" in err, err
 
 
+@pytest.mark.beton
 def test_thin_images_keep_a_pixel_a_side_and_the_write_ends(tmp_path):
     """2000 x 2 at --max-res 256 became 256 x 0 in FFCV's resize, which failed in a writer process while
     the parent waited forever."""
@@ -245,6 +249,7 @@ except PipelineError as err:
 """
 
 
+@pytest.mark.beton
 @pytest.mark.alone  # a timing-sensitive process test: `make test` runs it after the parallel run, on an idle machine
 def test_a_writer_process_that_fails_at_once_ends_the_write(tmp_path):
     """A writer process that dies before the watchdog first looks (it used to miss those) ends the write."""
@@ -257,6 +262,7 @@ def test_a_writer_process_that_fails_at_once_ends_the_write(tmp_path):
     assert not (tmp_path / "x.beton").exists()
 
 
+@pytest.mark.beton
 @pytest.mark.parametrize(("argv", "says"), [
     (["data", "write", "--source", "synthetic:classes=10,count=4", "--out", "a.beton"],
      "count=4 is below classes=10: 6 class(es) would have no image"),
@@ -388,6 +394,7 @@ def _tiny_training(tmp_path: Path, data: Path, *extra: str):
                               f"train.artifact_root={tmp_path / 'art'}", *extra])
 
 
+@pytest.mark.beton
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
 def test_an_unreadable_newest_checkpoint_is_passed_over_saying_so(damage, tmp_path, capsys):
     """The newest checkpoint's file deleted or cut short: the rerun resumes from the one before and says

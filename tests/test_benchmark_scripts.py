@@ -76,7 +76,12 @@ def isolated(monkeypatch):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("name", sorted(SMOKE))
+# The scripts that time or search for tens of seconds here are left out of `make check` (docs/testing.md).
+SLOW_SCRIPTS = {"latency_budgets.py", "latency_targets.py", "paired_speed.py"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_SCRIPTS else name
+                                  for name in sorted(SMOKE)])
 def test_a_benchmark_script_runs(name, isolated, capsys, tmp_path):
     script = next(s for s in SCRIPTS if s.name == name)
     args, expected = SMOKE[name]
@@ -94,6 +99,7 @@ def test_a_benchmark_script_runs(name, isolated, capsys, tmp_path):
         assert out == (SIGNIFICANCE / "compare.txt").read_text()
 
 
+@pytest.mark.slow  # builds FFCV's numba pipeline: 45 s here
 def test_seeded_augmentation_builds_its_pipeline():
     module = runpy.run_path(str(ROOT / "benchmarks" / "seeded_augmentation.py"), run_name="seeded_augmentation")
     from pipeline.data.loaders import LoaderSpec

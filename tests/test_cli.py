@@ -67,6 +67,7 @@ def test_bad_config_exits_2_with_a_clear_message():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_ops_prints_the_table(tmp_path):
     out_file = tmp_path / "bench.md"
     proc = run("bench", "ops", "configs/bench_ops.yaml", "--set", "bench.model=deit_tiny_patch16_224",
@@ -89,6 +90,7 @@ def test_bench_ops_prints_the_table(tmp_path):
     assert "[11/11] conv K=49" in proc.stderr, "progress goes to stderr"
 
 
+@pytest.mark.slow
 def test_bench_ops_times_a_tome_reference_checkout(tmp_path):
     # A stand-in with ToMe's merge API (bipartite_soft_matching, merge_wavg): the loader and the
     # side-by-side row are exercised here; a real checkout is timed the same way.
@@ -112,6 +114,7 @@ def test_bench_ops_times_a_tome_reference_checkout(tmp_path):
     assert "| tome (reference) | 49 |" not in proc.stdout, "one ToMe call cannot merge more than half the tokens"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -126,6 +129,7 @@ def test_bench_ops_bad_input(override, message):
     assert message in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_throughput_reports_the_realised_fraction():
     proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--methods", "tome,powerbert",
                "--keep", "196,150,120,100,80,60,50,40,30,20,10,5", "--batch", "2",
@@ -148,6 +152,7 @@ def test_bench_throughput_reports_the_realised_fraction():
     assert "host ms a call: " not in out, "the host's time is measured on CUDA only"
 
 
+@pytest.mark.slow
 def test_bench_loop_times_the_loop_against_its_bare_step():
     """The real train_one_epoch against the bare step on DeiT-Ti; 5 steps at log_every 2 read the device
     at steps 2 and 4 and at the end (timings are the benchmark's business, not this test's)."""
@@ -166,6 +171,7 @@ def test_bench_loop_times_the_loop_against_its_bare_step():
     assert bad.returncode == 2 and "training autocasts to bf16 on CUDA only" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_throughput_level_and_bad_keep():
     proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--level", "3", check=False)
     assert proc.returncode == 2 and "no sparsity levels for 'deit_tiny_patch16_224'" in proc.stderr
@@ -173,6 +179,7 @@ def test_bench_throughput_level_and_bad_keep():
     assert proc.returncode == 2 and "keep has 2 entries" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_throughput_patch_embed_matmul_times_every_model_with_it():
     proc = run("bench", "throughput", "--model", "deit_tiny_patch16_224", "--methods", "random",
                "--keep", "196,150,120,100,80,60,50,40,30,20,10,5", "--batch", "2", "--patch-embed", "matmul",

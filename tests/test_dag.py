@@ -66,6 +66,8 @@ def start(root: Path, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     # 1. Start the whole DAG and kill the driver (and its local Ray) once the finetune sweep has results.
     MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()  # schema first: no race
@@ -213,6 +215,7 @@ def test_paper_config_expands_without_running():
     assert ft.config.recipe.epochs == 300 and ft.config.train.mode == "finetune"
 
 
+@pytest.mark.beton
 def test_stage_ids_change_downstream_of_any_change(root):
     from pipeline.dag.plan import archs, base_stage, ksearch_stages
 
@@ -276,6 +279,7 @@ def test_no_ksearch_target_leaves_every_id_as_it_was():
         archs(load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, archs: [M32]}]"]))
 
 
+@pytest.mark.beton
 def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):
     base = [*tiny_overrides(root)[:2], f"train.storage_path={tmp_path / 'ray'}",
             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]
@@ -300,6 +304,7 @@ def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):
         force_kinds("everything")
 
 
+@pytest.mark.slow
 def test_cli_plan_prints_counts():
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/experiments/demo.yaml", "--plan"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -323,6 +328,8 @@ print(json.dumps({"training_code": loaded, "metadata": model.metadata.metadata,
 """
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_registered_best_model_loads_in_a_fresh_process_and_names_classes(root, tmp_path):
     """The select stage registers image classifiers; one loads in an interpreter outside the checkout (its
     code travels with it) and answers uint8 images with the dataset's class names, as the model here does."""
@@ -409,6 +416,7 @@ def test_the_shared_pooling_settings_are_part_of_the_experiment():
     assert len(ids) == len(other) and recorded not in ids
 
 
+@pytest.mark.ray
 def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_file():
     from types import SimpleNamespace
 
@@ -463,6 +471,8 @@ def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path)
                 == recorded[1]) is same, extra
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
     """A method of another installed package (entry point group pipeline.methods) goes through the whole
     DAG: config validation in the driver, Ray Train workers for the base, the K search and the finetune
@@ -535,6 +545,8 @@ def planted_checkout(where: Path) -> Path:
     return where
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, tmp_path):
     """``pipeline run --rehearse`` on a slice of the tiny experiment passes every kind (base, K search, both
     finetunes, their evaluations, select, register, one served request) with its step times and memory, in its own
@@ -604,6 +616,7 @@ def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, tmp_path
     assert {p: p.stat().st_mtime_ns for p in (folder / "data").glob("*.beton")} == data  # the data, kept
 
 
+@pytest.mark.beton
 def test_the_rehearsal_report_says_reused_and_not_run_and_register_models_false_exits_0(tmp_path, monkeypatch):
     """The table's status of each stage: "reused" for a record left before this rehearsal (nothing ran: never
     "pass"), "pass" for one it made; and with ``experiment.register_models: false`` the serve row is "not run",
@@ -665,6 +678,7 @@ def test_the_projected_gpu_hours_are_the_cluster_budgets():
     assert "speed-ups assumed for" in projection.note  # the note names what was assumed
 
 
+@pytest.mark.slow
 def test_bad_rehearsals_are_refused_before_anything_runs(tmp_path):
     from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
     from pipeline.errors import InputError

@@ -75,6 +75,7 @@ def synthetic_beton(tmp_path_factory) -> tuple[Path, object]:
     return out, source
 
 
+@pytest.mark.beton
 def test_raw_round_trip_is_exact(synthetic_beton):
     beton, source = synthetic_beton
     images, labels = read_all(ffcv_loader(exact_spec(beton, 24)))
@@ -83,6 +84,7 @@ def test_raw_round_trip_is_exact(synthetic_beton):
     np.testing.assert_array_equal(images, expected)
 
 
+@pytest.mark.beton
 def test_metadata_describes_the_file(synthetic_beton):
     beton, source = synthetic_beton
     meta = json.loads(metadata_path(beton).read_text())
@@ -92,6 +94,7 @@ def test_metadata_describes_the_file(synthetic_beton):
     assert meta["settings"] == {"mode": "raw", "max_res": None, "quality": 90}
 
 
+@pytest.mark.beton
 def test_jpeg_folder_round_trip_within_jpeg_tolerance(tmp_path):
     files = make_folder(tmp_path / "src", {"cat": 5, "dog": 4, "eel": 3})
     out = tmp_path / "f.beton"
@@ -164,6 +167,7 @@ def test_torch_loader_epochs_depend_on_the_seed_and_epoch_alone(tmp_path):
     assert same_image(first[0][0], first[1][0]).mean() < 0.2 and not np.array_equal(first[0][1], first[1][1])
 
 
+@pytest.mark.beton
 def test_train_pipeline_augments_and_normalises(synthetic_beton):
     beton, source = synthetic_beton
     spec = LoaderSpec(str(beton), train=True, batch_size=20, res=16, mean=(0.5,) * 3, std=(0.25,) * 3,
@@ -183,6 +187,7 @@ def _augmented_epochs(spec: LoaderSpec, epochs: int = 2) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.beton
 @pytest.mark.parametrize("mode", ["raw", "jpg"])
 def test_train_crops_and_flips_are_the_same_for_the_same_seed(tmp_path, mode):
     """FFCV's own crop and flip draw from numba's unseeded per-thread state; the seeded ops give every image
@@ -202,6 +207,7 @@ def test_train_crops_and_flips_are_the_same_for_the_same_seed(tmp_path, mode):
     assert same_image(first[0], first[1]).mean() < 0.2
 
 
+@pytest.mark.slow  # numba compiles FFCV's flip on the first case: 9 s here
 @pytest.mark.parametrize("prob", [0.0, 0.25, 0.5, 1.0])
 def test_seeded_flip_flips_with_its_probability(prob):
     from pipeline.data.augment import SeededHorizontalFlip
@@ -242,6 +248,7 @@ SHARD_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.beton
 def test_two_ranks_see_disjoint_shards_reshuffled_each_epoch(tmp_path):
     # One class per image, so a label is the sample's identity.
     beton = tmp_path / "ids.beton"
@@ -259,6 +266,7 @@ def test_two_ranks_see_disjoint_shards_reshuffled_each_epoch(tmp_path):
     assert r0e0 != r0e1  # reseeded per epoch
 
 
+@pytest.mark.beton
 def test_metadata_mismatch_is_refused(synthetic_beton, tmp_path):
     beton, _ = synthetic_beton
     check_dataset(beton, 5, full_checksum=True)
@@ -282,6 +290,7 @@ def test_metadata_mismatch_is_refused(synthetic_beton, tmp_path):
         check_dataset(tmp_path / "missing.beton", 5)
 
 
+@pytest.mark.beton
 def test_edited_or_broken_metadata_is_refused(synthetic_beton, tmp_path):
     # data check compares the metadata with the .beton itself, not only with its size.
     beton, _ = synthetic_beton
@@ -324,6 +333,7 @@ def awkward_folder(root: Path) -> None:
     Image.fromarray(np.full((20, 20), 32896, dtype=np.uint16)).save(root / "b" / "deep.png")
 
 
+@pytest.mark.beton
 def test_awkward_files_are_converted_skipped_and_counted(tmp_path):
     awkward_folder(tmp_path / "src")
     out = tmp_path / "out.beton"
@@ -337,6 +347,7 @@ def test_awkward_files_are_converted_skipped_and_counted(tmp_path):
     assert converted == {(77, 77, 77), (200, 100, 50), (255, 0, 0), (128, 128, 128)}
 
 
+@pytest.mark.beton
 def test_write_refuses_what_would_leave_a_class_empty_or_replace_a_file(tmp_path):
     awkward_folder(tmp_path / "src")
     (tmp_path / "src" / "c").mkdir()  # a class whose only image is unreadable
@@ -361,6 +372,7 @@ def test_write_refuses_what_would_leave_a_class_empty_or_replace_a_file(tmp_path
                     log=lambda _: None)
 
 
+@pytest.mark.beton
 def test_strict_fails_on_the_first_bad_file_and_writes_nothing(tmp_path):
     awkward_folder(tmp_path / "src")
     out = tmp_path / "out.beton"
@@ -403,6 +415,7 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
 
 
+@pytest.mark.beton
 @pytest.mark.alone  # a timing-sensitive process test: `make test` runs it after the parallel run, on an idle machine
 def test_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path):
     out = tmp_path / "big.beton"
@@ -418,6 +431,7 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path):
     assert not list(tmp_path.glob(".big.beton.partial-*"))
 
 
+@pytest.mark.beton
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 @pytest.mark.parametrize("disk", ["tmpfs", "planted"])
 def test_a_full_disk_is_one_line_and_loses_nothing(disk, verbose, tmp_path, capfd, monkeypatch):
@@ -485,6 +499,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(disk, verbose, tmp_path, capf
             subprocess.run(["umount", str(folder)], check=True)
 
 
+@pytest.mark.beton
 def test_killed_write_leaves_no_complete_looking_file(tmp_path):
     out = tmp_path / "k.beton"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "data", "write", "--source",
@@ -513,6 +528,7 @@ HANG_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.beton
 def test_cpu_pipelines_do_not_hit_ffcv_jit_order_hang(synthetic_beton, tmp_path):
     """FFCV 1.0.2 spins forever on a jitted -> non-jitted -> jitted chain; a hang here fails by timeout."""
     beton, _ = synthetic_beton
@@ -526,6 +542,7 @@ def test_cpu_pipelines_do_not_hit_ffcv_jit_order_hang(synthetic_beton, tmp_path)
     assert proc.stdout.split() == ["True", "(8,", "3,", "16,", "16)", "False", "(8,", "3,", "16,", "16)"]
 
 
+@pytest.mark.beton
 def test_cli_write_and_check(tmp_path):
     out = tmp_path / "c.beton"
     run = dict(cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -537,6 +554,7 @@ def test_cli_write_and_check(tmp_path):
     assert check.returncode == 2 and "holds 10 classes" in check.stderr
 
 
+@pytest.mark.beton
 def test_holdout_split_is_stratified_disjoint_seeded_and_written_once(tmp_path):
     from pipeline.data.split import holdout_split, split_key, stratified_holdout
 
@@ -557,6 +575,7 @@ def test_holdout_split_is_stratified_disjoint_seeded_and_written_once(tmp_path):
     check_dataset(out, 5)  # the metadata stays valid
 
 
+@pytest.mark.beton
 def test_holdout_loaders_read_only_their_part_and_the_test_set_stays_whole(tmp_path):
     import dataclasses
 

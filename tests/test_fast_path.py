@@ -235,6 +235,7 @@ def test_models_use_the_fast_scores():
 CASES = [(m, carry) for m in METHODS for carry in (False, True)]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("method,carry", CASES)
 def test_every_method_compiles_with_fullgraph(method, carry):
     model = apply_downsampling(tiny(), method, CONV_KEEP if method == "conv" else KEEP, carry=carry).train()
@@ -246,6 +247,7 @@ def test_every_method_compiles_with_fullgraph(method, carry):
     assert model.patch_embed.proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("dense", [True, None], ids=["cuda path", "cpu path"])
 @pytest.mark.parametrize("method", ["kmedoids", "wkmedoids"])
 def test_the_kmedoids_op_compiles_with_fullgraph_and_syncs_nothing(method, dense):
@@ -262,6 +264,7 @@ def test_the_kmedoids_op_compiles_with_fullgraph_and_syncs_nothing(method, dense
     assert counter.host_syncs() == {}
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("dense", [True, None], ids=["cuda path", "cpu path"])
 @pytest.mark.parametrize("method", ["kmeans", "wkmeans"])
 def test_kmeans_runs_one_op_a_block_on_both_paths(method, dense):
@@ -284,6 +287,7 @@ def test_kmeans_runs_one_op_a_block_on_both_paths(method, dense):
     torch.testing.assert_close(out, other, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.compile
 def test_the_k_search_model_compiles_with_fullgraph():
     model = apply_downsampling(tiny(), "none", soft_extract=True).train()
     compile_model(model, "default", "cpu", backend="aot_eager")(images()).sum().backward()
@@ -314,6 +318,7 @@ def graph_targets(fn, *args) -> list[str]:
     return targets
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "conv"] + ["soft_extract"])
 def test_compiled_graphs_never_sort(method):
     """Inductor compiles a sort into a Triton sorting network that took minutes to build on an H100
@@ -327,6 +332,7 @@ def test_compiled_graphs_never_sort(method):
     assert len(targets) > 100 and sorts == [], f"sorts in the compiled graph: {sorts}"
 
 
+@pytest.mark.compile
 def test_the_graph_recorder_sees_a_sort():
     targets = graph_targets(lambda x: x.argsort(dim=-1, stable=True) + torch.sort(x).indices, torch.rand(2, 5))
     assert sum("sort" in t for t in targets) == 2, targets
@@ -394,6 +400,7 @@ for (b, h, t, d), dtype, carry in [((2, 3, 11, 16), torch.float32, False), ((1, 
     lse = (logits + (bias.double()[:, None, None, :] if carry else 0)).logsumexp(-1).float()  # (B, H, T)"""
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_the_interpreter():
     # TRITON_INTERPRET must be set before triton is imported, hence a fresh process.
     pytest.importorskip("triton")
@@ -415,6 +422,7 @@ from pipeline.models.significance_triton import significance_and_lse_triton, sig
     assert _interpret(code).count("ok") == 4
 
 
+@pytest.mark.slow
 def test_triton_attention_with_scores_under_the_interpreter():
     """The one-pass kernel of the joint op (``attention_with_columns_triton``: the attention output and eq. 4
     from one set of logits, every key of a head in one tile) against the float64 softmax, on timm's packed
@@ -435,6 +443,7 @@ from pipeline.models.significance_triton import attention_with_columns_triton
     assert _interpret(code).count("ok") == 4
 
 
+@pytest.mark.slow
 def test_triton_significance_backward_under_the_interpreter():
     """The backward kernels against autograd through the explicit softmax in float64."""
     pytest.importorskip("triton")
@@ -476,6 +485,7 @@ cases = [((2, 12, 4, 3), True, 5), ((3, 30, 8, 7), False, 3), ((2, 49, 16, 12), 
 """
 
 
+@pytest.mark.slow
 def test_triton_kmedoids_under_the_interpreter():
     """Both K-Medoids kernels (two launches an iteration, and one program an image for every iteration)
     give the brute-force reference's medoids and assignment, and the torch iterations' (one-hot matmuls)
@@ -516,6 +526,7 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     assert _interpret(code).count("ok") == 11
 
 
+@pytest.mark.slow
 def test_triton_kmeans_under_the_interpreter():
     """K-Means' fused kernel (``kmeans_fused_triton``, every iteration of an image in one program) gives the
     brute-force reference's assignment, and the torch iterations' and the CPU's native kernel's: on random
@@ -555,6 +566,7 @@ assert empty > 0, "some case must leave a cluster empty (an empty cluster keeps 
     assert _interpret(code).count("ok") == 10
 
 
+@pytest.mark.slow
 def test_triton_cluster_means_under_the_interpreter():
     """The merge kernel (``cluster_means_triton``, one launch a pooled block) gives the brute-force reference's
     weighted means and the one-hot torch ops' (the op's reference): with and without weights, an empty
@@ -657,6 +669,8 @@ def test_top1_of_a_random_method_does_not_depend_on_earlier_draws(monkeypatch):
     assert not torch.equal(model(images(4)), logits[0][:4]), "the model must draw from torch's generator"
 
 
+@pytest.mark.compile
+@pytest.mark.beton
 def test_training_with_train_compile(tmp_path):
     """`train.compile: default` trains the inductor-compiled model (fullgraph) and writes a checkpoint of
     the plain module, which rebuilds and loads without compilation."""
@@ -680,6 +694,7 @@ def test_training_with_train_compile(tmp_path):
         assert torch.isfinite(model(torch.randn(2, 3, 16, 16))).all()
 
 
+@pytest.mark.slow
 def test_bench_kernels_dry_run_under_the_interpreter():
     """`bench kernels` runs its code on the CPU under Triton's interpreter (the GPU figures come from CUDA):
     every K row of K-Medoids and of K-Means agrees with the torch iterations, and without the interpreter the
@@ -806,6 +821,7 @@ def test_a_cls_model_keeps_the_tokens_the_class_token_attends_to_most():
     assert torch.equal(kept, top)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("method,carry", [("wkmedoids", False), ("wkmedoids", True), ("powerbert", False),
                                           ("importance", False), ("kmeans", True)])
 def test_cls_models_compile_with_fullgraph_and_sync_nothing(method, carry):
@@ -829,6 +845,7 @@ def test_cls_scores_need_a_class_token():
         apply_downsampling(tiny(), "powerbert", KEEP, significance="evit")
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("method,options", [("random", {}), ("importance", {}), ("kmeans", {"init": "random"}),
                                             ("wkmedoids", {}), ("tome", {})])
 def test_random_draws_compile_for_a_second_batch_size(method, options):

@@ -25,6 +25,7 @@ TABLE1 = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TABLE1))
 def test_table1(name):
     attention, qkv, proj, mlp, total = TABLE1[name]
@@ -65,6 +66,7 @@ KMEDOIDS_MISSES = {("deit_e252_patch16_224", 0): -0.093, ("deit_e252_patch16_224
                    ("deit_e252_patch16_224", 2): -0.065}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name,row", list(_rows()))
 def test_appendix_kmedoids(model_name, row):
     report = count_flops(create_model(model_name, method="kmedoids", keep=row.keep))
@@ -85,6 +87,7 @@ def test_appendix_kmedoids(model_name, row):
     assert report.downsampling == pytest.approx(overhead / 1e9, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_kmeans_feature_form_reproduces_deit_s_column(monkeypatch):
     # The paper's count, 5 token-to-centre distance matrices a clustering layer, is the feature form of
     # the iterations: it reproduces the printed K-Means column of DeiT-S within 0.05 at levels 1-7.
@@ -100,6 +103,7 @@ def test_kmeans_feature_form_reproduces_deit_s_column(monkeypatch):
             assert abs(report.total - row.kmeans) <= 0.05
 
 
+@pytest.mark.slow
 def test_kmeans_gram_form_charges_its_products():
     # What the code runs at a ViT's N <= 2 M: per clustering layer the Gram matrix, n^2 M, and one
     # (k, n) x (n, n) product for each of the iters - 1 later assignments; fewer than the paper's count.
@@ -124,6 +128,7 @@ def test_tome_charges_its_similarity_matrix():
     assert report.downsampling == pytest.approx(98 * 98 * 64 / 1e9, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_flops_cli_json():
     proc = subprocess.run([sys.executable, "-m", "pipeline", "flops", "--model", "deit_small_patch16_224",
                            "--method", "kmedoids", "--keep", "196,195,193,188,169,140,121,110,73,38,7,0",
@@ -137,6 +142,7 @@ def test_flops_cli_json():
     assert parts == pytest.approx(report["gflops"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_flops_cli_level_and_bad_input():
     run = [sys.executable, "-m", "pipeline", "flops", "--model", "deit_e252_patch16_224", "--method", "powerbert"]
     proc = subprocess.run(run + ["--level", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -162,6 +168,7 @@ def test_attention_counts_the_same_on_every_path():
     assert cpu.attention == pytest.approx(sum(2 * t * t * 384 for t in tokens) / 1e9, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_importing_the_flop_counter_prints_no_deprecation_warning():
     """fvcore.nn calls torch.jit.script at import, which torch deprecates with a FutureWarning; every process
     that counts FLOPs (the evaluate stage's Ray tasks among them) printed it. A fresh interpreter that turns

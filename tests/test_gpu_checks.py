@@ -14,6 +14,11 @@ import tarfile
 import time
 from pathlib import Path
 
+import pytest
+
+# jobs/gpu/checks.sh on the CPU, in subprocesses: 10 s to minutes each here.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "jobs" / "gpu" / "checks.sh"
 

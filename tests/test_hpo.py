@@ -52,6 +52,8 @@ def epochs_of(client: MlflowClient, run_id: str, key: str = "train_loss") -> lis
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun_finished_ones(tmp_path):
     root = write_synthetic_pair(tmp_path, 192, 48)
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")

@@ -76,6 +76,7 @@ def test_training_identities_leave_the_kernels_out_and_evaluations_name_them():
     assert dag_id(default) != dag_id(torch_path)
 
 
+@pytest.mark.compile
 def test_a_compiled_graph_runs_the_choice_of_the_config_it_was_built_from(monkeypatch):
     """The ops take the choice as an argument: a model compiled with ``kmedoids: torch`` never calls the
     native kernel, where the same model with ``auto`` calls it once a pooling block; nothing reads the
@@ -113,6 +114,7 @@ def test_the_plan_resolves_auto_from_each_steps_own_kernel(monkeypatch):
         assert selfcheck.kernel_record(KernelChoice(), "cpu") == record
 
 
+@pytest.mark.compile
 def test_the_record_names_the_path_each_dispatch_took_at_each_shape():
     """``kernels_ran``: what the dispatches noted while the model ran, per kernel and token count (16 tokens pooled
     to 8, then 4; the attention sees the class token too); a step the method does not run is "none noted"; the
@@ -163,6 +165,7 @@ for img in (96, 56):  # 24 x 24 = 576 patch tokens, then 14 x 14 = 196 (DeiT-S's
 """
 
 
+@pytest.mark.slow
 def test_under_the_interpreter_the_record_says_where_the_one_pass_attention_fell_back():
     """The CUDA dispatch of the joint attention op, run under Triton's interpreter: at 577 tokens (576 patches and
     the class token) it falls back to torch and the record says torch; at DeiT-S's 197 it runs the one-pass

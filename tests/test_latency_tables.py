@@ -185,6 +185,7 @@ def test_kendall_tau_and_the_errors_against_scipy_and_by_hand():
     assert s.tau == pytest.approx((5 - 1) / 6)  # one discordant pair (c, d) of six
 
 
+@pytest.mark.slow
 def test_the_check_measures_planted_lists_and_reports_the_planted_predictions(tmp_path):
     """The check's predicted ratio of each list it measures, against values written out by hand for written-out
     curves, then against the brute-force sum of the measured table's JSON (never against ``predict`` itself)."""

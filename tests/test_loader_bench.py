@@ -53,6 +53,7 @@ def test_images_compress_like_photos():
     assert np.median(low_share) > 0.5, low_share  # white noise would put ~1% below 0.05 cycles/pixel
 
 
+@pytest.mark.slow
 def test_the_imagenet_like_bench_runs_on_a_small_setting(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline", "bench", "loader", "--imagenet-like", "--images", "24",
                            "--threads", "1", "--epochs", "2", "--batch", "8", "--work-dir", str(tmp_path),

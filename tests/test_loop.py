@@ -118,7 +118,8 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("compile_mode", ["none", "default"])
+@pytest.mark.beton
+@pytest.mark.parametrize("compile_mode", ["none", pytest.param("default", marks=pytest.mark.compile)])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_steady_epoch_reads_the_device_once_per_log_every_steps(monkeypatch, data, tmp_path, mode, compile_mode):
     """With the DeiT recipe's extras on (Mixup/CutMix, EMA, gradient clipping): 16 steps at log_every 5
@@ -131,6 +132,7 @@ def test_a_steady_epoch_reads_the_device_once_per_log_every_steps(monkeypatch, d
     assert evals.count == 2, evals.reads  # the model and its EMA, one read each
 
 
+@pytest.mark.beton
 def test_a_latency_target_search_reads_the_device_as_the_lambda_search_does(monkeypatch, data, tmp_path):
     """The K search toward a latency table's target adds no device read and builds no tensor from Python data per
     step: its penalty's curves are tensors built once, and whether a block pools is a mask on the device."""
@@ -152,12 +154,14 @@ def test_a_latency_target_search_reads_the_device_as_the_lambda_search_does(monk
     assert not builds, builds
 
 
+@pytest.mark.beton
 def test_the_count_sees_the_loops_reads(monkeypatch, data, tmp_path):
     """log_every 1 reads at every step, as the loop did before: the count is not blind to them."""
     steps, _ = count_reads(monkeypatch, config(data, tmp_path, "train.log_every=1"))
     assert steps.count == STEPS, steps.reads
 
 
+@pytest.mark.beton
 def test_a_nonfinite_loss_stops_the_job_naming_the_steps(monkeypatch, data, tmp_path):
     """The loss turns NaN at global step 7 of 32; the read at step 8 (log_every 4) finds it."""
     build_recipe = loop.build_recipe
@@ -203,6 +207,7 @@ def test_step_totals_name_the_single_step_of_a_nonfinite_loss():
         totals.read(epoch=2, step=11)
 
 
+@pytest.mark.beton
 def test_train_init_is_read_once_per_process(monkeypatch, data, tmp_path):
     """The driver's check of ``train.init`` and the job that loads it, in one process, share one read."""
     from pipeline.train import run_training

@@ -267,7 +267,7 @@ def test_soft_extract_starts_as_the_timm_model():
         torch.testing.assert_close(searched(images()), reference(images()))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
 def test_soft_extract_scales_by_significance_rank(compiled):
     from pipeline.models import soft_extract
     from pipeline.pooling import select_topk

@@ -18,6 +18,9 @@ from mlflow.tracking import MlflowClient
 
 from tests.processes import ROOT, RayCluster, get_json, ray_env, stop, wait_for
 
+# Every test here starts Ray and writes its data as betons: `make test` only.
+pytestmark = [pytest.mark.ray, pytest.mark.beton]
+
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
 EPOCHS = 3
 STEPS_PER_EPOCH = 8  # 256 images / (batch 16 x 2 ranks)

@@ -88,6 +88,7 @@ for name, call in [("kmedoids", lambda: _kmedoids_cuda(gm, w, start, 4)),
 """
 
 
+@pytest.mark.slow
 def test_each_custom_op_of_a_pooled_block_launches_one_kernel_on_cuda():
     """The CUDA kernels of ``tokenpool::kmedoids``, ``tokenpool::kmeans_gram`` and ``tokenpool::cluster_means``
     (called on CPU tensors under Triton's interpreter) launch one Triton kernel each and no aten op but

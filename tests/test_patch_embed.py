@@ -73,6 +73,7 @@ def test_a_conv_checkpoint_loads_into_the_matmul_model(tmp_path):
     torch.testing.assert_close(model.eval()(x), conv_model.eval()(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.compile
 def test_the_matmul_model_compiles_fullgraph_with_downsampling():
     model = create_model("deit_tiny_patch16_224", img_size=64, depth=4, num_classes=10, method="wkmedoids",
                          keep=[12, 8, 4, 2], patch_embed="matmul")

@@ -149,7 +149,7 @@ def test_significance_matches_reference():
     assert torch.allclose(got.sum(-1), torch.full((2,), 21.0))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
 def test_powerbert_keeps_top_scores(compiled):
     tokens, scores = _inputs(3, 20, 4, seed=5)
     out = traced(select_topk, compiled)(tokens, 6, scores=scores, validate=not compiled)
@@ -175,7 +175,8 @@ def test_importance_inclusion_matches_exact_probabilities():
 @pytest.mark.parametrize("n,k", [(10, 6), (11, 5), (16, 8), (17, 3), (9, 1)])
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager: partition", "compiled: bipartite merge"])
+@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager: partition"),
+                                      pytest.param(True, id="compiled: bipartite merge", marks=pytest.mark.compile)])
 @pytest.mark.parametrize("dense", [None, True], ids=["cpu path", "cuda path"])
 def test_tome_matches_reference(n, k, carry, ties, compiled, dense):
     from pipeline.pooling.common import dense_segments
@@ -203,7 +204,7 @@ def test_tome_matches_reference(n, k, carry, ties, compiled, dense):
         np.testing.assert_allclose(out.sizes[s].numpy(), sz, rtol=1e-6)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
 def test_tome_merges_with_the_bipartite_groups_only_when_compiled(compiled, monkeypatch):
     """Compiled graphs take ``BipartiteMerge`` (a quarter of the one-hot product), eager code the
     ``Partition`` of all N tokens (half the ops); the reference test above checks both."""

@@ -86,6 +86,7 @@ def test_a_registered_method_counts_flops_and_benchmarks(toy, capsys):
     assert "| firstk | 98 |" in capsys.readouterr().out
 
 
+@pytest.mark.beton
 def test_a_registered_method_trains(toy, tmp_path):
     from pipeline.train import run_training
     from pipeline.train.checkpoint import load_checkpoint
@@ -148,6 +149,7 @@ def _with_plugin(path: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_plugins_entry_point_registers_its_method(tmp_path):
     """The method of an installed package (a .dist-info on the path) is listed with its package and version,
     validated by the config with its own option and counted by `pipeline flops`; nothing of it is in this
@@ -170,6 +172,7 @@ BROKEN_BESIDE_GOOD = {"lastk": "tp_plugin:MISSING", "midk": "tp_plugin:NOT_A_SPE
                       "firstk": "tp_plugin:SPEC"}
 
 
+@pytest.mark.slow
 def test_a_broken_plugin_is_named_in_one_line_and_the_others_load(tmp_path):
     """`pipeline methods` lists the good plugin and the built-in K-Medoids under its own name, names each entry
     point it left out in one line, and exits 2."""

@@ -167,6 +167,7 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
     assert "--max-latency-ms X goes with --table PATH" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_speed_budgets_hold_by_the_intervals_end(tmp_path, capsys):
     """The select stage's images/s on one scale with its interval: ``--min-images-per-s`` by the lower end,
     ``--max-latency-ms`` by the upper end; the evaluate stage's own figure is not read where the scale is there."""
@@ -242,6 +243,7 @@ def test_the_reports_speed_front_goes_by_the_intervals_and_names_ties(tmp_path):
     assert [r["level"] for r in fronts(bare, "images_per_s")["all"]] == ["fast", "accurate"]
 
 
+@pytest.mark.ray
 def test_a_cluster_without_the_timing_resource_is_warned_about_before_any_stage(monkeypatch):
     """Not refused: an autoscaling worker group at zero nodes starts one when an evaluation asks for the resource."""
     import ray

@@ -29,6 +29,9 @@ from pipeline.data import open_source, write_folder
 from tests.conftest import write_synthetic_pair
 from tests.processes import ROOT, free_port, stop
 
+# The served model is trained on a beton (the module fixture `trained`): every test but two asks for it.
+pytestmark = pytest.mark.beton
+
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
 NAME = "tiny-serve"
 # The served process's limits: small, so that small requests cross them (the defaults are far above).

@@ -8,11 +8,9 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 
 from pipeline.bench.blocks import (
     BlocksSettings,
-    ModelSpec,
     measure_table,
     settings_from_key,
     setup,
@@ -24,22 +22,14 @@ from pipeline.bench.paired import SpeedSettings
 from pipeline.bench.records import find_record
 from pipeline.cost import check_key
 from pipeline.errors import InputError
-from pipeline.methods import method_spec
 from pipeline.runtime import KernelChoice
-
-TINY = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=4)
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+from tests.test_latency_tables import _restore_threads  # noqa: F401  (autouse: torch's threads put back)
+from tests.test_latency_tables import settings as tiny_settings
 
 
 def settings(method: str = "kmedoids", **more) -> BlocksSettings:
-    return BlocksSettings(TINY, method, method_spec(method).resolve(method, {}), batch=2, step=8, warmup=1,
-                          repeats=2, min_sample_s=0.0, **({"threads": 1} | more))
+    """The latency tables' tests' tiny setting, K-Medoids unless told."""
+    return tiny_settings(method, **more)
 
 
 def test_a_table_keyed_for_more_threads_than_usable_cores_is_refused_naming_threads(tmp_path):

@@ -427,6 +427,7 @@ def test_targets_are_checked_when_loaded():
         CostTarget(cost="gflops", fraction=0.5, name="half of it")
 
 
+@pytest.mark.slow
 def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(tmp_path):
     from dataclasses import replace
 
@@ -508,6 +509,7 @@ def test_the_options_that_change_a_gflops_count_enter_the_k_searchs_identity():
     assert search("pooling.iters=9") == tokens  # an option that does not change the count does not enter it
 
 
+@pytest.mark.slow
 def test_run_plan_refuses_a_target_below_the_cheapest_list_naming_its_fraction(tmp_path):
     import subprocess
     import sys

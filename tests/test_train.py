@@ -63,6 +63,8 @@ def mlflow_run(runs: Path, run_id: str):
     return client, client.get_run(run_id)
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_two_workers_learn_and_stay_in_sync(base, runs):
     client, run = mlflow_run(runs, base.run_id)
     losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)]
@@ -82,6 +84,8 @@ def local_ray_logs(pattern: str) -> list[str]:
     return [p.read_text(errors="replace") for p in logs.glob(pattern) if p.is_file()]
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_a_local_ray_drops_the_cleaners_state_api_warning(base):
     """Ray Train's placement-group cleaner asks the dashboard's State API once a second whether the
     controller lives; a local Ray has no dashboard, so each ask warned (26 times in this training). The
@@ -91,6 +95,8 @@ def test_a_local_ray_drops_the_cleaners_state_api_warning(base):
     assert not [text for text in texts if "Failed to query Ray Train Controller actor state" in text]
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_a_local_ray_starts_no_preemption_watcher(base):
     """A local Ray is one node that nothing drains: Ray Train's preemption watcher, whose start logged a
     core-worker error line ("Actor with class name: 'PreemptionWatcher' ... has constructor arguments in
@@ -116,6 +122,8 @@ def test_the_cleaner_filter_drops_that_warning_only(caplog):
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["Detected that the Ray Train controller actor"]
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_mlflow_holds_params_metrics_tags_and_artifacts(base, runs):
     client, run = mlflow_run(runs, base.run_id)
     assert run.data.params["model.embed_dim"] == "24" and run.data.params["train.mode"] == "base"
@@ -131,6 +139,8 @@ def test_mlflow_holds_params_metrics_tags_and_artifacts(base, runs):
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/model.pt"]
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_one_seed_gives_one_training(data, runs):
     """Two trainings from one config and seed, random crops and flips on, end with the same weights, bit for
     bit. FFCV's own crop and flip drew from numba's unseeded per-thread state, and two such runs here
@@ -142,6 +152,8 @@ def test_one_seed_gives_one_training(data, runs):
     assert runs_[0].summary["train_loss"] == runs_[1].summary["train_loss"]
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_failure_at_a_step_resumes_to_the_same_weights(data, runs):
     # Mixup on, so that the restored RNG states matter; crops and flips are drawn per image from the seed.
     common = ["recipe.epochs=3", "recipe.mixup=0.8"]
@@ -157,12 +169,16 @@ def test_failure_at_a_step_resumes_to_the_same_weights(data, runs):
     assert sorted(steps) == [1, 2, 3]  # one MLflow run, each epoch once
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_rerun_of_a_finished_job_resumes_instead_of_starting_over(base, data, runs):
     again = run_training(tiny(data, runs, "train.name=base", "recipe.epochs=3"))
     assert load_checkpoint(again.checkpoint)["epoch"] == 2  # only the third epoch ran
     assert again.run_id == base.run_id
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_ksearch_gives_non_increasing_keep_lists_and_lambda_prunes(base, data, runs):
     keeps = {}
     for lam in (0.0, 0.05):
@@ -177,6 +193,8 @@ def test_ksearch_gives_non_increasing_keep_lists_and_lambda_prunes(base, data, r
     assert sum(keeps[0.05]) < sum(keeps[0.0])
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
 def test_finetune_every_method_from_the_base(method, base, data, runs):
     keep = "[4, 1, 1]" if method == "conv" else "[12, 8, 4]"
@@ -189,12 +207,16 @@ def test_finetune_every_method_from_the_base(method, base, data, runs):
     assert 0.0 <= result.summary["val_top1"] <= 100.0
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_baseline_finetunes_without_downsampling(base, data, runs):
     result = run_training(tiny(data, runs, "train.mode=baseline", f"train.init={base.checkpoint}",
                                "train.name=baseline", "train.workers=0", "recipe.epochs=1", folders=True))
     assert result.keep is None and load_checkpoint(result.checkpoint)["mode"] == "baseline"
 
 
+@pytest.mark.ray
+@pytest.mark.beton
 def test_bad_inputs_fail_before_any_compute(base, data, runs, tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset not found"):
         run_training(tiny(data, runs, f"data.train={tmp_path / 'nope.beton'}"))
