@@ -41,7 +41,7 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" --junitxml=runs/test-report.xml
 	$(PY) -m pytest -q -m alone --junitxml=runs/test-report-alone.xml
 
-# The inner loop (docs/testing.md): ruff, the floors, and every test not marked ray, beton, compile, gpu or alone,
+# The inner loop (docs/testing.md): ruff, the floors, and every test not marked ray, beton, compile, slow, gpu or alone,
 # on two workers; tests/tiers.py fails any of them that imports ray, writes a beton or calls torch.compile.
 # `make test` is what CI runs.
 check: setup

@@ -11,14 +11,8 @@ from pathlib import Path
 import hypothesis  # noqa: F401
 import pytest
 
-from tests.tiers import (  # noqa: F401  (the tiers' hooks and guard: tests/tiers.py)
-    inner_loop_guard,
-    pytest_addoption,
-    pytest_collection_modifyitems,
-    pytest_configure,
-    pytest_runtest_logreport,
-    pytest_terminal_summary,
-)
+# The marks' plugin: `make check`'s --inner-loop and its guard (tests/tiers.py, docs/testing.md).
+pytest_plugins = ["tests.tiers"]
 
 
 def write_synthetic_pair(root, train: int, val: int):
@@ -31,6 +25,16 @@ def write_synthetic_pair(root, train: int, val: int):
     write_beton(open_source(f"synthetic:classes=4,count={val},size=16,seed=1"), root / "val.beton", raw,
                 log=lambda _: None)
     return root
+
+
+@pytest.fixture
+def restore_threads():
+    """torch's thread count as it was before the test (latency measurements set their table's)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -42,7 +42,8 @@ def tables(cases: list[tuple[str, str, float, str]], top: int) -> str:
              "| file | tests | seconds | share | Ray worker |", "|---|---:|---:|---:|---|"]
     for file, times in sorted(per_file.items(), key=lambda item: -sum(item[1])):
         ray_file = "yes" if Path(file).name in RAY_FILES else ""
-        lines.append(f"| `{file}` | {len(times)} | {sum(times):.1f} | {sum(times) / total:.1%} | {ray_file} |")
+        share = f"{sum(times) / total:.1%}" if total else "-"
+        lines.append(f"| `{file}` | {len(times)} | {sum(times):.1f} | {share} | {ray_file} |")
     lines += ["", f"The {top} slowest tests:", "", "| test | seconds | outcome |", "|---|---:|---|"]
     for file, name, seconds, outcome in sorted(cases, key=lambda case: -case[2])[:top]:
         lines.append(f"| `{file}::{name}` | {seconds:.1f} | {outcome} |")

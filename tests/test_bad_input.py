@@ -262,8 +262,12 @@ def test_a_writer_process_that_fails_at_once_ends_the_write(tmp_path):
     assert not (tmp_path / "x.beton").exists()
 
 
-@pytest.mark.beton
-@pytest.mark.parametrize(("argv", "says"), [
+def beton_where_read(cases: list[tuple[list[str], str]]) -> list:
+    """The cases whose command reads ``x.beton`` (the test writes it first) marked ``beton``."""
+    return [pytest.param(*case, marks=pytest.mark.beton) if "x.beton" in case[0] else case for case in cases]
+
+
+@pytest.mark.parametrize(("argv", "says"), beton_where_read([
     (["data", "write", "--source", "synthetic:classes=10,count=4", "--out", "a.beton"],
      "count=4 is below classes=10: 6 class(es) would have no image"),
     (["config", "show", "--set", "seed=-1"], "seed: Input should be greater than or equal to 0"),
@@ -273,7 +277,7 @@ def test_a_writer_process_that_fails_at_once_ends_the_write(tmp_path):
       "--out", "o"], "--batches 0 --batch-size 64: both must be >= 1"),
     (["select", "--experiment", "it's", "--max-gflops", "1", "--tracking-uri", "sqlite:///m.db"],
      "an experiment.name holds only letters"),
-])
+]))
 def test_more_of_the_probes_inputs_get_one_line(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     if "x.beton" in argv:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -136,8 +135,8 @@ def test_vm_cluster_config_matches_rays_schema():
     import jsonschema
 
     # Ray's own schema, read where Ray is installed without importing it (`make check` runs this test)
-    ray_package = Path(importlib.util.find_spec("ray").origin).parent
-    schema = json.loads((ray_package / "autoscaler" / "ray-schema.json").read_text())
+    schema = json.loads(Path(importlib.metadata.distribution("ray").locate_file("ray/autoscaler/ray-schema.json"))
+                        .read_text())
     config = yaml.safe_load((ROOT / "jobs" / "vm" / "cluster-aws.yaml").read_text())
     jsonschema.validate(config, schema)
     assert config["head_node_type"] in config["available_node_types"]

@@ -11,7 +11,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import scipy.stats
-import torch
 
 from pipeline.bench.blocks import (
     BlocksSettings,
@@ -35,12 +34,8 @@ QUICK = SpeedSettings(cap_s=0.5, warmup=1)  # the fewest blocks: these tests che
 TINY = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=4)
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """The measurements set torch's threads (the table's setting); later tests get theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+# The measurements set torch's threads (the table's setting); later tests get theirs back.
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def settings(method: str = "wkmedoids", batch: int = 2, **more) -> BlocksSettings:

@@ -29,9 +29,6 @@ from pipeline.data import open_source, write_folder
 from tests.conftest import write_synthetic_pair
 from tests.processes import ROOT, free_port, stop
 
-# The served model is trained on a beton (the module fixture `trained`): every test but two asks for it.
-pytestmark = pytest.mark.beton
-
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
 NAME = "tiny-serve"
 # The served process's limits: small, so that small requests cross them (the defaults are far above).
@@ -125,6 +122,7 @@ def check_answers(answers: list[dict], probs: torch.Tensor, classes: list[str], 
 CLASSES = [f"class_{i:03d}" for i in range(4)]  # the synthetic source's class names, from the dataset metadata
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_the_printed_curl_line_sends_an_image_and_gets_class_names(server):
     curl = re.search(r"^  (curl .+)$", server["text"], flags=re.M).group(1)
     assert curl.startswith(f"curl -s {server['url']}/invocations ")
@@ -133,6 +131,7 @@ def test_the_printed_curl_line_sends_an_image_and_gets_class_names(server):
     assert answer["predictions"][0]["label"] in CLASSES and len(answer["predictions"][0]["top_k"]) == 3
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_jpegs_are_answered_as_the_model_in_this_process_answers(trained, server):
     files = trained["jpegs"][:4]
     status, body = post(server["url"], images_payload([f.read_bytes() for f in files]))
@@ -140,6 +139,7 @@ def test_jpegs_are_answered_as_the_model_in_this_process_answers(trained, server
     check_answers(body["predictions"], expected(trained["model"], [Image.open(f) for f in files]), CLASSES)
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_png_grayscale_and_large_images(trained, server):
     picture = Image.open(trained["jpegs"][0]).convert("RGB")
     gray = picture.convert("L")
@@ -151,6 +151,7 @@ def test_png_grayscale_and_large_images(trained, server):
     check_answers(body["predictions"], expected(trained["model"], [picture, gray, large_decoded]), CLASSES)
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_uint8_arrays_and_the_normalised_tensors_of_earlier_clients(trained, server):
     picture = Image.open(trained["jpegs"][1]).convert("RGB")
     pixels, gray = np.asarray(picture), np.asarray(picture.convert("L"))  # (H, W, 3) and (H, W)
@@ -166,6 +167,7 @@ def test_uint8_arrays_and_the_normalised_tensors_of_earlier_clients(trained, ser
     check_answers(body["predictions"], expected(trained["model"], [picture]), CLASSES)
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_a_tensor_style_body_of_base64_images_is_answered(trained, server):
     """``{"inputs": [BASE64, ...]}``, as MLflow users send it to a served model (MLflow hands it over as one row
     holding the list), and the same list as ``instances`` or as the ``image`` column: one answer per string."""
@@ -220,6 +222,7 @@ BAD = [
 ]
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 @pytest.mark.parametrize(("payload", "says"), BAD, ids=[says.split(":")[0][:30] for _, says in BAD])
 def test_bad_input_gets_400_with_one_line_and_the_server_stays_up(trained, server, payload, says):
     jpeg = trained["jpegs"][0].read_bytes()
@@ -243,6 +246,7 @@ def test_the_planted_images_are_what_their_tests_say():
             over.load()
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_as_many_images_as_the_cap_are_answered(trained, server):
     files = (trained["jpegs"] * MAX_IMAGES)[:MAX_IMAGES]
     status, body = post(server["url"], images_payload([f.read_bytes() for f in files]))
@@ -272,6 +276,7 @@ def raw_post(url: str, declared: int | None, chunks: list[bytes]) -> tuple[int, 
         connection.close()
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_a_body_over_the_cap_gets_413_with_one_line_and_the_server_stays_up(trained, server):
     cap = MAX_BODY_MB * 2**20
     # A client that sends its whole body before it reads (urllib): read to its end, then refused.
@@ -298,6 +303,7 @@ def test_serve_refuses_limits_it_cannot_keep(capsys):
     assert "--max-images 0: Input should be greater than or equal to 1" in error
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_a_bounded_load_is_answered_without_errors_and_always_alike(trained, server):
     image = trained["jpegs"][2]
     proc = subprocess.run([sys.executable, "-m", "pipeline", "bench", "serve", "--url", server["url"], "--image",
@@ -310,6 +316,7 @@ def test_a_bounded_load_is_answered_without_errors_and_always_alike(trained, ser
     assert result["p99_ms"] >= result["p50_ms"] > 0
 
 
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
 def test_serve_refuses_what_it_cannot_serve(trained):
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     for args, says in ((["nope@best"], "models:/nope@best: no such model"),

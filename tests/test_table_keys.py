@@ -23,8 +23,10 @@ from pipeline.bench.records import find_record
 from pipeline.cost import check_key
 from pipeline.errors import InputError
 from pipeline.runtime import KernelChoice
-from tests.test_latency_tables import _restore_threads  # noqa: F401  (autouse: torch's threads put back)
 from tests.test_latency_tables import settings as tiny_settings
+
+# Measurements set torch's threads (the table's setting); later tests get theirs back.
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def settings(method: str = "kmedoids", **more) -> BlocksSettings:

@@ -2,11 +2,11 @@
 ``slow``, ``gpu`` or ``alone``, and fails any of them that does what the first three stand for, so the tier cannot
 rot; one that takes longer than ``SLOW_S`` is named at the end of the run, to be marked ``slow``.
 
-A pytest plugin: ``tests/conftest.py`` takes its hooks and its fixture; ``tests/test_tiers.py`` loads it alone
-(``-p tests.tiers``) to check that the guard fails planted tests.
+A pytest plugin, loaded by pyproject's ``addopts`` (``-p tests.tiers``); ``tests/test_tiers.py`` loads it the same
+way into a pytest of planted tests, to check that the guard fails them.
 
-- ``ray``: imports Ray in the test's process (a test that starts Ray only in a subprocess, a driver or a cluster,
-  is marked too, but only the import in this process is checked);
+- ``ray``: imports or starts Ray in the test's process (a test that starts Ray only in a subprocess, a driver or a
+  cluster, is marked too, but only this process is watched);
 - ``beton``: FFCV's writer opens its file (the ``.beton``, or the hidden partial file ``write_beton`` renames)
   for writing in the test's process;
 - ``compile``: calls ``torch.compile``;
@@ -15,6 +15,7 @@ A pytest plugin: ``tests/conftest.py`` takes its hooks and its fixture; ``tests/
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import sys
 
@@ -28,11 +29,11 @@ _CALLERS = 4  # frames above the hook searched for FFCV's (its writer calls open
 
 
 class _Seen:
-    """What the tests did that the tier forbids since the last test's end (the audit hook and the compile wrapper
-    fill it; module and session fixtures count toward the first test that asks for them)."""
+    """What the tests did that the tier forbids since the last test's end, as (mark, what) pairs: the audit hook,
+    the compile wrapper and the ray watch fill it. Module and session fixtures count toward the first test that
+    asks for them, a fixture's teardown toward the next test."""
 
-    events: list[str] = []
-    ray_before = False
+    events: list[tuple[str, str]] = []
 
 
 def _audit(event: str, args: tuple) -> None:
@@ -50,9 +51,33 @@ def _audit(event: str, args: tuple) -> None:
         if frame is None:
             return
         if _FFCV in frame.f_code.co_filename:
-            _Seen.events.append(f"writes the beton {os.fsdecode(path)}")
+            _Seen.events.append(("beton", f"writes the beton {os.fsdecode(path)}"))
             return
         frame = frame.f_back
+
+
+class _RayWatch(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path``: notes the import of ray (found by the finders after it, as before), and once it
+    is imported wraps ``ray.init``, so that a test that starts Ray after another one imported it is named too."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray":
+            _Seen.events.append(("ray", "imports ray"))
+        return None  # the other finders find it
+
+    @staticmethod
+    def wrap_init() -> None:
+        ray = sys.modules.get("ray")
+        if ray is None or getattr(ray.init, "_watched", False):
+            return
+        init = ray.init
+
+        def watched_init(*args, **kwargs):
+            _Seen.events.append(("ray", "starts Ray (ray.init)"))
+            return init(*args, **kwargs)
+
+        watched_init._watched = True
+        ray.init = watched_init
 
 
 def _watch_compile() -> None:
@@ -62,7 +87,7 @@ def _watch_compile() -> None:
     compile_ = torch.compile
 
     def noted_compile(*args, **kwargs):
-        _Seen.events.append("calls torch.compile")
+        _Seen.events.append(("compile", "calls torch.compile"))
         return compile_(*args, **kwargs)
 
     torch.compile = noted_compile
@@ -79,6 +104,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """With ``--inner-loop``: the audit hook and the compile wrapper, for the life of the process."""
     if config.getoption("--inner-loop"):
         sys.addaudithook(_audit)  # audit hooks cannot be removed; it notes what no test should do anyway
+        sys.meta_path.insert(0, _RayWatch())
         _watch_compile()
 
 
@@ -88,8 +114,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     a test module that imported ray (or wrote a beton) while it was collected stops the run."""
     if not config.getoption("--inner-loop"):
         return
-    if "ray" in sys.modules or _Seen.events:
-        what = "; ".join(["imported ray"] * ("ray" in sys.modules) + _Seen.events)
+    if _Seen.events:
+        what = "; ".join(dict.fromkeys(text for _, text in _Seen.events))
         raise pytest.UsageError(f"make check: a test module {what} while it was collected; do that inside the "
                                 f"tests that need it, and mark them (docs/testing.md)")
     kept, left = [], []
@@ -102,20 +128,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def inner_loop_guard(request: pytest.FixtureRequest):
-    """With ``--inner-loop``: fails the test (at its teardown) that imported ray, opened a beton for writing or
-    called ``torch.compile``, in its body or its fixtures, naming what it did and the mark that moves it out of
-    the tier."""
+    """With ``--inner-loop``: fails the test (at its teardown) that imported ray or started it, had FFCV write a
+    beton or called ``torch.compile``, in its body or its fixtures, naming what it did and the mark that moves it
+    out of the tier."""
     yield
     if not request.config.getoption("--inner-loop"):
         return
-    done = list(dict.fromkeys(_Seen.events))
-    if not _Seen.ray_before and "ray" in sys.modules:
-        done.insert(0, "imports ray")
-    _Seen.events, _Seen.ray_before = [], "ray" in sys.modules
+    _RayWatch.wrap_init()
+    done, _Seen.events = _Seen.events, []
     if done:
-        pytest.fail(f"{request.node.nodeid} {'; '.join(done)}: `make check` runs no such test. Mark it "
-                    f"(pytest.mark.ray, .beton or .compile, see docs/testing.md) so that only `make test` runs it",
-                    pytrace=False)
+        what = "; ".join(dict.fromkeys(text for _, text in done))
+        marks = ", ".join(f"pytest.mark.{mark}" for mark in dict.fromkeys(mark for mark, _ in done))
+        pytest.fail(f"{request.node.nodeid} {what}: `make check` runs no such test. Mark it {marks} "
+                    f"(docs/testing.md) so that only `make test` runs it", pytrace=False)
 
 
 _SLOW: list[tuple[float, str]] = []
