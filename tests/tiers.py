@@ -34,6 +34,7 @@ class _Seen:
     asks for them, a fixture's teardown toward the next test."""
 
     events: list[tuple[str, str]] = []
+    guarding = False  # --inner-loop: set once the run is configured
 
 
 def _audit(event: str, args: tuple) -> None:
@@ -103,6 +104,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """With ``--inner-loop``: the audit hook and the compile wrapper, for the life of the process."""
     if config.getoption("--inner-loop"):
+        _Seen.guarding = True
         sys.addaudithook(_audit)  # audit hooks cannot be removed; it notes what no test should do anyway
         sys.meta_path.insert(0, _RayWatch())
         _watch_compile()
@@ -149,7 +151,7 @@ _SLOW: list[tuple[float, str]] = []
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Notes each test whose call took longer than ``SLOW_S`` (xdist hands every worker's reports to the
     controller, which prints the summary)."""
-    if report.when == "call" and report.duration > SLOW_S:
+    if _Seen.guarding and report.when == "call" and report.duration > SLOW_S:
         _SLOW.append((report.duration, report.nodeid))
 
 
