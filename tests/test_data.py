@@ -437,7 +437,8 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_file(tmp_path):
 def test_a_full_disk_is_one_line_and_loses_nothing(disk, verbose, tmp_path, capfd, monkeypatch):
     """The disk fills up during `data write`: a 24 MB tmpfs (mounting one needs root; a .beton of FFCV's takes
     16.8 MB at least, its 8 MiB pages aligned), or ENOSPC planted in the writer processes' page writes, after a
-    pause, so that the driver already waits on FFCV's queue (it used to wait forever). One line says so; a writer
+    pause, so that the driver already waits on FFCV's queue (it used to wait forever, and did so again under the
+    SIGINT handler that a Ray fit earlier in the process leaves). One line says so; a writer
     process's traceback only with --verbose; the .beton written before and its metadata are kept; no partial
     file is left."""
     from ffcv.memory_allocator import MemoryAllocator
@@ -474,14 +475,20 @@ def test_a_full_disk_is_one_line_and_loses_nothing(disk, verbose, tmp_path, capf
         def hung(*_):  # a real signal: it ends a blocking read, where the write used to wait forever
             raise TimeoutError("the write still runs after 60 s")
 
+        def as_rays(*_):  # the SIGINT handler Ray Train's fit leaves installed in its process: it returns
+            pass
+
         previous = signal.signal(signal.SIGALRM, hung)
+        interrupt = signal.signal(signal.SIGINT, as_rays)  # the write used to wait forever under it
         signal.alarm(60)
         try:
             code = main(["data", "write", "--source", "synthetic:classes=2,count=64,size=8", "--out", str(out),
                          "--overwrite", "--workers", "1", *(["--verbose"] if verbose else [])])
+            assert signal.getsignal(signal.SIGINT) is as_rays  # and is there again after the write
         finally:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, previous)
+            signal.signal(signal.SIGINT, interrupt)
         err = capfd.readouterr().err
         assert code == 2, err
         assert err.splitlines()[-1] == (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,25 @@ def tiny(data: dict[str, Path], runs: Path, *overrides: str, folders: bool = Fal
     return load_config(TINY, [*paths, *where, *overrides])
 
 
+HANDLERS_AFTER_BASE: dict[int, object] = {}
+
+
+def _callers_handler(*_) -> None:
+    pass
+
+
 @pytest.fixture(scope="module")
 def base(data, runs):
-    """A base model trained by 2 Ray Train workers (DDP over gloo) on FFCV loaders."""
-    return run_training(tiny(data, runs, "train.name=base"))
+    """A base model trained by 2 Ray Train workers (DDP over gloo) on FFCV loaders; the SIGINT and SIGUSR1
+    handlers found after it are kept in HANDLERS_AFTER_BASE."""
+    previous = {signum: signal.signal(signum, _callers_handler) for signum in (signal.SIGINT, signal.SIGUSR1)}
+    try:
+        result = run_training(tiny(data, runs, "train.name=base"))
+        HANDLERS_AFTER_BASE.update({signum: signal.getsignal(signum) for signum in previous})
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return result
 
 
 def mlflow_run(runs: Path, run_id: str):
@@ -74,6 +90,14 @@ def test_two_workers_learn_and_stay_in_sync(base, runs):
     state = load_checkpoint(base.checkpoint)
     assert state["world_size"] == 2 and len(state["rng"]) == 2 and state["epoch"] == 1
     assert {"model", "optimizer", "scheduler", "ema", "scaler", "data_seed"} <= set(state)
+
+
+@pytest.mark.ray
+@pytest.mark.beton
+def test_a_fit_leaves_the_callers_signal_handlers_in_place(base):
+    """Ray Train's fit installs a SIGINT handler and leaves it (a later Ctrl-C would exit 0, and a data write
+    would wait on a dead writer forever); run_training puts the caller's back."""
+    assert HANDLERS_AFTER_BASE == {signal.SIGINT: _callers_handler, signal.SIGUSR1: _callers_handler}
 
 
 def local_ray_logs(pattern: str) -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import signals
 from pipeline.config import Config, SweepConfig, with_setting
 from pipeline.dag.records import mark_done
 from pipeline.dag.types import StageSpec, TrainedResult
@@ -192,7 +193,7 @@ def run_base_sweep(spec: StageSpec, sweep: SweepConfig, *, client, exp_id: str, 
     log(f"[sweep] {spec.label}: {'restoring' if restored else 'starting'} {sweep.num_samples} trial(s) "
         f"({sweep.search}, scheduler {sweep.scheduler}), up to {slots} at a time")
     started = time.perf_counter()
-    results = tuner.fit()
+    results = signals.fit(tuner)  # Ray's fit leaves its SIGINT handler; this does not
     errors = [r.error for r in results if r.error is not None]
     if errors:
         raise JobError(f"{len(errors)} trial(s) of the {spec.label} sweep failed; first: {errors[0]}")

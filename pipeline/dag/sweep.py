@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline import signals
 from pipeline.config import ExperimentConfig
 from pipeline.dag.types import StageSpec
 from pipeline.errors import JobError
@@ -107,7 +108,7 @@ def run_sweep(specs: list[StageSpec], exp: ExperimentConfig, *, storage: str, na
     )
     log(f"[sweep] {name}: {total} trial(s), up to {slots} at a time")
     started = time.perf_counter()
-    results = tuner.fit()
+    results = signals.fit(tuner)  # Ray's fit leaves its SIGINT handler; this does not
     wall = time.perf_counter() - started
     errors = [r.error for r in results if r.error is not None]
     if errors and not keep_going:

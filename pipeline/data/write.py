@@ -9,7 +9,6 @@ worker's traceback only with ``verbose``), no partial file, and an existing outp
 
 from __future__ import annotations
 
-import _thread
 import errno
 import functools
 import hashlib
@@ -31,6 +30,7 @@ from tqdm import tqdm
 
 from pipeline.data.sources import Source
 from pipeline.errors import InputError, PipelineError
+from pipeline.signals import ctrl_c_raises
 
 METADATA_VERSION = 1
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit
@@ -195,11 +195,9 @@ def _no_room(out: Path, err: OSError) -> DataWriteError:
 def _interrupt_main() -> None:
     """KeyboardInterrupt in the main thread, also inside a blocking read: ``_thread.interrupt_main`` alone sets a
     flag that a thread blocked in ``os.read`` never checks, and FFCV's driver reads a queue a dead worker would
-    have filled (``allocations_queue.get()``, once every image is counted)."""
-    if callable(signal.getsignal(signal.SIGINT)):  # Python's handler, as interrupt_main needs too
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-    else:
-        _thread.interrupt_main()
+    have filled (``allocations_queue.get()``, once every image is counted). The write runs under
+    ``ctrl_c_raises``, so the signal raises whatever handler was installed before (Ray's, after a fit, does not)."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def _watch_workers(done: threading.Event, failed: list[str], workers: list[multiprocessing.Process]) -> None:
@@ -264,12 +262,13 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings, verbose
                     raise
                 sys.exit(1)  # multiprocessing prints nothing for SystemExit(1)
 
-    watchdog = threading.Thread(target=_watch_workers, args=(done, failed, workers), daemon=True)
-    watchdog.start()
     ffcv_writer.Process = Tracked  # the name ffcv.writer starts its workers by
     ffcv_writer.tqdm = functools.partial(tqdm, disable=None)  # its progress bar, as ours: on a terminal only
     try:
-        writer.from_indexed_dataset(_Samples(source, settings.max_res), chunksize=100)
+        with ctrl_c_raises() as wakeable:
+            if wakeable:  # off the main thread no signal can wake the write; FFCV then waits as it always did
+                threading.Thread(target=_watch_workers, args=(done, failed, workers), daemon=True).start()
+            writer.from_indexed_dataset(_Samples(source, settings.max_res), chunksize=100)
     except KeyboardInterrupt:
         if not failed:
             raise

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import signals
 from pipeline.config import Config, ConfigError
 from pipeline.console import say
 from pipeline.errors import JobError, MissingFileError
@@ -302,7 +303,7 @@ def run_training(config: Config, address: str | None = None,
     check_resources(config)
     check_rerun(config, restart)
     try:
-        result = make_trainer(config).fit()
+        result = signals.fit(make_trainer(config))  # Ray's fit leaves its SIGINT handler; this does not
     except Exception as err:  # Ray wraps the worker's exception; keep its message, drop Ray's frames
         raise JobError(f"training job {config.train.name!r} failed after {config.train.max_failures} "
                            f"restart(s): {err}") from err
