@@ -607,6 +607,9 @@ def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, tmp_path
     assert powerbert[2] == "FAIL" and "RuntimeError: a fault planted in select_topk" in powerbert[6], powerbert
     assert wkmedoids[2] == "FAIL" and "debug_fail_at_step=1: injected failure" in wkmedoids[6], wkmedoids
     assert not [cells for cells in rows.values() if cells[0] == "| evaluate"], rows  # no model to evaluate
+    assert [rows[label][2:7:4] for label in ("tiny-rehearsal-select", "token-pooling-tiny-rehearsal")] == [
+        ["skipped", "no evaluated model"], ["skipped", "select did not run"]], rows  # not a select failure
+    assert "[select] tiny-rehearsal: not run, no model was evaluated" in output
     assert {cells[0]: cells[2] for cells in rows.values() if cells[0] in ("| base", "| ksearch")} == {
         "| base": "pass", "| ksearch": "pass"}  # they ran again: nothing is reused
     assert "reused" not in {cells[2] for cells in rows.values()} and "[skip]" not in output
@@ -655,6 +658,25 @@ def test_the_rehearsal_report_says_reused_and_not_run_and_register_models_false_
     assert rows["one request"][2] == "not run" and "register_models is false" in rows["one request"][6], rows
     assert lines[-1].startswith("1 of 1 passed in ") and lines[-1].endswith(
         "; not run (the config turns them off): serve (one request)"), lines[-1]
+
+
+def test_with_no_evaluated_model_select_and_register_are_skipped_not_failed_nor_passed():
+    """Every finetune failed (keep-going): the DAG's summary has no rows; the rehearsal's select and register
+    rows say skipped, with why, and a failed select says FAIL with its error and skips register."""
+    from pipeline.dag import rehearse
+
+    config = load_config(TINY, REHEARSED)
+    served = rehearse.not_served(config)
+    select, register, serve = rehearse.tail_reports(config, {"failures": {}, "planned": []}, served)
+    assert (select.status, select.error) == ("skipped", "no evaluated model")
+    assert (register.status, register.error) == ("skipped", "select did not run") and serve is served
+    failed = {"failures": {"tiny-select": "ValueError: broken"}, "planned": []}
+    select, register, _ = rehearse.tail_reports(config, failed, served)
+    assert (select.status, select.error, register.status) == ("FAIL", "ValueError: broken", "skipped")
+    chose = {"rows": [{}], "aliases": ["token-pooling-tiny@best"], "failures": {}, "planned": []}
+    select, register, _ = rehearse.tail_reports(config, chose, served)
+    assert (select.status, register.status, register.error) == ("pass", "pass", "1 alias(es): best")
+    assert rehearse.exit_status([select, register, rehearse.not_served(config)]) == 1  # a skipped serve counts
 
 
 def test_the_projected_gpu_hours_are_the_cluster_budgets():

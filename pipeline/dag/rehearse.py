@@ -330,7 +330,9 @@ def tail_reports(config: Config, summary: dict[str, Any], served: StageReport) -
                 StageReport("register", f"token-pooling-{name}", SKIPPED, error="select failed"), served]
     out = [StageReport("select", f"{name}-select", PASS if "rows" in summary else SKIPPED,
                        error="" if "rows" in summary else "no evaluated model")]
-    if config.experiment.register_models:
+    if config.experiment.register_models and "rows" not in summary:
+        out.append(StageReport("register", f"token-pooling-{name}", SKIPPED, error="select did not run"))
+    elif config.experiment.register_models:
         aliases = summary.get("aliases") or []
         out.append(StageReport("register", f"token-pooling-{name}", PASS if aliases else FAIL,
                                error=f"{len(aliases)} alias(es): " + ", ".join(a.rsplit("@", 1)[1] for a in aliases)

@@ -284,10 +284,13 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     evaluations = run_evaluations(ctx, ft_stages, ft_results)
     ft_stages = [s for s in ft_stages if s.id in evaluations]
     summary: dict[str, Any] = {}
-    try:
-        summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()})
-    except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
-        ctx.failed(f"{exp.name}-select", err)
+    if not evaluations:  # keep-going only (else the first failure raised): nothing to choose from
+        log(f"[select] {exp.name}: not run, no model was evaluated (the failures above say why)")
+    else:
+        try:
+            summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()})
+        except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
+            ctx.failed(f"{exp.name}-select", err)
     client.set_terminated(parent, "FAILED" if ctx.failures else "FINISHED")
     return {**summary, "failures": dict(ctx.failures), "planned": list(ctx.planned)}
 
