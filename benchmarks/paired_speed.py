@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from pipeline.bench.paired import SpeedSettings
+from pipeline.config import ConfigError
 from pipeline.evaluate import speed
 from pipeline.models import create_model
 from pipeline.runtime import compile_model, cuda_settings
@@ -35,13 +36,16 @@ def main() -> None:
     parser.add_argument("--cap-s", type=float, default=60.0)
     args = parser.parse_args()
     device = torch.device(args.device)
+    try:
+        keep = level_keep(args.model, args.level)
+    except ConfigError as err:  # a model or level the paper gives no keep list for: its message, no traceback
+        raise SystemExit(f"error: --model {args.model} --level {args.level}: {err}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
     torch.manual_seed(0)
     base = create_model(args.model).eval().to(device)
     images = torch.randn(args.batch, 3, *base.patch_embed.img_size, device=device)
     settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s)
-    keep = level_keep(args.model, args.level)
     print(f"{args.model} level {args.level}, batch {args.batch}, {args.dtype}, compile {args.compile}, "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU, one thread, CPU clock'}")
     print("| method | time ratio | 95% interval | blocks | stop | speed-up |\n|---|---:|---:|---:|---|---:|")

@@ -109,3 +109,15 @@ def test_seeded_augmentation_builds_its_pipeline():
     pipeline = module["ffcv_own"](spec)
     assert type(pipeline[0]).__name__ == "RandomResizedCropRGBImageDecoder"
     assert type(pipeline[1]).__name__ == "RandomHorizontalFlip"
+
+
+def test_paired_speed_refuses_a_model_without_levels_in_one_line(isolated):
+    """A model the paper gives no keep lists for is refused before any model is built, with the models it does
+    give them for, and no traceback."""
+    script = next(s for s in SCRIPTS if s.name == "paired_speed.py")
+    isolated.setattr(sys, "argv", [str(script), "--device", "cpu", "--model", "vit_tiny_patch16_224"])
+    with pytest.raises(SystemExit) as refused:
+        runpy.run_path(str(script), run_name="__main__")
+    message = str(refused.value.code)
+    assert message.startswith("error: --model vit_tiny_patch16_224 --level 3: no sparsity levels for "
+                              "'vit_tiny_patch16_224'; the paper gives them for: ") and "deit_small" in message
