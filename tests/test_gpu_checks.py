@@ -107,7 +107,8 @@ def test_the_gpu_checks_latency_part_measures_a_table_and_checks_it(tmp_path):
     tiny = ("--model deit_tiny_patch16_224 --set model.img_size=16 --set model.patch_size=4 --set model.depth=2 "
             "--embed-dim 16 --set model.num_heads=2 --threads 1")
     proc = checks(out, "latency", BATCH="2", COMPILE="none", LATENCY_STEP="8", LATENCY_LISTS="3",
-                  LATENCY_METHODS="powerbert", LATENCY_ARGS=tiny, DEADLINE=str(int(time.time()) + 500))
+                  LATENCY_METHODS="powerbert", LATENCY_ANCHOR_CAP_S="0.5", LATENCY_ARGS=tiny,
+                  DEADLINE=str(int(time.time()) + 500))
     assert proc.returncode == 0 and re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0"], proc.stdout
     key = json.loads((out / "latency-powerbert.json").read_text())["key"]
     assert (key["dtype"], key["batch"], key["compile"], key["method"], key["embed_dim"]) == ("bf16", 2, "none",

@@ -6,15 +6,19 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import scipy.stats
+import torch
 
 from pipeline.bench.blocks import (
     BlocksSettings,
     ModelSpec,
+    anchor_cell,
+    anchor_names,
     assemble,
     cell_names,
     measure_table,
@@ -40,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("restore_threads")
 
 def settings(method: str = "wkmedoids", batch: int = 2, **more) -> BlocksSettings:
     return BlocksSettings(TINY, method, method_spec(method).resolve(method, {}), batch=batch, step=8, warmup=1,
-                          repeats=2, min_sample_s=0.0, **({"threads": 1} | more))
+                          repeats=2, min_sample_s=0.0, **({"threads": 1, "anchor_cap_s": 0.2} | more))
 
 
 def brute_force(data: dict, keep: list[int]) -> float:
@@ -121,6 +125,43 @@ def test_a_stopped_measurement_resumes_from_its_partial_file(tmp_path):
     progress = [line for line in again if re.match(r"\[blocks\] \d+/", line)]  # (a closure re-measure may log too)
     assert re.match(rf"\[blocks\] 4/{total} ", again[1]) and len(progress) == total - 3
     assert out.is_file() and not partial_path(out).exists()
+
+
+def test_the_fixed_parts_cells_are_measured_to_an_interval_and_the_others_in_pairs(tmp_path):
+    """The model and the halves at N (``anchor_names``) go through bench.paired's ABBA blocks (their figures carry
+    the blocks measured); every other cell is the median of its timed pairs."""
+    out, total = tmp_path / "t.json", len(cell_names(16, 8, 1))
+    lines: list[str] = []
+
+    def stop_before_the_last(line: str) -> None:
+        lines.append(line)
+        if len(lines) == total - 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_table(settings(), out, log=stop_before_the_last)
+    cells = json.loads(partial_path(out).read_text())["cells"]
+    anchors = set(anchor_names(16))
+    assert anchors == {"model", "attn/16", "mlp/16"} and anchors <= set(cells)
+    assert all(cells[name]["blocks"] >= 8 for name in anchors), cells
+    assert [name for name in cells if "blocks" in cells[name]] == [n for n in cells if n in anchors]
+
+
+def _spin(seconds: float):
+    def run() -> None:
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+    return run
+
+
+def test_an_anchor_cell_finds_a_known_ratio_within_its_interval():
+    """Two busy loops of 2 ms and 1 ms of CPU: the ratio 2 on the CPU clock, inside the interval, whose width is
+    the cell's spread."""
+    s = settings(clock="cpu", anchor_tolerance=0.05, anchor_cap_s=1.0)
+    found = anchor_cell(_spin(0.002), _spin(0.001), s, torch.device("cpu"))
+    assert found["ratio"] == pytest.approx(2.0, rel=0.1) and found["blocks"] >= 8
+    assert found["iqr"] > 0 and found["base_ms"] == pytest.approx(1.0, rel=0.2)
 
 
 def test_halves_at_n_that_do_not_make_up_their_block_are_measured_again(tmp_path):
@@ -222,7 +263,7 @@ def test_the_cli_measures_a_table_and_checks_it_as_a_prediction_for_another_devi
     assert main(["bench", "blocks", "--model", "deit_tiny_patch16_224", "--set", "model.img_size=16",
                  "--set", "model.patch_size=4", "--set", "model.depth=2", "--embed-dim", "16",
                  "--set", "model.num_heads=2", "--method", "powerbert", "--batch", "1", "--threads", "1",
-                 "--step", "8", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
+                 "--step", "8", "--repeats", "1", "--anchor-cap-s", "0.2", "--warmup", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert "powerbert" in printed.out and "| 16 |" in printed.out and "[blocks] 1/" in printed.err
     data = json.loads(out.read_text())

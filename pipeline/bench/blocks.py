@@ -15,7 +15,9 @@ ratios), so that the drift of a loaded machine cancels:
 - ``pool/n/k``, the block that pools n tokens to k, against the unpooled block at the same n; the step
   costs ``ratio * (attn(n) + mlp(n)) - attn(n) - mlp(k)`` (the scores' extra work in the attention
   included), at least 0;
-- the fixed part is the unmodified model's time minus its predicted blocks.
+- the fixed part is the unmodified model's time minus its predicted blocks. Its cells (``model`` and the
+  halves at N, ``anchor_names``) are measured as ``bench.paired`` measures a speed, ABBA blocks to a 1%
+  interval (``anchor_cell``): an error of theirs moves every prediction, up to L times over.
 
 A measurement writes each finished cell to ``OUT.partial.json`` and picks the file up again when it is
 run anew with the same key, then writes ``OUT`` and removes the partial file. The schema is in
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipeline.bench.paired import SpeedSettings, paired_ratio, sample_timer
 from pipeline.bench.timing import median_iqr, time_paired, timed
 from pipeline.cost import CostModel, Curve, PoolSurface, check_key, load_cost_model, save_cost_model
 from pipeline.errors import InputError, JobError
@@ -90,6 +93,8 @@ class BlocksSettings:
     warmup: int = 2
     repeats: int = 7
     min_sample_s: float = 0.005  # a timed sample queues calls until it lasts about this long
+    anchor_tolerance: float = 0.01  # the anchor cells' 95% interval half-width aimed at (``anchor_cell``)
+    anchor_cap_s: float = 30.0  # the most seconds each anchor cell's blocks may take
     clock: str = "wall"  # or "cpu": the process's CPU time (one thread on the CPU; see CLOCKS)
     kernels: KernelChoice = field(default_factory=KernelChoice)  # the config's ``kernels`` section
 
@@ -287,6 +292,27 @@ def paired_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksS
     return {"ratio": ratio, "iqr": iqr, "base_ms": statistics.median(base_t) * 1e3, "calls": calls}
 
 
+def anchor_names(num_tokens: int) -> tuple[str, str, str]:
+    """The cells the fixed part is made of (the model less L blocks at N): an error of theirs moves every
+    prediction by up to L times itself, so they are measured to a tolerance (``anchor_cell``)."""
+    return "model", f"attn/{num_tokens}", f"mlp/{num_tokens}"
+
+
+def anchor_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksSettings,
+                device: torch.device) -> dict[str, float]:
+    """``fn`` against ``base`` as ``bench.paired`` measures a speed: ABBA blocks, as many as a pilot says the
+    ``s.anchor_tolerance`` needs (at most ``s.anchor_cap_s``); ``iqr`` is then the 95% interval's width. On
+    the 2-core Xeon, idle, five pairs left the model cell an IQR of 8-23% of itself, and the fixed part of
+    four tables measured together ranged from -0.02 to 1.9 blocks."""
+    clock = CLOCKS[s.clock]
+    calls = _calls(fn, base, device, s.min_sample_s, clock)
+    timer = sample_timer(device, calls=calls, clock=s.clock)
+    found = paired_ratio(fn, base, timer=timer, settings=SpeedSettings(
+        tolerance=s.anchor_tolerance, cap_s=s.anchor_cap_s, warmup=max(s.warmup, 1)))
+    return {"ratio": found.ratio, "iqr": found.high - found.low, "base_ms": found.reference_s * 1e3,
+            "calls": calls, "blocks": found.blocks}
+
+
 class Rig:
     """What the cells run: the model, its block parts and input tokens, compiled as the setting says."""
 
@@ -328,6 +354,12 @@ class Rig:
         k = n[1]
         return (self._fn(cell, parts.every(lambda b, x: parts.pooled(b, x, k)), self.x(n[0])),
                 self.reference(n[0]))
+
+    def measure(self, cell: str) -> dict[str, float]:
+        """A cell's figures per block, measured as its kind asks (``anchor_cell`` or ``paired_cell``)."""
+        fn, base = self.runner(cell)
+        how = anchor_cell if cell in anchor_names(self.n_max) else paired_cell
+        return self.per_block(cell, how(fn, base, self.s, self.device))
 
     def per_block(self, cell: str, measured: dict[str, float]) -> dict[str, float]:
         """A cell's figures per block: the reference ran L blocks, and so did the cell unless it is the model."""
@@ -445,8 +477,7 @@ def close_halves(rig: Rig, cells: dict[str, dict[str, float]], out: Path, key: d
         log(f"[blocks] the halves at {n} tokens sum to {found:.3f} of the block they make up: measuring them "
             f"again ({attempt}/{CLOSURE_TRIES})")
         for name in (f"attn/{n}", f"mlp/{n}"):
-            fn, base = rig.runner(name)
-            cells[name] = rig.per_block(name, paired_cell(fn, base, rig.s, rig.device))
+            cells[name] = rig.measure(name)
         _save_partial(out, key, cells)
     found = closure(cells, n)
     if abs(found - 1) > CLOSURE_TOLERANCE:
@@ -473,8 +504,7 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
     start, todo = time.perf_counter(), [n for n in names if n not in cells]
     with cuda_settings(device), inference(device, s.dtype):
         for i, name in enumerate(todo, 1):
-            fn, base = rig.runner(name)
-            cells[name] = rig.per_block(name, paired_cell(fn, base, s, device))
+            cells[name] = rig.measure(name)
             _save_partial(out, key, cells)
             left = (time.perf_counter() - start) / i * (len(todo) - i)
             log(f"[blocks] {len(names) - len(todo) + i}/{len(names)} {_describe(name)}: "

@@ -294,12 +294,16 @@ def _blocks_settings(args: argparse.Namespace):
     for flag in ("batch", "threads", "step", "repeats"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise InputError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if not 0 < args.anchor_tolerance < 1 or not args.anchor_cap_s > 0:
+        raise InputError(f"--anchor-tolerance {args.anchor_tolerance} and --anchor-cap-s {args.anchor_cap_s}: give a "
+                         "tolerance between 0 and 1 (0.01 is 1% of the ratio) and a positive number of seconds")
     if args.method not in METHODS:
         raise InputError(f"--method {args.method!r}: not a registered method; `pipeline methods` lists them")
     return BlocksSettings(model=spec, method=args.method, options=config.pooling.method_options(args.method),
                           batch=args.batch, dtype=args.dtype, compile=args.compile, threads=args.threads,
                           device=args.device, step=args.step, fine=not args.no_fine, warmup=args.warmup,
-                          repeats=args.repeats, clock=args.clock, kernels=config.kernels.choice())
+                          repeats=args.repeats, anchor_tolerance=args.anchor_tolerance, anchor_cap_s=args.anchor_cap_s,
+                          clock=args.clock, kernels=config.kernels.choice())
 
 
 def cmd_bench_blocks(args: argparse.Namespace) -> int:
@@ -348,6 +352,11 @@ def _add_bench_latency(bench_commands) -> None:
                         "(fewer cells: each compiled shape costs a compilation on a GPU)")
     blocks.add_argument("--warmup", type=int, default=2)
     blocks.add_argument("--repeats", type=int, default=7, help="timed pairs a cell; the median ratio is kept")
+    blocks.add_argument("--anchor-tolerance", type=float, default=0.01,
+                        help="the cells the fixed part comes from (the model, the halves at N) are timed in paired "
+                             "ABBA blocks until their 95%% interval's half-width is about this share (bench.paired)")
+    blocks.add_argument("--anchor-cap-s", type=float, default=30.0,
+                        help="the most seconds each of those cells may take")
     blocks.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="what a sample's seconds are: wall time, or (on the CPU with --threads 1) the process's "
                              "CPU time, which other processes on a shared machine do not inflate")
