@@ -18,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "docs" / "data").rglob("*.py")])
 SIGNIFICANCE = ROOT / "docs" / "data" / "fmnist_significance"
+IDLE = ROOT / "docs" / "data" / "cpu" / "2026-12-02_latency-check-idle"
 
 # How each script runs at a tiny size, and a line its output must hold (None: only that it ran). A new script
 # fails test_every_script_has_a_smoke_run until it has an entry here.
@@ -29,6 +30,12 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
     "kmeans_gram_form.py": (["--smoke"], "same assignments True"),
     "latency_budgets.py": (["--smoke"], "resumed: the same searched lists True"),  # a rerun trains nothing anew
     "latency_targets.py": (["--smoke"], "| wkmedoids | 0.7 | "),  # a row of its last table
+    # The check's own table scores its lists as the check printed (20 lists: median 3.6%, worst 14.1%, from the
+    # rounded measured ratios 14.2%).
+    "latency_rescore.py": ([f"{IDLE}/tables/powerbert-b1-fp32-none-t1-cpuclock.json",
+                            f"{IDLE}/check-powerbert-b1-seed1.md"],
+                           "check-powerbert-b1-seed1.md: 20 lists: median |error| 3.6%, worst 14.2%, Kendall tau "
+                           "0.989"),
     "speed_repeat.py": (["--smoke"], "agree within their intervals: 67% of 3 models"),
     "paired_speed.py": (["--device", "cpu", "--methods", "powerbert", "--batch", "1", "--cap-s", "0.5"],
                         "| powerbert | "),

@@ -1,0 +1,57 @@
+"""Scores the keep lists a latency check measured against another table's predictions.
+
+A check's measured ratios (each list's model against the unmodified model, paired ABBA blocks) do not depend
+on the table that predicted them, so a table measured anew can be checked on the same lists without timing
+them again. Prints, per check file (``pipeline bench latency-check`` output), the summary line the check
+prints, for this table:
+
+    python benchmarks/latency_rescore.py NEW_TABLE.json check-seed1.md check-seed2.md
+
+The measured ratios come from the check's table, rounded to 3 decimals as it prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from pipeline.bench.latency import CheckRow, summarize
+from pipeline.bench.paired import SpeedRatio
+from pipeline.cost import load_cost_model
+
+ROW = re.compile(r"\| ((?:random|level) \d+) \| ([\d,]+) \| [\d.]+ \| ([\d.]+) \| \[([\d.]+), ([\d.]+)\] \|")
+
+
+def measured_rows(check: Path) -> list[tuple[str, list[int], SpeedRatio]]:
+    """(label, keep, measured ratio with its interval) of each list of a check's table; SystemExit if none."""
+    rows = []
+    for line in check.read_text().splitlines():
+        found = ROW.match(line)
+        if found:
+            label, keep, ratio, low, high = found.groups()
+            rows.append((label, [int(k) for k in keep.split(",")],
+                         SpeedRatio(float(ratio), float(low), float(high), 0, "", 0.0, 0.0)))
+    if not rows:
+        raise SystemExit(f"error: {check}: no measured list in it; give the output of `pipeline bench latency-check`")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("table", type=Path, help="the table whose predictions are scored")
+    parser.add_argument("checks", type=Path, nargs="+", help="latency-check outputs (markdown)")
+    args = parser.parse_args()
+    table = load_cost_model(args.table)
+    full, key = table.unmodified(), table.key
+    print(f"{args.table}: fixed {table.fixed:.3f} ms, reference block {key['reference_ms']:.3f} ms, halves closure "
+          f"{key['halves_closure']:.3f}, median relative IQR {key['median_relative_iqr']:.3f}")
+    for check in args.checks:
+        rows = [CheckRow(label, keep, table.predict(keep) / full, speed) for label, keep, speed in measured_rows(check)]
+        s = summarize(rows)
+        print(f"{check.name}: {s.lists} lists: median |error| {s.median_abs_error:.1%}, worst {s.worst_abs_error:.1%}, "
+              f"Kendall tau {s.tau:.3f}")
+
+
+if __name__ == "__main__":
+    main()
