@@ -145,6 +145,11 @@ def test_the_fixed_parts_cells_are_measured_to_an_interval_and_the_others_in_pai
     assert anchors == {"model", "attn/16", "mlp/16"} and anchors <= set(cells)
     assert all(cells[name]["blocks"] >= 8 for name in anchors), cells
     assert [name for name in cells if "blocks" in cells[name]] == [n for n in cells if n in anchors]
+    # The progress: the model cell first, its interval's width, and no time left guessed from its pace; the cells
+    # after it, their IQR and the time left at their own pace.
+    assert re.fullmatch(r"\[blocks\] 1/\d+ the unmodified model against the reference block: [\d.]+x "
+                        r"\(95% interval width [\d.]+\)", lines[0]), lines[0]
+    assert re.search(r"\(IQR [\d.]+\), about \d+ s left$", lines[1]), lines[1]
 
 
 def _spin(seconds: float):

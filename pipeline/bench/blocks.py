@@ -501,20 +501,38 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
     if cells:
         log(f"[blocks] resuming {partial_path(out)}: {sum(n in cells for n in names)}/{len(names)} cells measured")
     rig = Rig(s, model, device)
-    start, todo = time.perf_counter(), [n for n in names if n not in cells]
+    todo, anchors = [n for n in names if n not in cells], anchor_names(rig.n_max)
+    spent = {True: [0.0, 0], False: [0.0, 0]}  # seconds and cells so far, of anchor cells and of the others
     with cuda_settings(device), inference(device, s.dtype):
         for i, name in enumerate(todo, 1):
+            started = time.perf_counter()
             cells[name] = rig.measure(name)
             _save_partial(out, key, cells)
-            left = (time.perf_counter() - start) / i * (len(todo) - i)
+            spent[name in anchors][0] += time.perf_counter() - started
+            spent[name in anchors][1] += 1
+            left = _seconds_left(spent, [n in anchors for n in todo[i:]], s.anchor_cap_s)
             log(f"[blocks] {len(names) - len(todo) + i}/{len(names)} {_describe(name)}: "
-                f"{cells[name]['ratio']:.3f}x (IQR {cells[name]['iqr']:.3f}), about {left:.0f} s left")
+                f"{cells[name]['ratio']:.3f}x ({'95% interval width' if name in anchors else 'IQR'} "
+                f"{cells[name]['iqr']:.3f}){'' if left is None else f', about {left:.0f} s left'}")
         close_halves(rig, cells, out, key, log)
     table = assemble(key, cells, num_tokens=model.patch_embed.num_patches, prefix=model.num_prefix_tokens,
                      depth=len(model.blocks), step=s.step, fine=s.fine)
     save_cost_model(table, out)
     partial_path(out).unlink(missing_ok=True)
     return table, out
+
+
+def _seconds_left(spent: dict[bool, list[float]], left: list[bool], anchor_cap_s: float) -> float | None:
+    """The seconds the cells ``left`` (True: an anchor cell) should take at the pace of those of their kind done
+    (``spent[kind]``: seconds, cells); an anchor cell before any is done at its cap; None while an ordinary
+    cell is left and none is done (a pace the anchors' would misstate)."""
+    total = 0.0
+    for kind in (True, False):
+        (seconds, done), count = spent[kind], sum(item == kind for item in left)
+        if count and not done and not kind:
+            return None
+        total += count * (seconds / done if done else anchor_cap_s)
+    return total
 
 
 def replace_key(table: CostModel) -> CostModel:
