@@ -37,16 +37,31 @@ def measured_rows(check: Path) -> list[tuple[str, list[int], SpeedRatio]]:
     return rows
 
 
+def check_setting(table_key: dict, check: Path) -> None:
+    """SystemExit unless the check's header (model, width, depth, method, batch, dtype) is the table's."""
+    k = table_key
+    want = (f"{k['model']} (M={k['embed_dim']}, L={k['depth']}), {k['method']}, batch {k['batch']}, {k['dtype']}, "
+            f"compile {k['compile']}")
+    header = check.read_text().splitlines()[1:2]
+    if not header or not header[0].startswith(want):
+        raise SystemExit(f"error: {check} measured {header[0] if header else 'nothing'!r}, not the table's setting "
+                         f"{want!r}; give a check of a table of the same model, method and setting")
+
+
 def main() -> None:
+    """Prints the table's summary, then each check's line for this table's predictions."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("table", type=Path, help="the table whose predictions are scored")
     parser.add_argument("checks", type=Path, nargs="+", help="latency-check outputs (markdown)")
     args = parser.parse_args()
     table = load_cost_model(args.table)
     full, key = table.unmodified(), table.key
-    print(f"{args.table}: fixed {table.fixed:.3f} ms, reference block {key['reference_ms']:.3f} ms, halves closure "
-          f"{key['halves_closure']:.3f}, median relative IQR {key['median_relative_iqr']:.3f}")
+    found = ", ".join(f"{name} {key[field]:.3f}" for field, name in (
+        ("reference_ms", "reference block (ms)"), ("halves_closure", "halves closure"),
+        ("median_relative_iqr", "median relative IQR")) if field in key)  # older tables lack some
+    print(f"{args.table}: fixed {table.fixed:.3f} ms" + (f", {found}" if found else ""))
     for check in args.checks:
+        check_setting(key, check)
         rows = [CheckRow(label, keep, table.predict(keep) / full, speed) for label, keep, speed in measured_rows(check)]
         s = summarize(rows)
         print(f"{check.name}: {s.lists} lists: median |error| {s.median_abs_error:.1%}, worst {s.worst_abs_error:.1%}, "

@@ -146,7 +146,7 @@ def smoke() -> None:
     tables, out = {}, Path(tempfile.mkdtemp())
     for method in ("wkmedoids", "powerbert"):
         s = BlocksSettings(tiny, method, method_spec(method).resolve(method, {}), batch=2, step=8, warmup=1,
-                           repeats=2, min_sample_s=0.0, threads=1, clock="cpu")
+                           repeats=2, min_sample_s=0.0, threads=1, clock="cpu", anchor_cap_s=0.2)
         tables[method] = measure_table(s, out / f"{method}.json", log=lambda _: None)[0]
     rng = random.Random(0)
     seeds = {}

@@ -22,6 +22,8 @@ RAY_FIT_SIGNALS = (signal.SIGINT, signal.SIGUSR1)
 
 
 class Fittable(Protocol):
+    """What ``fit`` runs: a Ray Train trainer or a Ray Tune tuner."""
+
     def fit(self) -> Any: ...
 
 
@@ -44,9 +46,10 @@ def kept_handlers(signums: tuple[int, ...] = RAY_FIT_SIGNALS) -> Iterator[None]:
 @contextlib.contextmanager
 def ctrl_c_raises() -> Iterator[bool]:
     """SIGINT raises ``KeyboardInterrupt`` in the main thread during the block, also inside a blocking read (a
-    handler that only records the signal, such as Ray's, would leave that read waiting). Yields whether it could
-    (False outside the main thread, where the handler in place is kept)."""
-    if not _main_thread():
+    handler that only records the signal, such as Ray's, would leave that read waiting). Yields whether it could:
+    False outside the main thread, or where the handler in place was set outside Python (it could not be put
+    back); the handler in place is then kept."""
+    if not _main_thread() or signal.getsignal(signal.SIGINT) is None:  # None: a handler Python cannot put back
         yield False
         return
     with kept_handlers((signal.SIGINT,)):

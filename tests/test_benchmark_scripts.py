@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -116,6 +117,23 @@ def test_seeded_augmentation_builds_its_pipeline():
     pipeline = module["ffcv_own"](spec)
     assert type(pipeline[0]).__name__ == "RandomResizedCropRGBImageDecoder"
     assert type(pipeline[1]).__name__ == "RandomHorizontalFlip"
+
+
+def test_latency_rescore_refuses_a_check_of_another_setting_and_reads_an_older_table(isolated, capsys):
+    """A check of another method is refused in one line; a shipped table without the summary fields of later
+    ones (halves_closure) is still scored."""
+    script = next(s for s in SCRIPTS if s.name == "latency_rescore.py")
+    amd = ROOT / "configs" / "latency" / "amd-epyc" / "deit_small_patch16_224-m384-d12-224px-p16"
+    isolated.setattr(sys, "argv", [str(script), str(amd / "tome-b1-fp32-none-t1-cpuclock.json"),
+                                   str(IDLE / "check-powerbert-b1-seed1.md")])
+    with pytest.raises(SystemExit) as refused:
+        runpy.run_path(str(script), run_name="__main__")
+    assert "measured 'deit_small_patch16_224 (M=384, L=12), powerbert, batch 1" in str(refused.value.code)
+    assert "not the table's setting 'deit_small_patch16_224 (M=384, L=12), tome, batch 1" in str(refused.value.code)
+    isolated.setattr(sys, "argv", [str(script), str(amd / "powerbert-b1-fp32-none-t1-cpuclock.json"),
+                                   str(IDLE / "check-powerbert-b1-seed1.md")])
+    runpy.run_path(str(script), run_name="__main__")
+    assert re.search(r"check-powerbert-b1-seed1.md: 20 lists: median \|error\| [\d.]+%", capsys.readouterr().out)
 
 
 def test_paired_speed_refuses_a_model_without_levels_in_one_line(isolated):

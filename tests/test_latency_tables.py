@@ -24,6 +24,7 @@ from pipeline.bench.blocks import (
     measure_table,
     partial_path,
     pool_cells,
+    replace_key,
     setup,
     table_key,
     token_grid,
@@ -143,13 +144,55 @@ def test_the_fixed_parts_cells_are_measured_to_an_interval_and_the_others_in_pai
     cells = json.loads(partial_path(out).read_text())["cells"]
     anchors = set(anchor_names(16))
     assert anchors == {"model", "attn/16", "mlp/16"} and anchors <= set(cells)
-    assert all(cells[name]["blocks"] >= 8 for name in anchors), cells
+    assert all(cells[name]["low"] <= cells[name]["ratio"] <= cells[name]["high"] for name in anchors), cells
     assert [name for name in cells if "blocks" in cells[name]] == [n for n in cells if n in anchors]
     # The progress: the model cell first, its interval's width, and no time left guessed from its pace; the cells
     # after it, their IQR and the time left at their own pace.
     assert re.fullmatch(r"\[blocks\] 1/\d+ the unmodified model against the reference block: [\d.]+x "
                         r"\(95% interval width [\d.]+\)", lines[0]), lines[0]
     assert re.search(r"\(IQR [\d.]+\), about \d+ s left$", lines[1]), lines[1]
+
+
+def test_a_partial_file_with_its_anchor_cells_as_pairs_measures_them_again_and_the_key_says_how(tmp_path):
+    """A partial file from before the anchors were measured to an interval: its three anchor cells are measured
+    again (said in the resume line), the others kept; the table's key records the anchors' tolerance, cap and
+    each one's interval and stop, and a check of the key leaves those out."""
+    out, total = tmp_path / "t.json", len(cell_names(16, 8, 1))
+    lines: list[str] = []
+
+    def stop_before_the_last(line: str) -> None:
+        lines.append(line)
+        if len(lines) == total - 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_table(settings(), out, log=stop_before_the_last)
+    partial = json.loads(partial_path(out).read_text())
+    for name in anchor_names(16):
+        partial["cells"][name] = {"ratio": 0.5, "iqr": 0.1, "base_ms": 1.0, "calls": 1}  # as pairs, no "blocks"
+    partial_path(out).write_text(json.dumps(partial))
+    again: list[str] = []
+    table, _ = measure_table(settings(), out, log=again.append)
+    assert again[0] == (f"[blocks] resuming {partial_path(out)}: {total - 4}/{total} cells measured (model, attn/16, "
+                        "mlp/16 measured again: the partial file has them as pairs, not to an interval)")
+    assert len([line for line in again if re.match(r"\[blocks\] \d+/", line)]) == 4  # the three and the last
+    anchors = table.key["anchors"]
+    assert set(anchors) == {"model", "attn/16", "mlp/16"} and table.key["anchor_cap_s"] == 0.2
+    assert all(a["low"] <= a["ratio"] <= a["high"] and a["stop"] in ("tolerance", "cap", "max_blocks")
+               for a in anchors.values()), anchors
+    assert anchors["model"]["ratio"] > 1  # the whole model, in blocks at N (scaled as its ratio is)
+    assert not {"anchors", "anchor_tolerance", "anchor_cap_s"} & set(replace_key(table).key)
+
+
+def test_the_time_left_counts_each_kind_of_cell_at_its_own_pace():
+    from pipeline.bench.blocks import _seconds_left
+
+    spent = {True: (60.0, 2), False: (10.0, 5)}  # anchors 30 s each so far, other cells 2 s
+    assert _seconds_left(spent, [True, False, False], 99.0) == pytest.approx(34.0)
+    assert _seconds_left({True: (0.0, 0), False: (4.0, 2)}, [True, True, False], 25.0) == pytest.approx(52.0)
+    assert _seconds_left({True: (30.0, 1), False: (0.0, 0)}, [False], 25.0) is None  # no pace for them yet
+    assert _seconds_left({True: (30.0, 1), False: (0.0, 0)}, [True], 25.0) == pytest.approx(30.0)
+    assert _seconds_left(spent, [], 25.0) == 0.0
 
 
 def _spin(seconds: float):
@@ -165,8 +208,9 @@ def test_an_anchor_cell_finds_a_known_ratio_within_its_interval():
     the cell's spread."""
     s = settings(clock="cpu", anchor_tolerance=0.05, anchor_cap_s=1.0)
     found = anchor_cell(_spin(0.002), _spin(0.001), s, torch.device("cpu"))
-    assert found["ratio"] == pytest.approx(2.0, rel=0.1) and found["blocks"] >= 8
-    assert found["iqr"] > 0 and found["base_ms"] == pytest.approx(1.0, rel=0.2)
+    assert found["ratio"] == pytest.approx(2.0, rel=0.1) and found["low"] <= found["ratio"] <= found["high"]
+    assert found["iqr"] == pytest.approx(found["high"] - found["low"]) and found["stop"] in ("tolerance", "cap")
+    assert found["base_ms"] == pytest.approx(1.0, rel=0.2)  # a call of the reference, not a sample of them
 
 
 def test_halves_at_n_that_do_not_make_up_their_block_are_measured_again(tmp_path):

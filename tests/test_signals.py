@@ -103,3 +103,14 @@ def test_off_the_main_thread_nothing_is_changed(planted):
     thread.start()
     thread.join()
     assert seen == [False, handler, "kept"] and signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_handler_set_outside_python_is_left_alone(planted, monkeypatch):
+    """``signal.getsignal`` gives None for a handler installed from C: ctrl_c_raises could not put it back, so it
+    changes nothing and says so."""
+    real = signal.getsignal
+    monkeypatch.setattr(signal, "getsignal", lambda signum: None if signum == signal.SIGINT else real(signum))
+    with signals.ctrl_c_raises() as wakeable:
+        assert wakeable is False
+        assert real(signal.SIGINT) is planted[0]
+    assert real(signal.SIGINT) is planted[0]

@@ -439,7 +439,7 @@ def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(t
     spec = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2,
                      num_classes=4)
     settings = BlocksSettings(spec, "powerbert", method_spec("powerbert").resolve("powerbert", {}), batch=2, step=8,
-                              warmup=1, repeats=2, min_sample_s=0.0, threads=1)
+                              warmup=1, repeats=2, min_sample_s=0.0, threads=1, anchor_cap_s=0.2)
     table, _ = measure_table(settings, tmp_path / "table.json", log=lambda _: None)
     torch.set_num_threads(threads)
     ratio, status = measure_on_table(table, [8, 8], log=lambda _: None)

@@ -20,8 +20,9 @@
 #             and the training step of TRAIN_METHODS (wkmedoids); each under its own limit, in that order
 #   latency   bench blocks: a latency table of DeiT-S (bf16, batch BATCH, compiled in COMPILE mode, the current
 #             kernels) for each of LATENCY_METHODS (wkmedoids) on a coarse grid (LATENCY_STEP 48, --no-fine: 23
-#             cells, each compiled shape costs seconds; the model and the halves at N to a 1% interval, at most
-#             LATENCY_ANCHOR_CAP_S 20 s each), then bench latency-check of it on the paper's levels (LATENCY_LISTS 8 lists: levels 0-7);
+#             cells, each compiled shape costs seconds; the model and the halves at N to a +-1% interval, at
+#             most LATENCY_ANCHOR_CAP_S 20 s each), then bench latency-check of it on the paper's levels
+#             (LATENCY_LISTS 8 lists: levels 0-7);
 #             OUT/latency-METHOD.{json,md,log} and OUT/latency-check-METHOD.{md,log}; LATENCY_ARGS replaces the
 #             model flags of bench blocks (the CPU test gives a tiny model and one thread; the check takes the table's)
 #   speed     benchmarks/paired_speed.py: DeiT-S level 3 (SPEED_METHODS: powerbert,wkmedoids) against the unmodified

@@ -16,8 +16,9 @@ ratios), so that the drift of a loaded machine cancels:
   costs ``ratio * (attn(n) + mlp(n)) - attn(n) - mlp(k)`` (the scores' extra work in the attention
   included), at least 0;
 - the fixed part is the unmodified model's time minus its predicted blocks. Its cells (``model`` and the
-  halves at N, ``anchor_names``) are measured as ``bench.paired`` measures a speed, ABBA blocks to a 1%
-  interval (``anchor_cell``): an error of theirs moves every prediction, up to L times over.
+  halves at N, ``anchor_names``) are measured as ``bench.paired`` measures a speed, ABBA blocks to an
+  interval of half-width 1% of the ratio (``anchor_cell``): an error of theirs moves every prediction, up to L
+  times over.
 
 A measurement writes each finished cell to ``OUT.partial.json`` and picks the file up again when it is
 run anew with the same key, then writes ``OUT`` and removes the partial file. The schema is in
@@ -299,18 +300,22 @@ def anchor_names(num_tokens: int) -> tuple[str, str, str]:
 
 
 def anchor_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksSettings,
-                device: torch.device) -> dict[str, float]:
-    """``fn`` against ``base`` as ``bench.paired`` measures a speed: ABBA blocks, as many as a pilot says the
-    ``s.anchor_tolerance`` needs (at most ``s.anchor_cap_s``); ``iqr`` is then the 95% interval's width. On
-    the 2-core Xeon, idle, five pairs left the model cell an IQR of 8-23% of itself, and the fixed part of
-    four tables measured together ranged from -0.02 to 1.9 blocks."""
+                device: torch.device) -> dict[str, Any]:
+    """``fn`` against ``base`` as ``bench.paired`` measures a speed: ABBA blocks, as many as a pilot says an
+    interval of half-width ``s.anchor_tolerance`` of the ratio needs (at most ``s.anchor_cap_s``); ``iqr`` is
+    then the 95% interval's width (``low`` to ``high``), and ``stop`` says whether the tolerance or the cap ended
+    it. On the 2-core Xeon, idle, five pairs left the model cell an IQR of 7-23% of itself, and the fixed part
+    of four tables measured one after another ranged from -0.02 to 1.9 blocks."""
+    for _ in range(max(s.warmup, 1)):  # warm (compiled, cached) before the calls a sample needs are counted
+        base()
+        fn()
     clock = CLOCKS[s.clock]
     calls = _calls(fn, base, device, s.min_sample_s, clock)
     timer = sample_timer(device, calls=calls, clock=s.clock)
     found = paired_ratio(fn, base, timer=timer, settings=SpeedSettings(
-        tolerance=s.anchor_tolerance, cap_s=s.anchor_cap_s, warmup=max(s.warmup, 1)))
+        tolerance=s.anchor_tolerance, cap_s=s.anchor_cap_s, warmup=0))
     return {"ratio": found.ratio, "iqr": found.high - found.low, "base_ms": found.reference_s * 1e3,
-            "calls": calls, "blocks": found.blocks}
+            "calls": calls, "blocks": found.blocks, "low": found.low, "high": found.high, "stop": found.stop}
 
 
 class Rig:
@@ -365,8 +370,8 @@ class Rig:
         """A cell's figures per block: the reference ran L blocks, and so did the cell unless it is the model."""
         depth = len(self.parts.blocks)
         scale = depth if cell == "model" else 1
-        return {**measured, "ratio": measured["ratio"] * scale, "iqr": measured["iqr"] * scale,
-                "base_ms": measured["base_ms"] / depth}
+        scaled = {f: measured[f] * scale for f in ("ratio", "iqr", "low", "high") if f in measured}
+        return {**measured, **scaled, "base_ms": measured["base_ms"] / depth}
 
 
 def partial_path(out: Path) -> Path:
@@ -411,7 +416,7 @@ def assemble(key: dict[str, Any], cells: dict[str, dict[str, float]], *, num_tok
     pool = PoolSurface(tuple(by_n), tuple(Curve(tuple(k for k, _ in row), tuple(c for _, c in row))
                                          for row in by_n.values()))
     fixed = cells["model"]["ratio"] * ref_ms - depth * (attn(num_tokens) + mlp(num_tokens))
-    spreads = [c["iqr"] / c["ratio"] for c in cells.values() if c["ratio"] > 0]
+    spreads = [c["iqr"] / c["ratio"] for c in cells.values() if c["ratio"] > 0 and "blocks" not in c]  # IQRs only
     key = {**key, "grid_step": step, "grid_fine": fine, "reference_ms": ref_ms,
            "halves_closure": closure(cells, num_tokens),
            "median_relative_iqr": statistics.median(spreads) if spreads else 0.0}
@@ -449,8 +454,9 @@ def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
 def measured_key(table: CostModel) -> dict[str, Any]:
     """The key fields a measurement records itself (the table's key without its summary fields; a key from before
     the kernel choice was recorded has every kernel at ``auto``)."""
-    key = {k: v for k, v in table.key.items() if k not in ("grid_step", "grid_fine", "reference_ms",
-                                                       "halves_closure", "median_relative_iqr")}
+    key = {k: v for k, v in table.key.items() if k not in ("grid_step", "grid_fine", "reference_ms", "halves_closure",
+                                                       "median_relative_iqr", "anchor_tolerance", "anchor_cap_s",
+                                                       "anchors")}
     return {**key, "kernel_choice": key.get("kernel_choice", KernelChoice().as_dict())}
 
 
@@ -498,31 +504,39 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
         return done, out
     cells = _load_partial(out, key)
     names = cell_names(model.patch_embed.num_patches, s.step, model.num_prefix_tokens, s.fine)
+    anchors = anchor_names(model.patch_embed.num_patches)
+    older = [n for n in anchors if n in cells and "blocks" not in cells[n]]
+    for name in older:  # measured as pairs by an earlier release: measured again, to an interval
+        del cells[name]
     if cells:
-        log(f"[blocks] resuming {partial_path(out)}: {sum(n in cells for n in names)}/{len(names)} cells measured")
+        log(f"[blocks] resuming {partial_path(out)}: {sum(n in cells for n in names)}/{len(names)} cells measured"
+            + (f" ({', '.join(older)} measured again: the partial file has them as pairs, not to an interval)"
+               if older else ""))
     rig = Rig(s, model, device)
-    todo, anchors = [n for n in names if n not in cells], anchor_names(rig.n_max)
-    spent = {True: [0.0, 0], False: [0.0, 0]}  # seconds and cells so far, of anchor cells and of the others
+    todo = [n for n in names if n not in cells]
+    spent: dict[bool, tuple[float, int]] = {True: (0.0, 0), False: (0.0, 0)}  # seconds, cells: anchors, others
     with cuda_settings(device), inference(device, s.dtype):
         for i, name in enumerate(todo, 1):
             started = time.perf_counter()
             cells[name] = rig.measure(name)
             _save_partial(out, key, cells)
-            spent[name in anchors][0] += time.perf_counter() - started
-            spent[name in anchors][1] += 1
+            seconds, count = spent[name in anchors]
+            spent[name in anchors] = (seconds + time.perf_counter() - started, count + 1)
             left = _seconds_left(spent, [n in anchors for n in todo[i:]], s.anchor_cap_s)
             log(f"[blocks] {len(names) - len(todo) + i}/{len(names)} {_describe(name)}: "
                 f"{cells[name]['ratio']:.3f}x ({'95% interval width' if name in anchors else 'IQR'} "
                 f"{cells[name]['iqr']:.3f}){'' if left is None else f', about {left:.0f} s left'}")
         close_halves(rig, cells, out, key, log)
-    table = assemble(key, cells, num_tokens=model.patch_embed.num_patches, prefix=model.num_prefix_tokens,
-                     depth=len(model.blocks), step=s.step, fine=s.fine)
+    found = {"anchor_tolerance": s.anchor_tolerance, "anchor_cap_s": s.anchor_cap_s,
+             "anchors": {n: {f: cells[n][f] for f in ("ratio", "low", "high", "blocks", "stop")} for n in anchors}}
+    table = assemble({**key, **found}, cells, num_tokens=model.patch_embed.num_patches,
+                     prefix=model.num_prefix_tokens, depth=len(model.blocks), step=s.step, fine=s.fine)
     save_cost_model(table, out)
     partial_path(out).unlink(missing_ok=True)
     return table, out
 
 
-def _seconds_left(spent: dict[bool, list[float]], left: list[bool], anchor_cap_s: float) -> float | None:
+def _seconds_left(spent: dict[bool, tuple[float, int]], left: list[bool], anchor_cap_s: float) -> float | None:
     """The seconds the cells ``left`` (True: an anchor cell) should take at the pace of those of their kind done
     (``spent[kind]``: seconds, cells); an anchor cell before any is done at its cap; None while an ordinary
     cell is left and none is done (a pace the anchors' would misstate)."""

@@ -284,8 +284,9 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     evaluations = run_evaluations(ctx, ft_stages, ft_results)
     ft_stages = [s for s in ft_stages if s.id in evaluations]
     summary: dict[str, Any] = {}
-    if not evaluations:  # keep-going only (else the first failure raised): nothing to choose from
-        log(f"[select] {exp.name}: not run, no model was evaluated (the failures above say why)")
+    if not evaluations:  # every finetune or evaluation failed (keep-going), or none was planned
+        why = "the failures above say why" if ctx.failures else "no finetune stage was planned"
+        log(f"[select] {exp.name}: not run, no model was evaluated ({why})")
     else:
         try:
             summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()})

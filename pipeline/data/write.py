@@ -266,9 +266,16 @@ def _run_ffcv_writer(tmp: Path, source: Source, settings: WriteSettings, verbose
     ffcv_writer.tqdm = functools.partial(tqdm, disable=None)  # its progress bar, as ours: on a terminal only
     try:
         with ctrl_c_raises() as wakeable:
-            if wakeable:  # off the main thread no signal can wake the write; FFCV then waits as it always did
-                threading.Thread(target=_watch_workers, args=(done, failed, workers), daemon=True).start()
-            writer.from_indexed_dataset(_Samples(source, settings.max_res), chunksize=100)
+            # Off the main thread no signal can wake the write; FFCV then waits as it always did.
+            watchdog = threading.Thread(target=_watch_workers, args=(done, failed, workers), daemon=True)
+            if wakeable:
+                watchdog.start()
+            try:
+                writer.from_indexed_dataset(_Samples(source, settings.max_res), chunksize=100)
+            finally:  # the watchdog stopped while SIGINT still raises: a signal it sent is never another's
+                done.set()
+                if watchdog.is_alive():
+                    watchdog.join()
     except KeyboardInterrupt:
         if not failed:
             raise
