@@ -108,6 +108,22 @@ def test_assemble_converts_planted_ratios_as_documented():
     assert table.key["reference_ms"] == 10.0  # the pooling cells' own references are not the block at N
 
 
+def stopped_before_the_last_cell(tmp_path) -> tuple:
+    """A tiny table's measurement interrupted after all but its last cell: (out, the cell count, the lines logged);
+    the partial file holds every other cell."""
+    out, total = tmp_path / "t.json", len(cell_names(16, 8, 1))
+    lines: list[str] = []
+
+    def stop_before_the_last(line: str) -> None:
+        lines.append(line)
+        if len(lines) == total - 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_table(settings(), out, log=stop_before_the_last)
+    return out, total, lines
+
+
 def test_a_stopped_measurement_resumes_from_its_partial_file(tmp_path):
     out, lines = tmp_path / "t.json", []
 
@@ -131,16 +147,7 @@ def test_a_stopped_measurement_resumes_from_its_partial_file(tmp_path):
 def test_the_fixed_parts_cells_are_measured_to_an_interval_and_the_others_in_pairs(tmp_path):
     """The model and the halves at N (``anchor_names``) go through bench.paired's ABBA blocks (their figures carry
     the blocks measured); every other cell is the median of its timed pairs."""
-    out, total = tmp_path / "t.json", len(cell_names(16, 8, 1))
-    lines: list[str] = []
-
-    def stop_before_the_last(line: str) -> None:
-        lines.append(line)
-        if len(lines) == total - 1:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        measure_table(settings(), out, log=stop_before_the_last)
+    out, total, lines = stopped_before_the_last_cell(tmp_path)
     cells = json.loads(partial_path(out).read_text())["cells"]
     anchors = set(anchor_names(16))
     assert anchors == {"model", "attn/16", "mlp/16"} and anchors <= set(cells)
@@ -157,16 +164,7 @@ def test_a_partial_file_with_its_anchor_cells_as_pairs_measures_them_again_and_t
     """A partial file from before the anchors were measured to an interval: its three anchor cells are measured
     again (said in the resume line), the others kept; the table's key records the anchors' tolerance, cap and
     each one's interval and stop, and a check of the key leaves those out."""
-    out, total = tmp_path / "t.json", len(cell_names(16, 8, 1))
-    lines: list[str] = []
-
-    def stop_before_the_last(line: str) -> None:
-        lines.append(line)
-        if len(lines) == total - 1:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        measure_table(settings(), out, log=stop_before_the_last)
+    out, total, lines = stopped_before_the_last_cell(tmp_path)
     partial = json.loads(partial_path(out).read_text())
     for name in anchor_names(16):
         partial["cells"][name] = {"ratio": 0.5, "iqr": 0.1, "base_ms": 1.0, "calls": 1}  # as pairs, no "blocks"
@@ -215,16 +213,7 @@ def test_an_anchor_cell_finds_a_known_ratio_within_its_interval():
 
 def test_halves_at_n_that_do_not_make_up_their_block_are_measured_again(tmp_path):
     """A disturbed MLP half at N (planted in the partial file) is measured again before the table is assembled."""
-    out, total = tmp_path / "t.json", len(cell_names(16, 8, 1))
-    lines: list[str] = []
-
-    def stop_before_the_last(line: str) -> None:
-        lines.append(line)
-        if len(lines) == total - 1:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        measure_table(settings(), out, log=stop_before_the_last)
+    out, total, lines = stopped_before_the_last_cell(tmp_path)
     partial = json.loads(partial_path(out).read_text())
     partial["cells"]["mlp/16"]["ratio"] = 0.01  # far from 1 - attn/16's share of the block
     partial_path(out).write_text(json.dumps(partial))
