@@ -215,7 +215,10 @@ def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
     """
     from ffcv.loader import Loader, OrderOption
 
+    from pipeline.data.jit_cache import cache_ffcv_compilation
+
     quiet_numba_finalizer()
+    cache_ffcv_compilation()
 
     if indices is None and spec.part != "all":
         from pipeline.data.split import holdout_split
