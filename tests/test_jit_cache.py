@@ -64,3 +64,45 @@ def test_a_second_process_loads_the_compiled_pipeline_and_reads_the_same_batches
     assert not (tmp_path / "unused").exists()
     # FFCV's own compilation reads the same pixels and labels as the cached code, compiled or loaded
     assert first["digest"] == second["digest"] == reference["digest"]
+
+
+@pytest.mark.parametrize("threads,kept", [(1, True), (2, False)])
+def test_serial_builds_are_kept_and_parallel_ones_compiled(threads, kept):
+    """numba's cache key leaves ``parallel`` out, so a parallel build (a loader with 2 or more threads) must not be
+    kept: a later serial build of the same function would load it, or the other way round."""
+    from ffcv.pipeline.compiler import Compiler
+    from numba.core.caching import FunctionCache
+
+    from pipeline.data.jit_cache import cache_ffcv_compilation
+
+    def op(x):
+        return x
+
+    op.is_parallel = True
+    cache_ffcv_compilation()
+    before = Compiler.num_threads
+    Compiler.num_threads = threads  # the attribute alone: set_num_threads would change torch's threads too
+    try:
+        built = Compiler.compile(op)
+    finally:
+        Compiler.num_threads = before
+    assert built.targetoptions.get("parallel", False) == (threads > 1)
+    assert isinstance(built._cache, FunctionCache) == kept
+
+
+def test_numbas_note_on_an_uncacheable_function_is_dropped_and_no_other_warning():
+    """The note comes wrapped in terminal escapes where colorama is importable (Ray's workers): the demo printed it
+    in each Ray Train worker until the filter matched anywhere in the message."""
+    import warnings
+
+    from numba.core.errors import NumbaWarning
+
+    from pipeline.data.jit_cache import cache_ffcv_compilation
+
+    note = '\x1b[1m\x1b[1mCannot cache compiled function "decode" as it uses dynamic globals\x1b[0m\x1b[0m'
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cache_ffcv_compilation()
+        for message in (note, note.replace("\x1b[1m", "").replace("\x1b[0m", ""), "Cannot determine Numba type"):
+            warnings.warn_explicit(NumbaWarning(message), NumbaWarning, "augment.py", 73)
+    assert [str(w.message) for w in seen] == ["Cannot determine Numba type"]
