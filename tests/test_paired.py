@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import scipy.stats
@@ -175,3 +178,39 @@ def test_images_per_s_on_one_scale_written_out():
                   SpeedRatio(1.001, 0.99, 1.01, 40, "tolerance", 0.05, 3.0))
     assert scale.images_per_s("M64", 0.5, 0.45, 0.55) == pytest.approx((1000.0, 1000 / 1.155, 1000 / 0.855))
     assert scale.images_per_s("M32", 0.5, 0.45, 0.55) == pytest.approx((2000.0, 1000 / 0.55, 1000 / 0.45))
+
+
+# In a fresh interpreter: a 1 MiB block (over glibc's first 128 KiB threshold, so mmapped) freed, which raises the
+# dynamic threshold to about 1 MiB; then an 8 MiB block: mmapped again under the default heap, from the heap once
+# the thresholds are fixed. mallinfo2's hblks counts the mmapped blocks in use.
+HEAP_PROBE = """
+import ctypes, sys
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc.mallinfo2.restype = Info
+libc.free(libc.malloc(2**20))
+if sys.argv[1] == "timer":
+    import torch
+    from pipeline.bench.paired import sample_timer
+    sample_timer(torch.device("cpu"))
+before = libc.mallinfo2().hblks
+block = libc.malloc(8 * 2**20)
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_a_cpu_timer_fixes_glibcs_thresholds_so_a_block_comes_from_the_heap():
+    def mmapped(mode: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return int(proc.stdout.split()[-1])
+
+    assert mmapped("default") == 1  # glibc's dynamic threshold: the 8 MiB block is mmapped
+    assert mmapped("timer") == 0  # after a CPU timer is made: from the heap
