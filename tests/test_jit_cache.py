@@ -54,11 +54,12 @@ def test_a_second_process_loads_the_compiled_pipeline_and_reads_the_same_batches
     first = epochs(beton, cache, "cached")
     assert first["cached"] and first["misses"] > 0  # an empty cache: compiled (the validation loader can load
     # what the training loader's build saved: the label pipeline is the same)
-    entries = sorted(p.name for p in cache.rglob("*.nbi"))
-    assert entries  # and kept
+    entries = {p.name: p.stat().st_mtime_ns for p in cache.rglob("*.nb*")}
+    assert any(name.endswith(".nbc") for name in entries)  # and kept
     second = epochs(beton, cache, "cached")
     assert second["hits"] > first["hits"] and second["misses"] < first["misses"]  # loaded, not compiled again
-    assert sorted(p.name for p in cache.rglob("*.nbi")) == entries  # same pipelines, no new entries
+    # same pipelines, same keys: no entry added or written again (a key that changed every process would add one)
+    assert {p.name: p.stat().st_mtime_ns for p in cache.rglob("*.nb*")} == entries
     reference = epochs(beton, tmp_path / "unused", "uncached")
     assert not reference["cached"] and reference["hits"] == 0  # no cache asked for
     assert not (tmp_path / "unused").exists()
@@ -106,3 +107,60 @@ def test_numbas_note_on_an_uncacheable_function_is_dropped_and_no_other_warning(
         for message in (note, note.replace("\x1b[1m", "").replace("\x1b[0m", ""), "Cannot determine Numba type"):
             warnings.warn_explicit(NumbaWarning(message), NumbaWarning, "augment.py", 73)
     assert [str(w.message) for w in seen] == ["Cannot determine Numba type"]
+
+
+def test_an_op_with_no_file_or_an_unpicklable_closure_compiles_uncached():
+    """numba raises when asked to cache a function it cannot place (code from ``exec``) or key (a closure value
+    that does not pickle); FFCV's compile then builds it as FFCV would."""
+    import threading
+
+    from ffcv.pipeline.compiler import Compiler
+    from numba.core.caching import NullCache
+
+    from pipeline.data.jit_cache import cache_ffcv_compilation
+
+    assert cache_ffcv_compilation()
+    namespace: dict = {}
+    exec("def op(x):\n    return x + 1", namespace)  # no source file: no locator
+    lock = threading.Lock()
+
+    def holds_a_lock(x):
+        return x if lock is None else x + 2
+
+    for code, answer in ((namespace["op"], 4), (holds_a_lock, None)):
+        built = Compiler.compile(code)
+        assert isinstance(built._cache, NullCache)
+        if answer is not None:
+            assert built(3) == answer
+
+
+def test_a_load_waits_for_another_processs_save_to_the_same_folder(tmp_path, monkeypatch):
+    """numba's index save is a read-modify-write with no lock: every load and save here holds ``flock`` on the
+    cache folder, so a first call (a load, then a compile and a save) waits while another holder has it."""
+    import fcntl
+    import threading
+
+    import numba
+    from ffcv.pipeline.compiler import Compiler
+
+    from pipeline.data.jit_cache import LOCK_NAME, cache_ffcv_compilation
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))  # numba's user-wide folder: here
+    assert cache_ffcv_compilation()
+
+    def op(x):
+        return x * 3
+
+    built = Compiler.compile(op)
+    folder = Path(built._cache.cache_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    answers: list[int] = []
+    with open(folder / LOCK_NAME, "a") as held:  # another holder, as another process would be
+        fcntl.flock(held, fcntl.LOCK_EX)
+        caller = threading.Thread(target=lambda: answers.append(built(5)))
+        caller.start()
+        caller.join(timeout=3)
+        blocked = caller.is_alive()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    caller.join(timeout=120)
+    assert blocked and answers == [15]

@@ -4,6 +4,7 @@ stopping rule on a synthetic machine with a known ratio, drift and a first-call 
 from __future__ import annotations
 
 import math
+import platform
 import random
 import statistics
 import subprocess
@@ -193,10 +194,10 @@ class Info(ctypes.Structure):
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
                  "keepcost")]
 libc.mallinfo2.restype = Info
+import torch
+from pipeline.bench.paired import sample_timer
 libc.free(libc.malloc(2**20))
 if sys.argv[1] == "timer":
-    import torch
-    from pipeline.bench.paired import sample_timer
     sample_timer(torch.device("cpu"))
 before = libc.mallinfo2().hblks
 block = libc.malloc(8 * 2**20)
@@ -204,7 +205,7 @@ print(libc.mallinfo2().hblks - before)
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc and its mallinfo2")
 def test_a_cpu_timer_fixes_glibcs_thresholds_so_a_block_comes_from_the_heap():
     def mmapped(mode: str) -> int:
         proc = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True, timeout=120,

@@ -146,8 +146,8 @@ def sample_timer(device: torch.device, *, calls: int = 1, clock: str = "cpu") ->
     """Seconds a call of ``f``, over ``calls`` calls back to back: CUDA events on a GPU (the device's own time
     of the queued calls); on the CPU the process's CPU time (``clock="cpu"``, which equals latency with one
     thread and leaves out what else the machine runs) or wall time (``"wall"``). On the CPU it fixes glibc's
-    malloc thresholds for the rest of the process first (``bench.heap``): a timing then repeats from one process
-    to the next."""
+    malloc thresholds for the rest of the process first (``bench.heap``): a timing then varies less from one
+    process to the next."""
     if device.type == "cuda":
         def cuda_time(f: Callable[[], object]) -> float:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

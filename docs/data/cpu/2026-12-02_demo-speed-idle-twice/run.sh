@@ -1,21 +1,20 @@
 #!/bin/bash
-# Two idle make demo runs from empty stores; every cache (betons, runs, numba's compiled FFCV pipelines) deleted before each.
-cd /work/main
+# Two idle `make demo` runs from empty stores: the betons, runs/ and numba's cache of FFCV's pipelines deleted
+# before each. Run from anywhere in the checkout; outputs go to $OUT (default /tmp/r51). The load average was
+# logged apart, every 30 s, into load.txt.
+cd "$(git rev-parse --show-toplevel)" || exit 1
 OUT=${OUT:-/tmp/r51}
-git rev-parse HEAD > $OUT/commit.txt
+mkdir -p "$OUT"
+git rev-parse HEAD > "$OUT/commit.txt"
 SITE=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('ffcv').submodule_search_locations[0])")
 for i in 1 2; do
   rm -rf runs data/fmnist_train_10k.beton* data/fmnist_test_2k.beton*
-  find pipeline "$SITE" -name '*.nbi' -delete -o -name '*.nbc' -delete
-  rm -rf ~/.cache/numba
-  echo "run $i start $(date -u +%FT%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> $OUT/log.txt
+  find pipeline "$SITE" \( -name '*.nbi' -o -name '*.nbc' \) -delete
+  echo "run $i start $(date -u +%FT%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/log.txt"
   s=$(date +%s)
-  make demo > $OUT/demo-$i.log 2>&1; rc=$?
-  echo "run $i end $(date -u +%FT%T) rc $rc wall $(( $(date +%s) - s )) s load $(cut -d' ' -f1-3 /proc/loadavg)" >> $OUT/log.txt
-  cp runs/experiments/demo/results.csv $OUT/results-$i.csv
-  cp runs/experiments/demo/pareto_speed.csv $OUT/pareto_speed-$i.csv
-  cp runs/experiments/demo/targets.csv $OUT/targets-$i.csv 2>/dev/null
-  mkdir -p $OUT/demo-$i && cp runs/experiments/demo/*.csv $OUT/demo-$i/
+  make demo > "$OUT/demo-$i.log" 2>&1; rc=$?
+  echo "run $i end $(date -u +%FT%T) rc $rc wall $(( $(date +%s) - s )) s load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/log.txt"
+  mkdir -p "$OUT/demo-$i" && cp runs/experiments/demo/*.csv "$OUT/demo-$i/"
 done
-.venv/bin/python benchmarks/speed_repeat.py $OUT/demo-1 $OUT/demo-2 > $OUT/speed_repeat.md 2>&1
-echo "all done $(date -u +%FT%T)" >> $OUT/log.txt
+.venv/bin/python benchmarks/speed_repeat.py "$OUT/demo-1" "$OUT/demo-2" > "$OUT/speed_repeat.md" 2>&1
+echo "all done $(date -u +%FT%T)" >> "$OUT/log.txt"
