@@ -532,8 +532,10 @@ def test_triton_kmeans_under_the_interpreter():
     brute-force reference's assignment, and the torch iterations' and the CPU's native kernel's: on random
     inputs, K = 1, K = N - 1, odd N, one iteration and five. On exact ties (small integers, every token
     twice, clusters left empty) a centre's coefficients 1 / T are inexact, so float32 rounding decides which
-    of two equally near centres wins, and the float64 reference and the one-hot torch iterations break some
-    of them differently; there the kernel must give the native kernel's assignment, which sums alike."""
+    of two equally near centres wins, and the float64 reference, the one-hot torch iterations, the native
+    kernel and the interpreter's numpy sums (whose order follows the CPU's SIMD width) break some of them
+    differently; there every step of the kernel must pick a nearest centre, within float32 rounding, of the
+    centres its own previous step gives."""
     pytest.importorskip("triton")
     code = _CLUSTERING_PRELUDE + """
 from pipeline.pooling.clustering import gram, kmeans_gram_iterations
@@ -548,15 +550,27 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     start, gm = w.topk(k, dim=-1).indices, gram(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     assign = kmeans_fused_triton(gm, w, start, iters)
-    others = [native.kmeans_gram(lib, gm, w, start, iters), kmeans_fused_triton(gm, w, start, iters, tile=16)]
-    if case not in (6, 7):
-        others.append(kmeans_gram_iterations(gm, w, start, iters))
-    for other in others:
-        assert torch.equal(assign, other), case
     empty += sum(len(set(range(k)) - set(row)) for row in assign.tolist())
-    if case in (6, 7):
+    if case in (6, 7):  # every step picks a nearest centre (float64, from its own last step), up to float32 rounding
+        for s in range(b):
+            f, ws = x[s].double().numpy(), w[s].double().numpy() if weighted else np.ones(n)
+            centres = f[start[s].numpy()].copy()
+            for t in range(1, iters + 1):
+                step = kmeans_fused_triton(gm[s:s + 1], None if w is None else w[s:s + 1], start[s:s + 1], t)
+                step = step[0].numpy()
+                for j in range(k if t > 1 else 0):  # an empty cluster keeps its centre
+                    if (last == j).any():
+                        centres[j] = (ws[last == j, None] * f[last == j]).sum(0) / ws[last == j].sum()
+                d = ((f[:, None, :] - centres[None]) ** 2).sum(-1)
+                assert (d[np.arange(n), step] <= d.min(1) + 1e-4 * (1 + d.min(1))).all(), (case, s, t)
+                last = step
+            assert (last == assign[s].numpy()).all(), (case, s)
         print("ok", case)
         continue
+    others = [native.kmeans_gram(lib, gm, w, start, iters), kmeans_fused_triton(gm, w, start, iters, tile=16),
+              kmeans_gram_iterations(gm, w, start, iters)]
+    for other in others:
+        assert torch.equal(assign, other), case
     for s in range(b):
         ws = w[s].double().numpy() if weighted else np.ones(n)
         assert assign[s].tolist() == ref.kmeans(x[s].double().numpy(), ws, start[s].tolist(), iters), (case, s)
