@@ -4,7 +4,7 @@ glibc adapts its mmap and trim thresholds to what the process has freed so far (
 threshold"). Two processes that time the same pair of models can then differ in which buffers come from fresh
 ``mmap`` pages and how much of the heap goes back to the kernel between calls, and so in the page faults each
 forward pays: a cost that is steady inside one process (the paired blocks agree) but not from one process to
-the next. Measured on the 2-core Xeon (docs/data/cpu/2026-12-02_timing-between-processes/): two demo checkpoints,
+the next. Measured on a 2-core AMD EPYC VM (docs/data/cpu/2026-12-02_timing-between-processes/): two demo checkpoints,
 each against its own unmodified model in fresh processes, gave 0.81 to 0.99 and 0.81 to 0.95 with the default
 heap (each process's interval about +-3% and +-6%), and 0.93 to 0.99 and 0.96 to 0.99 with these thresholds set
 after the models were loaded, as ``sample_timer`` sets them. Less, not nothing: the first model's spread stays
