@@ -17,7 +17,6 @@ No library sets this (torch's CPU allocator is glibc's malloc); ``mallopt`` is g
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 * 2**20  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): anything smaller, from the heap
@@ -35,10 +34,8 @@ def steady_heap() -> bool:
     global _fixed
     if _fixed is not None:
         return _fixed
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
     except (OSError, AttributeError, TypeError):
         _fixed = False
         return _fixed

@@ -1,11 +1,10 @@
 """numba's on-disk cache for FFCV's compiled pipelines.
 
 FFCV 1.0.2 compiles every operation of a loader's pipeline with ``numba.njit`` in each process that builds a
-loader, and offers no option to cache the result: 8.5 s of the first epochs of a 16 px training and validation
-loader here, paid again by every DAG trial, Ray Train worker, evaluation and CLI process. With ``cache=True`` numba
-keeps the machine code under ``__pycache__`` beside the source (or its user-wide cache folder, or
-``NUMBA_CACHE_DIR``), and a later process loads it: 2.0 s for the same two loaders (docs/design.md, "Compiled once
-per cache folder").
+loader, and offers no option to cache the result: every DAG trial, Ray Train worker, evaluation and CLI process
+paid for it again. With ``cache=True`` numba keeps the machine code under ``__pycache__`` beside the source (or its
+user-wide cache folder, or ``NUMBA_CACHE_DIR``), and a later process loads it: a fresh process building a 16 px
+training and validation loader took about 6 s less (docs/data/cpu/2026-12-02_ffcv-jit-cache/).
 
 What numba's cache does not do, and this module does around it:
 
