@@ -18,10 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = """
 import gc, hashlib, json, sys
 from numba.core.dispatcher import Dispatcher
-import pipeline.data.jit_cache as jit_cache
 from pipeline.data.loaders import LoaderSpec, ffcv_loader
-if sys.argv[2] == "uncached":
-    jit_cache.cache_ffcv_compilation = lambda: None  # FFCV's own compile: the reference
 digest = hashlib.sha256()
 for train in (True, False):
     spec = LoaderSpec(path=sys.argv[1], train=train, batch_size=16, res=16, mean=(0.5,) * 3, std=(0.25,) * 3,
@@ -38,7 +35,9 @@ print(json.dumps({"digest": digest.hexdigest(), "hits": hits, "misses": misses, 
 
 
 def epochs(beton: Path, cache: Path, mode: str) -> dict:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    """``EPOCHS`` in a fresh process with numba's cache in ``cache``; ``mode`` ``uncached``: FFCV's own compile, the
+    reference (``PIPELINE_NUMBA_CACHE=0``)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PIPELINE_NUMBA_CACHE": "0" if mode == "uncached" else "1"}
     proc = subprocess.run([sys.executable, "-c", EPOCHS, str(beton), mode], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -164,3 +163,39 @@ def test_a_load_waits_for_another_processs_save_to_the_same_folder(tmp_path, mon
         fcntl.flock(held, fcntl.LOCK_UN)
     caller.join(timeout=120)
     assert blocked and answers == [15]
+
+
+# FFCV's rgb_image module, imported after pipeline.data: the typed dict it builds, and whether its setitem (one of the
+# dict's jitted methods) was compiled or loaded.
+TYPED_DICT = """
+import json
+import pipeline.data
+from ffcv.fields.rgb_image import IMAGE_MODES
+from numba.typed import typeddict
+stats = typeddict._setitem.stats
+print(json.dumps({"modes": dict(IMAGE_MODES), "hits": sum(stats.cache_hits.values()),
+                  "misses": sum(stats.cache_misses.values())}))
+"""
+
+
+def typed_dict(cache: Path, enabled: str = "1") -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PIPELINE_NUMBA_CACHE": enabled}
+    proc = subprocess.run([sys.executable, "-c", TYPED_DICT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_typed_dict_ffcv_builds_on_import_is_compiled_once_then_loaded(tmp_path):
+    cache = tmp_path / "numba"
+    first = typed_dict(cache)
+    assert first == {"modes": {"jpg": 0, "raw": 1}, "hits": 0, "misses": 1}, first  # an empty cache: compiled
+    assert [p.name for p in cache.rglob("typeddict._setitem-*.nbi")], sorted(p.name for p in cache.rglob("*"))
+    entries = {p.name: p.stat().st_mtime_ns for p in cache.rglob("*.nb*")}
+    second = typed_dict(cache)
+    assert second == {"modes": {"jpg": 0, "raw": 1}, "hits": 1, "misses": 0}, second  # loaded, the same dict
+    assert {p.name: p.stat().st_mtime_ns for p in cache.rglob("*.nb*")} == entries  # nothing written again
+    off = typed_dict(tmp_path / "unused", enabled="0")
+    assert off["modes"] == {"jpg": 0, "raw": 1} and off["hits"] == 0 and not (tmp_path / "unused").exists()
+

@@ -1,4 +1,4 @@
-"""numba's on-disk cache for FFCV's compiled pipelines.
+"""numba's on-disk cache for FFCV's compiled pipelines, and for the typed dict FFCV builds when it is imported.
 
 FFCV 1.0.2 compiles every operation of a loader's pipeline with ``numba.njit`` in each process that builds a
 loader, and offers no option to cache the result: every DAG trial, Ray Train worker, evaluation and CLI process
@@ -20,6 +20,13 @@ What numba's cache does not do, and this module does around it:
 
 FFCV's ``Compiler.compile`` body is copied below (it has no hook), so the patch applies to FFCV 1.0.2 only; with
 another version, FFCV's own compile runs.
+
+FFCV's ``fields.rgb_image`` also builds a ``numba.typed.Dict`` when it is imported (``IMAGE_MODES``), which compiles
+the dict's methods: about 3-4 s of CPU in every process that imports FFCV, more than torch's own import on this
+machine. ``cache_typed_dicts`` keeps those methods in numba's disk cache too (under the same lock); ``pipeline.data``
+calls it when it is imported, before any of its modules imports FFCV.
+
+``PIPELINE_NUMBA_CACHE=0`` turns both off: every process compiles, as numba and FFCV do, and nothing is written.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from numba.core.errors import NumbaWarning
 from numba.core.serialize import dumps
 
 FFCV_VERSION = "1.0.2"  # the version whose Compiler.compile is copied below
+CACHE_ENV = "PIPELINE_NUMBA_CACHE"  # "0": no disk cache (numba's and FFCV's own compilation)
 LOCK_NAME = "pipeline-numba-cache.lock"
 # Where colorama is importable (Ray's workers), numba wraps the message in terminal escapes: match anywhere.
 _UNCACHEABLE = r".*Cannot cache compiled function"
@@ -51,7 +59,7 @@ def cache_ffcv_compilation() -> bool:
     warnings.filterwarnings("ignore", message=_UNCACHEABLE, category=NumbaWarning)
     if getattr(Compiler.compile, "caches", False):
         return True
-    if version("ffcv") != FFCV_VERSION:
+    if version("ffcv") != FFCV_VERSION or not enabled():
         return False
 
     def compile_cached(cls, code, signature=None):
@@ -70,6 +78,32 @@ def cache_ffcv_compilation() -> bool:
 
     compile_cached.caches = True
     Compiler.compile = classmethod(compile_cached)
+    return True
+
+
+def enabled() -> bool:
+    """Whether the disk caches are on (``PIPELINE_NUMBA_CACHE`` is not ``0``)."""
+    return os.environ.get(CACHE_ENV, "1") != "0"
+
+
+def cache_typed_dicts() -> bool:
+    """Make the methods of ``numba.typed.Dict`` (``numba.typed.typeddict``'s jitted functions) load from and save to
+    numba's disk cache, each load and save under the folder's lock, in this process (idempotent). Call it before FFCV
+    is imported: its ``fields.rgb_image`` builds a typed dict then. Returns whether they are cached: False where
+    ``PIPELINE_NUMBA_CACHE=0`` or no folder is writable."""
+    if not enabled():
+        return False
+    import numba.typed.typeddict as typeddict
+    from numba.core.caching import NullCache
+    from numba.core.dispatcher import Dispatcher
+
+    for dispatcher in vars(typeddict).values():
+        if isinstance(dispatcher, Dispatcher) and isinstance(dispatcher._cache, NullCache):
+            try:
+                dispatcher.enable_caching()
+            except RuntimeError:  # "cannot cache function ...: no locator available": no writable folder
+                return False
+            _lock(dispatcher._cache)
     return True
 
 
