@@ -475,13 +475,13 @@ def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path)
 @pytest.mark.beton
 def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
     """A method of another installed package (entry point group pipeline.methods) goes through the whole
-    DAG: config validation in the driver, Ray Train workers for the base, the K search and the finetune
-    (train.workers 1, trial_workers 1), evaluation tasks, and the Pareto table. Its own option comes from
-    the config (offset), a name it shares with the built-in methods keeps its own default (iters: 1, not
-    pooling.iters' 5), and its package and version are tagged on its finetune and evaluation runs."""
+    DAG: config validation in the driver, Ray Train workers for the K search and the finetune (trial_workers 1;
+    the base, which does not run the plugin, trains in the driver), evaluation tasks, and the Pareto table. Its
+    own option comes from the config (offset), a name it shares with the built-in methods keeps its own default
+    (iters: 1, not pooling.iters' 5), and its package and version are tagged on its finetune and evaluation runs."""
     data = write_synthetic_pair(tmp_path, 64, 32)
     plugin = write_plugin(tmp_path / "site")
-    overrides = [*tiny_overrides(data), "train.workers=1", "experiment.search.trial_workers=1",
+    overrides = [*tiny_overrides(data), "experiment.search.trial_workers=1",
                  "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]", "experiment.methods=[firstk]",
                  "experiment.baseline=false", "experiment.ksearch.epochs=1", "experiment.eval.analysis_images=0",
                  "experiment.eval.analysis_batch=0", "experiment.register_models=false",

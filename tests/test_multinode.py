@@ -198,6 +198,7 @@ def dag_command(cluster: RayCluster, data: Path, out: Path) -> list[str]:
                 f"experiment.runs_dir={out / 'experiments'}", "experiment.embed_dims=[16]",
                 "experiment.lambdas=[0.05]", f"experiment.methods=[{', '.join(METHODS)}]", "experiment.baseline=false",
                 f"experiment.finetune.epochs={FINETUNE_EPOCHS}", "experiment.search.trial_cpus=1",
+                "experiment.search.max_concurrent=2",  # tiny.yaml's is 1: two trials at once, one on each node
                 "experiment.eval.cpus=1", *DAG_PAUSE]
     return [sys.executable, "-m", "pipeline", "run", str(ROOT / "configs" / "experiments" / "tiny.yaml"),
             "--address", cluster.address, *[part for item in settings for part in ("--set", item)]]
