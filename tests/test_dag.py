@@ -246,14 +246,17 @@ def test_no_ksearch_target_leaves_every_id_as_it_was():
     assert [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id] == [
         "942e3d5b4f99b040", "287baf85545793ab", "0dec5b3b21eb72f0", "ac0d3e7b8d48c2ab", "3c3a4fbf2182bbd2",
         "d58a2c108bfeb68c"]  # the evaluation's follows the paired speed's keys (eval.speed_*): 54529a142890c3b8 before
-    assert dag_id(config) == "3023dbf6d25ba4aa"  # and so does the experiment's: a5027ec45ec55f30 before them
+    # and so does the experiment's (a5027ec45ec55f30 before them), of tiny.yaml as it was before it set one trial at a
+    # time (the experiment section is its identity: b3364b47be995082 with it)
+    unbounded = load_config(TINY, ["experiment.search.max_concurrent=null"])
+    assert dag_id(unbounded) == "3023dbf6d25ba4aa" and dag_id(config) == "b3364b47be995082"
     # A target is a K search of its own, beside the lambdas, with its own identity.
     both = ksearch_stages(load_config(TINY, [TARGET]), arch, base)
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
     assert both[2].id == "e8800f3ae83f1326"  # as before targets took a name (51966a4): no target search reruns
-    assert dag_id(load_config(TINY, [TARGET])) == "d6bdabadc4894ab7"  # nor the experiment's (97f718508bbcc5be before
-    # eval.speed_*, which changed every experiment's id)
+    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "d6bdabadc4894ab7"  # nor
+    # the experiment's (97f718508bbcc5be before eval.speed_*, which changed every experiment's id)
     assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
     # Two targets at one figure, each with its own name (as each method's own table needs): two searches, two
     # levels; the same figure without names is refused.

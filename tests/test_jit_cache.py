@@ -38,7 +38,7 @@ def epochs(beton: Path, cache: Path, mode: str) -> dict:
     """``EPOCHS`` in a fresh process with numba's cache in ``cache``; ``mode`` ``uncached``: FFCV's own compile, the
     reference (``PIPELINE_NUMBA_CACHE=0``)."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PIPELINE_NUMBA_CACHE": "0" if mode == "uncached" else "1"}
-    proc = subprocess.run([sys.executable, "-c", EPOCHS, str(beton), mode], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", EPOCHS, str(beton)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Cannot cache compiled function" not in proc.stderr  # numba's note on uncacheable functions is dropped
@@ -198,4 +198,3 @@ def test_the_typed_dict_ffcv_builds_on_import_is_compiled_once_then_loaded(tmp_p
     assert {p.name: p.stat().st_mtime_ns for p in cache.rglob("*.nb*")} == entries  # nothing written again
     off = typed_dict(tmp_path / "unused", enabled="0")
     assert off["modes"] == {"jpg": 0, "raw": 1} and off["hits"] == 0 and not (tmp_path / "unused").exists()
-

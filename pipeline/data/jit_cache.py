@@ -22,9 +22,10 @@ FFCV's ``Compiler.compile`` body is copied below (it has no hook), so the patch 
 another version, FFCV's own compile runs.
 
 FFCV's ``fields.rgb_image`` also builds a ``numba.typed.Dict`` when it is imported (``IMAGE_MODES``), which compiles
-the dict's methods: about 3-4 s of CPU in every process that imports FFCV, more than torch's own import on this
-machine. ``cache_typed_dicts`` keeps those methods in numba's disk cache too (under the same lock); ``pipeline.data``
-calls it when it is imported, before any of its modules imports FFCV.
+the dict's methods: 3.4-3.8 s of CPU in every process that imports FFCV, which loading them from the disk cache
+saves (docs/data/cpu/2026-12-02_numba-typed-dict-cache/). ``cache_typed_dicts`` keeps those methods in numba's disk
+cache too (under the same lock); ``pipeline.data`` calls it when it is imported, before any of its modules imports
+FFCV.
 
 ``PIPELINE_NUMBA_CACHE=0`` turns both off: every process compiles, as numba and FFCV do, and nothing is written.
 """

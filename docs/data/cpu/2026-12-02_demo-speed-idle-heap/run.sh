@@ -1,18 +1,15 @@
 #!/bin/bash
-# Two idle `make demo` runs from empty stores: the betons, runs/ and numba's caches deleted before each. Run from
-# anywhere in the checkout; outputs go to $OUT (default /tmp/r51). The load average was logged apart, every 30 s,
-# into load.txt.
+# Two idle `make demo` runs from empty stores: the betons, runs/ and numba's cache of FFCV's pipelines deleted
+# before each. Run from anywhere in the checkout; outputs go to $OUT (default /tmp/r51). The load average was
+# logged apart, every 30 s, into load.txt.
 cd "$(git rev-parse --show-toplevel)" || exit 1
 OUT=${OUT:-/tmp/r51}
 mkdir -p "$OUT"
 git rev-parse HEAD > "$OUT/commit.txt"
-# numba's disk caches: FFCV's pipelines (beside pipeline/ and FFCV's modules) and the typed dict FFCV builds when it
-# is imported (beside numba's own typeddict module); pipeline/data/jit_cache.py
 SITE=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('ffcv').submodule_search_locations[0])")
-NUMBA=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('numba').submodule_search_locations[0])")
 for i in 1 2; do
   rm -rf runs data/fmnist_train_10k.beton* data/fmnist_test_2k.beton*
-  find pipeline "$SITE" "$NUMBA" \( -name '*.nbi' -o -name '*.nbc' \) -delete
+  find pipeline "$SITE" \( -name '*.nbi' -o -name '*.nbc' \) -delete
   echo "run $i start $(date -u +%FT%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/log.txt"
   s=$(date +%s)
   make demo > "$OUT/demo-$i.log" 2>&1; rc=$?
