@@ -433,16 +433,17 @@ def test_ctrl_c_says_where_training_stopped(tmp_path):
     data = write_synthetic_pair(tmp_path, 256, 32)
     tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_synthetic.yaml"
     command = [sys.executable, "-m", "pipeline", "train", str(tiny), "--set", f"data.train={data / 'train.beton'}",
-               "--set", f"data.val={data / 'val.beton'}", "--set", "train.workers=0", "--set", "recipe.epochs=50",
+               "--set", f"data.val={data / 'val.beton'}", "--set", "train.workers=0", "--set", "recipe.epochs=1000",
                "--set", f"train.storage_path={tmp_path / 'ray'}", "--set",
                f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
                "--set", f"train.artifact_root={tmp_path / 'a'}"]
     proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
-    # any epoch's complete checkpoint (its summary is written last: a folder alone is one being written): epoch
-    # 1's is pruned (train.keep_checkpoints) once later ones exist, and a fast epoch can write and prune it
-    # between two looks
+    # 1,000 epochs: the training must still run when the signal comes (with 50, a CI run at b5cc2a6 saw it exit 0,
+    # done before the signal). Then any epoch's complete checkpoint (its summary is written last: a folder alone is
+    # one being written): epoch 1's is pruned (train.keep_checkpoints) once later ones exist, and a fast epoch can
+    # write and prune it between two looks
     while time.monotonic() < deadline and not list((tmp_path / "ray").glob("*/local_checkpoints/epoch_*/summary.json")):
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
