@@ -198,3 +198,19 @@ def test_the_typed_dict_ffcv_builds_on_import_is_compiled_once_then_loaded(tmp_p
     assert {p.name: p.stat().st_mtime_ns for p in cache.rglob("*.nb*")} == entries  # nothing written again
     off = typed_dict(tmp_path / "unused", enabled="0")
     assert off["modes"] == {"jpg": 0, "raw": 1} and off["hits"] == 0 and not (tmp_path / "unused").exists()
+
+
+@pytest.mark.parametrize("value", ["off", "false", "", "2"])
+def test_a_switch_value_other_than_0_or_1_is_refused_naming_the_variable(monkeypatch, value):
+    from pipeline.data.jit_cache import enabled
+    from pipeline.errors import InputError
+
+    monkeypatch.setenv("PIPELINE_NUMBA_CACHE", value)
+    with pytest.raises(InputError, match=f"PIPELINE_NUMBA_CACHE={value!r} in the environment: set it to 0"):
+        enabled()
+    for good, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("PIPELINE_NUMBA_CACHE", good)
+        assert enabled() is on
+    monkeypatch.delenv("PIPELINE_NUMBA_CACHE")
+    assert enabled()
+

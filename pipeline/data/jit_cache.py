@@ -83,8 +83,15 @@ def cache_ffcv_compilation() -> bool:
 
 
 def enabled() -> bool:
-    """Whether the disk caches are on (``PIPELINE_NUMBA_CACHE`` is not ``0``)."""
-    return os.environ.get(CACHE_ENV, "1") != "0"
+    """Whether the disk caches are on: ``PIPELINE_NUMBA_CACHE`` unset or ``1``; ``0`` turns them off. InputError
+    for any other value (``off`` must not read as on)."""
+    value = os.environ.get(CACHE_ENV, "1")
+    if value not in ("0", "1"):
+        from pipeline.errors import InputError
+
+        raise InputError(f"{CACHE_ENV}={value!r} in the environment: set it to 0 (compile in every process, keep "
+                         "nothing on disk) or 1 (numba's disk cache, the default), or unset it")
+    return value == "1"
 
 
 def cache_typed_dicts() -> bool:
