@@ -9,14 +9,14 @@ self-adjusting penalty, and the rounding of the learned retention to a keep list
   (rho - t)`` (a dual ascent on ``rho = t``): each block is weighted by its marginal cost, and the
   strength settles where the search lands on the target (docs/design.md says why).
 - ``round_keep``: the non-increasing integer keep list that keeps the most learned retention mass
-  with a predicted cost at most the target, over the token counts the cost model has points at (an
-  exact dynamic program over Pareto fronts).
+  with a predicted cost at most the target, each block's count among the candidates nearest where the
+  search landed (the window widening until a list fits; an exact dynamic program over Pareto fronts).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,12 @@ def soft_keep(weights: list[Tensor]) -> Tensor:
     return torch.stack(counts)
 
 
+def landing(weights: list[Tensor]) -> list[float]:
+    """The counts a K search landed on, which its rounding stays nearest: ``soft_keep`` as numbers, (L,)."""
+    with torch.no_grad():
+        return soft_keep(weights).tolist()
+
+
 @dataclass
 class TargetSearch:
     """The self-adjusting penalty of one K search toward ``fraction`` of the unmodified cost."""
@@ -196,7 +202,7 @@ class TargetSearch:
         with torch.no_grad():
             landed = float(self.ratio(model))
             weights = [w.detach().double() for w in retentions(model)]
-        keep = round_keep(weights, self.costs, self.fraction * self.costs.unmodified())
+        keep = round_keep(weights, self.costs, self.fraction * self.costs.unmodified(), around=landing(weights))
         return keep, {"target": self.fraction, "target_landed": landed, "target_dual": self.dual_value(),
                       "target_rounded": self.costs.predict(keep) / self.costs.unmodified()}
 
@@ -222,41 +228,77 @@ def cheapest_fraction(costs: CostModel) -> float:
     return costs.cheapest(candidates(costs))[0] / costs.unmodified()
 
 
+# The rounding's rule, in a target K search's id (``dag.plan``): a search rounded under an earlier rule (the most mass
+# over every list) is not reused for this one's keep list.
+ROUNDING = "near-landing"
 TIE = 1e-9  # retention masses closer than this are a tie, which the list spending more of the limit wins
 
 
-def round_keep(weights: list[Tensor], costs: CostModel, limit: float) -> list[int]:
+def round_keep(weights: list[Tensor], costs: CostModel, limit: float,
+               around: Sequence[float] | None = None) -> list[int]:
     """The non-increasing keep list over ``candidates(costs)`` with the most kept retention mass (keeping k tokens
     in block l keeps its ranks 0..k-1: ``sum(weights[l][:k])``) whose predicted cost is at most ``limit``; where
     lists keep equal mass (weights clamped at 0 or 1), the one that spends more of the limit.
 
-    Exact: a dynamic program over blocks whose state is the count kept so far, holding for each state the Pareto
-    front of (cost so far, value so far), the value being the mass plus ``TIE`` times the cost over the limit: the
-    value adds up block by block, so the tie rule is decided inside the fronts, and a mass ``TIE`` higher always
-    beats any cost within the limit. "No pooling step" (k = the count received) is one of the choices. A partial
-    list over the limit is dropped, which is exact because no block costs less than 0 (``cost.Curve`` holds its
-    ends). Raises InputError when even the cheapest list costs more than ``limit``.
+    ``around`` (L,): the counts the K search landed on (``soft_keep``). Block l's count is then one of the
+    candidates nearest ``around[l]``: the candidate at or below it and the one at or above it (radius 1), and where
+    no such list fits the limit, the ``r - 1`` candidates beyond each of those, r = 2, 4, 8, ..., until one fits
+    (every candidate, at the last). The search lands its expected cost on the target; a rounding over every list
+    would trade its counts for whatever keeps most mass under the limit (the demo's lat0.8 search landed on about
+    20 tokens a block at 0.7994 of the unmodified time, with weights equal within each block, and the most mass
+    over every list was ``[49, 49, 0, 0]``, predicted at 0.724). Without ``around``, every candidate.
+
+    Exact over the counts allowed: a dynamic program over blocks whose state is the count kept so far, holding for
+    each state the Pareto front of (cost so far, value so far), the value being the mass plus ``TIE`` times the cost
+    over the limit: the value adds up block by block, so the tie rule is decided inside the fronts, and a mass
+    ``TIE`` higher always beats any cost within the limit. "No pooling step" (k = the count received) is one of the
+    choices where it is allowed. A partial list over the limit is dropped, which is exact because no block costs
+    less than 0 (``cost.Curve`` holds its ends). Raises InputError when even the cheapest list costs more than
+    ``limit``.
     """
     counts = candidates(costs)
+    if around is not None and len(around) != costs.depth:
+        raise ValueError(f"around has {len(around)} counts; the cost model has {costs.depth} blocks")
+    radius = 1
+    while True:
+        allowed = [counts] * costs.depth if around is None else [_nearest(counts, c, radius) for c in around]
+        best = _most_mass(weights, costs, limit, allowed)
+        if best is not None:
+            return best
+        if around is None or all(len(a) == len(counts) for a in allowed):
+            break
+        radius *= 2
+    cheapest, full = costs.cheapest(counts)[0], costs.unmodified()
+    raise InputError(f"no keep list costs at most {limit:.4g} {costs.unit}: the cheapest over the cost model's "
+                     f"counts costs {cheapest:.4g}, {cheapest / full:.3f} of the unmodified {full:.4g}; raise the "
+                     "target")
+
+
+def _nearest(counts: list[int], count: float, radius: int) -> list[int]:
+    """The candidates (sorted ``counts``) nearest ``count``: the last at or below it and the first at or above it,
+    and ``radius - 1`` more beyond each."""
+    below = sum(1 for c in counts if c <= count) - 1  # -1: count is below every candidate
+    above = next((i for i, c in enumerate(counts) if c >= count), len(counts) - 1)
+    return counts[max(0, below - radius + 1):above + radius]
+
+
+def _most_mass(weights: list[Tensor], costs: CostModel, limit: float,
+               allowed: list[list[int]]) -> list[int] | None:
+    """``round_keep``'s dynamic program, block l choosing its count from ``allowed[l]``; None where no list fits."""
     tie = TIE / max(abs(limit), 1e-300)
     mass = [torch.cat([w.new_zeros(1), w.cumsum(0)]).tolist() for w in weights]  # mass[l][k]
     fronts: dict[int, list[tuple[float, float, tuple[int, ...]]]] = {costs.num_tokens: [(costs.fixed, 0.0, ())]}
     for layer in range(costs.depth):
         nxt: dict[int, list[tuple[float, float, tuple[int, ...]]]] = {}
         for n, front in fronts.items():
-            for k in (c for c in counts if c <= n):
+            for k in (c for c in allowed[layer] if c <= n):
                 step = costs.block(n, k)
                 gain = mass[layer][min(k, len(mass[layer]) - 1)] + tie * step
                 nxt.setdefault(k, []).extend((cost + step, value + gain, keep + (k,)) for cost, value, keep in front
                                              if cost + step <= limit + 1e-12 * abs(limit))
         fronts = {k: _pareto(items) for k, items in nxt.items() if items}
     best = max((item for front in fronts.values() for item in front), key=lambda i: i[1], default=None)
-    if best is None:
-        cheapest, full = costs.cheapest(counts)[0], costs.unmodified()
-        raise InputError(f"no keep list costs at most {limit:.4g} {costs.unit}: the cheapest over the cost model's "
-                         f"counts costs {cheapest:.4g}, {cheapest / full:.3f} of the unmodified {full:.4g}; raise the "
-                         "target")
-    return list(best[2])
+    return None if best is None else list(best[2])
 
 
 def _pareto(items: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[float, float, tuple[int, ...]]]:
@@ -356,7 +398,7 @@ def repair_keep(weights: list[Tensor], costs: CostModel, fraction: float, keep: 
         limit *= fraction / ratio
         tried += 1
         try:
-            keep = round_keep(weights, costs, limit)
+            keep = round_keep(weights, costs, limit, around=landing(weights))
         except InputError:
             return Repair(keep, searched, ratio, f"over the target ({ratio:.3f} > {fraction:.3f}) and no list fits a "
                           "tighter limit; " + status, tried, first, low, high)

@@ -123,6 +123,88 @@ def test_the_rounding_equals_brute_force_on_random_tables_with_tied_masses(costs
     assert table_cost(costs.to_json(), keep) == pytest.approx(table_cost(costs.to_json(), best), abs=1e-9)
 
 
+def _brute_force_around(weights: list[torch.Tensor], costs: CostModel, limit: float,
+                        around: list[float]) -> tuple[float, list[int], int]:
+    """``round_keep(..., around=...)`` written out: for radius 1, 2, 4, ..., block l may take the candidates whose
+    index is within ``radius - 1`` of the index range ``bisect`` gives for ``around[l]``; the first radius at which
+    ``_brute_force`` over those lists finds one within ``limit`` (the mass, the list and the radius)."""
+    import bisect
+
+    counts, table = candidates(costs), costs.to_json()
+    radius = 1
+    while True:
+        windows = []
+        for count in around:
+            low, high = bisect.bisect_right(counts, count) - 1, bisect.bisect_left(counts, count)
+            windows.append([c for i, c in enumerate(counts) if low - radius < i < high + radius])
+        best = (float("-inf"), float("-inf"), [])
+        for keep in itertools.product(*windows):
+            cost = table_cost(table, list(keep))
+            if any(b > a for a, b in zip(keep, keep[1:])) or cost > limit + 1e-12 * abs(limit):
+                continue
+            mass = sum(float(w[:k].sum()) for w, k in zip(weights, keep))
+            best = max(best, (mass, cost, list(keep)), key=lambda b: (b[0], b[1]))
+        if best[2] or all(len(w) == len(counts) for w in windows):
+            return best[0], best[2], radius
+        radius *= 2
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(costs=_tables(), data=st.data())
+def test_the_rounding_near_a_landing_equals_brute_force(costs, data):
+    """Random tables, tied masses and landings anywhere in [0, N + 1]: block l's count stays among the candidates
+    nearest the landing, the window widening (radius 1, 2, 4, ...) until a list fits; within it the most mass, and of
+    equal masses the most cost, as over every list."""
+    weights = [torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=costs.num_tokens,
+                                               max_size=costs.num_tokens)), dtype=torch.float64)
+               for _ in range(costs.depth)]
+    around = [data.draw(st.floats(0, costs.num_tokens + 1)) for _ in range(costs.depth)]
+    full = table_cost(costs.to_json(), [costs.num_tokens] * costs.depth)
+    limit = data.draw(st.floats(0.2, 1.2)) * full
+    mass, best, _ = _brute_force_around(weights, costs, limit, around)
+    if not best:
+        with pytest.raises(InputError, match="no keep list costs at most"):
+            round_keep(weights, costs, limit, around=around)
+        return
+    keep = round_keep(weights, costs, limit, around=around)
+    assert table_cost(costs.to_json(), keep) <= limit + 1e-9
+    assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == mass
+    assert table_cost(costs.to_json(), keep) == pytest.approx(table_cost(costs.to_json(), best), abs=1e-9)
+
+
+def test_the_demos_search_rounds_near_where_it_landed_and_spends_its_target():
+    """The demo's lat0.8 search on the shipped M32 WK-Medoids table, with its learned retention: weights equal
+    within each block (0.408, 0.819, 0.773, 1.0), landing on about 20 tokens a block at 0.7994 of the unmodified
+    time. Over every list the most mass is [49, 49, 0, 0], 9.4% under the target; near the landing, [20, 20, 20, 20],
+    within 0.1% of it. A repair's tighter limit widens the window until a list fits, and still spends it."""
+    from pipeline.cost import load_cost_model
+    from pipeline.targets import landing
+
+    table = load_cost_model(ROOT / "configs/latency/amd-epyc/deit_tiny_patch16_224-m32-d4-28px-p4/"
+                                   "wkmedoids-b64-fp32-none-t1-cpuclock.json")
+    full = table.unmodified()
+    weights = [torch.full((49,), w, dtype=torch.float64) for w in (0.408, 0.819, 0.773, 1.0)]
+    assert landing(weights) == pytest.approx([49 * 0.408] * 4)
+    assert round_keep(weights, table, 0.8 * full) == [49, 49, 0, 0]
+    assert table.predict([49, 49, 0, 0]) / full < 0.8 * 0.91
+    keep = round_keep(weights, table, 0.8 * full, around=landing(weights))
+    assert keep == [20, 20, 20, 20] and 0.8 * 0.999 < table.predict(keep) / full <= 0.8
+    tighter = round_keep(weights, table, 0.6 * full, around=landing(weights))
+    assert table.predict([19] * 4) / full > 0.6  # nothing within radius 1 (19 or 20 tokens) fits
+    assert 0.6 * 0.97 < table.predict(tighter) / full <= 0.6
+    # The search rounds near its landing: a model with those weights gives the same list.
+    model = _Searched(4, 49)
+    with torch.no_grad():
+        for block, w in zip(model.blocks, (0.408, 0.819, 0.773, 1.0)):
+            block.retention.fill_(w)
+    assert TargetSearch(table, fraction=0.8, dual_rate=1.0, quadratic=0.0).result(model)[0] == keep
+    # So does a repair: measured at 0.85, it rounds again under 0.8 * 0.8 / 0.85 near the landing.
+    repair = repair_keep(weights, table, 0.8, keep, _over(0.85, []), tries=1)
+    limit = 0.8 * 0.8 / 0.85
+    assert repair.keep == round_keep(weights, table, limit * full, around=landing(weights)) != [49, 49, 0, 0]
+    assert limit * 0.97 < table.predict(repair.keep) / full <= limit
+
+
 def test_the_cheapest_fraction_is_the_cheapest_list_written_out():
     costs = _table()
     lists = [keep for keep in itertools.product(candidates(costs), repeat=costs.depth)

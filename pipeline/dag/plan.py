@@ -148,6 +148,8 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
     for target in exp.ksearch_targets or []:
         if target.archs is not None and arch.label not in target.archs:
             continue
+        from pipeline.targets import ROUNDING
+
         target = target.model_copy(update={"methods": None, "archs": None})  # the experiment's concern
         if target.table is not None:  # the identity follows the table's content, not its path
             table = table_path(target.table, arch)
@@ -155,7 +157,7 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
         cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
                     train={"mode": "ksearch", "ksearch_target": target, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-{target.label}", cfg, [base.id],
-                            arch.label, StageMeta(target=target.label)))
+                            arch.label, StageMeta(target=target.label, rounding=ROUNDING)))
     return stages
 
 

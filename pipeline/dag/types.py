@@ -21,6 +21,7 @@ class StageMeta:
     level: str | None = None  # finetunes: the sparsity level (lam1e-3, L3, full)
     lam: float | None = None  # K searches: the penalty strength
     target: str | None = None  # K searches toward a cost target: its level name (lat0.8, gf0.5)
+    rounding: str | None = None  # K searches toward a cost target: the rounding's rule (``targets.ROUNDING``)
     given: str | None = None  # bases: a checkpoint from the config instead of training
     eval: EvalConfig | None = None  # evaluations: how the model is measured
     sweep: dict[str, Any] | None = None  # bases: the hyperparameter search (SweepConfig as JSON)
@@ -30,7 +31,7 @@ class StageMeta:
         """The JSON-able content that enters the stage id (unset fields left out)."""
         out: dict[str, Any] = {}
         for key, value in (("method", self.method), ("level", self.level), ("lambda", self.lam),
-                           ("target", self.target), ("given", self.given)):
+                           ("target", self.target), ("rounding", self.rounding), ("given", self.given)):
             if value is not None:
                 out[key] = value
         if self.eval is not None:
