@@ -58,20 +58,18 @@ class Measured:
 
 
 def beats(a: Measured, b: Measured) -> bool:
-    """``a`` beats ``b`` beyond the intervals: at least as accurate and faster beyond them (``a.high < b.low``), or
-    more accurate at a cost no interval tells apart (overlapping) or lower."""
-    if a.top1 < b.top1:
-        return False
-    if a.high < b.low:
-        return True
-    return a.top1 > b.top1 and a.low <= b.high
+    """``a`` beats ``b`` beyond the intervals: at least as accurate and faster beyond them (``a.high < b.low``).
+    A more accurate model whose interval overlaps ``b``'s does not: the measurement cannot say ``b`` is not the
+    faster one, so ``b`` stays on the front as its tie. (Letting it beat ``b`` made the front hang on interval
+    widths: one wide interval in one run took a model off that the other run kept.)"""
+    return a.top1 >= b.top1 and a.high < b.low
 
 
 def measured_front(models: Sequence[Measured]) -> list[tuple[Measured, list[str]]]:
     """The models no other beats beyond the intervals (``beats``), cheapest first by the interval's middle (its
     ends' sum sorts alike), then by id, each with the ids of the other front models whose intervals overlap its own:
-    ties, which the measurement does not order. Two front models with one middle overlap, so neither is more
-    accurate (it would beat the other). O(n^2): a front of an experiment's models, not of millions."""
+    ties, which the measurement does not order (a tie may be less accurate: nothing says it is not the faster).
+    O(n^2): a front of an experiment's models, not of millions."""
     front = [m for m in models if not any(beats(o, m) for o in models if o.id != m.id)]
     front.sort(key=lambda m: (m.low + m.high, m.id))
     return [(m, [o.id for o in front if o.id != m.id and o.low <= m.high and m.low <= o.high]) for m in front]

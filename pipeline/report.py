@@ -198,8 +198,9 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
             f"## Pareto front by measured speed (images/s higher, top-1 higher){measured}", "",
             "Each model's time is a paired ratio to its architecture's unmodified model with a 95% interval "
             "(`speed`: ratio [low, high]); images/s are the references' rates over it, on one scale for every width. "
-            "A model is left out only where another is at least as accurate and faster beyond the intervals (or more "
-            "accurate and not slower); `speed_ties` names the models of the front it cannot be told apart from.", "",
+            "A model is left out only where another is at least as accurate and faster beyond the intervals; "
+            "`speed_ties` names the models of the front it cannot be told apart from (a less accurate tie stays: the "
+            "measurement cannot say it is not the faster).", "",
             markdown_table(timed, ["arch", "level", "method", "gflops", "top1", "images_per_s", "speed",
                                    "speed_ties"]), "",
             "## Best top-1 within a GFLOPs budget", "",

@@ -65,37 +65,40 @@ def test_the_measured_front_keeps_what_the_intervals_cannot_order_and_marks_ties
 
     models = [Measured("A", 1.0, 1.1, 70.0), Measured("B", 1.05, 1.2, 70.0),  # overlapping, equally accurate
               Measured("C", 2.0, 2.1, 75.0),  # slower beyond the intervals, more accurate: a real trade-off
-              Measured("D", 1.0, 1.1, 65.0),  # A is as fast as the measurement tells and more accurate
+              Measured("D", 1.0, 1.1, 65.0),  # as fast as A by the measurement, less accurate: a tie, kept
               Measured("E", 0.5, 0.6, 60.0),  # the fastest
-              Measured("F", 2.05, 2.5, 74.0)]  # C overlaps it and is more accurate
+              Measured("F", 2.05, 2.5, 74.0),  # C overlaps it and is more accurate: a tie, kept
+              Measured("G", 1.15, 1.3, 65.0),  # A is faster beyond the intervals and more accurate
+              Measured("H", 2.2, 2.6, 75.0)]  # C is faster beyond the intervals and as accurate
     front = measured_front(models)
-    assert [(m.id, ties) for m, ties in front] == [("E", []), ("A", ["B"]), ("B", ["A"]), ("C", [])]
+    assert [(m.id, ties) for m, ties in front] == [("E", []), ("A", ["D", "B"]), ("D", ["A", "B"]),
+                                                   ("B", ["A", "D"]), ("C", ["F"]), ("F", ["C"])]
     rng = random.Random(4)
     for _ in range(200):
         ms = []
         for i in range(8):
             low = rng.uniform(1, 3)
             ms.append(Measured(str(i), low, low + rng.uniform(0, 0.5), float(rng.choice([60, 65, 70, 75]))))
-        kept = {m.id for m, _ in measured_front(ms)}
-        faster = {(o.id, m.id) for o in ms for m in ms if o.high < m.low}  # o faster than m beyond the intervals
-        for m in ms:
-            # m stays unless some o is as accurate and faster, or more accurate and not slower beyond the intervals
-            as_good = [o for o in ms if o is not m and o.top1 >= m.top1]
-            beaten = [o for o in as_good if (o.id, m.id) in faster or (o.top1 > m.top1 and (m.id, o.id) not in faster)]
-            assert (m.id in kept) == (not beaten)
+        front = measured_front(ms)
+        kept = {m.id for m, _ in front}
+        for m in ms:  # m stays unless some o is as accurate and faster beyond the intervals
+            assert (m.id in kept) == (not [o for o in ms if o is not m and o.top1 >= m.top1 and o.high < m.low])
+        for m, ties in front:  # the ties: the other front models whose intervals share a point with m's
+            assert set(ties) == {o.id for o, _ in front if o is not m and max(o.low, m.low) <= min(o.high, m.high)}
 
 
 def test_intervals_that_share_an_end_are_not_apart():
-    """[1, 2] and [2, 3] s per image touch: neither is faster beyond the intervals, so two equally accurate models
-    with them are both on the front, each the other's tie, and the more accurate of two touching ones beats the
-    other."""
+    """[1, 2] and [2, 3] s per image touch: neither is faster beyond the intervals, so two models with them are
+    both on the front, each the other's tie, whichever is the more accurate; one apart from the faster by any
+    margin is beaten, if it is not the more accurate."""
     from pipeline.pareto import Measured, beats, measured_front
 
     fast, slow = Measured("a", 1.0, 2.0, 70.0), Measured("b", 2.0, 3.0, 70.0)
     assert not beats(fast, slow) and not beats(slow, fast)
     assert measured_front([slow, fast]) == [(fast, ["b"]), (slow, ["a"])]
     accurate = Measured("c", 2.0, 3.0, 75.0)
-    assert beats(accurate, fast) and not beats(fast, accurate)
-    assert measured_front([fast, accurate]) == [(accurate, [])]
-    apart = Measured("d", 2.5, 3.0, 70.0)  # 2 < 2.5: faster beyond the intervals
+    assert not beats(accurate, fast) and not beats(fast, accurate)
+    assert measured_front([fast, accurate]) == [(fast, ["c"]), (accurate, ["a"])]
+    apart = Measured("d", 2.0 + 1e-9, 3.0, 70.0)  # 2 < 2 + 1e-9: faster beyond the intervals
     assert beats(fast, apart) and measured_front([apart, fast]) == [(fast, [])]
+    assert not beats(fast, Measured("e", 2.5, 3.0, 70.5))  # apart, but more accurate

@@ -226,20 +226,22 @@ def test_the_reports_speed_front_goes_by_the_intervals_and_names_ties(tmp_path):
                 "checkpoint": "", "train_top1": top1}
 
     rows = [row("fast", 2000.0, 1900.0, 2100.0, 60.0), row("tied", 1950.0, 1850.0, 2050.0, 60.0),
-            row("accurate", 1000.0, 950.0, 1050.0, 70.0), row("beaten", 990.0, 940.0, 1040.0, 65.0)]
+            row("accurate", 1000.0, 950.0, 1050.0, 70.0), row("beaten", 900.0, 850.0, 940.0, 65.0),
+            row("less", 990.0, 940.0, 1040.0, 65.0)]  # less accurate than "accurate", not slower beyond the intervals
     front = fronts(rows, "images_per_s")["all"]
-    assert [(r["level"], r["speed_ties"]) for r in front] == [("fast", "M32/tied/powerbert"),
-                                                              ("tied", "M32/fast/powerbert"), ("accurate", None)]
+    assert [(r["level"], r["speed_ties"]) for r in front] == [
+        ("fast", "M32/tied/powerbert"), ("tied", "M32/fast/powerbert"), ("accurate", "M32/less/powerbert"),
+        ("less", "M32/accurate/powerbert")]
     files = write_report(rows, tmp_path)
     again = read_csv(files["pareto_speed"])
-    assert {r["level"] for r in again} == {"fast", "tied", "accurate"}
+    assert {r["level"] for r in again} == {"fast", "tied", "accurate", "less"}
     accurate = next(r for r in again if r["level"] == "accurate")
     assert accurate["images_per_s_low"] == pytest.approx(950.0) and accurate["speed_ratio_high"] == pytest.approx(
         1000 / 950)
     assert "| M32 | fast | powerbert | 0.0010 | 60.00 | 2000.00 | 0.500 [0.476, 0.526] | M32/tied/powerbert |" in \
         files["report"].read_text()
     bare = [{k: v for k, v in r.items() if not k.startswith(("images_per_s_", "speed_"))} for r in rows]
-    # by the points alone, "tied" is slower than "fast" at equal top-1, and is left out
+    # by the points alone, "tied" is slower than "fast" at equal top-1, and "less" than "accurate": both left out
     assert [r["level"] for r in fronts(bare, "images_per_s")["all"]] == ["fast", "accurate"]
 
 
