@@ -67,9 +67,9 @@ def beats(a: Measured, b: Measured) -> bool:
 
 def measured_front(models: Sequence[Measured]) -> list[tuple[Measured, list[str]]]:
     """The models no other beats beyond the intervals (``beats``), cheapest first by the interval's middle (its
-    ends' sum sorts alike), then by id, each with the ids of the other front models whose intervals overlap its own:
-    ties, which the measurement does not order (a tie may be less accurate: nothing says it is not the faster).
-    O(n^2): a front of an experiment's models, not of millions."""
+    ends' sum sorts alike), then the more accurate, then by id, each with the ids of the other front models whose
+    intervals overlap its own: ties, which the measurement does not order (a tie may be less accurate: nothing says
+    it is not the faster). O(n^2): a front of an experiment's models, not of millions."""
     front = [m for m in models if not any(beats(o, m) for o in models if o.id != m.id)]
-    front.sort(key=lambda m: (m.low + m.high, m.id))
+    front.sort(key=lambda m: (m.low + m.high, -m.top1, m.id))
     return [(m, [o.id for o in front if o.id != m.id and o.low <= m.high and m.low <= o.high]) for m in front]

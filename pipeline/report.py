@@ -122,9 +122,21 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, cost: str = "gflop
         fig, ax = plots.chart(f"Top-1 vs measured speed ({setting})".replace(" ()", ""), "images/s", "top-1 (%)")
     method_fronts = fronts(rows, cost)
     for index, method in enumerate(m for m in method_fronts if m != "all"):
-        _curve(ax, method_fronts[method], plots.style(index), method, x=cost, markersize=5)
-    _curve(ax, method_fronts["all"], "-", "overall front", x=cost, color="black", alpha=0.35, linewidth=4, zorder=0)
+        _curve(ax, _line(method_fronts[method], cost), plots.style(index), method, x=cost, markersize=5)
+    overall = _line(method_fronts["all"], cost)
+    _curve(ax, overall, "-", "overall front", x=cost, color="black", alpha=0.35, linewidth=4, zorder=0)
+    ties = [r for r in method_fronts["all"] if r not in overall]
+    if ties:  # on the measured front, off the line: ties within the intervals
+        _curve(ax, ties, "o", "overall front: ties within the intervals", x=cost, color="black", alpha=0.35,
+               fillstyle="none", markersize=9, zorder=0)
     return _save(fig, ax, path)
+
+
+def _line(front: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
+    """The models of ``front`` that none of them beats on the point figures, cheapest first: a front by measured
+    speed also holds ties that are less accurate and not surely slower, which a line through it would zigzag to."""
+    by_id = {r["stage_id"]: r for r in front}
+    return [by_id[p.id] for p in pareto_front(points(front, cost))]
 
 
 def plot_widths(rows: Sequence[dict[str, Any]], path: Path) -> Path:

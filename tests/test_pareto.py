@@ -60,7 +60,9 @@ def test_best_at_budget_matches_brute_force(seed):
 
 
 def test_the_measured_front_keeps_what_the_intervals_cannot_order_and_marks_ties():
-    """Seconds per image as 95% intervals: written-out cases, then random ones against the rule applied literally."""
+    """Seconds per image as 95% intervals: written-out cases, then random ones against the point front (the sweep
+    tested above) of the case most favourable to each model: it at its interval's low end, every other model at its
+    high end. A model is beaten beyond the intervals exactly when it is dominated even there."""
     from pipeline.pareto import Measured, measured_front
 
     models = [Measured("A", 1.0, 1.1, 70.0), Measured("B", 1.05, 1.2, 70.0),  # overlapping, equally accurate
@@ -81,8 +83,9 @@ def test_the_measured_front_keeps_what_the_intervals_cannot_order_and_marks_ties
             ms.append(Measured(str(i), low, low + rng.uniform(0, 0.5), float(rng.choice([60, 65, 70, 75]))))
         front = measured_front(ms)
         kept = {m.id for m, _ in front}
-        for m in ms:  # m stays unless some o is as accurate and faster beyond the intervals
-            assert (m.id in kept) == (not [o for o in ms if o is not m and o.top1 >= m.top1 and o.high < m.low])
+        for m in ms:
+            favourable = [Point(m.id, m.low, m.top1)] + [Point(o.id, o.high, o.top1) for o in ms if o is not m]
+            assert (m.id in kept) == (m.id in {p.id for p in pareto_front(favourable)})
         for m, ties in front:  # the ties: the other front models whose intervals share a point with m's
             assert set(ties) == {o.id for o, _ in front if o is not m and max(o.low, m.low) <= min(o.high, m.high)}
 
@@ -102,3 +105,6 @@ def test_intervals_that_share_an_end_are_not_apart():
     apart = Measured("d", 2.0 + 1e-9, 3.0, 70.0)  # 2 < 2 + 1e-9: faster beyond the intervals
     assert beats(fast, apart) and measured_front([apart, fast]) == [(fast, [])]
     assert not beats(fast, Measured("e", 2.5, 3.0, 70.5))  # apart, but more accurate
+    # one middle: the more accurate first, whatever the ids
+    same = [Measured("x", 1.0, 3.0, 60.0), Measured("y", 1.5, 2.5, 65.0)]
+    assert [m.id for m, _ in measured_front(same)] == ["y", "x"]

@@ -217,7 +217,7 @@ def test_the_reports_speed_front_goes_by_the_intervals_and_names_ties(tmp_path):
     """Rows with images/s intervals: the front leaves out only what another model beats beyond the intervals, and
     the report's tables carry the ratio with its interval and the ties; rows without intervals (records from
     before the paired timing) keep the point front."""
-    from pipeline.report import fronts, read_csv, write_report
+    from pipeline.report import _line, fronts, read_csv, write_report
 
     def row(name: str, rate: float, low: float, high: float, top1: float) -> dict:
         return {"arch": "M32", "level": name, "method": "powerbert", "keep": [8], "gflops": 0.001, "top1": top1,
@@ -232,6 +232,8 @@ def test_the_reports_speed_front_goes_by_the_intervals_and_names_ties(tmp_path):
     assert [(r["level"], r["speed_ties"]) for r in front] == [
         ("fast", "M32/tied/powerbert"), ("tied", "M32/fast/powerbert"), ("accurate", "M32/less/powerbert"),
         ("less", "M32/accurate/powerbert")]
+    # the plot's line: the front's models that none of them beats on the point figures (no zigzag to the ties)
+    assert [r["level"] for r in _line(front, "images_per_s")] == ["fast", "accurate"]
     files = write_report(rows, tmp_path)
     again = read_csv(files["pareto_speed"])
     assert {r["level"] for r in again} == {"fast", "tied", "accurate", "less"}

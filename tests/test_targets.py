@@ -172,11 +172,30 @@ def test_the_rounding_near_a_landing_equals_brute_force(costs, data):
     assert table_cost(costs.to_json(), keep) == pytest.approx(table_cost(costs.to_json(), best), abs=1e-9)
 
 
+def test_the_window_around_a_landing_written_out():
+    """Candidates 0, 4, 8, 12, 16: radius 1 is the last at or below the landing and the first at or above it (one
+    candidate where the landing is one), radius r adds r - 1 beyond each; past either end, the end."""
+    from pipeline.targets import _nearest
+
+    counts = [0, 4, 8, 12, 16]
+    assert _nearest(counts, 8, 1) == [8] and _nearest(counts, 8, 2) == [4, 8, 12]
+    assert _nearest(counts, 9.5, 1) == [8, 12] and _nearest(counts, 9.5, 2) == [4, 8, 12, 16]
+    assert _nearest(counts, 9.5, 4) == counts
+    assert _nearest(counts, 20, 1) == [16] and _nearest(counts, 20, 2) == [12, 16]
+    assert _nearest(counts, -1, 1) == [0] and _nearest(counts, -1, 2) == [0, 4]
+
+
+def test_a_landing_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match=r"^around has 2 counts; the cost model has 3 blocks$"):
+        round_keep([torch.ones(8)] * 3, _table(), 100.0, around=[4.0, 4.0])
+
+
 def test_the_demos_search_rounds_near_where_it_landed_and_spends_its_target():
     """The demo's lat0.8 search on the shipped M32 WK-Medoids table, with its learned retention: weights equal
-    within each block (0.408, 0.819, 0.773, 1.0), landing on about 20 tokens a block at 0.7994 of the unmodified
-    time. Over every list the most mass is [49, 49, 0, 0], 9.4% under the target; near the landing, [20, 20, 20, 20],
-    within 0.1% of it. A repair's tighter limit widens the window until a list fits, and still spends it."""
+    within each block (0.408, 0.819, 0.773, 1.0), landing on about 20 tokens a block near 0.8 of the unmodified
+    time (the demo's runs: 0.7996). Over every list the most mass is [49, 49, 0, 0], 9.4% under the target; near the
+    landing, [20, 20, 20, 20], within 0.1% of it. A tighter limit (a repair's) widens the window until a list fits,
+    and still spends it."""
     from pipeline.cost import load_cost_model
     from pipeline.targets import landing
 
@@ -192,6 +211,7 @@ def test_the_demos_search_rounds_near_where_it_landed_and_spends_its_target():
     tighter = round_keep(weights, table, 0.6 * full, around=landing(weights))
     assert table.predict([19] * 4) / full > 0.6  # nothing within radius 1 (19 or 20 tokens) fits
     assert 0.6 * 0.97 < table.predict(tighter) / full <= 0.6
+    assert tighter == [6, 6, 6, 6]  # radius 16 (its brute force takes a minute)
     # The search rounds near its landing: a model with those weights gives the same list.
     model = _Searched(4, 49)
     with torch.no_grad():
@@ -201,7 +221,8 @@ def test_the_demos_search_rounds_near_where_it_landed_and_spends_its_target():
     # So does a repair: measured at 0.85, it rounds again under 0.8 * 0.8 / 0.85 near the landing.
     repair = repair_keep(weights, table, 0.8, keep, _over(0.85, []), tries=1)
     limit = 0.8 * 0.8 / 0.85
-    assert repair.keep == round_keep(weights, table, limit * full, around=landing(weights)) != [49, 49, 0, 0]
+    assert repair.keep == [17, 17, 17, 17]  # radius 4
+    assert (repair.keep, 4) == _brute_force_around(weights, table, limit * full, landing(weights))[1:]
     assert limit * 0.97 < table.predict(repair.keep) / full <= limit
 
 

@@ -138,6 +138,8 @@ def trial_train(exp: ExperimentConfig) -> dict[str, Any]:
 
 
 def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
+    from pipeline.targets import ROUNDING  # here, not at the top: pipeline.targets imports torch
+
     exp = config.experiment
     stages = []
     for lam in exp.lambdas or []:
@@ -148,8 +150,6 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
     for target in exp.ksearch_targets or []:
         if target.archs is not None and arch.label not in target.archs:
             continue
-        from pipeline.targets import ROUNDING
-
         target = target.model_copy(update={"methods": None, "archs": None})  # the experiment's concern
         if target.table is not None:  # the identity follows the table's content, not its path
             table = table_path(target.table, arch)
