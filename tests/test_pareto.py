@@ -62,7 +62,8 @@ def test_best_at_budget_matches_brute_force(seed):
 def test_the_measured_front_keeps_what_the_intervals_cannot_order_and_marks_ties():
     """Seconds per image as 95% intervals: written-out cases, then random ones against the point front (the sweep
     tested above) of the case most favourable to each model: it at its interval's low end, every other model at its
-    high end. A model is beaten beyond the intervals exactly when it is dominated even there."""
+    high end. Where no interval's end equals another's (as with these random floats), a model is beaten beyond the
+    intervals exactly when it is dominated even there; ends that touch are the next test's."""
     from pipeline.pareto import Measured, measured_front
 
     models = [Measured("A", 1.0, 1.1, 70.0), Measured("B", 1.05, 1.2, 70.0),  # overlapping, equally accurate
