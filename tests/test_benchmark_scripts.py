@@ -37,7 +37,7 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
                             f"{IDLE}/check-powerbert-b1-seed1.md"],
                            "check-powerbert-b1-seed1.md: 20 lists: median |error| 3.6%, worst 14.2%, Kendall tau "
                            "0.989"),
-    "speed_repeat.py": (["--smoke"], "agree within their intervals: 67% of 3 models"),
+    "speed_repeat.py": (["--smoke"], "agree within their intervals: 50% of 4 models"),  # a and full: 2% apart, 2.8%
     "paired_speed.py": (["--device", "cpu", "--methods", "powerbert", "--batch", "1", "--cap-s", "0.5"],
                         "| powerbert | "),
     "native_kmeans.py": (["--smoke"], "| True |"),
@@ -101,6 +101,9 @@ def test_a_benchmark_script_runs(name, isolated, capsys, tmp_path):
         assert expected in out, out
     if name in ("native_kmeans.py", "native_kmedoids.py", "kmeans_gram_form.py"):
         assert "False" not in out, out  # every row: the two forms gave the same clusters
+    if name == "speed_repeat.py":  # c ties b on run 1's front; in run 2, b is as accurate and faster beyond them
+        assert "only in run 1: [('M32', 'c', 'tome')]; only in run 2: []; each of those marked as a tie in its run: " \
+               "True" in out, out
     if name == "latency_budgets.py":  # each search checked and measured on the table's machine (this one)
         assert "2 searches measured of 2: within" in out, out
     if name == "significance_compare.py":  # the tables of docs/results.md follow from the CSVs
