@@ -86,9 +86,9 @@ def _front(rows: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
     """The Pareto front of ``rows`` over (``cost``, top-1), cheapest first. By measured speed, where the rows carry
     its interval (``images_per_s_low`` / ``_high``), a model is left out only where another beats it beyond the
     intervals (``pareto.measured_front``), and ``speed_ties`` names the front's models it cannot be told from."""
-    by_id = {r["stage_id"]: r for r in rows}
     if cost != "images_per_s" or any(r.get("images_per_s_low") is None for r in rows):
-        return [by_id[p.id] for p in pareto_front(points(rows, cost))]
+        return _line(rows, cost)
+    by_id = {r["stage_id"]: r for r in rows}
     measured = [Measured(r["stage_id"], 1.0 / r["images_per_s_high"], 1.0 / r["images_per_s_low"], r["top1"])
                 for r in rows]
     label = {r["stage_id"]: f"{r['arch']}/{r['level']}/{r['method']}" for r in rows}
@@ -132,11 +132,12 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, cost: str = "gflop
     return _save(fig, ax, path)
 
 
-def _line(front: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
-    """The models of ``front`` that none of them beats on the point figures, cheapest first: a front by measured
-    speed also holds ties that are less accurate and not surely slower, which a line through it would zigzag to."""
-    by_id = {r["stage_id"]: r for r in front}
-    return [by_id[p.id] for p in pareto_front(points(front, cost))]
+def _line(rows: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
+    """The point front of ``rows``: the models none of them beats on the point figures, cheapest first. Also the
+    line a plot draws through a front by measured speed, which holds ties that are less accurate and not surely
+    slower (a line through those would zigzag)."""
+    by_id = {r["stage_id"]: r for r in rows}
+    return [by_id[p.id] for p in pareto_front(points(rows, cost))]
 
 
 def plot_widths(rows: Sequence[dict[str, Any]], path: Path) -> Path:
