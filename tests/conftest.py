@@ -4,7 +4,7 @@
 # constructor recursion depth mismatch" when pytest rewrites a module (hypothesis's plugin is
 # otherwise imported lazily at the terminal summary) while another thread is compiling.
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,22 @@ def write_synthetic_pair(root, train: int, val: int):
     write_beton(open_source(f"synthetic:classes=4,count={val},size=16,seed=1"), root / "val.beton", raw,
                 log=lambda _: None)
     return root
+
+
+@pytest.fixture(scope="session")
+def synthetic_data(tmp_path_factory) -> Callable[[int, int], Path]:
+    """``synthetic_data(train, val)``: a folder holding ``train.beton`` and ``val.beton`` of that many 4-class
+    16 px synthetic images (``write_synthetic_pair``), written once a test process (one per xdist worker) for each
+    pair of sizes, and shared by every test that asks for those sizes. Read only: a test writes its runs, stores
+    and outputs in its own folder."""
+    made: dict[tuple[int, int], Path] = {}
+
+    def pair(train: int, val: int) -> Path:
+        if (train, val) not in made:
+            made[train, val] = write_synthetic_pair(tmp_path_factory.mktemp(f"data-{train}-{val}"), train, val)
+        return made[train, val]
+
+    return pair
 
 
 @pytest.fixture

@@ -153,15 +153,14 @@ def test_catalogue_of_wrong_inputs_gives_one_clear_line_and_writes_nothing(argv,
 # ---- what a new user's probe found (each with its fix) ----
 
 @pytest.mark.beton
-def test_a_rerun_under_the_same_name_with_another_config_is_refused(tmp_path):
+def test_a_rerun_under_the_same_name_with_another_config_is_refused(synthetic_data, tmp_path):
     """`pipeline train` reruns a run folder only under the config that made it: another learning rate,
     seed, dataset or width is refused with the keys that differ, as are fewer epochs than done; more epochs
     continue it, and --restart sets the earlier run aside and starts over."""
     from pipeline.config import ConfigError, load_config
     from pipeline.train import run_training
-    from tests.conftest import write_synthetic_pair
 
-    data = write_synthetic_pair(tmp_path, 64, 32)
+    data = synthetic_data(64, 32)
     tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_synthetic.yaml"
 
     def config(*extra: str):
@@ -400,13 +399,12 @@ def _tiny_training(tmp_path: Path, data: Path, *extra: str):
 
 @pytest.mark.beton
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
-def test_an_unreadable_newest_checkpoint_is_passed_over_saying_so(damage, tmp_path, capsys):
+def test_an_unreadable_newest_checkpoint_is_passed_over_saying_so(damage, synthetic_data, tmp_path, capsys):
     """The newest checkpoint's file deleted or cut short: the rerun resumes from the one before and says
     which it passed over, where it used to stop on the missing file."""
     from pipeline.train import run_training
-    from tests.conftest import write_synthetic_pair
 
-    data = write_synthetic_pair(tmp_path, 64, 32)
+    data = synthetic_data(64, 32)
     run_training(_tiny_training(tmp_path, data, "recipe.epochs=2", "train.keep_checkpoints=2"))
     newest = tmp_path / "ray" / "damaged" / "local_checkpoints" / "epoch_00002" / "checkpoint.pt"
     if damage == "deleted":
@@ -437,15 +435,20 @@ def test_ctrl_c_says_where_training_stopped(tmp_path):
                "--set", f"train.storage_path={tmp_path / 'ray'}", "--set",
                f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
                "--set", f"train.artifact_root={tmp_path / 'a'}"]
+    # SIGINT at its default in the child, whatever this process inherited: a shell's background job (`make test &`
+    # in a script) ignores it, the child would inherit the ignore, and Python then installs no Ctrl-C handler
     proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
-    # 1,000 epochs: the training must still run when the signal comes (with 50, a CI run at b5cc2a6 saw it exit 0,
-    # done before the signal). Then any epoch's complete checkpoint (its summary is written last: a folder alone is
-    # one being written): epoch 1's is pruned (train.keep_checkpoints) once later ones exist, and a fast epoch can
-    # write and prune it between two looks
+    # 1,000 epochs: the training still runs when the signal comes (fresh-clone runs started as background jobs, at
+    # b5cc2a6 and at a8f97c2, ran to the end and exited 0: the ignored SIGINT above). Then any epoch's complete
+    # checkpoint (its summary is written last: a folder alone is one being written): epoch 1's is pruned
+    # (train.keep_checkpoints) once later ones exist, and a fast epoch can write and prune it between two looks
     while time.monotonic() < deadline and not list((tmp_path / "ray").glob("*/local_checkpoints/epoch_*/summary.json")):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
         time.sleep(0.1)
+    assert proc.poll() is None, "the training ended before the signal: " + proc.communicate()[0][-500:]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]

@@ -197,10 +197,8 @@ def test_runbook_names_every_launcher_and_image():
 # ---------------------------------------------------------------- real servers on loopback, authenticated
 
 @pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    from tests.conftest import write_synthetic_pair
-
-    return write_synthetic_pair(tmp_path_factory.mktemp("cluster"), 128, 32)
+def tiny_data(synthetic_data) -> Path:
+    return synthetic_data(128, 32)
 
 
 @dataclass

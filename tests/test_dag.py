@@ -23,7 +23,7 @@ from pipeline.dag.records import DONE, STAGE_KIND
 from pipeline.dag.runner import run_experiment
 from pipeline.tracking import TrackingError
 from pipeline.train.checkpoint import model_from_checkpoint
-from tests.conftest import plugins_from, write_plugin, write_synthetic_pair
+from tests.conftest import plugins_from, write_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -34,17 +34,24 @@ TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
 TARGET = "experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert]}]"
 
 
-def tiny_overrides(root: Path) -> list[str]:
+def tiny_overrides(root: Path, data: Path) -> list[str]:
+    """The tiny DAG on the betons in ``data``, its runs, stores and reports in ``root``."""
     # Bases train in-process here (multi-worker DDP is tested in test_train.py): CI time.
-    return [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}",
+    return [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}",
             f"train.storage_path={root / 'ray'}", f"train.tracking_uri=sqlite:///{root / 'mlflow.db'}",
             f"train.artifact_root={root / 'artifacts'}", f"experiment.runs_dir={root / 'experiments'}",
             "train.workers=0"]
 
 
 @pytest.fixture(scope="module")
+def data(synthetic_data) -> Path:
+    return synthetic_data(192, 48)
+
+
+@pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    return write_synthetic_pair(tmp_path_factory.mktemp("dag"), 192, 48)
+    """The killed-driver DAG's runs and stores, which later tests of this file read."""
+    return tmp_path_factory.mktemp("dag")
 
 
 def runs_by_kind(root: Path) -> dict[str, list]:
@@ -58,9 +65,9 @@ def runs_by_kind(root: Path) -> dict[str, list]:
     return out
 
 
-def start(root: Path, log: Path) -> subprocess.Popen:
+def start(root: Path, data: Path, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline", "run", str(TINY)]
-    for item in [*tiny_overrides(root), TARGET]:
+    for item in [*tiny_overrides(root, data), TARGET]:
         command += ["--set", item]
     return subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -68,10 +75,10 @@ def start(root: Path, log: Path) -> subprocess.Popen:
 
 @pytest.mark.ray
 @pytest.mark.beton
-def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
+def test_dag_survives_a_killed_driver_then_reruns_without_training(root, data):
     # 1. Start the whole DAG and kill the driver (and its local Ray) once the finetune sweep has results.
     MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()  # schema first: no race
-    first = start(root, root / "first.log")
+    first = start(root, data, root / "first.log")
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and first.poll() is None:
         done = [r for r in runs_by_kind(root).get("finetune", []) if r.data.tags.get(DONE) == "1"]
@@ -87,7 +94,7 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
 
     # 2. The same command resumes: finished stages are skipped, the rest run, nothing is counted twice.
     log = root / "second.log"
-    second = start(root, log)
+    second = start(root, data, log)
     assert second.wait(timeout=1200) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "Pareto front" in text and "registry: token-pooling-tiny@pareto-1" in text
@@ -96,7 +103,7 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     assert "PreemptionWatcher" not in text and "Saving pytorch model by Pickle" not in text
     assert "pickled modules: load them only from a store you trust" in text
     by_kind = runs_by_kind(root)
-    plan = count_plan(load_config(TINY, [*tiny_overrides(root), TARGET]))
+    plan = count_plan(load_config(TINY, [*tiny_overrides(root, data), TARGET]))
     # The driver skips what MLflow records done before it starts a trial: the K search had finished.
     assert f"[skip] tiny-ksearch: {plan.ksearch} of {plan.ksearch} stage(s) done in MLflow" in text
     assert "[sweep] tiny-ksearch" not in text
@@ -168,7 +175,7 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root):
     counts = {kind: len(runs) for kind, runs in by_kind.items()}
     sweeps = sorted(p.name for p in (root / "ray").iterdir())
     lines: list[str] = []
-    third = run_experiment(load_config(TINY, [*tiny_overrides(root), TARGET]), log=lines.append)
+    third = run_experiment(load_config(TINY, [*tiny_overrides(root, data), TARGET]), log=lines.append)
     assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == counts
     assert len(third["rows"]) == len(finetunes)
     assert sorted(p.name for p in (root / "ray").iterdir()) == sweeps
@@ -216,18 +223,18 @@ def test_paper_config_expands_without_running():
 
 
 @pytest.mark.beton
-def test_stage_ids_change_downstream_of_any_change(root):
+def test_stage_ids_change_downstream_of_any_change(root, data):
     from pipeline.dag.plan import archs, base_stage, ksearch_stages
 
-    a = load_config(TINY, tiny_overrides(root))
-    b = load_config(TINY, [*tiny_overrides(root), "recipe.lr=0.01"])
+    a = load_config(TINY, tiny_overrides(root, data))
+    b = load_config(TINY, [*tiny_overrides(root, data), "recipe.lr=0.01"])
     base_a, base_b = base_stage(a, archs(a)[0]), base_stage(b, archs(b)[0])
     assert base_a.id != base_b.id
     assert ksearch_stages(a, archs(a)[0], base_a)[0].id != ksearch_stages(b, archs(b)[0], base_b)[0].id
-    moved = load_config(TINY, [*tiny_overrides(root), "experiment.runs_dir=/elsewhere"])
+    moved = load_config(TINY, [*tiny_overrides(root, data), "experiment.runs_dir=/elsewhere"])
     assert base_stage(moved, archs(moved)[0]).id == base_a.id  # where results go is not part of the identity
     # nor how the same function runs: compilation, and the patch embedding as a convolution or a matmul
-    fast = load_config(TINY, [*tiny_overrides(root), "train.compile=default", "model.patch_embed=matmul"])
+    fast = load_config(TINY, [*tiny_overrides(root, data), "train.compile=default", "model.patch_embed=matmul"])
     assert base_stage(fast, archs(fast)[0]).id == base_a.id
     assert ksearch_stages(fast, archs(fast)[0], base_a)[0].id == ksearch_stages(a, archs(a)[0], base_a)[0].id
 
@@ -285,8 +292,8 @@ def test_no_ksearch_target_leaves_every_id_as_it_was():
 
 
 @pytest.mark.beton
-def test_bad_experiments_are_refused_before_anything_runs(root, tmp_path):
-    base = [*tiny_overrides(root)[:2], f"train.storage_path={tmp_path / 'ray'}",
+def test_bad_experiments_are_refused_before_anything_runs(root, data, tmp_path):
+    base = [*tiny_overrides(root, data)[:2], f"train.storage_path={tmp_path / 'ray'}",
             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]
     with pytest.raises(ConfigError, match="experiment.methods"):
         load_config(TINY, [*base, "experiment.methods=[kmedians]"])
@@ -335,13 +342,13 @@ print(json.dumps({"training_code": loaded, "metadata": model.metadata.metadata,
 
 @pytest.mark.ray
 @pytest.mark.beton
-def test_registered_best_model_loads_in_a_fresh_process_and_names_classes(root, tmp_path):
+def test_registered_best_model_loads_in_a_fresh_process_and_names_classes(root, data, tmp_path):
     """The select stage registers image classifiers; one loads in an interpreter outside the checkout (its
     code travels with it) and answers uint8 images with the dataset's class names, as the model here does."""
     from timm.data import create_transform, resolve_model_data_config
 
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    config = load_config(TINY, tiny_overrides(root))
+    config = load_config(TINY, tiny_overrides(root, data))
     run_experiment(config, log=lambda _: None)  # finishes the DAG if it is not (finished stages are skipped)
     client = MlflowClient(tracking_uri=uri)
     versions = sorted((v.version, v.source) for v in client.search_model_versions("name = 'token-pooling-tiny'"))
@@ -478,15 +485,15 @@ def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path)
 
 @pytest.mark.ray
 @pytest.mark.beton
-def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
+def test_a_plugin_method_runs_through_the_dag_on_ray_workers(synthetic_data, tmp_path):
     """A method of another installed package (entry point group pipeline.methods) goes through the whole
     DAG: config validation in the driver, Ray Train workers for the K search and the finetune (trial_workers 1;
     the base, which does not run the plugin, trains in the driver), evaluation tasks, and the Pareto table. Its
     own option comes from the config (offset), a name it shares with the built-in methods keeps its own default
     (iters: 1, not pooling.iters' 5), and its package and version are tagged on its finetune and evaluation runs."""
-    data = write_synthetic_pair(tmp_path, 64, 32)
+    data = synthetic_data(64, 32)
     plugin = write_plugin(tmp_path / "site")
-    overrides = [*tiny_overrides(data), "experiment.search.trial_workers=1",
+    overrides = [*tiny_overrides(tmp_path, data), "experiment.search.trial_workers=1",
                  "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]", "experiment.methods=[firstk]",
                  "experiment.baseline=false", "experiment.ksearch.epochs=1", "experiment.eval.analysis_images=0",
                  "experiment.eval.analysis_batch=0", "experiment.register_models=false",
@@ -510,9 +517,9 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(tmp_path):
     for line in ("[run] tiny-base-M16", "epoch 1/1 loss", "[sweep] tiny-finetune: 1 of 1", "[evaluate] 1/1",
                  "Pareto front"):
         assert line in output, line
-    rows = (data / "experiments" / "tiny" / "results.csv").read_text().splitlines()
+    rows = (tmp_path / "experiments" / "tiny" / "results.csv").read_text().splitlines()
     assert len(rows) == 2 and ",firstk," in rows[1], rows
-    runs = runs_by_kind(data)
+    runs = runs_by_kind(tmp_path)
     finetunes, evaluations = runs["finetune"], runs["evaluate"]
     assert [run.data.tags["method"] for run in finetunes] == ["firstk"]
     assert finetunes[0].data.params["pooling.options.firstk.offset"] == "3"
@@ -552,7 +559,7 @@ def planted_checkout(where: Path) -> Path:
 
 @pytest.mark.ray
 @pytest.mark.beton
-def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, tmp_path):
+def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, data, tmp_path):
     """``pipeline run --rehearse`` on a slice of the tiny experiment passes every kind (base, K search, both
     finetunes, their evaluations, select, register, one served request) with its step times and memory, in its own
     folder and MLflow store. Then a fault is planted in the code (PoWER-BERT's ``select_topk`` raises), the config
@@ -562,7 +569,7 @@ def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, tmp_path
     from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 
     before = {kind: len(runs) for kind, runs in runs_by_kind(root).items()}
-    overrides = [*tiny_overrides(root), *REHEARSED]
+    overrides = [*tiny_overrides(root, data), *REHEARSED]
     lines: list[str] = []
     folder = tmp_path / "rehearsal"
     high_before = resident_high_mark_mb()
@@ -639,7 +646,7 @@ def test_the_rehearsal_report_says_reused_and_not_run_and_register_models_false_
     from pipeline.dag.types import StageMeta
     from pipeline.tracking import experiment_id
 
-    config = rehearse.rehearsal_config(load_config(TINY, [*tiny_overrides(tmp_path), *REHEARSED]),
+    config = rehearse.rehearsal_config(load_config(TINY, [*tiny_overrides(tmp_path, tmp_path), *REHEARSED]),
                                        rehearse.RehearsalSettings(root=tmp_path / "r"), tmp_path, tmp_path)
     client = MlflowClient(tracking_uri=config.train.tracking_uri)
     exp_id = experiment_id(client, config.train.experiment, config.train.artifact_root)
@@ -655,7 +662,8 @@ def test_the_rehearsal_report_says_reused_and_not_run_and_register_models_false_
     assert rehearse.exit_status([ran]) == 0 and rehearse.exit_status([ran, reused]) == 1
     assert "; reused, not run: tiny-rehearsal-ft-M16-lam0.05-powerbert" in rehearse.count_line([ran, reused], 1.0)
 
-    unregistered = load_config(TINY, [*tiny_overrides(tmp_path), *REHEARSED, "experiment.register_models=false"])
+    unregistered = load_config(TINY, [*tiny_overrides(tmp_path, tmp_path), *REHEARSED,
+                                      "experiment.register_models=false"])
     monkeypatch.setattr(runner, "run_experiment", lambda *a, **k: {"rows": [{}], "failures": {}, "planned": []})
     lines: list[str] = []
     assert rehearse.run_rehearsal(unregistered, rehearse.RehearsalSettings(root=tmp_path / "r2", steps=1),

@@ -685,15 +685,14 @@ def test_top1_of_a_random_method_does_not_depend_on_earlier_draws(monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.beton
-def test_training_with_train_compile(tmp_path):
+def test_training_with_train_compile(synthetic_data, tmp_path):
     """`train.compile: default` trains the inductor-compiled model (fullgraph) and writes a checkpoint of
     the plain module, which rebuilds and loads without compilation."""
     from pipeline.config import load_config
     from pipeline.train import run_training
     from pipeline.train.checkpoint import load_checkpoint, model_from_checkpoint
-    from tests.conftest import write_synthetic_pair
 
-    data = write_synthetic_pair(tmp_path, train=64, val=32)
+    data = synthetic_data(64, 32)
     result = run_training(load_config(ROOT / "configs" / "train" / "tiny_synthetic.yaml", [
         f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}", "train.workers=0",
         f"train.storage_path={tmp_path / 'ray'}", f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
@@ -727,9 +726,6 @@ def test_bench_kernels_dry_run_under_the_interpreter():
     precision = [line for line in proc.stdout.splitlines() if line.startswith(("| distances", "| segment means"))]
     assert len(precision) == 6, proc.stdout
     assert "K-Medoids alike: medoids 1.0000, assign 1.0000 |" in precision[0], "float32 against itself"
-    env.pop("TRITON_INTERPRET")
-    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "TRITON_INTERPRET=1" in refused.stderr
 
 
 def test_bench_kernels_refuses_an_empty_batch():
@@ -737,6 +733,15 @@ def test_bench_kernels_refuses_an_empty_batch():
 
     with pytest.raises(ValueError, match="--batch must be a positive number of images, got 0"):
         run_kernel_bench("cpu", 0)
+
+
+def test_bench_kernels_refuses_the_cpu_without_the_interpreter(monkeypatch, capsys):
+    """Without ``TRITON_INTERPRET=1`` the CPU has no kernel to time: the command exits 2 and says how to dry-run."""
+    from pipeline.cli import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["bench", "kernels", "--device", "cpu", "--batch", "2"]) == 2
+    assert "TRITON_INTERPRET=1 python -m pipeline bench kernels --device cpu" in capsys.readouterr().err
 
 
 def _custom_op_args(name: str) -> tuple:

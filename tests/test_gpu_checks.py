@@ -30,25 +30,6 @@ def checks(out: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PATH": path, "OUT": str(out), "DEVICE": "cpu", **env})
 
 
-def test_the_gpu_checks_run_on_the_cpu_and_pack_their_outputs(tmp_path):
-    out, pack = tmp_path / "gpu", tmp_path / "gpu.tgz"
-    proc = checks(out, "compiled", "train", "pack", BATCH="2", TRAIN_BATCH="2", COMPILE="none", SPLIT="1",
-                  PROFILE="1", PATCH_EMBED="matmul", METHODS="powerbert", PACK=str(pack), CALLS="2",
-                  DEADLINE=str(int(time.time()) + 500))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0"], proc.stdout  # both parts ran
-    for part, setting in (("compiled-none-calls2-powerbert", "inference, batch 2, bf16, compile none"),
-                          ("train-none-calls2-powerbert", "training step (forward, backward, AdamW), batch 2, bf16")):
-        table = (out / f"{part}.md").read_text()
-        assert setting in table and "patch embedding matmul (every model), 2 call(s) a timed sample" in table, table
-        assert re.search(r"^\| powerbert \| 2\.272 \| [\d.]+ \| [\d.]+ \|", table, flags=re.M), table  # DeiT-S L3
-        assert "ceiling" not in table  # SPLIT=1 leaves it out
-        assert "profile of one call of powerbert:" in (out / f"{part}.log").read_text()  # PROFILE=1
-    with tarfile.open(pack) as archive:
-        names = set(archive.getnames())
-    assert {"./card.txt", "./compiled-none-calls2-powerbert.md", "./train-none-calls2-powerbert.log"} <= names, names
-
-
 def test_the_gpu_checks_doctor_and_loop_parts_run(tmp_path):
     """``doctor`` checks the kernels the device runs at the default model's shapes (on the CPU the native ones,
     DeiT-S's 196 tokens first, and says what it skipped);
@@ -78,27 +59,46 @@ def test_the_gpu_checks_refuse_a_bad_part_and_skip_what_the_deadline_leaves_no_t
 
 
 def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
-    """The fused kernels' GPU run: tests, compiled throughput with the fused kernels, the training step,
-    bench kernels (which refuses the CPU without the interpreter: its line ran) and the compiled throughput
-    with the previous kernels in OUT/previous, each bench part with its record and the kernels it ran."""
-    out = tmp_path / "gpu"
-    proc = checks(out, "pooling", BATCH="2", TRAIN_BATCH="2", COMPILE="none", METHODS="kmeans",
-                  PREVIOUS_METHODS="kmeans", TRAIN_METHODS="kmeans", DEADLINE=str(int(time.time()) + 500))
+    """The fused kernels' GPU run, then ``pack``: tests, compiled throughput with the fused kernels, the training
+    step, bench kernels (which refuses the CPU without the interpreter: its line ran) and the compiled throughput
+    with the previous kernels in OUT/previous, each bench part with its record and the kernels it ran; with the
+    bench parts' settings the lent machine's runs take (SPLIT=1: one run a method, no ceiling row; PROFILE=1;
+    PATCH_EMBED=matmul; CALLS=2), and every output in one archive."""
+    out, pack = tmp_path / "gpu", tmp_path / "gpu.tgz"
+    proc = checks(out, "pooling", "pack", BATCH="2", TRAIN_BATCH="2", COMPILE="none", SPLIT="1", PROFILE="1",
+                  PATCH_EMBED="matmul", CALLS="2", METHODS="powerbert", TRAIN_METHODS="powerbert",
+                  PREVIOUS_METHODS="kmeans", PACK=str(pack), DEADLINE=str(int(time.time()) + 500))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # tests, compiled (one method), train, kernels (refused: exit 2), the previous kernels' compiled
     assert re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0", "0", "2", "0"], proc.stdout
     assert "TRITON_INTERPRET=1" in (out / "kernels.log").read_text()
-    for table in (out / "compiled-none.md", out / "train-none.md", out / "previous" / "compiled-none.md"):
-        assert re.search(r"^\| kmeans \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", table.read_text(), flags=re.M), table
+    parts = {"compiled-none-calls2-powerbert": ("powerbert", "inference, batch 2, bf16, compile none", "native-c"),
+             "train-none-calls2-powerbert": ("powerbert", "training step (forward, backward, AdamW), batch 2, bf16",
+                                             "native-c"),
+             "previous/compiled-none-calls2-kmeans": ("kmeans", "inference, batch 2, bf16, compile none", "torch")}
+    for part, (method, setting, kmeans) in parts.items():
+        table = (out / f"{part}.md").read_text()
+        assert setting in table and "patch embedding matmul (every model), 2 call(s) a timed sample" in table, table
+        assert f"kernels: kmedoids=native-c, kmeans={kmeans}, merge=torch" in table, table
+        assert "ceiling" not in table  # SPLIT=1 leaves it out
+        assert "profile of one call of " + method + ":" in (out / f"{part}.log").read_text()  # PROFILE=1
+        record = json.loads((out / f"{part}.json").read_text())
+        assert record["kernels"]["kmeans"] == kmeans and [r["label"] for r in record["rows"]] == ["unmodified",
+                                                                                                   method], record
+    for part in ("compiled-none-calls2-powerbert", "train-none-calls2-powerbert"):  # DeiT-S at level 3
+        table = (out / f"{part}.md").read_text()
+        assert re.search(r"^\| powerbert \| 2\.272 \| [\d.]+ \| [\d.]+ \|", table, flags=re.M), table
+    assert re.search(r"^\| kmeans \| [\d.]+ \| [\d.]+ \| [\d.]+ \|",
+                     (out / "previous" / "compiled-none-calls2-kmeans.md").read_text(), flags=re.M)
     # On the CPU every selected GPU test skips for want of CUDA: the selection names tests that exist, and
     # none of them ran (a selection that matched nothing would say "no tests ran").
     log = (out / "tests.log").read_text()
     summary = re.search(r"^(\d+) skipped, (\d+) deselected\b", log, flags=re.M)
     assert summary and int(summary[1]) >= 3 and "needs a CUDA device" in log and "passed" not in log, log
-    for part, kmeans in (("compiled-none", "native-c"), ("previous/compiled-none", "torch")):
-        assert f"kernels: kmedoids=native-c, kmeans={kmeans}, merge=torch" in (out / f"{part}.md").read_text()
-        record = json.loads((out / f"{part}.json").read_text())
-        labels = [r["label"] for r in record["rows"]]  # the compiled part also times the ceiling row
-        assert record["kernels"]["kmeans"] == kmeans and labels[:2] == ["unmodified", "kmeans"], labels
+    with tarfile.open(pack) as archive:
+        names = set(archive.getnames())
+    assert {"./card.txt", "./tests.log", "./compiled-none-calls2-powerbert.md", "./train-none-calls2-powerbert.log",
+            "./previous/compiled-none-calls2-kmeans.json"} <= names, names
 
 
 def test_the_gpu_checks_latency_part_measures_a_table_and_checks_it(tmp_path):

@@ -15,7 +15,6 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import ConfigError, load_config
 from pipeline.dag.hpo import TRIAL_TAG
-from tests.conftest import write_synthetic_pair
 from tests.processes import ROOT, stop, wait_for
 
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -29,8 +28,9 @@ SWEEP = (f"{{epochs: {EPOCHS}, sweep: {{space: {{recipe.lr: {{loguniform: [1.0e-
          f"num_samples: {TRIALS}, max_concurrent: 1, metric: train_loss, mode: min}}}}")
 
 
-def overrides(root: Path) -> list[str]:
-    return [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}", "data.holdout=0.25",
+def overrides(root: Path, data: Path) -> list[str]:
+    """The sweep's DAG on the betons in ``data``, its runs, stores and reports in ``root``."""
+    return [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}", "data.holdout=0.25",
             f"train.storage_path={root / 'ray'}", f"train.tracking_uri=sqlite:///{root / 'mlflow.db'}",
             f"train.artifact_root={root / 'artifacts'}", f"experiment.runs_dir={root / 'experiments'}",
             "train.workers=0", "train.progress_bar=false", "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]",
@@ -54,12 +54,13 @@ def epochs_of(client: MlflowClient, run_id: str, key: str = "train_loss") -> lis
 
 @pytest.mark.ray
 @pytest.mark.beton
-def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun_finished_ones(tmp_path):
-    root = write_synthetic_pair(tmp_path, 192, 48)
+def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun_finished_ones(synthetic_data,
+                                                                                                tmp_path):
+    root, data = tmp_path, synthetic_data(192, 48)
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     client.search_experiments()  # the schema first: the driver and this test must not race on creating it
     command = [sys.executable, "-m", "pipeline", "run", str(TINY)]
-    command += [part for item in overrides(root) for part in ("--set", item)]
+    command += [part for item in overrides(root, data) for part in ("--set", item)]
     log = open(root / "first.log", "w")
     driver = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

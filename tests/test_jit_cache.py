@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_synthetic_pair
-
 ROOT = Path(__file__).resolve().parents[1]
 
 # One epoch of a training loader (seeded crops and flips) and of a validation loader; prints a digest of every
@@ -47,8 +45,8 @@ def epochs(beton: Path, cache: Path, mode: str) -> dict:
 
 @pytest.mark.beton
 @pytest.mark.slow
-def test_a_second_process_loads_the_compiled_pipeline_and_reads_the_same_batches(tmp_path):
-    beton = write_synthetic_pair(tmp_path, 64, 16) / "train.beton"
+def test_a_second_process_loads_the_compiled_pipeline_and_reads_the_same_batches(synthetic_data, tmp_path):
+    beton = synthetic_data(64, 32) / "train.beton"
     cache = tmp_path / "numba"
     first = epochs(beton, cache, "cached")
     assert first["cached"] and first["misses"] > 0  # an empty cache: compiled (the validation loader can load

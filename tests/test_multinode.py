@@ -38,10 +38,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    from tests.conftest import write_synthetic_pair
-
-    return write_synthetic_pair(tmp_path_factory.mktemp("twonode"), 256, 64)
+def data(synthetic_data) -> Path:
+    return synthetic_data(256, 64)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.methods import METHODS, MethodSpec, Plugin, PluginWarning, method_spec, plugin_of, register_method
 from pipeline.pooling import PoolResult
-from tests.conftest import plugins_from, write_plugin, write_synthetic_pair
+from tests.conftest import plugins_from, write_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
@@ -87,11 +87,11 @@ def test_a_registered_method_counts_flops_and_benchmarks(toy, capsys):
 
 
 @pytest.mark.beton
-def test_a_registered_method_trains(toy, tmp_path):
+def test_a_registered_method_trains(toy, synthetic_data, tmp_path):
     from pipeline.train import run_training
     from pipeline.train.checkpoint import load_checkpoint
 
-    data = write_synthetic_pair(tmp_path, train=64, val=32)
+    data = synthetic_data(64, 32)
     where = [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}", "train.workers=0",
              f"train.storage_path={tmp_path / 'ray'}", f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
              f"train.artifact_root={tmp_path / 'artifacts'}", "recipe.epochs=1"]

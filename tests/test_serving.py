@@ -26,7 +26,6 @@ from PIL import Image
 
 from pipeline.config import load_config
 from pipeline.data import open_source, write_folder
-from tests.conftest import write_synthetic_pair
 from tests.processes import ROOT, free_port, stop
 
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
@@ -36,15 +35,15 @@ MAX_IMAGES, MAX_PIXELS, MAX_BODY_MB = 6, 2_000_000, 1
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
+def trained(synthetic_data, tmp_path_factory) -> dict:
     """A tiny model trained one epoch, logged and registered as ``tiny-serve@best`` as the select stage does."""
     from pipeline.serving.publish import SERVING, SERVING_TAG, log_model
     from pipeline.train import run_training
     from pipeline.train.checkpoint import model_from_checkpoint
 
-    root = write_synthetic_pair(tmp_path_factory.mktemp("serve"), 128, 32)
+    root, data = tmp_path_factory.mktemp("serve"), synthetic_data(128, 32)
     store = f"sqlite:///{root / 'mlflow.db'}"
-    config = load_config(TINY, [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}",
+    config = load_config(TINY, [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}",
                                 "train.workers=0", f"train.storage_path={root / 'ray'}", f"train.tracking_uri={store}",
                                 f"train.artifact_root={root / 'artifacts'}", "recipe.epochs=1", "train.name=serve"])
     result = run_training(config)
