@@ -148,3 +148,17 @@ class RayCluster:
         if self.head is not None:
             stop(self.head, grace=10)
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def assert_no_secret(secret_values: list[str], *places: Path | str) -> None:
+    """No secret, in any file under the given folders (MLflow's stores and artifacts, Ray's logs) or text."""
+    for place in places:
+        if isinstance(place, Path):
+            files = [place] if place.is_file() else [f for f in place.rglob("*") if f.is_file()]
+            for file in files:
+                data = file.read_bytes()
+                for value in secret_values:
+                    assert value.encode() not in data, f"a secret leaked into {file}"
+        else:
+            for value in secret_values:
+                assert value not in place, "a secret leaked into the output"
