@@ -3,6 +3,7 @@
 # Imported here, before any test starts FFCV's loader threads: CPython 3.11 can fail with "AST
 # constructor recursion depth mismatch" when pytest rewrites a module (hypothesis's plugin is
 # otherwise imported lazily at the terminal summary) while another thread is compiling.
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,6 +11,13 @@ from pathlib import Path
 
 import hypothesis  # noqa: F401
 import pytest
+
+# One OpenMP thread in each test process and in every process a test starts (drivers, Ray's workers, scripts), unless
+# the caller chose a number: `make test` runs two xdist workers on 2 cores, each with its subprocesses, and torch's
+# default of a thread per core had their spinning OpenMP threads take the cores from each other. The big non-Ray
+# files (fast path, FLOPs, CLI, data, loop, targets, GPU checks) took 303 s instead of 356 s on two workers, the
+# FLOP counts half the time (docs/testing.md). Set before torch is imported: it reads the variable once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The marks' plugin: `make check`'s --inner-loop and its guard (tests/tiers.py, docs/testing.md).
 pytest_plugins = ["tests.tiers"]
@@ -55,11 +63,15 @@ def restore_threads():
 
 @pytest.fixture(scope="session", autouse=True)
 def no_store_in_the_checkout():
-    """No code path may fall back to MLflow's default store (``./mlflow.db`` in the working directory)."""
-    stray = Path(__file__).resolve().parents[1] / "mlflow.db"
-    existed = stray.exists()
+    """No code path may fall back to MLflow's default store (``./mlflow.db`` in the working directory), and no test
+    may leave its runs in the configs' default places in the checkout (``runs/ray``, ``runs/mlflow.db``,
+    ``runs/mlartifacts``, where `make demo` and a user's runs go): each test sets ``train.*`` paths of its own."""
+    root = Path(__file__).resolve().parents[1]
+    strays = [root / "mlflow.db", root / "runs" / "ray", root / "runs" / "mlflow.db", root / "runs" / "mlartifacts"]
+    existed = {stray for stray in strays if stray.exists()}
     yield
-    assert existed or not stray.exists(), "a test run created ./mlflow.db: some MLflow call used the default store"
+    made = [str(stray.relative_to(root)) for stray in strays if stray not in existed and stray.exists()]
+    assert not made, f"a test run created {', '.join(made)} in the checkout: some test used a config's default path"
 
 
 # The files whose tests start Ray (a local one in this process, or Ray clusters and drivers in subprocesses).

@@ -256,7 +256,7 @@ def test_a_training_run_records_the_choice_and_the_kernels_that_ran(tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = load_config(None, [f"train.tracking_uri={uri}", f"train.storage_path={tmp_path}", "train.name=k",
-                                "kernels.kmeans=torch"])
+                                f"train.artifact_root={tmp_path / 'artifacts'}", "kernels.kmeans=torch"])
     client = MlflowClient(tracking_uri=uri)
     with torch.no_grad():
         tiny()(torch.randn(1, 3, 32, 32))  # before the job: not its record
