@@ -80,15 +80,28 @@ RAY_FILES = {"test_cluster.py", "test_dag.py", "test_hpo.py", "test_multinode.py
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `make test` runs with (-n 2 --dist loadfile)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile``, with the files in ``RAY_FILES`` as one unit: their tests run one at a time in one
-    worker, as in a serial run, and every other file runs whole in either worker (module fixtures are built
-    once). Not the ``xdist_group`` mark with ``--dist loadgroup``: with pytest 9.2 that mark is silently
+    """``--dist loadfile``, with the files in ``RAY_FILES`` as one unit, handed out first: their tests run one at a
+    time in one worker, as in a serial run, and every other file runs whole in either worker (module fixtures are
+    built once). Not the ``xdist_group`` mark with ``--dist loadgroup``: with pytest 9.2 that mark is silently
     ignored (pytest-dev/pytest-xdist#1386)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    from collections import OrderedDict
+
     from xdist.scheduler import LoadFileScheduling
 
+    class RayFirst(OrderedDict):
+        """The work queue, whose first unit handed out is the Ray files': the longest unit, which sets the run's
+        wall time, starts as soon as a worker has collected instead of after a worker's first two files."""
+
+        def popitem(self, last: bool = True):
+            return ("ray", self.pop("ray")) if not last and "ray" in self else super().popitem(last)
+
     class RayFilesTogether(LoadFileScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = RayFirst()
+
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
             return "ray" if Path(path).name in RAY_FILES else path

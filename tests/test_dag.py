@@ -1,4 +1,5 @@
-"""The stage DAG for real on tiny synthetic data: interrupted, resumed, rerun; plus config expansion and refusals."""
+"""The stage DAG for real on tiny synthetic data: interrupted, resumed, rerun, rehearsed, a plugin method on Ray's
+workers. Its expansion, identities and refusals, which run nothing: tests/test_dag_plan.py."""
 
 from __future__ import annotations
 
@@ -17,13 +18,12 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
 from pipeline.dag.plan import count_plan
 from pipeline.dag.records import DONE, STAGE_KIND
 from pipeline.dag.runner import run_experiment
-from pipeline.tracking import TrackingError
 from pipeline.train.checkpoint import model_from_checkpoint
-from tests.conftest import plugins_from, write_plugin
+from tests.conftest import write_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -206,126 +206,6 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root, data):
     assert client.get_model_version_by_alias("token-pooling-tiny", "target-gf0_6").tags["level"] == "gf0.6"
 
 
-def test_paper_config_expands_without_running():
-    config = load_config(ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml")
-    # 4 DeiTs; 8 lambdas -> 8 levels; 8 methods per level, plus one no-downsampling finetune per DeiT.
-    assert count_plan(config).as_dict() == {"base": 4, "ksearch": 32, "finetune": 4 * (8 * 8 + 1),
-                                            "evaluate": 4 * (8 * 8 + 1)}
-    from pipeline.dag.plan import archs, base_stage, finetune_stage, ksearch_stages
-
-    stages = [base_stage(config, arch) for arch in archs(config)]
-    assert [s.config.model.name for s in stages] == config.experiment.models
-    assert len({s.id for s in stages}) == 4
-    ks = ksearch_stages(config, archs(config)[3], stages[3])
-    assert len(ks) == 8 and all(s.config.recipe.epochs == 30 and s.config.train.workers == 8 for s in ks)
-    ft = finetune_stage(config, archs(config)[3], stages[3], "wkmedoids", "lam1e-05", [196] * 12, [ks[0].id])
-    assert ft.config.recipe.epochs == 300 and ft.config.train.mode == "finetune"
-
-
-@pytest.mark.beton
-def test_stage_ids_change_downstream_of_any_change(root, data):
-    from pipeline.dag.plan import archs, base_stage, ksearch_stages
-
-    a = load_config(TINY, tiny_overrides(root, data))
-    b = load_config(TINY, [*tiny_overrides(root, data), "recipe.lr=0.01"])
-    base_a, base_b = base_stage(a, archs(a)[0]), base_stage(b, archs(b)[0])
-    assert base_a.id != base_b.id
-    assert ksearch_stages(a, archs(a)[0], base_a)[0].id != ksearch_stages(b, archs(b)[0], base_b)[0].id
-    moved = load_config(TINY, [*tiny_overrides(root, data), "experiment.runs_dir=/elsewhere"])
-    assert base_stage(moved, archs(moved)[0]).id == base_a.id  # where results go is not part of the identity
-    # nor how the same function runs: compilation, and the patch embedding as a convolution or a matmul
-    fast = load_config(TINY, [*tiny_overrides(root, data), "train.compile=default", "model.patch_embed=matmul"])
-    assert base_stage(fast, archs(fast)[0]).id == base_a.id
-    assert ksearch_stages(fast, archs(fast)[0], base_a)[0].id == ksearch_stages(a, archs(a)[0], base_a)[0].id
-
-
-def test_no_ksearch_target_leaves_every_id_as_it_was():
-    """The ids main gave before K-search targets existed (f982b72): unset, the new settings change no stage id,
-    evaluation id or experiment id, so no finished run reruns."""
-    from pipeline.dag.plan import archs, base_stage, dag_id, evaluate_stage, finetune_stage, ksearch_stages
-
-    config = load_config(TINY)
-    arch = archs(config)[0]
-    base = base_stage(config, arch)
-    ks = ksearch_stages(config, arch, base)
-    ft = finetune_stage(config, arch, base, "wkmedoids", "lam0.05", [12, 8, 4], [ks[1].id])
-    full = finetune_stage(config, arch, base, "none", "full", None, [])
-    assert [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id] == [
-        "942e3d5b4f99b040", "287baf85545793ab", "0dec5b3b21eb72f0", "ac0d3e7b8d48c2ab", "3c3a4fbf2182bbd2",
-        "d58a2c108bfeb68c"]  # the evaluation's follows the paired speed's keys (eval.speed_*): 54529a142890c3b8 before
-    # and so does the experiment's (a5027ec45ec55f30 before them), of tiny.yaml as it was before it set one trial at a
-    # time (the experiment section is its identity: b3364b47be995082 with it)
-    unbounded = load_config(TINY, ["experiment.search.max_concurrent=null"])
-    assert dag_id(unbounded) == "3023dbf6d25ba4aa" and dag_id(config) == "b3364b47be995082"
-    # A target is a K search of its own, beside the lambdas, with its own identity.
-    both = ksearch_stages(load_config(TINY, [TARGET]), arch, base)
-    assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
-    assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
-    # Its id names the rounding's rule (targets.ROUNDING): e8800f3ae83f1326 before the rounding stayed near the
-    # search's landing, so that a search rounded over every list is not reused for a keep list
-    assert both[2].id == "68f8c9028215f1c7"
-    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "d6bdabadc4894ab7"  # nor
-    # the experiment's (97f718508bbcc5be before eval.speed_*, which changed every experiment's id)
-    assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
-    # Two targets at one figure, each with its own name (as each method's own table needs): two searches, two
-    # levels; the same figure without names is refused.
-    named = ksearch_stages(load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, name: a-1}, "
-                                              "{cost: gflops, fraction: 0.6, name: b-1}]"]), arch, base)
-    assert [s.label for s in named[2:]] == ["tiny-ksearch-M16-a-1", "tiny-ksearch-M16-b-1"]
-    assert [s.meta.target for s in named[2:]] == ["a-1", "b-1"] and named[2].id != named[3].id  # the name alone
-    for clash, says in (("[{cost: gflops, fraction: 0.6, name: lam0.05}]", "looks like another kind of level"),
-                        ("[{cost: gflops, fraction: 0.6, name: full}]", "looks like another kind of level"),
-                        ("[{cost: gflops, fraction: 0.6, name: a.1}, {cost: gflops, fraction: 0.5, name: a_1}]",
-                         "give the same registry alias")):
-        with pytest.raises(ValueError, match=says):
-            load_config(TINY, [f"experiment.ksearch_targets={clash}"])
-    with pytest.raises(ValueError, match=r"two targets give the same level name \(\['gf0.6', 'gf0.6'\]\)"):
-        load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6}, "
-                           "{cost: gflops, fraction: 0.6, method: tome}]"])
-    # A target of one width only: the other width has no such search, and the plan counts one search, one finetune.
-    narrow = load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert], "
-                                "archs: [M24]}]"])
-    assert len(ksearch_stages(narrow, arch, base)) == 2 and len(ksearch_stages(narrow, archs(narrow)[1], base)) == 3
-    assert count_plan(narrow).as_dict() == {"base": 2, "ksearch": 5, "finetune": 11, "evaluate": 11}
-    with pytest.raises(ValueError, match=r"archs \['M32'\] are not among the experiment's \['M16', 'M24'\]"):
-        archs(load_config(TINY, ["experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, archs: [M32]}]"]))
-
-
-@pytest.mark.beton
-def test_bad_experiments_are_refused_before_anything_runs(root, data, tmp_path):
-    base = [*tiny_overrides(root, data)[:2], f"train.storage_path={tmp_path / 'ray'}",
-            f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]
-    with pytest.raises(ConfigError, match="experiment.methods"):
-        load_config(TINY, [*base, "experiment.methods=[kmedians]"])
-    with pytest.raises(ConfigError, match="zero trials"):
-        load_config(TINY, [*base, "experiment.lambdas=[]"])
-    with pytest.raises(ConfigError, match="unknown timm model"):
-        run_experiment(load_config(TINY, [*base, "model.name=vit_nonexistent"]), log=lambda _: None)
-    with pytest.raises(ConfigError, match="keep has 12 entries but the model has 3 blocks"):
-        run_experiment(load_config(TINY, [*base, "model.name=deit_small_patch16_224",
-                                          "model.img_size=null", "model.patch_size=null", "experiment.lambdas=null",
-                                          "experiment.levels=[1]", "experiment.embed_dims=null",
-                                          "experiment.models=[deit_small_patch16_224]"]), log=lambda _: None)
-    with pytest.raises(TrackingError, match="not reachable"):
-        run_experiment(load_config(TINY, [*base, "train.tracking_uri=http://127.0.0.1:9"]),
-                       log=lambda _: None)
-    assert not (tmp_path / "ray").exists()  # nothing trained
-    with pytest.raises(ConfigError, match="--force"):
-        from pipeline.dag.runner import force_kinds
-
-        force_kinds("everything")
-
-
-@pytest.mark.slow
-def test_cli_plan_prints_counts():
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/experiments/demo.yaml", "--plan"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    # two widths, two lambdas each, and a latency target of the 32-wide model; six methods and the baseline at a
-    # lambda, one at the target
-    assert json.loads(proc.stdout) == {"base": 2, "ksearch": 5, "finetune": 27, "evaluate": 27}
-
-
 LOAD_AND_PREDICT = """
 import json, sys
 import mlflow
@@ -382,52 +262,6 @@ def test_registered_best_model_loads_in_a_fresh_process_and_names_classes(root, 
         np.testing.assert_allclose([c["probability"] for c in answer["top_k"]], value, rtol=1e-5, atol=1e-6)
 
 
-def test_a_method_option_reaches_the_finetunes_that_take_it():
-    """``pooling.significance: cls`` in a sweep goes to the methods that read scores, not to ToMe (whose
-    stage would otherwise be refused), and changes their identity; ``eq4``, what the code did before
-    the option existed, leaves every identity as it was."""
-    from pipeline.dag.plan import archs, base_stage, finetune_stage
-
-    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    methods = "experiment.methods=[tome, powerbert]"
-    ids = {}
-    for significance in (None, "eq4", "cls"):
-        extra = [] if significance is None else [f"pooling.significance={significance}"]
-        config = load_config(paper, [methods, *extra])
-        arch = archs(config)[0]
-        base = base_stage(config, arch)
-        tome, powerbert = (finetune_stage(config, arch, base, m, "L3", [196] * 12, []) for m in ("tome", "powerbert"))
-        assert tome.config.pooling.significance is None
-        assert powerbert.config.pooling.method_options()["significance"] == (significance or "eq4")
-        ids[significance] = (tome.id, powerbert.id)
-    assert ids[None] == ids["eq4"]
-    assert ids["cls"][0] == ids[None][0] and ids["cls"][1] != ids[None][1]
-    with pytest.raises(ConfigError, match=r"pooling.significance applies to .*powerbert.*, not any of "
-                                          r"experiment.methods \['tome', 'random'\]"):
-        load_config(paper, ["experiment.methods=[tome, random]", "pooling.significance=cls"])
-
-
-def test_the_shared_pooling_settings_are_part_of_the_experiment():
-    """Two sweeps that differ only in a pooling setting their finetunes share are two experiments (two
-    parent runs; ``--force`` on one retires nothing of the other); at the defaults the identity is the
-    one recorded before these settings counted: the experiment section's alone."""
-    from pipeline.dag.plan import dag_id, stage_id
-
-    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    default = load_config(paper, ["experiment.methods=[wkmedoids, powerbert]"])
-    # The experiment section as it was dumped before ``ksearch_targets`` existed (dag_id leaves it out unset).
-    recorded = stage_id("dag", default, [], {"experiment": default.experiment.model_dump(mode="json",
-                                                                                         exclude={"ksearch_targets"})})
-    same = [[], ["pooling.significance=eq4"], ["pooling.iters=5"], ["pooling.carry=false"],
-            ["pooling.method=kmeans"], ["pooling.level=3"]]  # the sweep sets method and keep per stage
-    for extra in same:
-        assert dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) == recorded, extra
-    other = [["pooling.significance=cls"], ["pooling.carry=true"], ["pooling.iters=3"], ["pooling.init=random"],
-             ["pooling.cluster_on=metric"], ["pooling.qk_norm=fixed"], ["pooling.alpha=2.0"]]
-    ids = {dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) for extra in other}
-    assert len(ids) == len(other) and recorded not in ids
-
-
 @pytest.mark.ray
 def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_file():
     from types import SimpleNamespace
@@ -446,41 +280,6 @@ def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_f
                      "[sweep] demo-finetune: trial _trial_00001 failed (error file: /runs/ray/t1/error.txt)",
                      "[sweep] demo-finetune: 2 of 3 trial(s) finished"]
     cloudpickle.loads(cloudpickle.dumps(callback))  # Tune stores its run config with the experiment
-
-
-def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path):
-    """Another release of a plugin, or another value of its option, is another result: its finetune and
-    evaluation get new ids. The built-in methods' stages keep the ids recorded below, whatever plugin is
-    installed or configured; a built-in
-    method's option set away from its default gives another id (it gave the default's id before)."""
-    from pipeline.config.identity import identity_content
-    from pipeline.dag.plan import archs, base_stage, evaluate_stage, finetune_stage
-
-    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    # base and wkmedoids L3 as commit 1e154bf computed them; its evaluation as commit dfa4ad4's paired
-    # speed keys (speed_tolerance, speed_cap_s, threads in place of repeats) made it
-    recorded = ("d8a98bddb9d46ff2", "135039b99e675132", "c83dd9b97dd2e006")
-    plugin_ids = []
-    for version in ("0.1", "0.2"):
-        with plugins_from(write_plugin(tmp_path / version, version=version)):
-            for extra in ([], ["pooling.options.firstk.offset=3"]):
-                config = load_config(paper, ["experiment.methods=[firstk, wkmedoids]", *extra])
-                arch = archs(config)[0]
-                base = base_stage(config, arch)
-                ft = {m: finetune_stage(config, arch, base, m, "L3", [196] * 12, []) for m in ("firstk", "wkmedoids")}
-                assert (base.id, ft["wkmedoids"].id, evaluate_stage(config, ft["wkmedoids"]).id) == recorded
-                assert identity_content(ft["firstk"].config)["pooling"]["plugin"] == {"distribution": "tp-plugin",
-                                                                                      "version": version}
-                assert "plugin" not in identity_content(ft["wkmedoids"].config)["pooling"]
-                plugin_ids += [ft["firstk"].id, evaluate_stage(config, ft["firstk"]).id]
-    assert len(set(plugin_ids)) == len(plugin_ids) == 8
-    # A built-in method's option counts where it differs from the method's default, and only then.
-    for extra, same in ((["pooling.iters=5"], True), (["pooling.iters=3"], False), (["pooling.init=random"], False),
-                        (["pooling.cluster_on=metric"], False), (["pooling.significance=eq4"], True)):
-        config = load_config(paper, ["experiment.methods=[wkmedoids]", *extra])
-        arch = archs(config)[0]
-        assert (finetune_stage(config, arch, base_stage(config, arch), "wkmedoids", "L3", [196] * 12, []).id
-                == recorded[1]) is same, extra
 
 
 @pytest.mark.ray
@@ -632,112 +431,3 @@ def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, data, tm
     assert {p: p.stat().st_mtime_ns for p in (folder / "data").glob("*.beton")} == data  # the data, kept
 
 
-@pytest.mark.beton
-def test_the_rehearsal_report_says_reused_and_not_run_and_register_models_false_exits_0(tmp_path, monkeypatch):
-    """The table's status of each stage: "reused" for a record left before this rehearsal (nothing ran: never
-    "pass"), "pass" for one it made; and with ``experiment.register_models: false`` the serve row is "not run",
-    which is not a failure: the rehearsal exits 0 (the DAG itself stubbed, with the summary its select stage gives
-    without registering)."""
-    import time as clock
-
-    from pipeline.dag import rehearse, runner
-    from pipeline.dag.plan import Stage
-    from pipeline.dag.records import mark_done, open_child
-    from pipeline.dag.types import StageMeta
-    from pipeline.tracking import experiment_id
-
-    config = rehearse.rehearsal_config(load_config(TINY, [*tiny_overrides(tmp_path, tmp_path), *REHEARSED]),
-                                       rehearse.RehearsalSettings(root=tmp_path / "r"), tmp_path, tmp_path)
-    client = MlflowClient(tracking_uri=config.train.tracking_uri)
-    exp_id = experiment_id(client, config.train.experiment, config.train.artifact_root)
-    stage = Stage("finetune", "tiny-rehearsal-ft-M16-lam0.05-powerbert", None, [], "M16", StageMeta(method="powerbert"))
-    before = int(clock.time() * 1000) - 1
-    run_id = open_child(client, exp_id, "parent", name=stage.label, kind="finetune", stage_id=stage.id, dag_id="d")
-    mark_done(client, run_id, stage_id=stage.id, kind="finetune", result={"seconds": 3.0})
-    summary = {"planned": [stage], "failures": {}}
-    (reused,) = rehearse.stage_reports(config, summary, started_ms=int(clock.time() * 1000) + 1)
-    assert reused.status == "reused" and f"done in MLflow run {run_id} before this rehearsal" in reused.error
-    (ran,) = rehearse.stage_reports(config, summary, started_ms=before)
-    assert ran.status == "pass" and ran.seconds == 3.0
-    assert rehearse.exit_status([ran]) == 0 and rehearse.exit_status([ran, reused]) == 1
-    assert "; reused, not run: tiny-rehearsal-ft-M16-lam0.05-powerbert" in rehearse.count_line([ran, reused], 1.0)
-
-    unregistered = load_config(TINY, [*tiny_overrides(tmp_path, tmp_path), *REHEARSED,
-                                      "experiment.register_models=false"])
-    monkeypatch.setattr(runner, "run_experiment", lambda *a, **k: {"rows": [{}], "failures": {}, "planned": []})
-    lines: list[str] = []
-    assert rehearse.run_rehearsal(unregistered, rehearse.RehearsalSettings(root=tmp_path / "r2", steps=1),
-                                  log=lines.append) == 0
-    rows = rehearsal_rows("\n".join(lines))
-    assert rows["one request"][2] == "not run" and "register_models is false" in rows["one request"][6], rows
-    assert lines[-1].startswith("1 of 1 passed in ") and lines[-1].endswith(
-        "; not run (the config turns them off): serve (one request)"), lines[-1]
-
-
-def test_with_no_evaluated_model_select_and_register_are_skipped_not_failed_nor_passed():
-    """Every finetune failed (keep-going): the DAG's summary has no rows; the rehearsal's select and register
-    rows say skipped, with why, and a failed select says FAIL with its error and skips register."""
-    from pipeline.dag import rehearse
-
-    config = load_config(TINY, REHEARSED)
-    served = rehearse.not_served(config)
-    select, register, serve = rehearse.tail_reports(config, {"failures": {}, "planned": []}, served)
-    assert (select.status, select.error) == ("skipped", "no evaluated model")
-    assert (register.status, register.error) == ("skipped", "select did not run") and serve is served
-    failed = {"failures": {"tiny-select": "ValueError: broken"}, "planned": []}
-    select, register, _ = rehearse.tail_reports(config, failed, served)
-    assert (select.status, select.error, register.status) == ("FAIL", "ValueError: broken", "skipped")
-    chose = {"rows": [{}], "aliases": ["token-pooling-tiny@best"], "failures": {}, "planned": []}
-    select, register, _ = rehearse.tail_reports(config, chose, served)
-    assert (select.status, register.status, register.error) == ("pass", "pass", "1 alias(es): best")
-    assert rehearse.exit_status([select, register, rehearse.not_served(config)]) == 1  # a skipped serve counts
-
-
-def test_the_projected_gpu_hours_are_the_cluster_budgets():
-    """DeiT-S alone under the paper's protocol: the rehearsal's projection, which counts the config's own levels,
-    methods and epochs, is the cluster budget's "DeiT-S alone" row (docs/cluster.md), written out from the
-    protocol: the base's 300 epochs, 8 K searches of 30, 8 levels of each method's 300-epoch finetune at its
-    measured speed-up, and the baseline's 300, over ImageNet's images at the records' H200 step rate and loop
-    efficiency. The high end takes each width at DeiT-S's cost; the low end scales it by fvcore's GFLOPs count over
-    the budget's DeiT-S figure, which agree to 1e-4."""
-    from pipeline.bench.gpu_budget import IMAGENET_TRAIN, loop_input, step_inputs
-    from pipeline.bench.records import MEASURED
-    from pipeline.dag.projection import projected_gpu_hours
-
-    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    projection = projected_gpu_hours(load_config(paper, ["experiment.models=[deit_small_patch16_224]"]))
-    rate, speedups = step_inputs(MEASURED, "H200")
-    methods = ("kmeans", "kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance", "tome")
-    epochs = 300 + 8 * 30 + 8 * 300 * sum(1 / speedups[m].value for m in methods) + 300
-    hours = epochs * IMAGENET_TRAIN / (rate.value * loop_input(MEASURED, "H200").value) / 3600
-    assert projection.high == pytest.approx(hours, rel=1e-9) and projection.low == pytest.approx(hours, rel=1e-4)
-    assert "speed-ups assumed for" in projection.note  # the note names what was assumed
-
-
-@pytest.mark.slow
-def test_bad_rehearsals_are_refused_before_anything_runs(tmp_path):
-    from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
-    from pipeline.errors import InputError
-
-    with pytest.raises(InputError, match="an even batch"):
-        RehearsalSettings(batch=3)
-    config = load_config(TINY)
-    with pytest.raises(InputError, match="--rehearse-fail 'tome': not one of experiment.methods"):
-        run_rehearsal(config, RehearsalSettings(root=tmp_path, fail_method="tome"), log=lambda _: None)
-    assert not any(tmp_path.iterdir())
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", str(TINY), "--rehearse-fail", "powerbert"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "belong to --rehearse; add it" in proc.stderr, proc.stderr
-    from pipeline.cli import main
-
-    for flags in (["--rehearse-dir", str(tmp_path / "r")], ["--rehearse-steps", "2"]):  # the default, given
-        assert main(["run", str(TINY), *flags]) == 2
-    assert not any(tmp_path.iterdir())
-    # A folder that holds anything but a rehearsal's own entries is not emptied: it may be an experiment's store.
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "mlflow.db").write_text("a store")
-    (tmp_path / "mine" / "notes.txt").write_text("mine")
-    with pytest.raises(InputError, match=r"holds mlflow.db, notes.txt and no rehearsal.json, so it is not a "
-                                         r"rehearsal's folder"):
-        run_rehearsal(config, RehearsalSettings(root=tmp_path / "mine"), log=lambda _: None)
-    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["mlflow.db", "notes.txt"]

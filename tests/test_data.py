@@ -249,6 +249,27 @@ SHARD_WORKER = textwrap.dedent("""
 
 
 @pytest.mark.beton
+@pytest.mark.slow  # two trainings in this process: 10 s here
+def test_one_seed_gives_one_training(synthetic_data, tmp_path):
+    """Two trainings from one config and seed, random crops and flips on, end with the same weights, bit for
+    bit. FFCV's own crop and flip drew from numba's unseeded per-thread state, and two such runs here
+    ended with different weights (pipeline/data/augment.py). In this process (``train.workers: 0``): no Ray."""
+    from pipeline.config import load_config
+    from pipeline.train import run_training
+    from pipeline.train.checkpoint import load_checkpoint
+
+    data = synthetic_data(256, 64)
+    where = [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}", "train.workers=0",
+             "data.num_workers=2", f"train.storage_path={tmp_path / 'ray'}",
+             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"train.artifact_root={tmp_path / 'artifacts'}"]
+    tiny = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
+    runs = [run_training(load_config(tiny, [*where, f"train.name=seeded{i}"])) for i in range(2)]
+    a, b = (load_checkpoint(r.checkpoint)["model"] for r in runs)
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    assert runs[0].summary["train_loss"] == runs[1].summary["train_loss"]
+
+
+@pytest.mark.beton
 def test_two_ranks_see_disjoint_shards_reshuffled_each_epoch(tmp_path):
     # One class per image, so a label is the sample's identity.
     beton = tmp_path / "ids.beton"
