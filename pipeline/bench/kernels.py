@@ -1,6 +1,6 @@
 """``pipeline bench kernels``: kernel-level timings on CUDA, for docs/benchmarks.md.
 
-1. K-Medoids' iterations (5 assignments, 4 updates) at DeiT-S size (B=256, N=196, 384 dims):
+1. K-Medoids' iterations (5 assignments, 4 updates) at DeiT-S size (B=256, N=196, 384 dims), per K (``--ks``):
    the Triton kernels at several tilings, and the fused kernel (every iteration of an image in one
    program) at several tiles and warp counts, against the one-hot torch iterations, on the same
    distances, both also replayed from a CUDA graph (GPU time without launch cost), and the whole
@@ -89,7 +89,10 @@ def _timing_cells(timer: Timer, device: str, torch_fn: Callable[[], object], tri
     return f"{timer(torch_fn):.3f} | {cells} | {graphed}"
 
 
-def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
+DEFAULT_KS = (147, 98, 49)  # DeiT-S's 196 tokens at keep rates 0.75, 0.5 and 0.25
+
+
+def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = DEFAULT_KS) -> str:
     """K-Medoids' iterations at DeiT-S size (N=196, 384 dims), Triton against torch, per K."""
     timer = _timer(device)
     x, w = _deit_s_tokens(device, batch, seed=0)
@@ -127,7 +130,7 @@ def kmedoids_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49))
     return "\n".join(lines)
 
 
-def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = (147, 98, 49)) -> str:
+def kmeans_table(device: str, batch: int, ks: tuple[int, ...] = DEFAULT_KS) -> str:
     """K-Means' Gram-form iterations at DeiT-S size (N=196, 384 dims), per K: the torch iterations eager,
     replayed from a CUDA graph and compiled by inductor (what a compiled model runs), and the whole weighted
     K-Means ``token_pool`` call. "same" compares the compiled iterations' assignment with the eager one's on
@@ -255,11 +258,14 @@ def precision_table(device: str, batch: int, k: int = 147) -> str:
                       "| part | ms | error against float64 |", "|---|---:|---|", *rows])
 
 
-def run_kernel_bench(device: str, batch: int) -> str:
-    """The four tables as markdown. CUDA, or the CPU under ``TRITON_INTERPRET=1`` (a dry run: one call per
-    figure, which times the interpreter, not a kernel)."""
+def run_kernel_bench(device: str, batch: int, ks: tuple[int, ...] = DEFAULT_KS) -> str:
+    """The four tables as markdown, the clustering tables at each K of ``ks``. CUDA, or the CPU under
+    ``TRITON_INTERPRET=1`` (a dry run: one call per figure, which times the interpreter, not a kernel)."""
     if batch < 1:
         raise InputError(f"bench kernels --batch must be a positive number of images, got {batch}")
+    if not ks or not all(1 <= k < 196 for k in ks):
+        raise InputError(f"bench kernels --ks must list clusters between 1 and 195 (DeiT-S's 196 tokens), got "
+                         f"{','.join(map(str, ks)) or 'none'}")
     if device == "cuda" and not torch.cuda.is_available():
         raise JobError("bench kernels --device cuda: no CUDA device is visible")
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -267,6 +273,6 @@ def run_kernel_bench(device: str, batch: int) -> str:
                        "interpreter exists: TRITON_INTERPRET=1 python -m pipeline bench kernels --device cpu --batch 2")
     title = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run under TRITON_INTERPRET=1"
     with cuda_settings(device):
-        return (f"{title}\n\n{kmedoids_table(device, batch)}\n\n{kmeans_table(device, batch)}\n\n"
+        return (f"{title}\n\n{kmedoids_table(device, batch, ks)}\n\n{kmeans_table(device, batch, ks)}\n\n"
                 f"{patch_embed_table(device, batch)}\n\n"
                 f"{precision_table(device, batch)}")

@@ -107,9 +107,10 @@ def cmd_bench_loop(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
-    from pipeline.bench.kernels import run_kernel_bench
+    from pipeline.bench.kernels import DEFAULT_KS, run_kernel_bench
 
-    print(run_kernel_bench(args.device, args.batch))
+    ks = DEFAULT_KS if args.ks is None else tuple(int_list(args.ks, "--ks"))
+    print(run_kernel_bench(args.device, args.batch, ks))
     return 0
 
 
@@ -200,6 +201,9 @@ def _add_bench_kernels(bench_commands) -> None:
     kernels.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                          help="cpu: a dry run of the code under TRITON_INTERPRET=1 (no meaningful times)")
     kernels.add_argument("--batch", type=int, default=256)
+    kernels.add_argument("--ks", default=None, metavar="K,K,...",
+                         help="the clusters of the K-Medoids and K-Means tables (default: 147,98,49, DeiT-S's 196 "
+                              "tokens at keep rates 0.75, 0.5, 0.25)")
     kernels.set_defaults(func=cmd_bench_kernels)
 
 
