@@ -5,6 +5,7 @@
 # otherwise imported lazily at the terminal summary) while another thread is compiling.
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,6 +79,18 @@ def no_store_in_the_checkout():
 RAY_FILES = {"test_cluster.py", "test_dag.py", "test_hpo.py", "test_multinode.py", "test_train.py"}
 
 
+class RayFirst(OrderedDict):
+    """xdist's work queue (scope -> its tests), whose first unit handed out is the Ray files' (scope ``"ray"``).
+    pytest-xdist 3.8 hands units out with ``popitem(last=False)``, the largest files first (``--loadscope-reorder``):
+    the Ray files' unit, which sets the run's wall time, would otherwise start only once a worker had finished its
+    first files. A unit a crashed worker leaves is put back (``update``) and handed out again the same way."""
+
+    def popitem(self, last: bool = True) -> tuple[str, dict[str, bool]]:
+        if not last and "ray" in self:
+            return "ray", self.pop("ray")
+        return super().popitem(last)
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `make test` runs with (-n 2 --dist loadfile)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile``, with the files in ``RAY_FILES`` as one unit, handed out first: their tests run one at a
@@ -86,16 +99,7 @@ def pytest_xdist_make_scheduler(config, log):
     ignored (pytest-dev/pytest-xdist#1386)."""
     if config.getvalue("dist") != "loadfile":
         return None
-    from collections import OrderedDict
-
     from xdist.scheduler import LoadFileScheduling
-
-    class RayFirst(OrderedDict):
-        """The work queue, whose first unit handed out is the Ray files': the longest unit, which sets the run's
-        wall time, starts as soon as a worker has collected instead of after a worker's first two files."""
-
-        def popitem(self, last: bool = True):
-            return ("ray", self.pop("ray")) if not last and "ray" in self else super().popitem(last)
 
     class RayFilesTogether(LoadFileScheduling):
         def __init__(self, config, log=None):

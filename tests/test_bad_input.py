@@ -436,10 +436,15 @@ def test_ctrl_c_says_where_training_stopped(tmp_path):
                f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
                "--set", f"train.artifact_root={tmp_path / 'a'}"]
     # SIGINT at its default in the child, whatever this process inherited: a shell's background job (`make test &`
-    # in a script) ignores it, the child would inherit the ignore, and Python then installs no Ctrl-C handler
-    proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # in a script) ignores it, the child would inherit the ignore, and Python then installs no Ctrl-C handler. A
+    # handled signal is reset to its default across exec, an ignored one is not: handled here while the child starts
+    # (not preexec_fn, which is unsafe in a process with threads, and FFCV's writer has run in this one).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     deadline = time.monotonic() + 180
     # 1,000 epochs: the training still runs when the signal comes (fresh-clone runs started as background jobs, at
     # b5cc2a6 and at a8f97c2, ran to the end and exited 0: the ignored SIGINT above). Then any epoch's complete

@@ -24,23 +24,8 @@ from pipeline.dag.records import DONE, STAGE_KIND
 from pipeline.dag.runner import run_experiment
 from pipeline.train.checkpoint import model_from_checkpoint
 from tests.conftest import write_plugin
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
-
-
-# The first test's DAG also searches toward 0.6 of the unmodified GFLOPs, finetuned with PoWER-BERT: the K search
-# toward a target, end to end, checked in that test's last part.
-TARGET = "experiment.ksearch_targets=[{cost: gflops, fraction: 0.6, methods: [powerbert]}]"
-
-
-def tiny_overrides(root: Path, data: Path) -> list[str]:
-    """The tiny DAG on the betons in ``data``, its runs, stores and reports in ``root``."""
-    # Bases train in-process here (multi-worker DDP is tested in test_train.py): CI time.
-    return [f"data.train={data / 'train.beton'}", f"data.val={data / 'val.beton'}",
-            f"train.storage_path={root / 'ray'}", f"train.tracking_uri=sqlite:///{root / 'mlflow.db'}",
-            f"train.artifact_root={root / 'artifacts'}", f"experiment.runs_dir={root / 'experiments'}",
-            "train.workers=0"]
+from tests.processes import ROOT
+from tests.tiny_dag import REHEARSED, TARGET, TINY, rehearsal_rows, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -325,17 +310,6 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(synthetic_data, tmp
     for run in (*finetunes, *evaluations):
         assert (run.data.tags["pipeline.plugin"], run.data.tags["pipeline.plugin_version"]) == ("tp-plugin", "0.1")
     assert len(evaluations) == 1 and "pipeline.plugin" not in runs["base"][0].data.tags
-
-
-# The rehearsed slice of tiny.yaml: one width, one lambda, WK-Medoids and PoWER-BERT.
-REHEARSED = ["experiment.embed_dims=[16]", "experiment.lambdas=[0.05]", "experiment.baseline=false",
-             "experiment.eval.analysis_images=0", "experiment.eval.analysis_batch=0"]
-
-
-def rehearsal_rows(text: str) -> dict[str, list[str]]:
-    """The rehearsal table's rows by stage: | kind | stage | result | s/step | peak MB | seconds | note |."""
-    table = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line.count(" | ") == 6]
-    return {cells[1]: cells for cells in table if cells[1] != "stage"}
 
 
 def resident_high_mark_mb() -> float:

@@ -17,7 +17,8 @@ from pipeline.dag.plan import count_plan
 from pipeline.dag.runner import run_experiment
 from pipeline.tracking import TrackingError
 from tests.conftest import plugins_from, write_plugin
-from tests.test_dag import REHEARSED, ROOT, TARGET, TINY, rehearsal_rows, tiny_overrides
+from tests.processes import ROOT
+from tests.tiny_dag import REHEARSED, TARGET, TINY, rehearsal_rows, tiny_overrides
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Datasets and loaders: round trips against the source pixels, sharding, metadata checks and bad input."""
+"""Datasets and loaders: round trips against the source pixels, sharding, metadata checks, bad input, and one seed
+giving one training (in-process, through the seeded loaders)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""tests/durations.py: a JUnit report's times, per file and per test, written out by hand."""
+"""tests/durations.py: a JUnit report's times, per file and per test, written out by hand; and the order in which
+xdist hands the files out (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,18 @@ def test_the_tables_sum_each_file_and_list_the_slowest_tests_first(tmp_path):
 
 def test_a_report_of_no_time_gives_no_shares_rather_than_a_division_by_zero():
     assert "| `tests/test_cost.py` | 1 | 0.0 | - |  |" in tables([("tests/test_cost.py", "test_a", 0.0, "passed")], 5)
+
+
+def test_the_ray_files_unit_is_handed_out_first():
+    """xdist hands units out with popitem(last=False): the Ray files' unit comes first wherever it sits in the queue,
+    then the others in their order; a unit put back (a crashed worker's) is first again."""
+    from tests.conftest import RayFirst
+
+    queue = RayFirst()
+    queue.update({"tests/test_a.py": {"a": False}, "tests/test_b.py": {"b": False}, "ray": {"r": False}})
+    assert [queue.popitem(last=False)[0] for _ in range(2)] == ["ray", "tests/test_a.py"]
+    queue.update({"ray": {"r": False}})
+    assert queue.popitem(last=False) == ("ray", {"r": False})
+    assert queue.popitem() == ("tests/test_b.py", {"b": False}) and not queue
+    queue.update({"tests/test_c.py": {"c": False}})
+    assert queue.popitem(last=False)[0] == "tests/test_c.py"  # no Ray unit: the queue's own order

@@ -733,6 +733,11 @@ def test_bench_kernels_refuses_an_empty_batch():
 
     with pytest.raises(ValueError, match="--batch must be a positive number of images, got 0"):
         run_kernel_bench("cpu", 0)
+
+
+def test_bench_kernels_refuses_clusters_outside_the_tokens():
+    from pipeline.bench.kernels import run_kernel_bench
+
     for ks, says in (((), "none"), ((49, 196), "49,196"), ((0,), "0")):
         with pytest.raises(ValueError, match=f"--ks must list clusters between 1 and 195 .*, got {says}$"):
             run_kernel_bench("cpu", 2, ks)

@@ -54,42 +54,45 @@ def test_the_gpu_checks_refuse_a_bad_part_and_skip_what_the_deadline_leaves_no_t
     assert late.returncode == 0 and re.search(r"== compiled-default skipped: \d+ s left before DEADLINE, its limit is "
                                               r"330 s", late.stdout), late.stdout
     assert not (tmp_path / "b" / "compiled-default.md").exists()
+    # SPLIT=1: a run a method, each under the part's limit and named PART-callsN-METHOD (all skipped here)
+    split = checks(tmp_path / "s", "compiled", SPLIT="1", CALLS="2", METHODS="powerbert,kmeans",
+                   DEADLINE=str(int(time.time()) + 30))
+    assert split.returncode == 0 and re.findall(r"^== (\S+) skipped", split.stdout, flags=re.M) == [
+        "compiled-default-calls2-powerbert", "compiled-default-calls2-kmeans"], split.stdout
     deadline = checks(tmp_path / "c", "pack", DEADLINE="soon")
     assert deadline.returncode == 2 and "DEADLINE must be seconds since the epoch" in deadline.stderr
 
 
 def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
-    """The fused kernels' GPU run, then ``pack``: tests, compiled throughput with the fused kernels, the training
-    step, bench kernels (which refuses the CPU without the interpreter: its line ran) and the compiled throughput
-    with the previous kernels in OUT/previous, each bench part with its record and the kernels it ran; with the
-    bench parts' settings the lent machine's runs take (SPLIT=1: one run a method, no ceiling row; PROFILE=1;
-    PATCH_EMBED=matmul; CALLS=2), and every output in one archive."""
+    """The fused kernels' GPU run as the lent machine runs it, then ``pack``: tests, compiled throughput with the
+    fused kernels (every method in one run, the ceiling row too), the training step, bench kernels (which refuses
+    the CPU without the interpreter: its line ran) and the compiled throughput with the previous kernels in
+    OUT/previous, each bench part with its record and the kernels it ran; with PROFILE=1, PATCH_EMBED=matmul and
+    CALLS=2 (outputs named PART-calls2), and every output in one archive."""
     out, pack = tmp_path / "gpu", tmp_path / "gpu.tgz"
-    proc = checks(out, "pooling", "pack", BATCH="2", TRAIN_BATCH="2", COMPILE="none", SPLIT="1", PROFILE="1",
-                  PATCH_EMBED="matmul", CALLS="2", METHODS="powerbert", TRAIN_METHODS="powerbert",
+    proc = checks(out, "pooling", "pack", BATCH="2", TRAIN_BATCH="2", COMPILE="none", PROFILE="1",
+                  PATCH_EMBED="matmul", CALLS="2", METHODS="powerbert,kmeans", TRAIN_METHODS="kmeans",
                   PREVIOUS_METHODS="kmeans", PACK=str(pack), DEADLINE=str(int(time.time()) + 500))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # tests, compiled (one method), train, kernels (refused: exit 2), the previous kernels' compiled
+    # tests, compiled, train, kernels (refused: exit 2), the previous kernels' compiled
     assert re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0", "0", "0", "2", "0"], proc.stdout
     assert "TRITON_INTERPRET=1" in (out / "kernels.log").read_text()
-    parts = {"compiled-none-calls2-powerbert": ("powerbert", "inference, batch 2, bf16, compile none", "native-c"),
-             "train-none-calls2-powerbert": ("powerbert", "training step (forward, backward, AdamW), batch 2, bf16",
-                                             "native-c"),
-             "previous/compiled-none-calls2-kmeans": ("kmeans", "inference, batch 2, bf16, compile none", "torch")}
-    for part, (method, setting, kmeans) in parts.items():
-        table = (out / f"{part}.md").read_text()
+    inference, training = "inference, batch 2, bf16, compile none", "training step (forward, backward, AdamW), batch 2"
+    parts = {"compiled-none-calls2": (["powerbert", "kmeans", "ceiling"], inference, "native-c"),
+             "train-none-calls2": (["kmeans"], training, "native-c"),  # the training step leaves the ceiling out
+             "previous/compiled-none-calls2": (["kmeans", "ceiling"], inference, "torch")}
+    for part, (labels, setting, kmeans) in parts.items():
+        table, log = (out / f"{part}.md").read_text(), (out / f"{part}.log").read_text()
         assert setting in table and "patch embedding matmul (every model), 2 call(s) a timed sample" in table, table
         assert f"kernels: kmedoids=native-c, kmeans={kmeans}, merge=torch" in table, table
-        assert "ceiling" not in table  # SPLIT=1 leaves it out
-        assert "profile of one call of " + method + ":" in (out / f"{part}.log").read_text()  # PROFILE=1
+        assert re.search(r"^\| kmeans \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", table, flags=re.M), table
+        assert ("ceiling: random drop" in table) == ("ceiling" in labels), table
+        assert all(f"profile of one call of {m}:" in log for m in labels if m != "ceiling"), log  # PROFILE=1
         record = json.loads((out / f"{part}.json").read_text())
         assert record["kernels"]["kmeans"] == kmeans and [r["label"] for r in record["rows"]] == ["unmodified",
-                                                                                                   method], record
-    for part in ("compiled-none-calls2-powerbert", "train-none-calls2-powerbert"):  # DeiT-S at level 3
-        table = (out / f"{part}.md").read_text()
-        assert re.search(r"^\| powerbert \| 2\.272 \| [\d.]+ \| [\d.]+ \|", table, flags=re.M), table
-    assert re.search(r"^\| kmeans \| [\d.]+ \| [\d.]+ \| [\d.]+ \|",
-                     (out / "previous" / "compiled-none-calls2-kmeans.md").read_text(), flags=re.M)
+                                                                                                   *labels], record
+    table = (out / "compiled-none-calls2.md").read_text()
+    assert re.search(r"^\| powerbert \| 2\.272 \| [\d.]+ \| [\d.]+ \|", table, flags=re.M), table  # DeiT-S, level 3
     # On the CPU every selected GPU test skips for want of CUDA: the selection names tests that exist, and
     # none of them ran (a selection that matched nothing would say "no tests ran").
     log = (out / "tests.log").read_text()
@@ -97,8 +100,8 @@ def test_the_gpu_checks_pooling_part_runs_every_line(tmp_path):
     assert summary and int(summary[1]) >= 3 and "needs a CUDA device" in log and "passed" not in log, log
     with tarfile.open(pack) as archive:
         names = set(archive.getnames())
-    assert {"./card.txt", "./tests.log", "./compiled-none-calls2-powerbert.md", "./train-none-calls2-powerbert.log",
-            "./previous/compiled-none-calls2-kmeans.json"} <= names, names
+    assert {"./card.txt", "./tests.log", "./compiled-none-calls2.md", "./train-none-calls2.log",
+            "./previous/compiled-none-calls2.json"} <= names, names
 
 
 def test_the_gpu_checks_latency_part_measures_a_table_and_checks_it(tmp_path):

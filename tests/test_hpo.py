@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import ConfigError, load_config
 from pipeline.dag.hpo import TRIAL_TAG
+from tests.conftest import write_synthetic_pair
 from tests.processes import ROOT, stop, wait_for
 
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -54,9 +55,9 @@ def epochs_of(client: MlflowClient, run_id: str, key: str = "train_loss") -> lis
 
 @pytest.mark.ray
 @pytest.mark.beton
-def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun_finished_ones(synthetic_data,
-                                                                                                tmp_path):
-    root, data = tmp_path, synthetic_data(192, 48)
+def test_optuna_asha_sweep_stops_trials_early_and_a_killed_driver_does_not_rerun_finished_ones(tmp_path):
+    # Its own betons, not the shared synthetic_data: data.holdout writes the drawn split beside the training beton.
+    root = data = write_synthetic_pair(tmp_path, 192, 48)
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     client.search_experiments()  # the schema first: the driver and this test must not race on creating it
     command = [sys.executable, "-m", "pipeline", "run", str(TINY)]
