@@ -128,7 +128,7 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
 def best_under_latency(models: list[Candidate], max_latency_ms: float, table: str) -> Candidate:
     """The highest top-1 among the models that measured within ``max_latency_ms`` against the cost table at
     ``table`` (the same file: its sha256), as the select stage measured a K-search target's models."""
-    from pipeline.targets import file_sha256
+    from pipeline.cost import file_sha256
 
     if not Path(table).is_file():
         raise InputError(f"--table {table}: no such file; give the cost table the experiment's target used")

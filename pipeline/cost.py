@@ -22,6 +22,7 @@ whose cost depends on both the tokens in and the tokens out.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -308,3 +309,8 @@ def check_key(table: CostModel, current: dict[str, Any], *, other_device: bool =
             "measure a table on this machine with `pipeline bench blocks`, or pass --other-device to use it as a "
             "prediction for this machine (marked predicted)")
     raise InputError(f"{where} was measured under another key (recorded != here):\n  {lines}\n{hint}")
+
+
+def file_sha256(path: str | Path) -> str:
+    """A table file's content hash: what a stage's identity and a latency record name it by."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
+from pipeline.methods import METHODS, downsamples, method_spec
 
 with warnings.catch_warnings():
     # fvcore.nn's focal loss calls torch.jit.script at import, which torch 2.11 deprecates with a
@@ -137,12 +139,77 @@ def format_report(report: FlopReport) -> str:
     return "\n".join(lines)
 
 
+# ---- the closed forms of those counts, for GFLOPs targets (the tests hold them equal to fvcore's) ----
+
+NORM_FLOPS = 5  # fvcore's count of a layer norm per element
+
+
+def clustered_width(model: nn.Module, options: dict[str, Any] | None) -> int:
+    """The width of what a pooling step clusters: the tokens' (M), or the head width with ``cluster_on: metric``."""
+    first = next(iter(model.blocks))
+    if (options or {}).get("cluster_on") == "metric":
+        return first.attn.head_dim if hasattr(first.attn, "head_dim") else model.embed_dim // first.attn.num_heads
+    return model.embed_dim
+
+
+def grid(num_tokens: int, step: int) -> list[int]:
+    """0, step, 2 step, ... and ``num_tokens`` itself: the token counts a GFLOPs model has points at."""
+    return sorted({*range(0, num_tokens, step), num_tokens})
+
+
+def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
+                      options: dict[str, Any] | None = None) -> CostModel:
+    """The GFLOPs of ``model`` (a timm ViT, one image) downsampled by ``method`` with ``options`` (its defaults
+    where not given; those its spec declares ``counted`` change the count), as a CostModel, with the pooling step's
+    multiply-adds from its ``MethodSpec.flops``.
+
+    Exact at its points (every ``step`` tokens and N; ``step`` default 1 up to 64 tokens, else 8), as
+    fvcore counts: linear layers and both attention matmuls, layer norms (5 an element), the patch
+    embedding and the head. The norm of a block's tokens out is counted with its MLP half twice: its
+    own ``norm2`` and the next block's ``norm1`` (the final norm after the last block), so the curves
+    in (n, k) add up exactly.
+    """
+    spec = method_spec(method)
+    if spec.flops is None:
+        counted = ", ".join(sorted(name for name, other in METHODS.items() if other.flops is not None))
+        raise InputError(f"no closed-form GFLOPs count of method {method!r}'s pooling step (its MethodSpec has no "
+                         f"flops); give a latency target with a cost table, or one of {counted}")
+    options = spec.resolve(method, options or {})
+    first = next(iter(model.blocks))
+    dim, hidden = model.embed_dim, first.mlp.fc1.out_features
+    n_tokens, prefix, depth = model.patch_embed.num_patches, model.num_prefix_tokens, len(list(model.blocks))
+    patch = model.patch_embed.proj
+    embed = n_tokens * patch.in_channels * patch.kernel_size[0] * patch.kernel_size[1] * dim
+    head = dim * model.head.out_features if isinstance(model.head, nn.Linear) else 0
+    points = grid(n_tokens, step or (1 if n_tokens <= 64 else 8))
+
+    def attn(n: int) -> float:  # qkv, Q K^T and A V, projection
+        t = n + prefix
+        return (3 * t * dim * dim + 2 * t * t * dim + t * dim * dim) / 1e9
+
+    def mlp(k: int) -> float:  # fc1, fc2, and the two norms of the tokens out
+        t = k + prefix
+        return (2 * t * dim * hidden + 2 * NORM_FLOPS * t * dim) / 1e9
+
+    pool, width = spec.flops, clustered_width(model, options)
+    surface = PoolSurface(tuple(points), tuple(
+        Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, width) / 1e9 for k in points if k <= n))
+        for n in points))
+    fixed = (embed + head + NORM_FLOPS * (n_tokens + prefix) * dim) / 1e9  # the first block's norm1
+    return CostModel("gflops", num_tokens=n_tokens, prefix=prefix, depth=depth, fixed=fixed,
+                     attn=Curve(tuple(points), tuple(attn(n) for n in points)),
+                     mlp=Curve(tuple(points), tuple(mlp(k) for k in points)), pool=surface,
+                     key={"model": type(model).__name__, "embed_dim": dim, "method": method,
+                          "options": spec.counted(options)})
+
+
+
+
 def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none", keep: str | None = None,
-                level: int | None = None, iters: int = 5) -> FlopReport:
+                level: int | None = None, options: dict[str, Any] | None = None) -> FlopReport:
     """``pipeline flops``: the count of timm model ``name`` (or a DeiT of width ``embed_dim``) downsampled by
-    ``method`` at ``keep`` (``"K_1,...,K_L"``) or the paper's sparsity ``level``; InputError for arguments that
-    do not fit together."""
-    from pipeline.methods import downsamples, is_builtin, method_spec
+    ``method`` with ``options`` at ``keep`` (``"K_1,...,K_L"``) or the paper's sparsity ``level``; InputError for
+    arguments that do not fit together."""
     from pipeline.models import create_model, parse_keep
     from pipeline.sparsity import level_keep
 
@@ -153,11 +220,8 @@ def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none"
                          f"{embed_dim}; name the model (e.g. --model deit_e252_patch16_224) or give --keep")
     if embed_dim is not None and embed_dim < 1:
         raise InputError(f"--embed-dim {embed_dim}: a width is at least 1 (DeiT-S is 384)")
-    if iters < 1:
-        raise InputError(f"--iters {iters}: clustering runs at least 1 iteration")
     if keep is not None and not downsamples(method):
         raise InputError("--keep without --method keeps every token (method none); give --method too")
     keeps = level_keep(name, level) if level is not None else None if keep is None else parse_keep(keep)
-    # --iters is the built-in clustering methods' option; a plugin's iters keeps its own default
-    options = {"iters": iters} if is_builtin(method) and "iters" in method_spec(method).options else {}
+    options = method_spec(method).resolve(method, options or {})
     return count_flops(create_model(name, embed_dim=embed_dim, method=method, keep=keeps, options=options))

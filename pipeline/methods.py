@@ -6,26 +6,26 @@ are named by ``"module:attribute"`` and imported on first use.
 
 Adding a method is one module with its operator plus one ``register_method`` call::
 
-    from pipeline.methods import MethodSpec, register_method
+    from pipeline.methods import MethodSpec, Option, register_method
 
     register_method("firstk", MethodSpec(
         build="mypackage.firstk:build",   # build(**options) -> step(tokens, k, *, scores, sizes, metric, ...)
         summary="keep the first K tokens",
-        options={"offset": 0},            # accepted options and their defaults
+        options={"offset": Option(0, minimum=0, doc="the first token kept")},
+        flops=lambda n, k, width: 0,      # its step's multiply-adds, for GFLOPs targets
     ))
 
 or, from another installed package, one entry point in the group ``pipeline.methods`` naming a
 ``MethodSpec`` (``firstk = "mypackage.firstk:SPEC"`` under ``[project.entry-points."pipeline.methods"]``):
 it loads wherever the registry is first read, so in the CLI, the config validation and every Ray worker.
 The config, ``pipeline flops``, the benchmarks, training and the analyses then accept ``method: firstk``
-(docs/architecture.md). Its options are set under ``pooling.options.firstk``, against its ``options``;
-a built-in method's are ``pooling``'s own keys. A plugin may not take a built-in method's name, a
-plugin that does not load is named in a warning while the others load, and the package and version of
-a plugin's method are part of its stages' identities and its runs' MLflow tags (``Plugin``).
+(docs/architecture.md). Every method's options, built-in or not, are set under ``pooling.options.<method>``
+and checked against its ``Option`` declarations. A plugin may not take a built-in method's name, a plugin
+that does not load is named in a warning while the others load, and the package and version of a plugin's
+method are part of its stages' identities and its runs' MLflow tags (``Plugin``).
 
-The operators live in ``pipeline.pooling``, which imports this module only for the name it kept for a
-release (``pipeline.pooling.build_downsampler``, on first access): the registry names their factories by
-``"module:attribute"``, so there is no import loop.
+The operators live in ``pipeline.pooling``, which never imports this module: the registry names their
+factories by ``"module:attribute"``, so there is no import loop.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import Any
@@ -41,14 +41,66 @@ from typing import Any
 from pipeline.errors import InputError, PipelineWarning
 
 PLUGIN_GROUP = "pipeline.methods"  # entry points naming a MethodSpec of another package
-SCORE_OPTIONS = MappingProxyType({"significance": "eq4"})
-COUNTED_OPTIONS = ("cluster_on",)  # the options that change a pooling step's GFLOPs (``targets.gflops_cost_model``)
-CLUSTER_OPTIONS = MappingProxyType({"iters": 5, "init": "topk", "cluster_on": "tokens", **SCORE_OPTIONS})
+
+# An option's type, from its default (None: any YAML value); an int is accepted where a float is.
+_OPTION_TYPES: tuple[tuple[type, tuple[type, ...]], ...] = (
+    (bool, (bool,)), (int, (int,)), (float, (int, float)), (str, (str,)), (list, (list,)), (dict, (dict,)))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a method, declared once: the config, ``--set``, the stage identity, the GFLOPs and
+    ``pipeline methods`` read it from here.
+
+    Attributes:
+        default: the value it takes when not set; its type is the option's type (None: any YAML value).
+        choices: the values it may take (None: any of its type).
+        minimum: the smallest value a number may take.
+        counted: changes the pooling step's GFLOPs (``MethodSpec.flops``), so a GFLOPs target's cost model
+            and a K search toward it depend on it.
+        doc: one line for ``pipeline methods`` and the docs.
+    """
+
+    default: Any
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    counted: bool = False
+    doc: str = ""
+
+    def check(self, where: str, value: Any) -> Any:
+        """``value`` as this option takes it (an int where a float is: a float); InputError naming ``where``."""
+        if self.default is None:
+            if value is not None and not isinstance(value, (bool, int, float, str, list, dict)):
+                raise InputError(f"{where} takes a YAML value, got {type(value).__name__}")
+        else:
+            value = _typed(where, value, self.default)
+        if self.choices is not None and value not in self.choices:
+            raise InputError(f"{where} is one of {', '.join(map(repr, self.choices))}, got {value!r}")
+        if self.minimum is not None and isinstance(value, (int, float)) and value < self.minimum:
+            raise InputError(f"{where} is at least {self.minimum:g}, got {value!r}")
+        return value
+
+    def describe(self) -> str:
+        """``5 (>= 1)`` or ``'topk' (topk, random)``: its default and what it allows."""
+        allowed = (f"{', '.join(map(str, self.choices))}" if self.choices is not None
+                   else f">= {self.minimum:g}" if self.minimum is not None else "")
+        counted = "; counted in GFLOPs" if self.counted else ""
+        return f"{self.default!r}" + (f" ({allowed})" if allowed else "") + counted
+
+
+def _typed(where: str, value: Any, default: Any) -> Any:
+    for kind, accepted in _OPTION_TYPES:
+        if isinstance(default, kind):
+            if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+                raise InputError(f"{where} takes a value of type {kind.__name__} (its default is {default!r}), "
+                                 f"got {value!r}")
+            return float(value) if kind is float else value
+    return value
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One registered method.
+    """One registered method: everything the project knows about it.
 
     Attributes:
         build: the operator's factory, or ``"module:attribute"`` naming it. Called as
@@ -56,9 +108,15 @@ class MethodSpec:
             per downsampling block, ``build(dim, grid=(h, w), k=K)``).
         summary: one line for ``pipeline methods``.
         needs_scores: reads significance scores (eq. 4 by default; the models compute them only then).
-        options: the options it accepts, with their defaults. ``cluster_on: metric`` makes the models
-            hand it the attention keys averaged over heads as ``metric``; ``significance: cls`` makes
-            them compute its scores from the class token's attention instead of eq. 4.
+        options: the options it accepts, by name: an ``Option``, or a plain default (``{"offset": 0}`` is
+            ``{"offset": Option(0)}``). They are set under ``pooling.options.<method>``. Two names mean
+            something to the models: ``cluster_on: metric`` makes them hand the step the attention keys
+            averaged over heads as ``metric``; ``significance: cls`` makes them compute its scores from the
+            class token's attention instead of eq. 4.
+        flops: the multiply-adds of its pooling step, ``flops(n, k, width)`` for n non-prefix tokens pooled to
+            k, clustering vectors of ``width`` (the tokens', or the head width with ``cluster_on: metric``);
+            None where it has no closed form (GFLOPs targets and ``pipeline flops``' fvcore count differ then).
+        takes_kernels: its step takes the model's ``kernels`` (the fused-kernel choice) as an argument.
         learnable: has parameters of its own, one set per block.
         reconstructs: takes part in ``analyze reconstruction`` (parameter-free methods that downsample).
         downsamples: takes tokens away; False only for the method that keeps every token (the baseline).
@@ -68,11 +126,17 @@ class MethodSpec:
     build: Callable[..., Any] | str
     summary: str
     needs_scores: bool = False
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Option] = field(default_factory=dict)
+    flops: Callable[[int, int, int], int] | None = None
+    takes_kernels: bool = False
     learnable: bool = False
     reconstructs: bool = True
     downsamples: bool = True
     swept: bool = False
+
+    def __post_init__(self) -> None:
+        declared = {name: value if isinstance(value, Option) else Option(value) for name, value in self.options.items()}
+        object.__setattr__(self, "options", MappingProxyType(declared))
 
     def factory(self) -> Callable[..., Any]:
         if callable(self.build):
@@ -80,13 +144,25 @@ class MethodSpec:
         module, _, attribute = self.build.partition(":")
         return getattr(importlib.import_module(module), attribute)
 
+    def defaults(self) -> dict[str, Any]:
+        """Every option at its default."""
+        return {name: option.default for name, option in self.options.items()}
+
     def resolve(self, name: str, given: Mapping[str, Any]) -> dict[str, Any]:
-        """The defaults updated by ``given``; ValueError for an option this method does not take."""
+        """The defaults updated by ``given``, each value checked against its ``Option``; InputError for an
+        option this method does not take or a value it does not allow, naming ``pooling.options.NAME.KEY``."""
         unknown = sorted(set(given) - set(self.options))
         if unknown:
             accepted = ", ".join(sorted(self.options)) or "none"
-            raise InputError(f"method {name!r} got options it does not take: {unknown}; it takes: {accepted}")
-        return {**self.options, **given}
+            raise InputError(f"pooling.options.{name}: method {name!r}{_origin(name)} has no option "
+                             f"{', '.join(map(repr, unknown))}; it takes: {accepted}")
+        checked = {key: self.options[key].check(f"pooling.options.{name}.{key}{_origin(name)}", value)
+                   for key, value in given.items()}
+        return {**self.defaults(), **checked}
+
+    def counted(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The (resolved) options that change its pooling step's GFLOPs."""
+        return {key: options[key] for key, option in self.options.items() if option.counted and key in options}
 
     def needs_metric(self, options: Mapping[str, Any]) -> bool:
         """Whether, with these (resolved) options, the method clusters on the mean keys."""
@@ -98,21 +174,49 @@ class MethodSpec:
         return options.get("significance", "eq4")
 
 
+def _origin(name: str) -> str:
+    plugin = METHODS.plugins.get(name)
+    return f" (from {plugin})" if plugin is not None else ""
+
+
+# The built-in methods' options, each declared once.
+ITERS = Option(5, minimum=1, doc="rounds of assignment and centre update")
+INIT = Option("topk", choices=("topk", "random"), doc="the first centres: the K most significant tokens, or random")
+CLUSTER_ON = Option("tokens", choices=("tokens", "metric"), counted=True,
+                    doc="match on the tokens, or on the cheaper metric (keys averaged over heads)")
+SIGNIFICANCE = Option("eq4", choices=("eq4", "cls"),
+                      doc="the scores: eq4, the attention each token receives from every query (the paper's), or "
+                          "cls, the class token's attention alone (EViT; one query row, cheaper)")
+_SCORED = {"significance": SIGNIFICANCE}
+_CLUSTERED = {"iters": ITERS, "init": INIT, "cluster_on": CLUSTER_ON, **_SCORED}
+
+
+def _selects(n: int, k: int, width: int) -> int:
+    """A selection (top-K, sampling) multiplies nothing."""
+    return 0
+
+
+def _gram(n: int, k: int, width: int) -> int:
+    """K-Medoids builds the n x n Gram matrix of what it clusters (the paper's "+0.1" GFLOPs on DeiT-S)."""
+    return n * n * width
+
+
 _F = "pipeline.pooling.factories:"
 KEEP_ALL = "none"  # the method that keeps every token: the unmodified model, and the baseline finetune
 _BUILTIN: dict[str, MethodSpec] = {
-    KEEP_ALL: MethodSpec(_F + "keep_all", "keep every token", reconstructs=False, downsamples=False),
-    # In this order, the swept ones are the default experiment.methods as it always was (a stage's identity
-    # hashes the list).
-    "kmeans": MethodSpec(_F + "kmeans", "K-Means (eq. 6-7)", True, CLUSTER_OPTIONS),
-    "wkmeans": MethodSpec(_F + "wkmeans", "weighted K-Means", True, CLUSTER_OPTIONS),
-    "wkmedoids": MethodSpec(_F + "wkmedoids", "weighted K-Medoids", True, CLUSTER_OPTIONS, swept=True),
-    "kmedoids": MethodSpec(_F + "kmedoids", "K-Medoids (eq. 8)", True, CLUSTER_OPTIONS, swept=True),
-    "powerbert": MethodSpec(_F + "powerbert", "top-K significance", True, SCORE_OPTIONS, swept=True),
-    "random": MethodSpec(_F + "random", "uniform selection", swept=True),
-    "importance": MethodSpec(_F + "importance", "significance sampling", True, SCORE_OPTIONS, swept=True),
+    KEEP_ALL: MethodSpec(_F + "keep_all", "keep every token", takes_kernels=True, reconstructs=False,
+                         downsamples=False),
+    # In this order, the swept ones are the default experiment.methods.
+    "kmeans": MethodSpec(_F + "kmeans", "K-Means (eq. 6-7)", True, _CLUSTERED, takes_kernels=True),
+    "wkmeans": MethodSpec(_F + "wkmeans", "weighted K-Means", True, _CLUSTERED, takes_kernels=True),
+    "wkmedoids": MethodSpec(_F + "wkmedoids", "weighted K-Medoids", True, _CLUSTERED, _gram, True, swept=True),
+    "kmedoids": MethodSpec(_F + "kmedoids", "K-Medoids (eq. 8)", True, _CLUSTERED, _gram, True, swept=True),
+    "powerbert": MethodSpec(_F + "powerbert", "top-K significance", True, _SCORED, _selects, True, swept=True),
+    "random": MethodSpec(_F + "random", "uniform selection", flops=_selects, takes_kernels=True, swept=True),
+    "importance": MethodSpec(_F + "importance", "significance sampling", True, _SCORED, _selects, True, swept=True),
     # ToMe matches on the keys averaged over heads, as ToMe itself does, unless told otherwise.
-    "tome": MethodSpec(_F + "tome", "ToMe bipartite soft matching", options={"cluster_on": "metric"}, swept=True),
+    "tome": MethodSpec(_F + "tome", "ToMe bipartite soft matching",
+                       options={"cluster_on": replace(CLUSTER_ON, default="metric")}, takes_kernels=True, swept=True),
     "conv": MethodSpec("pipeline.pooling.conv:GridConvDownsample", "2x2 stride-2 convolution", learnable=True,
                        reconstructs=False),
 }
@@ -253,7 +357,7 @@ def register_method(name: str, spec: MethodSpec) -> None:
 
 
 def is_builtin(name: str) -> bool:
-    """Whether ``name`` is one of this project's own methods (whose options are ``pooling``'s own keys)."""
+    """Whether ``name`` is one of this project's own methods (a plugin may not take its name)."""
     return name in METHODS.builtin
 
 
@@ -306,9 +410,7 @@ def build_downsampler(name: str, *, dim: int | None = None, grid: tuple[int, int
     """Builds the method ``name`` with its ``options`` (defaults from its ``MethodSpec``): a
     ``pipeline.pooling.factories.Downsampler``.
 
-    Options: clustering methods take ``iters``, ``init`` and ``cluster_on`` ("tokens" or
-    "metric"); ``tome`` takes ``cluster_on`` (default "metric", ToMe's keys); every method that reads
-    scores takes ``significance`` ("eq4" or "cls"), which tells the models which scores to compute. A
+    Options: those its spec declares (``pipeline methods`` lists them), each checked against its ``Option``. A
     learnable method (``conv``) also needs ``dim``, the token width M, and may check the ``grid`` (h, w)
     it will see and the ``k`` it must produce (a ValueError when it cannot).
     """

@@ -13,16 +13,12 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 from pipeline.errors import InputError
-from pipeline.kernel_choices import KERNEL_CHOICES
-
-CompileMode = Literal["none", "default", "reduce-overhead", "max-autotune"]
-COMPILE_MODES: tuple[str, ...] = ("none", "default", "reduce-overhead", "max-autotune")
+from pipeline.kernel_choices import COMPILE_MODES, KERNEL_CHOICES
 
 
 def check_compile(mode: str, device: torch.device | str) -> None:

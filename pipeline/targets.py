@@ -1,9 +1,7 @@
-"""The K search toward a cost target (``train.ksearch_target``): the cost models it targets, its
-self-adjusting penalty, and the rounding of the learned retention to a keep list under the target.
+"""The K search toward a cost target (``train.ksearch_target``): the cost models it targets (a latency
+table, or ``flops.gflops_cost_model``), its self-adjusting penalty, and the rounding of the learned retention
+to a keep list under the target.
 
-- ``gflops_cost_model``: a ``CostModel`` in GFLOPs of a timm ViT and a method, from closed forms of
-  the counts ``pipeline.flops`` makes with fvcore (the tests hold the two equal), so that a GFLOPs
-  target runs through the same machinery as a latency table.
 - ``TargetSearch``: the penalty ``mu * rho + w * (rho - t)^2`` on ``rho``, the expected cost of the
   soft keep list over the unmodified model's, with ``mu`` moved after each step by ``dual_rate *
   (rho - t)`` (a dual ascent on ``rho = t``): each block is weighted by its marginal cost, and the
@@ -15,92 +13,18 @@ self-adjusting penalty, and the rounding of the learned retention to a keep list
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from pipeline.config import CostTarget, PoolingConfig
-from pipeline.cost import CostModel, Curve, PoolSurface, load_cost_model
+from pipeline.cost import CostModel, file_sha256, load_cost_model
 from pipeline.errors import InputError
-from pipeline.methods import COUNTED_OPTIONS
-
-# Methods whose pooling step's count has a closed form here: (non-prefix tokens in n, kept k, width of what is
-# clustered) -> multiply-adds. PoWER-BERT, random and importance select (no multiply-add); K-Medoids and
-# WK-Medoids build the n x n Gram matrix of what they cluster: the tokens (width M), or with ``cluster_on:
-# metric`` the keys averaged over heads (the head width).
-POOL_FLOPS: dict[str, Callable[[int, int, int], int]] = {
-    "powerbert": lambda n, k, m: 0,
-    "random": lambda n, k, m: 0,
-    "importance": lambda n, k, m: 0,
-    "kmedoids": lambda n, k, m: n * n * m,
-    "wkmedoids": lambda n, k, m: n * n * m,
-}
-NORM_FLOPS = 5  # fvcore's count of a layer norm per element
-
-
-def clustered_width(model: nn.Module, options: dict[str, Any] | None) -> int:
-    """The width of what a pooling step clusters: the tokens' (M), or the head width with ``cluster_on: metric``."""
-    first = next(iter(model.blocks))
-    if (options or {}).get("cluster_on") == "metric":
-        return first.attn.head_dim if hasattr(first.attn, "head_dim") else model.embed_dim // first.attn.num_heads
-    return model.embed_dim
-
-
-def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def grid(num_tokens: int, step: int) -> list[int]:
-    """0, step, 2 step, ... and ``num_tokens`` itself: the token counts a GFLOPs model has points at."""
-    return sorted({*range(0, num_tokens, step), num_tokens})
-
-
-def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
-                      options: dict[str, Any] | None = None) -> CostModel:
-    """The GFLOPs of ``model`` (a timm ViT, one image) downsampled by ``method`` with ``options`` (its defaults
-    where not given; ``cluster_on`` changes the count, ``COUNTED_OPTIONS``), as a CostModel.
-
-    Exact at its points (every ``step`` tokens and N; ``step`` default 1 up to 64 tokens, else 8), as
-    fvcore counts: linear layers and both attention matmuls, layer norms (5 an element), the patch
-    embedding and the head. The norm of a block's tokens out is counted with its MLP half twice: its
-    own ``norm2`` and the next block's ``norm1`` (the final norm after the last block), so the curves
-    in (n, k) add up exactly.
-    """
-    if method not in POOL_FLOPS:
-        raise InputError(f"no closed-form GFLOPs count of method {method!r}'s pooling step; give a latency "
-                         f"target with a cost table, or one of {', '.join(sorted(POOL_FLOPS))}")
-    first = next(iter(model.blocks))
-    dim, hidden = model.embed_dim, first.mlp.fc1.out_features
-    n_tokens, prefix, depth = model.patch_embed.num_patches, model.num_prefix_tokens, len(list(model.blocks))
-    patch = model.patch_embed.proj
-    embed = n_tokens * patch.in_channels * patch.kernel_size[0] * patch.kernel_size[1] * dim
-    head = dim * model.head.out_features if isinstance(model.head, nn.Linear) else 0
-    points = grid(n_tokens, step or (1 if n_tokens <= 64 else 8))
-
-    def attn(n: int) -> float:  # qkv, Q K^T and A V, projection
-        t = n + prefix
-        return (3 * t * dim * dim + 2 * t * t * dim + t * dim * dim) / 1e9
-
-    def mlp(k: int) -> float:  # fc1, fc2, and the two norms of the tokens out
-        t = k + prefix
-        return (2 * t * dim * hidden + 2 * NORM_FLOPS * t * dim) / 1e9
-
-    pool, width = POOL_FLOPS[method], clustered_width(model, options)
-    surface = PoolSurface(tuple(points), tuple(
-        Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, width) / 1e9 for k in points if k <= n))
-        for n in points))
-    fixed = (embed + head + NORM_FLOPS * (n_tokens + prefix) * dim) / 1e9  # the first block's norm1
-    return CostModel("gflops", num_tokens=n_tokens, prefix=prefix, depth=depth, fixed=fixed,
-                     attn=Curve(tuple(points), tuple(attn(n) for n in points)),
-                     mlp=Curve(tuple(points), tuple(mlp(k) for k in points)), pool=surface,
-                     key={"model": type(model).__name__, "embed_dim": dim, "method": method,
-                          "options": {name: value for name, value in (options or {}).items()
-                                      if name in COUNTED_OPTIONS}})
+from pipeline.flops import gflops_cost_model
+from pipeline.methods import method_spec
 
 
 def target_cost_model(target: CostTarget, model: nn.Module, pooling: PoolingConfig | None = None) -> CostModel:
@@ -354,7 +278,7 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
         costs = target_cost_model(target, model, pooling)
         limit = target_fraction(target, costs) * costs.unmodified()
         predicted = (gflops_cost_model(model, method, options=method_options(pooling, method)).predict(keep)
-                     if method in POOL_FLOPS else None)
+                     if method_spec(method).flops is not None else None)
         return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
     costs = target_cost_model(target, model, pooling)
     limit, full = target_fraction(target, costs) * costs.unmodified(), costs.unmodified()

@@ -50,12 +50,18 @@ def test_help_lists_only_working_commands(capsys):
 def test_methods_lists_the_registry():
     from pipeline.methods import METHODS
 
-    names = [line.split()[0] for line in run("methods").stdout.splitlines()]
-    assert names == list(METHODS)
+    lines = run("methods").stdout.splitlines()
+    assert [line.split()[0] for line in lines if not line.startswith(" ")] == list(METHODS)
+    options = [line.split()[0] for line in lines if line.startswith(" ")]
+    assert options == [f"pooling.options.{name}.{key}" for name, spec in METHODS.items() for key in spec.options]
+    assert "    pooling.options.wkmedoids.iters = 5 (>= 1): rounds of assignment and centre update" in lines
+    assert ("    pooling.options.tome.cluster_on = 'metric' (tokens, metric); counted in GFLOPs: match on the tokens, "
+            "or on the cheaper metric (keys averaged over heads)") in lines
 
 
 def test_config_show_prints_resolved_yaml(tmp_path):
-    out = run("config", "show", "configs/bench_ops.yaml", "--set", "pooling.iters=2", "--out", str(tmp_path))
+    out = run("config", "show", "configs/bench_ops.yaml", "--set", "pooling.options.wkmedoids.iters=2",
+              "--out", str(tmp_path))
     assert "iters: 2" in out.stdout
     assert (tmp_path / "config.yaml").is_file()
 

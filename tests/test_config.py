@@ -32,16 +32,17 @@ def test_every_shipped_config_loads(path: Path):
 def test_defaults_without_a_file():
     config = load_config()
     assert config == Config()
-    assert config.pooling.method == "wkmedoids" and config.pooling.iters == 5
+    assert config.pooling.method == "wkmedoids" and config.pooling.method_options()["iters"] == 5
 
 
 def test_file_then_overrides(tmp_path: Path):
     path = tmp_path / "exp.yaml"
-    path.write_text("seed: 3\npooling:\n  method: kmeans\n  iters: 2\n")
-    config = load_config(path, ["pooling.iters=7", "bench.keep=[10, 20]", "bench.threads=null"])
+    path.write_text("seed: 3\npooling:\n  method: kmeans\n  options: {kmeans: {iters: 2, init: random}}\n")
+    config = load_config(path, ["pooling.options.kmeans.iters=7", "bench.keep=[10, 20]", "bench.threads=null"])
     assert config.seed == 3
     assert config.pooling.method == "kmeans"  # from the file
-    assert config.pooling.iters == 7  # the override wins
+    assert config.pooling.method_options() == {"iters": 7, "init": "random", "cluster_on": "tokens",
+                                               "significance": "eq4"}  # the override wins, the file's init stays
     assert config.bench.keep == [10, 20]
     assert config.bench.threads is None
 
@@ -53,7 +54,7 @@ def test_unknown_key_names_key_file_and_allowed(tmp_path: Path):
         load_config(path)
     message = str(err.value)
     assert str(path) in message and "pooling.iter" in message
-    assert "allowed keys here: alpha, carry, cluster_on, init, iters, keep, level, method, options, qk_norm" in message
+    assert "allowed keys here: alpha, carry, keep, level, method, options, qk_norm" in message
 
 
 def test_unknown_section(tmp_path: Path):
@@ -65,25 +66,28 @@ def test_unknown_section(tmp_path: Path):
 
 
 def test_wrong_type_from_override_names_the_override():
-    with pytest.raises(ConfigError, match=r"--set pooling.iters=three: pooling.iters: Input should be a valid integer"):
-        load_config(None, ["pooling.iters=three"])
+    with pytest.raises(ConfigError, match=r"--set pooling.options.kmeans.iters=three: pooling.options: Value error, "
+                       r"pooling.options.kmeans.iters takes a value of type int \(its default is 5\), got 'three'"):
+        load_config(None, ["pooling.options.kmeans.iters=three"])
 
 
 def test_strict_types_refuse_coercion(tmp_path: Path):
     path = tmp_path / "types.yaml"
-    path.write_text("pooling:\n  iters: '5'\nbench:\n  batch: 2.5\n")
+    path.write_text("pooling:\n  options: {kmedoids: {iters: '5'}}\nbench:\n  batch: 2.5\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert "pooling.iters" in str(err.value) and "bench.batch" in str(err.value)
+    assert "pooling.options.kmedoids.iters takes a value of type int" in str(err.value)
+    assert "bench.batch" in str(err.value)
 
 
 @pytest.mark.parametrize(
     "override,fragment",
     [
         ("pooling.method=kmodes", "pooling.method: Value error, unknown downsampling method 'kmodes'; choose one of"),
-        ("pooling.iters=0", "pooling.iters: Input should be greater than or equal to 1"),
+        ("pooling.options.wkmedoids.iters=0", "pooling.options.wkmedoids.iters is at least 1, got 0"),
         ("bench.keep=[98, 0]", "every K must be >= 1"),
-        ("pooling.init=kmeans++", "pooling.init: Input should be 'topk' or 'random'"),
+        ("pooling.options.kmeans.init=kmeans++",
+         "pooling.options.kmeans.init is one of 'topk', 'random', got 'kmeans++'"),
     ],
 )
 def test_impossible_values(override, fragment):
@@ -92,17 +96,29 @@ def test_impossible_values(override, fragment):
     assert fragment in str(err.value)
 
 
-def test_cross_field_rule():
-    takers = "kmeans, kmedoids, tome, wkmeans, wkmedoids"
-    with pytest.raises(ConfigError, match=f"pooling.cluster_on applies to {takers}, not 'powerbert'"):
-        load_config(None, ["pooling.method=powerbert", "pooling.cluster_on=metric"])
-    takers = "importance, kmeans, kmedoids, powerbert, wkmeans, wkmedoids"
-    with pytest.raises(ConfigError, match=f"pooling.significance applies to {takers}, not 'tome'"):
-        load_config(None, ["pooling.method=tome", "pooling.significance=cls"])
-    with pytest.raises(ConfigError, match="pooling.significance: Input should be 'eq4' or 'cls'"):
-        load_config(None, ["pooling.significance=evit"])
-    config = load_config(None, ["pooling.method=powerbert", "pooling.significance=cls"])
+def test_a_method_option_is_checked_against_the_method_it_is_set_for():
+    with pytest.raises(ConfigError, match="pooling.options.powerbert: method 'powerbert' has no option 'cluster_on'; "
+                       "it takes: significance"):
+        load_config(None, ["pooling.method=powerbert", "pooling.options.powerbert.cluster_on=metric"])
+    with pytest.raises(ConfigError, match="pooling.options.tome: method 'tome' has no option 'significance'"):
+        load_config(None, ["pooling.options.tome.significance=cls"])
+    with pytest.raises(ConfigError, match="pooling.options.powerbert.significance is one of 'eq4', 'cls', got 'evit'"):
+        load_config(None, ["pooling.options.powerbert.significance=evit"])
+    config = load_config(None, ["pooling.method=powerbert", "pooling.options.powerbert.significance=cls"])
     assert config.pooling.method_options() == {"significance": "cls"}
+
+
+@pytest.mark.parametrize("method,message", [
+    ("wkmedoids", "pooling.iters is a method's option: use pooling.options.wkmedoids.iters"),
+    ("random", "pooling.iters is a method's option, and 'random' does not take it: set it as "
+               "pooling.options.METHOD.iters for a method that does (kmeans, wkmeans, wkmedoids, kmedoids)"),
+])
+def test_a_method_option_at_the_top_of_pooling_names_its_new_place(tmp_path: Path, method, message):
+    path = tmp_path / "old.yaml"
+    path.write_text(f"pooling:\n  method: {method}\n  iters: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value) and str(path) in str(err.value)
 
 
 @pytest.mark.parametrize("item", ["pooling.iters", "pooling..iters=3", "=3"])
@@ -225,8 +241,8 @@ def test_merge_keys_may_be_overridden_and_repeated_overrides_keep_the_later():
 
     assert parse_yaml("a: &x {k: 1, j: 2}\nb:\n  <<: *x\n  k: 3\n", "t") == {"a": {"k": 1, "j": 2},
                                                                            "b": {"k": 3, "j": 2}}
-    assert load_config(None, ["seed=1", "pooling.iters=2", "seed=4", "pooling.iters=3"]).seed == 4
-    assert load_config(None, ["pooling.iters=2", "pooling.iters=3"]).pooling.iters == 3
+    assert load_config(None, ["seed=1", "pooling.alpha=2", "seed=4", "pooling.alpha=3"]).seed == 4
+    assert load_config(None, ["pooling.alpha=2", "pooling.alpha=3"]).pooling.alpha == 3
     with pytest.raises(ConfigError, match=r"--set 'bench.keep=\{a: 1, a: 2\}': line 1: the key 'a' is given twice"):
         load_config(None, ["bench.keep={a: 1, a: 2}"])
 

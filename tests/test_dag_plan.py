@@ -59,33 +59,40 @@ def test_stage_ids_change_downstream_of_any_change(data, tmp_path):
     assert ksearch_stages(fast, archs(fast)[0], base_a)[0].id == ksearch_stages(a, archs(a)[0], base_a)[0].id
 
 
-def test_no_ksearch_target_leaves_every_id_as_it_was():
-    """The ids main gave before K-search targets existed (f982b72): unset, the new settings change no stage id,
-    evaluation id or experiment id, so no finished run reruns."""
+def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
+    """The ids of tiny.yaml's stages, pinned: a change that moves one without bumping ``IDENTITY_VERSION`` fails
+    here (docs/design.md lists each version's ids of the first stage); bumping it moves every one."""
+    from pipeline.config import identity
+    from pipeline.dag import plan
     from pipeline.dag.plan import archs, base_stage, dag_id, evaluate_stage, finetune_stage, ksearch_stages
 
+    def ids(config):
+        arch = archs(config)[0]
+        base = base_stage(config, arch)
+        ks = ksearch_stages(config, arch, base)
+        ft = finetune_stage(config, arch, base, "wkmedoids", "lam0.05", [12, 8, 4], [ks[1].id])
+        full = finetune_stage(config, arch, base, "none", "full", None, [])
+        return [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id, dag_id(config)]
+
     config = load_config(TINY)
+    assert ids(config) == ["b6d65810254668ab", "22f922e70d56a766", "e9633713e482a150", "10a1b69f3308dfb6",
+                           "8f888036fac81bcf", "1be9fcee77b73a9a", "9bd2de046dc81b3d"]  # identity version 2
+    monkeypatch.setattr(identity, "IDENTITY_VERSION", 3)
+    monkeypatch.setattr(plan, "IDENTITY_VERSION", 3)
+    moved = ids(config)
+    assert len(set(moved)) == 7
+    assert not set(moved) & {"b6d65810254668ab", "22f922e70d56a766", "e9633713e482a150", "10a1b69f3308dfb6",
+                             "8f888036fac81bcf", "1be9fcee77b73a9a", "9bd2de046dc81b3d"}
+    monkeypatch.undo()
     arch = archs(config)[0]
     base = base_stage(config, arch)
     ks = ksearch_stages(config, arch, base)
-    ft = finetune_stage(config, arch, base, "wkmedoids", "lam0.05", [12, 8, 4], [ks[1].id])
-    full = finetune_stage(config, arch, base, "none", "full", None, [])
-    assert [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id] == [
-        "942e3d5b4f99b040", "287baf85545793ab", "0dec5b3b21eb72f0", "ac0d3e7b8d48c2ab", "3c3a4fbf2182bbd2",
-        "d58a2c108bfeb68c"]  # the evaluation's follows the paired speed's keys (eval.speed_*): 54529a142890c3b8 before
-    # and so does the experiment's (a5027ec45ec55f30 before them), of tiny.yaml as it was before it set one trial at a
-    # time (the experiment section is its identity: b3364b47be995082 with it)
-    unbounded = load_config(TINY, ["experiment.search.max_concurrent=null"])
-    assert dag_id(unbounded) == "3023dbf6d25ba4aa" and dag_id(config) == "b3364b47be995082"
     # A target is a K search of its own, beside the lambdas, with its own identity.
     both = ksearch_stages(load_config(TINY, [TARGET]), arch, base)
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
-    # Its id names the rounding's rule (targets.ROUNDING): e8800f3ae83f1326 before the rounding stayed near the
-    # search's landing, so that a search rounded over every list is not reused for a keep list
-    assert both[2].id == "68f8c9028215f1c7"
-    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "d6bdabadc4894ab7"  # nor
-    # the experiment's (97f718508bbcc5be before eval.speed_*, which changed every experiment's id)
+    assert both[2].id == "139df6fee288fbb3"  # its id names the rounding's rule (targets.ROUNDING) too
+    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "44126514bfbe6dac"
     assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
     # Two targets at one figure, each with its own name (as each method's own table needs): two searches, two
     # levels; the same figure without names is refused.
@@ -146,64 +153,57 @@ def test_cli_plan_prints_counts():
     assert json.loads(proc.stdout) == {"base": 2, "ksearch": 5, "finetune": 27, "evaluate": 27}
 
 
-def test_a_method_option_reaches_the_finetunes_that_take_it():
-    """``pooling.significance: cls`` in a sweep goes to the methods that read scores, not to ToMe (whose
-    stage would otherwise be refused), and changes their identity; ``eq4``, what the code did before
-    the option existed, leaves every identity as it was."""
+def test_a_method_option_reaches_the_finetunes_of_that_method_only():
+    """``pooling.options.powerbert.significance: cls`` in a sweep changes PoWER-BERT's finetune and no other (ToMe,
+    which has no such option, keeps its id); the option set at its default is the default's identity."""
     from pipeline.dag.plan import archs, base_stage, finetune_stage
 
     paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
     methods = "experiment.methods=[tome, powerbert]"
     ids = {}
     for significance in (None, "eq4", "cls"):
-        extra = [] if significance is None else [f"pooling.significance={significance}"]
+        extra = [] if significance is None else [f"pooling.options.powerbert.significance={significance}"]
         config = load_config(paper, [methods, *extra])
         arch = archs(config)[0]
         base = base_stage(config, arch)
         tome, powerbert = (finetune_stage(config, arch, base, m, "L3", [196] * 12, []) for m in ("tome", "powerbert"))
-        assert tome.config.pooling.significance is None
-        assert powerbert.config.pooling.method_options()["significance"] == (significance or "eq4")
+        assert tome.config.pooling.method_options() == {"cluster_on": "metric"}
+        assert powerbert.config.pooling.method_options() == {"significance": significance or "eq4"}
         ids[significance] = (tome.id, powerbert.id)
     assert ids[None] == ids["eq4"]
     assert ids["cls"][0] == ids[None][0] and ids["cls"][1] != ids[None][1]
-    with pytest.raises(ConfigError, match=r"pooling.significance applies to .*powerbert.*, not any of "
-                                          r"experiment.methods \['tome', 'random'\]"):
-        load_config(paper, ["experiment.methods=[tome, random]", "pooling.significance=cls"])
+    with pytest.raises(ConfigError, match=r"pooling.options.tome: method 'tome' has no option 'significance'"):
+        load_config(paper, ["experiment.methods=[tome, random]", "pooling.options.tome.significance=cls"])
 
 
 def test_the_shared_pooling_settings_are_part_of_the_experiment():
-    """Two sweeps that differ only in a pooling setting their finetunes share are two experiments (two
-    parent runs; ``--force`` on one retires nothing of the other); at the defaults the identity is the
-    one recorded before these settings counted: the experiment section's alone."""
-    from pipeline.dag.plan import dag_id, stage_id
+    """Two sweeps that differ only in a pooling setting their finetunes share (every method's options among them)
+    are two experiments (two parent runs; ``--force`` on one retires nothing of the other); the method and keep
+    list, which the sweep sets per stage, are not part of it."""
+    from pipeline.dag.plan import dag_id
 
     paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    default = load_config(paper, ["experiment.methods=[wkmedoids, powerbert]"])
-    # The experiment section as it was dumped before ``ksearch_targets`` existed (dag_id leaves it out unset).
-    recorded = stage_id("dag", default, [], {"experiment": default.experiment.model_dump(mode="json",
-                                                                                         exclude={"ksearch_targets"})})
-    same = [[], ["pooling.significance=eq4"], ["pooling.iters=5"], ["pooling.carry=false"],
-            ["pooling.method=kmeans"], ["pooling.level=3"]]  # the sweep sets method and keep per stage
+    default = dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]"]))
+    same = [["pooling.method=kmeans"], ["pooling.level=3"]]
     for extra in same:
-        assert dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) == recorded, extra
-    other = [["pooling.significance=cls"], ["pooling.carry=true"], ["pooling.iters=3"], ["pooling.init=random"],
-             ["pooling.cluster_on=metric"], ["pooling.qk_norm=fixed"], ["pooling.alpha=2.0"]]
+        assert dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) == default, extra
+    other = [["pooling.options.powerbert.significance=cls"], ["pooling.carry=true"],
+             ["pooling.options.wkmedoids.iters=3"], ["pooling.options.wkmedoids.init=random"],
+             ["pooling.options.wkmedoids.cluster_on=metric"], ["pooling.qk_norm=fixed"], ["pooling.alpha=2.0"],
+             ["kernels.kmedoids=torch"]]
     ids = {dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) for extra in other}
-    assert len(ids) == len(other) and recorded not in ids
+    assert len(ids) == len(other) and default not in ids
 
 
 def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path):
     """Another release of a plugin, or another value of its option, is another result: its finetune and
-    evaluation get new ids. The built-in methods' stages keep the ids recorded below, whatever plugin is
-    installed or configured; a built-in
-    method's option set away from its default gives another id (it gave the default's id before)."""
+    evaluation get new ids. The built-in methods' stages keep the ids pinned below, whatever plugin is
+    installed or configured; a built-in method's option set away from its default gives another id."""
     from pipeline.config.identity import identity_content
     from pipeline.dag.plan import archs, base_stage, evaluate_stage, finetune_stage
 
     paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    # base and wkmedoids L3 as commit 1e154bf computed them; its evaluation as commit dfa4ad4's paired
-    # speed keys (speed_tolerance, speed_cap_s, threads in place of repeats) made it
-    recorded = ("d8a98bddb9d46ff2", "135039b99e675132", "c83dd9b97dd2e006")
+    recorded = ("c014d894cee3faa5", "bd0d9cfae59f14da", "bcb39f610117aeaa")  # base, wkmedoids L3, its evaluation
     plugin_ids = []
     for version in ("0.1", "0.2"):
         with plugins_from(write_plugin(tmp_path / version, version=version)):
@@ -218,9 +218,11 @@ def test_a_plugins_package_and_version_are_part_of_its_stages_identity(tmp_path)
                 assert "plugin" not in identity_content(ft["wkmedoids"].config)["pooling"]
                 plugin_ids += [ft["firstk"].id, evaluate_stage(config, ft["firstk"]).id]
     assert len(set(plugin_ids)) == len(plugin_ids) == 8
-    # A built-in method's option counts where it differs from the method's default, and only then.
-    for extra, same in ((["pooling.iters=5"], True), (["pooling.iters=3"], False), (["pooling.init=random"], False),
-                        (["pooling.cluster_on=metric"], False), (["pooling.significance=eq4"], True)):
+    # A built-in method's option counts by its value: at its default it is the default's identity.
+    for extra, same in ((["pooling.options.wkmedoids.iters=5"], True), (["pooling.options.wkmedoids.iters=3"], False),
+                        (["pooling.options.wkmedoids.init=random"], False), (["pooling.options.kmeans.iters=3"], True),
+                        (["pooling.options.wkmedoids.cluster_on=metric"], False),
+                        (["pooling.options.wkmedoids.significance=eq4"], True)):
         config = load_config(paper, ["experiment.methods=[wkmedoids]", *extra])
         arch = archs(config)[0]
         assert (finetune_stage(config, arch, base_stage(config, arch), "wkmedoids", "L3", [196] * 12, []).id

@@ -60,7 +60,7 @@ def test_config_show_prints_the_kernels_section(capsys):
 
 def test_training_identities_leave_the_kernels_out_and_evaluations_name_them():
     """At any kernel choice a training stage keeps its id; two evaluations that differ only in a kernel
-    choice are two stages, and at the defaults an evaluation's id is the one recorded before the choice."""
+    choice are two stages, each naming every choice."""
     from pipeline.dag.plan import Stage, dag_id, evaluate_stage
     from pipeline.dag.types import StageMeta
 
@@ -68,11 +68,11 @@ def test_training_identities_leave_the_kernels_out_and_evaluations_name_them():
     assert identity_content(default) == identity_content(torch_path) and "kernels" not in identity_content(default)
     trained = Stage("finetune", "tiny-ft-M16-L3-kmedoids", default, [], "M16", StageMeta(method="kmedoids", level="L3"))
     plain, chosen = evaluate_stage(default, trained), evaluate_stage(torch_path, trained)
-    assert plain.id != chosen.id and "kernels" not in plain.meta.identity()
-    assert chosen.meta.kernels == {"kmedoids": "torch", "native": "torch"}
-    recorded = Stage("evaluate", plain.label, None, [trained.id], "M16",
-                     StageMeta(method="kmedoids", level="L3", eval=default.experiment.eval))
-    assert plain.id == recorded.id
+    assert plain.id != chosen.id
+    assert plain.meta.identity()["kernels"] == {"kmedoids": "auto", "kmeans": "auto", "merge": "auto",
+                                                "attention": "auto", "native": "auto"}
+    assert chosen.meta.kernels == {"kmedoids": "torch", "kmeans": "auto", "merge": "auto", "attention": "auto",
+                                   "native": "torch"}
     assert dag_id(default) != dag_id(torch_path)
 
 

@@ -139,7 +139,7 @@ def test_a_latency_target_search_reads_the_device_as_the_lambda_search_does(monk
     from dataclasses import replace
 
     from pipeline.cost import save_cost_model
-    from pipeline.targets import gflops_cost_model
+    from pipeline.flops import gflops_cost_model
     from pipeline.train.build import build_model
 
     searched = config(data, tmp_path, "train.mode=ksearch")

@@ -93,11 +93,11 @@ def test_score_methods_need_scores():
 
 
 def test_bad_options():
-    with pytest.raises(ValueError, match="init must be one of"):
+    with pytest.raises(ValueError, match="pooling.options.kmeans.init is one of 'topk', 'random', got 'kmeans[+][+]'"):
         build_downsampler("kmeans", init="kmeans++")
     with pytest.raises(ValueError, match="iters must be a positive integer"):
         token_pool(TOKENS, 3, weights=SCORES, iters=0)
-    with pytest.raises(ValueError, match="got options it does not take"):
+    with pytest.raises(ValueError, match="method 'powerbert' has no option 'iters'; it takes: significance"):
         build_downsampler("powerbert", iters=3)
     with pytest.raises(ValueError, match="needs dim"):
         build_downsampler("conv")

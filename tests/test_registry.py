@@ -45,7 +45,10 @@ def toy():
 def test_a_registered_method_is_validated_by_the_config(toy):
     config = load_config(None, ["pooling.method=firstk", "pooling.keep=[12, 8, 4]"])
     assert config.pooling.method_options() == {"offset": 0}
-    with pytest.raises(ConfigError, match=r"pooling.cluster_on applies to kmeans, kmedoids, tome, wkmeans"):
+    with pytest.raises(ConfigError, match=r"pooling.options.firstk: method 'firstk' has no option 'cluster_on'; "
+                                          r"it takes: offset"):
+        load_config(None, ["pooling.method=firstk", "pooling.options.firstk.cluster_on=metric"])
+    with pytest.raises(ConfigError, match=r"pooling.cluster_on is a method's option, and 'firstk' does not take it"):
         load_config(None, ["pooling.method=firstk", "pooling.cluster_on=metric"])
     del METHODS["firstk"]
     with pytest.raises(ConfigError, match="unknown downsampling method 'firstk'"):
@@ -127,17 +130,17 @@ def test_tome_matches_on_keys_in_training_and_in_the_benchmarks():
     assert not torch.equal(call().tokens, trained.step(tokens, 8, metric=tokens, validate=False).tokens)
     # Matching on the tokens is still there, on request.
     tokens_config = load_config(TINY, ["train.mode=finetune", "pooling.method=tome", "pooling.keep=[12, 8, 4]",
-                                       "pooling.cluster_on=tokens"])
+                                       "pooling.options.tome.cluster_on=tokens"])
     assert not build_model(tokens_config).blocks.needs_keys
 
 
 def test_the_class_token_scores_reach_the_model_a_finetune_builds():
-    """``pooling.significance: cls`` in a finetune config gives the model it trains class-token scores;
-    the default builds eq. 4's."""
+    """``pooling.options.wkmedoids.significance: cls`` in a finetune config gives the model it trains class-token
+    scores; the default builds eq. 4's."""
     from pipeline.train.build import build_model
 
     base = ["train.mode=finetune", "pooling.method=wkmedoids", "pooling.keep=[12, 8, 4]"]
-    cls = build_model(load_config(TINY, [*base, "pooling.significance=cls"])).blocks
+    cls = build_model(load_config(TINY, [*base, "pooling.options.wkmedoids.significance=cls"])).blocks
     eq4 = build_model(load_config(TINY, base)).blocks
     assert (cls.significance, eq4.significance) == ("cls", "eq4")
     assert cls.config.options["significance"] == "cls" and eq4.config.options["significance"] == "eq4"
@@ -221,7 +224,7 @@ def test_the_plugins_beside_a_broken_one_work_in_this_process(tmp_path):
 
 def test_a_plugins_options_come_from_pooling_options_against_its_spec(tmp_path):
     """`pooling.options.firstk` sets the plugin's options, typed by its MethodSpec's defaults; a name it shares
-    with the built-in methods (iters) takes the plugin's default, not pooling.iters'; errors name the method,
+    with the built-in methods (iters) takes the plugin's default, not theirs; errors name the method,
     its package and the key. The options reach the operator: it keeps the tokens a brute-force index picks."""
     from pipeline.methods import build_downsampler
 
@@ -237,14 +240,12 @@ def test_a_plugins_options_come_from_pooling_options_against_its_spec(tmp_path):
         refusals = {
             "pooling.options.firstk.phase=0.5": r"pooling.options: .*method 'firstk' \(from tp-plugin 0.1\) has no "
                                                 r"option 'phase'; it takes: iters, offset",
-            "pooling.options.firstk.offset=a": r"option 'offset' of method 'firstk' \(from tp-plugin 0.1\) takes a "
+            "pooling.options.firstk.offset=a": r"pooling.options.firstk.offset \(from tp-plugin 0.1\) takes a "
                                                r"value of type int \(its default is 1\), got 'a'",
             "pooling.options.firstk.offset=true": r"takes a value of type int .*got True",
-            "pooling.options.kmedoids.iters=3": r"'kmedoids' is a built-in method: its options are pooling's own "
-                                                r"keys \(pooling.iters, pooling.init",
+            "pooling.options.kmedoids.iters=0": r"pooling.options.kmedoids.iters is at least 1, got 0",
             "pooling.options.lastk.offset=3": r"unknown downsampling method 'lastk'",
-            "pooling.iters=3": r"pooling.iters is an option of the built-in methods; 'firstk' is not one: set its "
-                               r"iters as pooling.options.firstk.iters",
+            "pooling.iters=3": r"pooling.iters is a method's option: use pooling.options.firstk.iters",
         }
         for override, says in refusals.items():
             with pytest.raises(ConfigError, match=says):
@@ -334,10 +335,11 @@ def test_each_built_in_method_says_what_it_is():
     assert spec.factory() is factories.kmedoids and spec.needs_scores and not spec.learnable
     assert spec.resolve("kmedoids", {"iters": 2}) == {"iters": 2, "init": "topk", "cluster_on": "tokens",
                                                       "significance": "eq4"}
-    with pytest.raises(ValueError, match=r"^method 'kmedoids' got options it does not take: \['alpha', 'beta'\]; it "
-                                         r"takes: cluster_on, init, iters, significance$"):
+    with pytest.raises(ValueError, match=r"^pooling.options.kmedoids: method 'kmedoids' has no option 'alpha', 'beta'; "
+                                         r"it takes: cluster_on, init, iters, significance$"):
         spec.resolve("kmedoids", {"beta": 1, "alpha": 2, "iters": 3})
-    with pytest.raises(ValueError, match=r"^method 'random' got options it does not take: \['iters'\]; it takes: none"):
+    with pytest.raises(ValueError, match=r"^pooling.options.random: method 'random' has no option 'iters'; it takes: "
+                                         r"none$"):
         method_spec("random").resolve("random", {"iters": 3})
     assert spec.needs_metric({"cluster_on": "metric"}) and not spec.needs_metric({"cluster_on": "tokens"})
     assert not spec.needs_metric({})
@@ -348,7 +350,7 @@ def test_each_built_in_method_says_what_it_is():
         build_downsampler("conv", grid=(4, 4), k=4)
     conv = build_downsampler("conv", dim=8, grid=(4, 4), k=4)
     assert conv(torch.randn(2, 16, 8), 4).tokens.shape == (2, 4, 8)
-    with pytest.raises(ValueError, match="method 'kmedoids' got options it does not take: \\['bogus'\\]"):
+    with pytest.raises(ValueError, match="method 'kmedoids' has no option 'bogus'"):
         build_downsampler("kmedoids", bogus=1)
     out = build_downsampler("kmedoids", iters=1)(torch.randn(2, 10, 4), 3, scores=torch.rand(2, 10))
     assert out.tokens.shape == (2, 3, 4)

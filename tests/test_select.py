@@ -141,8 +141,8 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
     table, other = tmp_path / "table.json", tmp_path / "other.json"
     table.write_text('{"a": 1}\n')
     other.write_text('{"b": 2}\n')
+    from pipeline.cost import file_sha256
     from pipeline.dag.records import LATENCY_METRIC, LATENCY_TABLE_TAG
-    from pipeline.targets import file_sha256
 
     for name, top1, ms, against in (("fast", 70.0, 3.0, table), ("slow", 80.0, 6.0, table),
                                     ("elsewhere", 90.0, 1.0, other), ("unmeasured", 95.0, None, None)):
@@ -171,8 +171,8 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
 def test_speed_budgets_hold_by_the_intervals_end(tmp_path, capsys):
     """The select stage's images/s on one scale with its interval: ``--min-images-per-s`` by the lower end,
     ``--max-latency-ms`` by the upper end; the evaluate stage's own figure is not read where the scale is there."""
+    from pipeline.cost import file_sha256
     from pipeline.dag.records import LATENCY_HIGH, LATENCY_METRIC, LATENCY_TABLE_TAG, RATE_HIGH, RATE_LOW, SCALED_RATE
-    from pipeline.targets import file_sha256
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)

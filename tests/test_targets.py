@@ -17,13 +17,12 @@ from torch import nn
 from pipeline.config import CostTarget
 from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
-from pipeline.flops import count_flops
+from pipeline.flops import count_flops, gflops_cost_model
 from pipeline.models import create_model, retention_penalty
 from pipeline.targets import (
     TargetSearch,
     candidates,
     cheapest_fraction,
-    gflops_cost_model,
     repair_keep,
     round_keep,
     target_cost,
@@ -430,8 +429,7 @@ def _latency_table(path: Path, key: dict) -> Path:
 
 
 def test_a_latency_targets_cost_model_is_its_table_checked_against_the_model_and_its_hash(tmp_path):
-    from pipeline.cost import load_cost_model
-    from pipeline.targets import file_sha256
+    from pipeline.cost import file_sha256, load_cost_model
 
     model = create_model("deit_tiny_patch16_224", **DEMO)
     path = _latency_table(tmp_path / "t.json", {"embed_dim": 32, "method": "powerbert"})
@@ -474,7 +472,7 @@ def test_a_search_built_from_a_target_takes_its_cost_model_fraction_and_rates(tm
     # The config's pooling options reach the count: K-Medoids on the keys (16 wide), not on the tokens (32).
     keep = [40, 20, 20, 0]
     metric = TargetSearch.build(CostTarget(cost="gflops", fraction=0.5, method="kmedoids"), model,
-                                PoolingConfig(cluster_on="metric")).costs.predict(keep)
+                                PoolingConfig(options={"kmedoids": {"cluster_on": "metric"}})).costs.predict(keep)
     counted = count_flops(create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep,
                                        options={"cluster_on": "metric"}, **DEMO)).total
     assert metric == pytest.approx(counted, rel=1e-12)
@@ -606,10 +604,12 @@ def test_the_options_that_change_a_gflops_count_enter_the_k_searchs_identity():
                               "kmedoids}", *more])
         return identity_content(config)
 
-    tokens, metric = search(), search("pooling.cluster_on=metric")
-    assert "pooling" not in tokens  # the method's default: the identity is what it was before the option counted
-    assert metric["pooling"] == {"cluster_on": "metric"} and metric != tokens
-    assert search("pooling.iters=9") == tokens  # an option that does not change the count does not enter it
+    tokens, metric = search(), search("pooling.options.kmedoids.cluster_on=metric")
+    assert tokens["pooling"] == {"counted": {"cluster_on": "tokens"}}
+    assert metric["pooling"] == {"counted": {"cluster_on": "metric"}} and metric != tokens
+    # an option that does not change the count does not enter it, nor does another method's
+    assert search("pooling.options.kmedoids.iters=9") == tokens
+    assert search("pooling.options.wkmedoids.cluster_on=metric") == tokens
 
 
 @pytest.mark.slow
@@ -660,7 +660,7 @@ def test_a_list_is_repaired_only_when_its_interval_is_over_the_target():
 def test_the_gflops_model_takes_its_points_key_and_head_from_the_model():
     """Points at every count up to 64 tokens and every 8th beyond (and N); a model without a head counts none; the
     key names the model, its width, the method and only the options that change the count; all against fvcore."""
-    from pipeline.targets import grid
+    from pipeline.flops import grid
 
     assert grid(20, 8) == [0, 8, 16, 20] and grid(16, 8) == [0, 8, 16] and grid(3, 1) == [0, 1, 2, 3]
     tiny = {**DEMO, "depth": 2}
@@ -677,8 +677,9 @@ def test_the_gflops_model_takes_its_points_key_and_head_from_the_model():
     assert costs.key == {"model": "VisionTransformer", "embed_dim": 32, "method": "kmedoids",
                          "options": {"cluster_on": "metric"}}
     assert gflops_cost_model(model, "powerbert").key["options"] == {}
-    with pytest.raises(InputError, match=r"^no closed-form GFLOPs count of method 'tome''s pooling step; give a "
-                                         r"latency target with a cost table, or one of importance, kmedoids, "
+    assert gflops_cost_model(model, "kmedoids").key["options"] == {"cluster_on": "tokens"}
+    with pytest.raises(InputError, match=r"^no closed-form GFLOPs count of method 'tome''s pooling step \(its "
+                                         r"MethodSpec has no flops\); give a latency target with a cost table, or one of importance, kmedoids, "
                                          r"powerbert, random, wkmedoids$"):
         gflops_cost_model(model, "tome")
 
@@ -694,7 +695,8 @@ def test_the_config_options_of_the_targets_own_method_reach_its_count_and_the_pr
     metric = count_flops(create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep,
                                       options={"cluster_on": "metric"}, **DEMO)).total
     target = CostTarget(cost="gflops", fraction=0.5, method="kmedoids")
-    for pooling, want in ((PoolingConfig(method="tome"), tokens), (PoolingConfig(cluster_on="metric"), metric)):
+    for pooling, want in ((PoolingConfig(method="tome"), tokens),
+                          (PoolingConfig(options={"kmedoids": {"cluster_on": "metric"}}), metric)):
         assert target_cost_model(target, model, pooling).predict(keep) == pytest.approx(want, rel=1e-12, abs=0)
         assert TargetSearch.build(target, model, pooling).costs.predict(keep) == pytest.approx(want, rel=1e-12, abs=0)
         row = target_cost(target, model, "kmedoids", keep, gflops=1.0, pooling=pooling)

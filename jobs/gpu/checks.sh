@@ -53,8 +53,12 @@ export PYTHONUNBUFFERED=1
 methods=${METHODS:-powerbert,kmedoids,wkmedoids,kmeans,tome}
 mode=${COMPILE:-default}  # the compile mode of the compiled and train parts
 device=${DEVICE:-cuda} batch=${BATCH:-256} train_batch=${TRAIN_BATCH:-128}
-extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${SIGNIFICANCE:+--set pooling.significance=$SIGNIFICANCE}"
-extra+=" ${CALLS:+--calls $CALLS}"
+extra="${PROFILE:+--profile} ${PATCH_EMBED:+--patch-embed $PATCH_EMBED} ${CALLS:+--calls $CALLS}"
+if [ -n "${SIGNIFICANCE:-}" ]; then  # every method that reads scores (pipeline methods: its significance option)
+  for method in powerbert importance kmeans wkmeans kmedoids wkmedoids; do
+    extra+=" --set pooling.options.$method.significance=$SIGNIFICANCE"
+  done
+fi
 sets=""
 for choice in ${KERNELS:-}; do sets+=" --set kernels.$choice"; done
 extra+="$sets"

@@ -47,8 +47,8 @@ from pipeline.bench.paired import SpeedSettings, paired_ratio, sample_timer
 from pipeline.bench.timing import median_iqr, time_paired, timed
 from pipeline.cost import CostModel, Curve, PoolSurface, check_key, load_cost_model, save_cost_model
 from pipeline.errors import InputError, JobError
-from pipeline.methods import METHODS, build_downsampler, downsamples, is_builtin
-from pipeline.models.attention import attend
+from pipeline.methods import METHODS
+from pipeline.models.downsampling import DownsamplingBlocks, DownsamplingConfig
 from pipeline.runtime import KernelChoice, compile_model, cuda_settings, inference
 
 TABLE_DIR = Path(__file__).resolve().parents[2] / "configs" / "latency"
@@ -199,7 +199,8 @@ def default_table_path(key: dict[str, Any]) -> Path:
 
 
 class BlockParts:
-    """The blocks of a model in the parts ``DownsamplingBlocks._run_block`` runs; x (B, P+n, M).
+    """The blocks of a model in the parts the model runs them in (``DownsamplingBlocks.attention_half``,
+    ``pool_step``, ``mlp_half``: the very methods its forward calls); x (B, P+n, M).
 
     Each part runs in every block in turn (``every``), each with its own weights, as the model runs them:
     a part timed again and again in one block finds that block's weights in the cache, which a model of
@@ -208,15 +209,15 @@ class BlockParts:
     """
 
     def __init__(self, model: nn.Module, method: str, options: dict[str, Any], kernels: KernelChoice) -> None:
-        spec = METHODS[method]
-        self.method, self.kernels = method, kernels
-        if spec.learnable:
+        if METHODS[method].learnable:
             raise InputError(f"method {method!r} has parameters of its own in every block; a latency table times "
                              "the parameter-free methods (one step shared by the blocks)")
-        self.blocks, self.p = list(model.blocks), model.num_prefix_tokens
-        self.needs_scores, self.needs_keys = spec.needs_scores, spec.needs_metric(options)
-        self.significance = spec.significance(options)
-        self.step = build_downsampler(method, **options) if downsamples(method) else None
+        self.p, n = model.num_prefix_tokens, model.patch_embed.num_patches
+        config = DownsamplingConfig(method, [n] * len(model.blocks), options=METHODS[method].resolve(method, options))
+        # The model's own blocks (the same modules, not copies) in the container whose forward the model runs.
+        self.runs = DownsamplingBlocks(model.blocks, config, num_prefix=self.p, num_tokens=n, grid=None,
+                                       kernels=kernels)
+        self.blocks = list(self.runs)
 
     def every(self, part: Callable[[nn.Module, Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
         """``part`` run in each block on the same x (the last output returned): L calls of it."""
@@ -227,27 +228,19 @@ class BlockParts:
         return run
 
     def first(self, b: nn.Module, x: Tensor, stats: bool = False) -> tuple[Tensor, Any]:
-        out, found = attend(b.attn, b.norm1(x), num_prefix=self.p, scores=stats and self.needs_scores,
-                            keys=stats and self.needs_keys, significance=self.significance, kernels=self.kernels)
-        return x + b.drop_path1(b.ls1(out)), found
+        runs = self.runs
+        out, found = runs.attention_half(b, x, scores=stats and runs.needs_scores, keys=stats and runs.needs_keys)
+        return x + out, found
 
     def second(self, b: nn.Module, x: Tensor) -> Tensor:
-        return x + b.drop_path2(b.ls2(b.mlp(b.norm2(x))))
-
-    def pool(self, x: Tensor, k: int, found: Any) -> Tensor:
-        p = self.p
-        with torch.autocast(x.device.type, enabled=False):
-            result = self.step(x[:, p:], k, scores=None if found is None else found.scores,
-                               metric=None if found is None else found.keys, sizes=None, validate=False,
-                               **({"kernels": self.kernels} if is_builtin(self.method) else {}))
-        return torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
+        return self.runs.mlp_half(b, x)
 
     def unpooled(self, b: nn.Module, x: Tensor) -> Tensor:
         return self.second(b, self.first(b, x)[0])
 
     def pooled(self, b: nn.Module, x: Tensor, k: int) -> Tensor:
         y, found = self.first(b, x, True)
-        return self.second(b, self.pool(y, k, found))
+        return self.second(b, self.runs.pool_step(b, y, k, found)[0])
 
 
 def token_grid(num_tokens: int, step: int, prefix: int, fine: bool = True) -> list[int]:

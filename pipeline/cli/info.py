@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.common import add_config_args
 from pipeline.config import dump_config, load_config, write_resolved
-from pipeline.errors import PipelineWarning
+from pipeline.errors import InputError, PipelineWarning
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -32,12 +32,24 @@ def cmd_methods(args: argparse.Namespace) -> int:
         spec, plugin = METHODS[name], plugin_of(name)
         needs = "significance scores" if spec.needs_scores else "-"
         kind = "learnable" if spec.learnable else "parameter-free"
-        options = ", ".join(f"{k}={v}" for k, v in spec.options.items()) or "-"
         source = "built-in" if name in METHODS.builtin else f"from {plugin}" if plugin else "registered in code"
-        print(f"{name:11s} {spec.summary:30s} {kind:15s} needs: {needs:20s} options: {options:40s} {source}")
+        flops = "closed-form GFLOPs" if spec.flops is not None else "GFLOPs by fvcore only"
+        print(f"{name:11s} {spec.summary:30s} {kind:15s} needs: {needs:20s} {flops:22s} {source}")
+        for key, option in spec.options.items():
+            print(f"    pooling.options.{name}.{key} = {option.describe()}" + (f": {option.doc}" if option.doc else ""))
     for problem in METHODS.problems.values():
         print(f"error: {problem}", file=sys.stderr)
     return 2 if METHODS.problems else 0
+
+
+def parse_option(item: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--option``, the value read as YAML."""
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise InputError(f"--option {item!r}: expected KEY=VALUE, for example --option iters=3")
+    return key, yaml.safe_load(value)
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
@@ -46,7 +58,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     from pipeline.flops import format_report, model_flops
 
     report = model_flops(args.model, embed_dim=args.embed_dim, method=args.method, keep=args.keep, level=args.level,
-                         iters=args.iters)
+                         options=dict(parse_option(item) for item in args.option))
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0
 
@@ -68,7 +80,8 @@ def add_commands(commands) -> None:
     flops.add_argument("--method", default="none", help="downsampling method (python -m pipeline methods)")
     flops.add_argument("--keep", default=None, help="K_1..K_L, comma-separated (default: keep all)")
     flops.add_argument("--level", type=int, default=None, help="the paper's sparsity level (configs/sparsity/)")
-    flops.add_argument("--iters", type=int, default=5,
-                       help="the built-in clustering methods' iterations (they cost FLOPs for K-Means)")
+    flops.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an option of --method (`pipeline methods` lists them; the value is YAML), for example "
+                       "--option iters=3 (K-Means' later iterations cost FLOPs); repeatable")
     flops.add_argument("--json", action="store_true", help="print a JSON object with a 'gflops' field")
     flops.set_defaults(func=cmd_flops)

@@ -7,7 +7,7 @@ it came from (the file, or ``--set``) and what is allowed. One module per sectio
 what spans sections; ``loading`` reads, merges, hashes and writes configs.
 """
 
-from pipeline.config.base import CONFIG_DIR, METHOD_OPTION_FIELDS, CompileMode, ConfigError, PatchEmbed, Section
+from pipeline.config.base import CONFIG_DIR, ConfigError, PatchEmbed, Section
 from pipeline.config.bench import BenchLoopConfig, BenchOpsConfig, BenchThroughputConfig
 from pipeline.config.data import DataConfig, ProgressiveConfig
 from pipeline.config.experiment import (
@@ -30,8 +30,8 @@ from pipeline.config.root import Config, with_setting
 from pipeline.config.train import CostTarget, TrainConfig
 
 __all__ = [
-    "CONFIG_DIR", "METHOD_OPTION_FIELDS", "SWEEPABLE_SECTIONS", "BenchLoopConfig", "BenchOpsConfig",
-    "BenchThroughputConfig", "CompileMode", "Config", "ConfigError", "CostTarget", "DataConfig", "EvalConfig",
+    "CONFIG_DIR", "SWEEPABLE_SECTIONS", "BenchLoopConfig", "BenchOpsConfig",
+    "BenchThroughputConfig", "Config", "ConfigError", "CostTarget", "DataConfig", "EvalConfig",
     "ExperimentConfig", "KernelsConfig", "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem",
     "ProgressiveConfig", "RecipeConfig", "SearchConfig", "Section", "SelectConfig", "StageRecipe", "SweepConfig",
     "TrainConfig", "config_hash",

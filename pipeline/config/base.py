@@ -19,17 +19,10 @@ def _known_method(name: str) -> str:
 
 # A registered downsampling method (pipeline.methods.METHODS, read when a config is validated).
 MethodName = Annotated[str, AfterValidator(_known_method)]
-CompileMode = Literal["none", "default", "reduce-overhead", "max-autotune"]
 PatchEmbed = Literal["conv", "matmul"]  # models.patch_embed: timm's convolution, or the same function as a matmul
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-# Method options of the pooling section that default to None ("the method's own"); one set must apply to
-# the method that runs it.
-METHOD_OPTION_FIELDS = ("cluster_on", "significance")
-# Every key of the pooling section that is a built-in method's option; other methods take theirs from
-# ``pooling.options``.
-BUILTIN_OPTION_FIELDS = ("iters", "init", *METHOD_OPTION_FIELDS)
 
 
 class ConfigError(PipelineError, ValueError):

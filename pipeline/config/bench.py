@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.config.base import CompileMode, MethodName, PatchEmbed, Section
+from pipeline.config.base import MethodName, PatchEmbed, Section
 from pipeline.errors import InputError
+from pipeline.kernel_choices import CompileMode
 from pipeline.methods import KEEP_ALL, downsampling_methods
 
 

@@ -56,7 +56,7 @@ class SweepConfig(Section):
     sampled settings and reports each epoch; the best trial on ``metric`` becomes the stage's result."""
 
     space: dict[str, ParamRange] = Field(description="dotted config keys (recipe.lr, model.drop_path, "
-                                         "pooling.iters, ...) -> their range")
+                                         "data.batch_size, ...) -> their range")
     search: Literal["grid", "random", "optuna"] = Field("optuna", description="grid: every combination of "
                                                         "choices; random; optuna: Ray Tune's OptunaSearch (TPE)")
     scheduler: Literal["none", "asha"] = Field("asha", description="asha: stop the worse trials early")

@@ -6,26 +6,26 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config.root import Config
-from pipeline.methods import COUNTED_OPTIONS, method_spec, plugin_of
+from pipeline.methods import method_spec, plugin_of
 
+# Bumped when what an identity hashes changes its meaning: every stage id, experiment id and run identity
+# hashes it, so stages recorded under another version are never taken for this one's, and a store that holds
+# them is refused (``pipeline.dag.records.check_identity_version``).
+IDENTITY_VERSION = 2
 # Where a stage reads its result from; excluded from the identity.
 VOLATILE = {("train", "name"), ("train", "init"), ("train", "parent_run_id"), ("train", "tags"),
-             ("train", "tracking_uri"), ("train", "address"), ("train", "storage_path"), ("train", "artifact_root"),
-             ("train", "progress_bar")}
+            ("train", "tracking_uri"), ("train", "address"), ("train", "storage_path"), ("train", "artifact_root"),
+            ("train", "progress_bar")}
 # How a stage runs, not what it learns: the same function either way; excluded from the identity too.
 EXECUTION_ONLY = {("train", "compile"), ("train", "log_every"), ("model", "patch_embed")}
-# Method options added after stage identities were first recorded, at the value that does what the code
-# did before them (each method's default): left out of the identity, so that the stages recorded then
-# still count.
-ADDED_OPTIONS = {"significance": "eq4"}
 
 
 def identity_content(config: Config) -> dict[str, Any]:
     """What decides a training stage's result: the resolved config without where results go, without
     the benchmark sections, the kernel choice and execution-only settings (``train.compile``,
-    ``model.patch_embed``), and with the pooling section only for finetunes: the method's options where they
-    differ from its defaults (an option added at a default that does what the code did before,
-    ``ADDED_OPTIONS``, changes no identity) and, for a plugin's method, that plugin's distribution and version."""
+    ``model.patch_embed``), and with the pooling section only for finetunes (the method, its resolved options
+    and, for a plugin's method, that plugin's distribution and version) and for K searches toward GFLOPs (the
+    options of the target's method that change its count)."""
     content = config.model_dump(mode="json")
     for section, key in VOLATILE | EXECUTION_ONLY:
         content.get(section, {}).pop(key, None)
@@ -33,49 +33,23 @@ def identity_content(config: Config) -> dict[str, Any]:
     # the torch path), so training identities leave it out; an evaluation's identity names it (``dag.plan``).
     for section in ("experiment", "bench", "bench_throughput", "bench_loop", "kernels"):
         content.pop(section, None)
-    _target_identity(content.get("train", {}))
+    target = content.get("train", {}).get("ksearch_target")
+    if target and target.get("table_sha256"):  # a table enters by its content, not its path
+        target.pop("table")
     pool = config.pooling
     if config.train.mode == "finetune":
-        defaults = method_spec(pool.method).options
-        options = {key: value for key, value in pool.method_options().items() if value != defaults.get(key)}
         content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
-                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": options}
+                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.method_options()}
         plugin = plugin_of(pool.method)
         if plugin is not None:  # another release of the plugin is another result; the pipeline's own is not
             content["pooling"]["plugin"] = {"distribution": plugin.distribution, "version": plugin.version}
-    elif config.train.mode == "ksearch" and config.train.ksearch_target is not None:
-        content["pooling"] = _counted_options(config)
-        if not content["pooling"]:  # the method's defaults: the identity is what it was before
-            content.pop("pooling")
+    elif config.train.mode == "ksearch" and config.train.ksearch_target is not None \
+            and config.train.ksearch_target.cost == "gflops":
+        method = config.train.ksearch_target.method
+        content["pooling"] = {"counted": method_spec(method).counted(pool.method_options(method))}
     else:
         content.pop("pooling", None)
-    return content
-
-
-def _counted_options(config: Config) -> dict[str, Any]:
-    """The options of a GFLOPs target's method that change its count (``methods.COUNTED_OPTIONS``) where they
-    differ from the method's defaults: a K search toward ``cluster_on: metric``'s count searches toward another
-    cost than one toward the tokens'."""
-    target = config.train.ksearch_target
-    if target.cost != "gflops":
-        return {}
-    defaults = method_spec(target.method).options
-    given = config.pooling.method_options(target.method)
-    return {key: given[key] for key in COUNTED_OPTIONS if key in given and given[key] != defaults.get(key)}
-
-
-def _target_identity(train: dict[str, Any]) -> None:
-    """A K-search target enters the identity by its table's content, not its path; no target (the default,
-    and every stage recorded before targets existed) leaves the identity as it was, and so does a target
-    without a ``name`` (added later)."""
-    target = train.get("ksearch_target", "absent")
-    if target is None:
-        train.pop("ksearch_target")
-    elif isinstance(target, dict):
-        if target.get("name", "absent") is None:
-            target.pop("name")
-        if target.get("table_sha256"):
-            target.pop("table")
+    return {"identity_version": IDENTITY_VERSION, **content}
 
 
 # How a single ``pipeline train`` run is run, beyond EXECUTION_ONLY: faults it injects, restarts it survives,
@@ -107,7 +81,10 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``KEY: RECORDED -> CURRENT`` for every dotted key both hold with different values (a key only one of
-    them holds comes from another release's schema and is left out)."""
+    """``KEY: RECORDED -> CURRENT`` for every dotted key whose values differ (``<absent>`` where only one holds
+    it): a record of another ``IDENTITY_VERSION`` shows that first."""
     old, new = _flat(recorded), _flat(current)
-    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in sorted(old.keys() & new.keys()) if old[key] != new[key]]
+    keys = sorted(old.keys() | new.keys(), key=lambda key: (key != "identity_version", key))
+    absent = "<absent>"
+    return [f"{key}: {old.get(key, absent)!r} -> {new.get(key, absent)!r}" for key in keys
+            if old.get(key, absent) != new.get(key, absent)]

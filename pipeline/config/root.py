@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from pipeline.config.base import BUILTIN_OPTION_FIELDS, METHOD_OPTION_FIELDS, Section
+from pipeline.config.base import Section
 from pipeline.config.bench import BenchLoopConfig, BenchOpsConfig, BenchThroughputConfig
 from pipeline.config.data import DataConfig
 from pipeline.config.experiment import ExperimentConfig
@@ -16,7 +16,6 @@ from pipeline.config.pooling import PoolingConfig
 from pipeline.config.recipe import RecipeConfig
 from pipeline.config.train import TrainConfig
 from pipeline.errors import InputError
-from pipeline.methods import METHODS, is_builtin
 
 
 class Config(Section):
@@ -62,28 +61,6 @@ class Config(Section):
                     why = err.errors()[0]["msg"] if isinstance(err, ValidationError) else str(err)
                     raise InputError(f"experiment.base.sweep.space.{key}: the value {value!r} is not valid there "
                                      f"({why})") from None
-        return self
-
-    @model_validator(mode="after")
-    def _pooling_options_exist(self) -> Config:
-        """A method option set in ``pooling`` must apply to the method it runs, or, in an experiment, to at
-        least one of its methods (each finetune takes the options its method has; ``dag.plan``). Those keys
-        are the built-in methods' options: a plugin's are under ``pooling.options``, its shared names too."""
-        swept = self.experiment is not None and bool(self.experiment.methods)
-        methods = self.experiment.methods if swept else [self.pooling.method]
-        defaults = PoolingConfig()
-        for option in BUILTIN_OPTION_FIELDS:
-            value = getattr(self.pooling, option)
-            if value is None or any(is_builtin(m) and option in METHODS[m].options for m in methods):
-                continue
-            plugins = [m for m in methods if option in METHODS[m].options]
-            if plugins and value != getattr(defaults, option):
-                raise InputError(f"pooling.{option} is an option of the built-in methods; {plugins[0]!r} is not "
-                                 f"one: set its {option} as pooling.options.{plugins[0]}.{option}")
-            if option in METHOD_OPTION_FIELDS:
-                takers = ", ".join(sorted(n for n, s in METHODS.items() if is_builtin(n) and option in s.options))
-                where = f"any of experiment.methods {methods}" if swept else repr(self.pooling.method)
-                raise InputError(f"pooling.{option} applies to {takers}, not {where}")
         return self
 
 

@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config.base import CompileMode, MethodName, Section
+from pipeline.config.base import MethodName, Section
 from pipeline.errors import InputError
+from pipeline.kernel_choices import CompileMode
 
 
 class CostTarget(Section):

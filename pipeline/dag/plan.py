@@ -12,12 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import METHOD_OPTION_FIELDS, Config, ExperimentConfig, PoolingConfig, StageRecipe
-from pipeline.config.base import BUILTIN_OPTION_FIELDS
-from pipeline.config.identity import ADDED_OPTIONS, identity_content
+from pipeline.config import Config, ExperimentConfig, StageRecipe
+from pipeline.config.identity import IDENTITY_VERSION, identity_content
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
-from pipeline.methods import METHODS, is_builtin, keeps_all
+from pipeline.methods import keeps_all
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
 @dataclass(frozen=True)
@@ -49,45 +48,26 @@ class Stage:
 
 def stage_id(kind: str, config: Config | None, upstream: list[str], meta: dict[str, Any]) -> str:
     content = {} if config is None else identity_content(config)
-    canonical = json.dumps({"kind": kind, "config": content, "upstream": upstream, "meta": meta}, sort_keys=True)
+    canonical = json.dumps({"identity_version": IDENTITY_VERSION, "kind": kind, "config": content,
+                            "upstream": upstream, "meta": meta}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-# The pooling settings that every finetune of a sweep shares (the experiment sets the method and the
-# keep list per stage).
-_SHARED_POOLING = ("iters", "init", "cluster_on", "significance", "carry", "qk_norm", "alpha")
-
-
 def dag_id(config: Config) -> str:
-    """The identity of a whole experiment (its parent run in MLflow, and the runs ``--force`` retires).
-
-    The pooling settings its finetunes share, and the kernel choices of its evaluations, belong to it where
-    they differ from the defaults: two sweeps that differ only in ``pooling.significance``,
-    ``pooling.carry`` or ``kernels.kmedoids`` are two experiments, and ``--force`` on one must not retire
-    the other's runs. At the defaults the identity is what it was
-    before they counted, so experiments recorded then keep their parent run."""
-    meta: dict[str, Any] = {"experiment": config.experiment.model_dump(mode="json")}
-    if config.experiment.ksearch_targets is None:  # added later: unset, the identity is what it was before
-        meta["experiment"].pop("ksearch_targets")
-    for target in meta["experiment"].get("ksearch_targets") or []:  # so is a target's name (added later)
-        if target.get("name", "absent") is None:
-            target.pop("name")
-    values, defaults = config.pooling.model_dump(include=set(_SHARED_POOLING)), PoolingConfig().model_dump()
-    shared = {key: value for key, value in values.items()
-              if value != defaults[key] and value != ADDED_OPTIONS.get(key)}
-    if shared:
-        meta["pooling"] = shared
-    if config.pooling.options:  # the plugins' options, which no experiment had before they could be set
-        meta["pooling_options"] = config.pooling.options
-    if chosen_kernels(config):  # its evaluations are other stages: another experiment, as for pooling
-        meta["kernels"] = chosen_kernels(config)
+    """The identity of a whole experiment (its parent run in MLflow, and the runs ``--force`` retires): the
+    experiment section, the pooling settings its finetunes share (every method's options included) and the
+    kernel choices of its evaluations. Two sweeps that differ only in ``pooling.carry`` or
+    ``pooling.options.wkmedoids.iters`` are two experiments, and ``--force`` on one must not retire the other's
+    runs."""
+    meta = {"experiment": config.experiment.model_dump(mode="json"),
+            "pooling": config.pooling.model_dump(mode="json", exclude={"method", "keep", "level"}),
+            "kernels": chosen_kernels(config)}
     return stage_id("dag", config, [], meta)
 
 
-def chosen_kernels(config: Config) -> dict[str, str] | None:
-    """The config's kernel choices that are not ``auto``: part of an evaluation's identity (None at the
-    defaults, so that the stages recorded before the choice existed keep their ids)."""
-    return {key: value for key, value in config.kernels.model_dump().items() if value != "auto"} or None
+def chosen_kernels(config: Config) -> dict[str, str]:
+    """The config's kernel choices: part of an evaluation's identity."""
+    return config.kernels.model_dump()
 
 
 def archs(config: Config) -> list[Arch]:
@@ -203,7 +183,7 @@ def table_path(pattern: str, arch: Arch) -> str:
 def _table_hash(path: str) -> str:
     from pathlib import Path
 
-    from pipeline.targets import file_sha256
+    from pipeline.cost import file_sha256
 
     if not Path(path).is_file():
         raise InputError(f"experiment.ksearch_targets: no cost table at {path}; measure one with "
@@ -218,15 +198,9 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
     if keeps_all(method):
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "baseline", **trial_train(exp)},
                     pooling={"keep": None, "level": None})
-    elif not is_builtin(method):  # its options come from pooling.options; the built-in ones' keys at rest
-        defaults = PoolingConfig()
-        others = {option: getattr(defaults, option) for option in BUILTIN_OPTION_FIELDS}
-        cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},
-                    pooling={"method": method, "keep": keep, "level": None, **others})
     else:
-        others = {option: None for option in METHOD_OPTION_FIELDS if option not in METHODS[method].options}
         cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},
-                    pooling={"method": method, "keep": keep, "level": None, **others})
+                    pooling={"method": method, "keep": keep, "level": None})
     label = f"{exp.name}-ft-{arch.label}-{level}-{method}"
     return Stage("finetune", label, cfg, [base.id, *upstream], arch.label, StageMeta(method=method, level=level))
 

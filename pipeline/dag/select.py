@@ -111,8 +111,9 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
     others are not in it."""
     from dataclasses import asdict
 
+    from pipeline.cost import file_sha256
     from pipeline.dag.latency import measure_on_table
-    from pipeline.targets import file_sha256, target_cost
+    from pipeline.targets import target_cost
     from pipeline.train.build import build_model
 
     config = ctx.config

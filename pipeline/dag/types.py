@@ -25,7 +25,7 @@ class StageMeta:
     given: str | None = None  # bases: a checkpoint from the config instead of training
     eval: EvalConfig | None = None  # evaluations: how the model is measured
     sweep: dict[str, Any] | None = None  # bases: the hyperparameter search (SweepConfig as JSON)
-    kernels: dict[str, str] | None = None  # evaluations: the config's kernel choices that are not ``auto``
+    kernels: dict[str, str] | None = None  # evaluations: the config's kernel choices
 
     def identity(self) -> dict[str, Any]:
         """The JSON-able content that enters the stage id (unset fields left out)."""
@@ -38,7 +38,7 @@ class StageMeta:
             out["eval"] = self.eval.model_dump()
         if self.sweep is not None:
             out["sweep"] = self.sweep
-        if self.kernels:  # left out at the defaults: the evaluations recorded before the choice keep their ids
+        if self.kernels is not None:
             out["kernels"] = self.kernels
         return out
 

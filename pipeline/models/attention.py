@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
+from pipeline.methods import SIGNIFICANCE
 from pipeline.models.significance import (
     attention_and_significance,
     attention_significance,
@@ -35,7 +36,6 @@ from pipeline.models.significance import (
     one_pass_fits,
 )
 from pipeline.pooling.common import use_dense
-from pipeline.pooling.factories import check_significance
 from pipeline.runtime import KernelChoice
 
 
@@ -82,7 +82,8 @@ def attend(
     """
     if getattr(attn, "gate", None) is not None:
         raise InputError("gated attention is not supported by the downsampling blocks")
-    check_significance(significance)
+    if significance not in SIGNIFICANCE.choices:
+        raise InputError(f"significance must be one of {SIGNIFICANCE.choices}, got {significance!r}")
     b, t, _ = x.shape
     qkv = attn.qkv(x).reshape(b, t, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)  # (B, H, T, hd)

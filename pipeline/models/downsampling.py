@@ -24,10 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
-from pipeline.methods import METHODS, build_downsampler, downsamples, is_builtin, method_spec
+from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
 from pipeline.models.attention import attend
 from pipeline.models.keep import effective_keep
-from pipeline.pooling.common import stable_ranks
+from pipeline.pooling.common import PoolResult, stable_ranks
 from pipeline.pooling.conv import grid_shape
 from pipeline.runtime import KernelChoice
 
@@ -85,7 +85,7 @@ class DownsamplingBlocks(nn.Sequential):
         self.num_prefix = num_prefix
         self.num_tokens = num_tokens
         spec = METHODS[config.method]
-        self.learnable = spec.learnable
+        self.learnable, self.takes_kernels = spec.learnable, spec.takes_kernels
         self.needs_scores, self.needs_keys = spec.needs_scores, spec.needs_metric(config.options)
         self.significance = spec.significance(config.options)
         # Analysis hook (pipeline.analysis): called with a BlockRecord per block when set.
@@ -119,11 +119,6 @@ class DownsamplingBlocks(nn.Sequential):
             grid = getattr(block.downsample, "out_grid", None)
             n = k
 
-    def _step_kernels(self) -> dict[str, KernelChoice]:
-        """The kernel choice for the step: the built-in methods take it; another package's or one registered in
-        code keeps the signature it was written against (docs/architecture.md), which has no ``kernels``."""
-        return {"kernels": self.kernels} if is_builtin(self.config.method) else {}
-
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         sizes = torch.ones(b, t, device=x.device, dtype=torch.float32) if self.config.carry else None
@@ -131,21 +126,50 @@ class DownsamplingBlocks(nn.Sequential):
             x, sizes = self._run_block(layer, block, x, sizes)
         return x
 
+    # ---- a block's three parts, which the model and the latency tables (``bench.blocks``) both run ----
+
+    def attention_half(self, block: nn.Module, x: Tensor, *, sizes: Tensor | None = None, scores: bool = False,
+                       keys: bool = False) -> tuple[Tensor, Any]:
+        """The attention branch of ``block`` on x (B, P+n, M), after LayerScale and drop-path, before the residual
+        sum: ((B, P+n, M), ``AttentionStats`` with the scores and keys asked for, or None)."""
+        out, stats = attend(
+            block.attn, block.norm1(x), num_prefix=self.num_prefix,
+            log_sizes=None if sizes is None else sizes.log(), qk_alpha=getattr(block, "qk_alpha", None),
+            scores=scores, keys=keys, significance=self.significance, kernels=self.kernels,
+        )
+        return block.drop_path1(block.ls1(out)), stats
+
+    def pool_step(self, block: nn.Module, x: Tensor, k: int, stats: Any, sizes: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor | None, PoolResult]:
+        """The method's step on x (B, P+n, M) to k non-prefix tokens, in float32 whatever autocast does to the
+        blocks: ((B, P+k, M), the carried sizes (B, P+k) or None, the step's ``PoolResult``, whose ``assign`` is
+        computed only when read)."""
+        p = self.num_prefix
+        step = block.downsample if self.learnable else self.step
+        with torch.autocast(x.device.type, enabled=False):
+            result = step(
+                x[:, p:], k, scores=None if stats is None else stats.scores,
+                metric=None if stats is None else stats.keys, sizes=None if sizes is None else sizes[:, p:],
+                validate=False, **({"kernels": self.kernels} if self.takes_kernels else {}),
+            )
+        x = torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
+        sizes = None if sizes is None else torch.cat([sizes[:, :p], result.sizes], dim=1)
+        return x, sizes, result
+
+    @staticmethod
+    def mlp_half(block: nn.Module, x: Tensor) -> Tensor:
+        """The MLP half of ``block`` with its residual sum: (B, T, M) -> (B, T, M)."""
+        return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
     def _run_block(self, layer: int, block: nn.Module, x: Tensor, sizes: Tensor | None
                    ) -> tuple[Tensor, Tensor | None]:
         p, k, record = self.num_prefix, self.config.keep[layer], self.recorder is not None
         downsample = k < x.shape[1] - p
         pool = downsample and k > 0
         soft = hasattr(block, "retention")
-        attn_out, stats = attend(
-            block.attn, block.norm1(x), num_prefix=p,
-            log_sizes=None if sizes is None else sizes.log(),
-            qk_alpha=getattr(block, "qk_alpha", None),
-            scores=record or soft or (pool and self.needs_scores),
-            keys=record or (pool and self.needs_keys),
-            significance=self.significance, kernels=self.kernels,
-        )
-        before, attended = x, block.drop_path1(block.ls1(attn_out))
+        attended, stats = self.attention_half(block, x, sizes=sizes, keys=record or (pool and self.needs_keys),
+                                              scores=record or soft or (pool and self.needs_scores))
+        before = x
         x = mixed = before + attended
         assign = None
         if soft:
@@ -156,26 +180,12 @@ class DownsamplingBlocks(nn.Sequential):
             x = x[:, :p]
             sizes = None if sizes is None else sizes[:, :p]
         elif downsample:
-            step = block.downsample if self.learnable else self.step
-            # The step works in float32 (distances, means) whatever autocast does to the blocks.
-            with torch.autocast(x.device.type, enabled=False):
-                result = step(
-                    x[:, p:], k,
-                    scores=None if stats is None else stats.scores,
-                    metric=None if stats is None else stats.keys,
-                    sizes=None if sizes is None else sizes[:, p:],
-                    validate=False, **self._step_kernels(),
-                )
-            x = torch.cat([x[:, :p], result.tokens.to(x.dtype)], dim=1)
-            if sizes is not None:
-                sizes = torch.cat([sizes[:, :p], result.sizes], dim=1)
-            if record:
-                assign = result.assign
+            x, sizes, result = self.pool_step(block, x, k, stats, sizes)
+            assign = result.assign if record else None
         if record:
             self.recorder(BlockRecord(layer, before[:, p:], attended[:, p:], mixed[:, p:], stats.scores,
                                       stats.keys, assign))
-        x = x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
-        return x, sizes
+        return self.mlp_half(block, x), sizes
 
 
 def unit_interval(retention: Tensor) -> Tensor:
@@ -266,7 +276,7 @@ def apply_downsampling(
     Args:
         model: a timm ``VisionTransformer`` (DeiT, ViT, with or without LayerScale, register or
             distillation tokens), trained or not.
-        method: a name from ``pipeline.pooling.METHODS``.
+        method: a name from ``pipeline.methods.METHODS``.
         keep: K_1..K_L, the most non-prefix tokens after each block; default: keep all.
         carry: carry cluster sizes and use proportional attention (Appendix D).
         qk_norm: ``"fixed"`` or ``"learned"``: L2-normalised queries and keys with logits
@@ -276,7 +286,7 @@ def apply_downsampling(
             weight per significance rank, initialised to 1) for the K search; see
             ``retention_penalty`` and ``retention_keep``. It needs ``method="none"`` and no keep list.
         kernels: the implementation of each fused step (the config's ``kernels``); default all ``auto``.
-        options: method options (``iters``, ``init``, ``cluster_on``, ``significance``).
+        options: the method's options (its ``MethodSpec``'s; ``pipeline methods`` lists them).
     """
     for attr in ("blocks", "num_prefix_tokens", "patch_embed"):
         if not hasattr(model, attr):

@@ -21,24 +21,11 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.pooling.clustering import INITS, token_pool
+from pipeline.pooling.clustering import token_pool
 from pipeline.pooling.common import PoolResult, check_k, check_per_token, check_tokens, identity_result
 from pipeline.pooling.selection import select_importance, select_random, select_topk
 from pipeline.pooling.tome import tome_merge
 from pipeline.runtime import KernelChoice
-
-CLUSTER_ON = ("tokens", "metric")
-# Which attention the scores measure: "eq4", the paper's (the attention each token receives from every
-# query), or "cls", the class token's row of it alone (EViT's token attentiveness; one query row a head,
-# so it costs B*H*T*D multiply-adds where eq. 4 costs B*H*T^2*D). The operators take the scores as they
-# come; the models compute the kind the method's options name.
-SIGNIFICANCE = ("eq4", "cls")
-
-
-def check_significance(significance: object) -> None:
-    """InputError unless ``significance`` names a kind of scores (``SIGNIFICANCE``)."""
-    if significance not in SIGNIFICANCE:
-        raise InputError(f"significance must be one of {SIGNIFICANCE}, got {significance!r}")
 
 
 class Downsampler(Protocol):
@@ -63,17 +50,11 @@ def _none(tokens: Tensor, k: int, *, sizes: Tensor | None = None, validate: bool
     return identity_result(tokens, sizes)
 
 
-def _check_cluster_on(cluster_on: str) -> None:
-    if cluster_on not in CLUSTER_ON:
-        raise InputError(f"cluster_on must be one of {CLUSTER_ON}, got {cluster_on!r}")
-
-
-def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_on: str, significance: str
+def _clustering(method: str, weighted: bool, *, cluster_on: str, significance: str, **operator: Any
                 ) -> Downsampler:
-    if init not in INITS:
-        raise InputError(f"init must be one of {INITS}, got {init!r}")
-    _check_cluster_on(cluster_on)
-    check_significance(significance)  # the operators take scores as given; the models read it
+    """``token_pool`` with the method's options (checked by its ``MethodSpec``): ``cluster_on`` picks what it
+    matches, ``significance`` is the models' (which scores they compute), and every other option goes to
+    ``token_pool`` as it is (``iters``, ``init``, ...)."""
 
     def step(tokens: Tensor, k: int, *, scores: Tensor | None = None, sizes: Tensor | None = None,
              metric: Tensor | None = None, generator: torch.Generator | None = None,
@@ -83,9 +64,9 @@ def _clustering(method: str, weighted: bool, *, iters: int, init: str, cluster_o
         if cluster_on == "metric" and metric is None:
             raise InputError("cluster_on='metric' needs metric (B, N, D), for example the keys averaged over heads")
         return token_pool(
-            tokens, k, method=method, weights=scores if weighted else None, init=init, init_scores=scores,
-            iters=iters, sizes=sizes, generator=generator, metric=metric if cluster_on == "metric" else None,
-            validate=validate, kernels=kernels,
+            tokens, k, method=method, weights=scores if weighted else None, init_scores=scores, sizes=sizes,
+            generator=generator, metric=metric if cluster_on == "metric" else None, validate=validate,
+            kernels=kernels, **operator,
         )
 
     return step
@@ -119,8 +100,7 @@ def wkmedoids(**options: Any) -> Downsampler:
     return _clustering("kmedoids", True, **options)
 
 
-def powerbert(*, significance: str) -> Downsampler:
-    check_significance(significance)
+def powerbert(*, significance: str) -> Downsampler:  # the scores are the models' to compute
     return _selection(select_topk, ("scores", "sizes"))
 
 
@@ -129,13 +109,10 @@ def random() -> Downsampler:
 
 
 def importance(*, significance: str) -> Downsampler:
-    check_significance(significance)
     return _selection(select_importance, ("scores", "sizes", "generator"))
 
 
 def tome(*, cluster_on: str) -> Downsampler:
-    _check_cluster_on(cluster_on)
-
     def step(tokens: Tensor, k: int, *, sizes: Tensor | None = None, metric: Tensor | None = None,
              validate: bool = True, **_: Any) -> PoolResult:
         check_k(k)

@@ -253,8 +253,8 @@ def epochs_done(folder: Path) -> int:
 def check_rerun(config: Config, restart: bool = False) -> None:
     """A run folder resumes only under the config that made it, with at least as many epochs as it has done.
 
-    ``restart`` sets the folder aside (renamed, not deleted) and starts over. A folder without the record,
-    written by an earlier release, is not checked; the record is written once this passes.
+    ``restart`` sets the folder aside (renamed, not deleted) and starts over. The record is written once this
+    passes, before the run's first checkpoint.
     """
     from pipeline.config.identity import identity_differences, run_identity
 
