@@ -193,7 +193,7 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
 
     pool, width = spec.flops, clustered_width(model, options)
     surface = PoolSurface(tuple(points), tuple(
-        Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, width) / 1e9 for k in points if k <= n))
+        Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, width, options) / 1e9 for k in points if k <= n))
         for n in points))
     fixed = (embed + head + NORM_FLOPS * (n_tokens + prefix) * dim) / 1e9  # the first block's norm1
     return CostModel("gflops", num_tokens=n_tokens, prefix=prefix, depth=depth, fixed=fixed,

@@ -12,7 +12,7 @@ Adding a method is one module with its operator plus one ``register_method`` cal
         build="mypackage.firstk:build",   # build(**options) -> step(tokens, k, *, scores, sizes, metric, ...)
         summary="keep the first K tokens",
         options={"offset": Option(0, minimum=0, doc="the first token kept")},
-        flops=lambda n, k, width: 0,      # its step's multiply-adds, for GFLOPs targets
+        flops=lambda n, k, width, options: 0,  # its step's multiply-adds, for GFLOPs targets
     ))
 
 or, from another installed package, one entry point in the group ``pipeline.methods`` naming a
@@ -113,9 +113,10 @@ class MethodSpec:
             something to the models: ``cluster_on: metric`` makes them hand the step the attention keys
             averaged over heads as ``metric``; ``significance: cls`` makes them compute its scores from the
             class token's attention instead of eq. 4.
-        flops: the multiply-adds of its pooling step, ``flops(n, k, width)`` for n non-prefix tokens pooled to
-            k, clustering vectors of ``width`` (the tokens', or the head width with ``cluster_on: metric``);
-            None where it has no closed form (GFLOPs targets and ``pipeline flops``' fvcore count differ then).
+        flops: the multiply-adds of its pooling step, ``flops(n, k, width, options)`` for n non-prefix tokens
+            pooled to k, clustering vectors of ``width`` (the tokens', or the head width with ``cluster_on:
+            metric``), with its resolved options (those marked ``counted`` may change it); None where it has no
+            closed form (GFLOPs targets and ``pipeline flops``' fvcore count differ then).
         takes_kernels: its step takes the model's ``kernels`` (the fused-kernel choice) as an argument.
         learnable: has parameters of its own, one set per block.
         reconstructs: takes part in ``analyze reconstruction`` (parameter-free methods that downsample).
@@ -127,7 +128,7 @@ class MethodSpec:
     summary: str
     needs_scores: bool = False
     options: Mapping[str, Option] = field(default_factory=dict)
-    flops: Callable[[int, int, int], int] | None = None
+    flops: Callable[[int, int, int, Mapping[str, Any]], int] | None = None
     takes_kernels: bool = False
     learnable: bool = False
     reconstructs: bool = True
@@ -191,12 +192,12 @@ _SCORED = {"significance": SIGNIFICANCE}
 _CLUSTERED = {"iters": ITERS, "init": INIT, "cluster_on": CLUSTER_ON, **_SCORED}
 
 
-def _selects(n: int, k: int, width: int) -> int:
+def _selects(n: int, k: int, width: int, options: Mapping[str, Any]) -> int:
     """A selection (top-K, sampling) multiplies nothing."""
     return 0
 
 
-def _gram(n: int, k: int, width: int) -> int:
+def _gram(n: int, k: int, width: int, options: Mapping[str, Any]) -> int:
     """K-Medoids builds the n x n Gram matrix of what it clusters (the paper's "+0.1" GFLOPs on DeiT-S)."""
     return n * n * width
 

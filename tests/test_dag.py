@@ -274,7 +274,8 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(synthetic_data, tmp
     DAG: config validation in the driver, Ray Train workers for the K search and the finetune (trial_workers 1;
     the base, which does not run the plugin, trains in the driver), evaluation tasks, and the Pareto table. Its
     own option comes from the config (offset), a name it shares with the built-in methods keeps its own default
-    (iters: 1, not the clustering methods' 5), and its package and version are tagged on its finetune and evaluation runs."""
+    (iters: 1, not the clustering methods' 5), and its package and version are tagged on its finetune and evaluation
+    runs."""
     data = synthetic_data(64, 32)
     plugin = write_plugin(tmp_path / "site")
     overrides = [*tiny_overrides(tmp_path, data), "experiment.search.trial_workers=1",

@@ -338,3 +338,24 @@ def test_bad_rehearsals_are_refused_before_anything_runs(tmp_path):
                                          r"rehearsal's folder"):
         run_rehearsal(config, RehearsalSettings(root=tmp_path / "mine"), log=lambda _: None)
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["mlflow.db", "notes.txt"]
+
+
+def test_a_store_recorded_under_another_identity_version_is_refused_in_one_line(tmp_path):
+    """A DAG parent run without the identity-version tag (version 1) or with another one makes ``open_parent``
+    refuse the experiment, naming both versions and the way out; a store of this version opens, twice."""
+    from pipeline.config.identity import IDENTITY_VERSION
+    from pipeline.dag.records import DAG, IDENTITY_TAG, STAGE_KIND, open_parent
+    from pipeline.errors import InputError
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client, exp_id, run = open_parent(uri, "current", None, "abc", "tiny")
+    assert client.get_run(run).data.tags[IDENTITY_TAG] == str(IDENTITY_VERSION)
+    assert open_parent(uri, "current", None, "abc", "tiny")[2] == run  # reused, not refused
+    old = client.create_experiment("old")
+    client.create_run(old, tags={DAG: "abc", STAGE_KIND: "dag"})
+    with pytest.raises(InputError, match=rf"^train.experiment 'old' in {uri} holds stages recorded under identity "
+                                         rf"version 1; this pipeline's is {IDENTITY_VERSION}, whose stage ids differ, "
+                                         r"so none of them would be reused: give a new train.experiment \(or "
+                                         r"train.tracking_uri\) and rerun$"):
+        open_parent(uri, "old", None, "abc", "tiny")
+    assert len(client.search_runs([old])) == 1  # nothing added

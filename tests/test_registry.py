@@ -270,36 +270,70 @@ def test_a_method_registered_in_code_is_refused_for_ray_runs(toy, tmp_path):
     assert not (tmp_path / "ray").exists() and not (tmp_path / "mlflow.db").exists()
 
 
-MOVED_NAME = """
-import sys, warnings
+POOLING_ALONE = """
+import sys
 import pipeline.pooling
 assert "pipeline.methods" not in sys.modules, "importing pipeline.pooling loaded the registry"
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    from pipeline.pooling import build_downsampler
-import pipeline.methods
-assert build_downsampler is pipeline.methods.build_downsampler
-# The from-import reads the name twice (hasattr, then getattr): one message, warned where it is imported.
-assert caught and {(w.category, w.filename) for w in caught} == {(DeprecationWarning, "<string>")}, caught
-assert len({str(w.message) for w in caught}) == 1
-print(caught[0].message)
 try:
-    from pipeline.pooling import no_such_name
+    from pipeline.pooling import build_downsampler
 except ImportError as err:
     print(err)
 """
 
 
-def test_the_moved_build_downsampler_still_imports_from_pooling_with_a_warning():
-    """Code written against the earlier README (`from pipeline.pooling import build_downsampler`) works for
-    this release, warned where it imports; importing pipeline.pooling alone does not load the registry."""
-    proc = subprocess.run([sys.executable, "-c", MOVED_NAME], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+def test_the_operators_package_does_not_load_the_registry_nor_name_its_builder():
+    """``pipeline.pooling`` holds the operators only: importing it loads no registry, and ``build_downsampler``
+    is ``pipeline.methods``' alone (one place for a name)."""
+    proc = subprocess.run([sys.executable, "-c", POOLING_ALONE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
-    warning, missing = proc.stdout.splitlines()
-    assert warning == ("pipeline.pooling.build_downsampler moved to pipeline.methods.build_downsampler; import it "
-                       "from pipeline.methods (the old place goes in the next release)")
-    assert "cannot import name 'no_such_name' from 'pipeline.pooling'" in missing
+    assert "cannot import name 'build_downsampler' from 'pipeline.pooling'" in proc.stdout
+
+
+def test_a_spec_with_a_new_option_is_seen_by_the_config_the_gflops_the_identity_and_pipeline_methods(capsys):
+    """One declaration: a method registered with an ``Option`` of its own is validated from YAML (a wrong type is
+    one clear error), counted in the GFLOPs its ``flops`` declares (against the sum written out here), part of
+    its finetune's identity and of a GFLOPs K search's, and listed by ``pipeline methods``."""
+    from pipeline.cli import main
+    from pipeline.config.identity import identity_content
+    from pipeline.flops import gflops_cost_model
+    from pipeline.methods import Option
+    from pipeline.models import create_model
+
+    def passes_flops(n: int, k: int, width: int, options) -> int:
+        return options["passes"] * n * n * width
+
+    spec = MethodSpec(firstk, "firstk that pays for its passes", options={
+        "offset": 0, "passes": Option(1, minimum=1, counted=True, doc="Gram passes it pays for")}, flops=passes_flops)
+    register_method("passk", spec)
+    try:
+        base = ["pooling.method=passk", "pooling.keep=[12, 8, 4]", "train.mode=finetune"]
+        config = load_config(TINY, [*base, "pooling.options.passk.passes=3"])
+        assert config.pooling.method_options() == {"offset": 0, "passes": 3}
+        with pytest.raises(ConfigError, match=r"pooling.options.passk.passes takes a value of type int \(its default "
+                                              r"is 1\), got 'two'"):
+            load_config(TINY, [*base, "pooling.options.passk.passes=two"])
+        with pytest.raises(ConfigError, match=r"pooling.options.passk.passes is at least 1, got 0"):
+            load_config(TINY, [*base, "pooling.options.passk.passes=0"])
+        # GFLOPs: each block that pools pays passes * n^2 * M, n the tokens it receives (written out for this keep)
+        model = create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2)
+        keep, n_in, width = [12, 8, 4], [16, 12, 8], 32
+        one = gflops_cost_model(model, "passk", options={"passes": 1}).predict(keep)
+        three = gflops_cost_model(model, "passk", options={"passes": 3}).predict(keep)
+        assert three - one == pytest.approx(2 * sum(n * n * width for n in n_in) / 1e9, rel=1e-9)
+        assert gflops_cost_model(model, "passk", options={"passes": 3}).key["options"] == {"passes": 3}
+        # the identity: of its finetune, and of a K search toward its GFLOPs
+        assert identity_content(config)["pooling"]["options"] == {"offset": 0, "passes": 3}
+        assert identity_content(config) != identity_content(load_config(TINY, base))
+        search = ["train.mode=ksearch", "train.ksearch_target={cost: gflops, fraction: 0.5, method: passk}"]
+        assert identity_content(load_config(TINY, [*search, "pooling.options.passk.passes=3"]))["pooling"] == {
+            "counted": {"passes": 3}}
+        assert main(["methods"]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        assert "    pooling.options.passk.passes = 1 (>= 1); counted in GFLOPs: Gram passes it pays for" in listed
+        assert any(line.startswith("passk ") and line.endswith("registered in code") for line in listed)
+    finally:
+        del METHODS["passk"]
 
 
 # A spec for the in-process entry points below (``tests.test_registry:PLUGIN_SPEC``).

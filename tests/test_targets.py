@@ -679,7 +679,8 @@ def test_the_gflops_model_takes_its_points_key_and_head_from_the_model():
     assert gflops_cost_model(model, "powerbert").key["options"] == {}
     assert gflops_cost_model(model, "kmedoids").key["options"] == {"cluster_on": "tokens"}
     with pytest.raises(InputError, match=r"^no closed-form GFLOPs count of method 'tome''s pooling step \(its "
-                                         r"MethodSpec has no flops\); give a latency target with a cost table, or one of importance, kmedoids, "
+                                         r"MethodSpec has no flops\); give a latency target with a cost table, "
+                                         r"or one of importance, kmedoids, "
                                          r"powerbert, random, wkmedoids$"):
         gflops_cost_model(model, "tome")
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
+from pipeline.config.identity import IDENTITY_VERSION
+from pipeline.errors import InputError
 from pipeline.tracking import RUN_KEY_TAG, experiment_id, log_batch
 
 STAGE_ID = "pipeline.stage_id"
@@ -21,6 +23,7 @@ STAGE_KIND = "pipeline.stage"
 DONE = "pipeline.done"
 RESULT = "pipeline.result"
 DAG = "pipeline.dag"
+IDENTITY_TAG = "pipeline.identity_version"  # on a DAG's parent run and its stage runs: ``IDENTITY_VERSION``
 TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of its model
 # On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
 # table's sha256.
@@ -40,7 +43,8 @@ def find_done(client: MlflowClient, exp_id: str, stage_id: str) -> tuple[dict[st
 
 def mark_done(client: MlflowClient, run_id: str, *, stage_id: str, kind: str, result: dict[str, Any]) -> None:
     """Records the result on the stage's run; the ``done`` tag goes last."""
-    log_batch(client, run_id, tags={STAGE_ID: stage_id, STAGE_KIND: kind, RESULT: json.dumps(result)})
+    log_batch(client, run_id, tags={STAGE_ID: stage_id, STAGE_KIND: kind, RESULT: json.dumps(result),
+                                    IDENTITY_TAG: str(IDENTITY_VERSION)})
     client.set_tag(run_id, DONE, "1")
 
 
@@ -64,7 +68,8 @@ def supersede(client: MlflowClient, exp_id: str, dag_id: str, kinds: list[str]) 
 def open_child(client: MlflowClient, exp_id: str, parent_id: str, *, name: str, kind: str, stage_id: str,
                dag_id: str) -> str:
     """A child run of the DAG's parent run, for stages that do not train (evaluate)."""
-    tags = {"mlflow.parentRunId": parent_id, STAGE_KIND: kind, STAGE_ID: stage_id, DAG: dag_id}
+    tags = {"mlflow.parentRunId": parent_id, STAGE_KIND: kind, STAGE_ID: stage_id, DAG: dag_id,
+            IDENTITY_TAG: str(IDENTITY_VERSION)}
     return client.create_run(exp_id, run_name=name, tags=tags).info.run_id
 
 
@@ -73,11 +78,25 @@ def open_parent(uri: str, experiment: str, artifact_root: str | None, dag_id: st
     """The parent run of this DAG (one per experiment config), reused by reruns; returns client, exp id, run id."""
     client = MlflowClient(tracking_uri=uri)
     exp_id = experiment_id(client, experiment, artifact_root)
+    check_identity_version(client, exp_id, uri, experiment)
     runs = client.search_runs([exp_id], filter_string=f"tags.`{DAG}` = '{dag_id}' and tags.`{STAGE_KIND}` = 'dag'",
                               order_by=["attributes.start_time DESC"], max_results=1)
     if runs:
         run_id = runs[0].info.run_id
         client.update_run(run_id, status="RUNNING")
     else:
-        run_id = client.create_run(exp_id, run_name=name, tags={DAG: dag_id, STAGE_KIND: "dag"}).info.run_id
+        tags = {DAG: dag_id, STAGE_KIND: "dag", IDENTITY_TAG: str(IDENTITY_VERSION)}
+        run_id = client.create_run(exp_id, run_name=name, tags=tags).info.run_id
     return client, exp_id, run_id
+
+
+def check_identity_version(client: MlflowClient, exp_id: str, uri: str, experiment: str) -> None:
+    """Refuses an MLflow experiment whose DAG runs were recorded under another ``IDENTITY_VERSION`` (a run
+    without the tag is version 1, the only one before it): their stage ids are not this version's, so none
+    would be reused and new records would sit beside them under the same experiment. Nothing is changed."""
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{STAGE_KIND}` = 'dag'", max_results=10000)
+    other = sorted({run.data.tags.get(IDENTITY_TAG, "1") for run in runs} - {str(IDENTITY_VERSION)})
+    if other:
+        raise InputError(f"train.experiment {experiment!r} in {uri} holds stages recorded under identity version "
+                         f"{', '.join(other)}; this pipeline's is {IDENTITY_VERSION}, whose stage ids differ, so none "
+                         "of them would be reused: give a new train.experiment (or train.tracking_uri) and rerun")

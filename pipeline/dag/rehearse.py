@@ -220,8 +220,8 @@ def ramp_keep(tokens: int, depth: int) -> list[int]:
     return [max(1, round(tokens * (depth - layer) / (depth + 1))) for layer in range(depth)]
 
 
-class Slicer:
-    """``pipeline.dag.runner.Slicer`` of a rehearsal: ``cover`` of each kind, ``train.compile`` of the
+class RehearsalSlicer:
+    """The ``pipeline.dag.runner.Slicer`` of a rehearsal: ``cover`` of each kind, ``train.compile`` of the
     experiment in the first base only, the planted failure, and keep lists that pool."""
 
     def __init__(self, compile_mode: str, fail_method: str | None, log: Callable[[str], None]) -> None:
@@ -439,7 +439,7 @@ def run_rehearsal(config: Config, settings: RehearsalSettings, *, address: str |
     rehearsal = rehearsal_config(config, settings, train, val)
     log(f"[rehearse] {config.experiment.name} at its shapes in {settings.root} (MLflow {rehearsal.train.tracking_uri}, "
         f"experiment {rehearsal.train.experiment!r}): {settings.steps} step(s) of {settings.batch} images a stage")
-    slicer = Slicer(config.train.compile, settings.fail_method, log)
+    slicer = RehearsalSlicer(config.train.compile, settings.fail_method, log)
     summary = run_experiment(rehearsal, address=address, log=log, keep_going=True, slicer=slicer)
     best = next((alias for alias in summary.get("aliases") or [] if alias.endswith("@best")), None)
     served = (serve_one(best, rehearsal.train.tracking_uri, root / "serve", log) if best is not None

@@ -27,7 +27,8 @@ from pipeline.dag.plan import (
     target_methods,
 )
 from pipeline.dag.records import open_parent, supersede
-from pipeline.dag.stages import run_evaluation_spec, run_training_spec, stage_spec
+from pipeline.dag.select import run_select
+from pipeline.dag.stages import eval_task, run_evaluation_spec, run_training_spec, stage_spec
 from pipeline.dag.sweep import one_line, run_sweep
 from pipeline.dag.types import EvalResult, Tracking, TrainedResult
 from pipeline.errors import JobError
@@ -234,7 +235,6 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
 
     ``keep_going``: a failed stage is recorded and the stages that need it are skipped; the rest run.
     ``slicer``: runs only its pick of each kind's planned stages (``pipeline.dag.rehearse``)."""
-    from pipeline.dag.select import run_select
     from pipeline.tracking import check_tracking_uri
 
     if config.experiment is None:
@@ -319,21 +319,6 @@ def check_timing(log: Callable[[str], None] = print) -> None:
             "holds (one a node, so that none shares a node with another); the evaluations wait for a node with it: "
             f"start each worker node with `ray start --resources='{{\"{TIMING}\": 1}}'` (jobs/k8s and jobs/vm do; "
             "docs/cluster.md)")
-
-
-def eval_task(config: Config, fn: Callable):
-    """``fn`` as a Ray task in the evaluate stage's setting, holding the ``timing`` resource, and whether it gets a
-    GPU."""
-    import ray
-
-    from pipeline.train.launch import TIMING
-
-    resources = ray.cluster_resources()
-    device = config.experiment.eval.device
-    cuda = device == "cuda" or (device == "auto" and resources.get("GPU", 0) > 0)
-    task = ray.remote(num_cpus=min(config.experiment.eval.cpus, resources.get("CPU", 1)), num_gpus=1 if cuda else 0,
-                      resources={TIMING: 1})(fn)
-    return task, cuda
 
 
 def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]

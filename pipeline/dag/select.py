@@ -33,7 +33,7 @@ def measure_scale(ctx, rows: list[dict[str, Any]]):
     no row carries a paired speed (records from before it)."""
     import ray
 
-    from pipeline.dag.runner import eval_task
+    from pipeline.dag.stages import eval_task
 
     timed = [r for r in rows if r.get("speed_ratio") is not None]
     if not timed:

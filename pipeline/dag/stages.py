@@ -126,3 +126,18 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     mark_done(client, run_id, stage_id=spec.id, kind="evaluate", result=result.as_record())
     client.set_terminated(run_id, "FINISHED")
     return result
+
+
+def eval_task(config: Config, fn: Callable):
+    """``fn`` as a Ray task in the evaluate stage's setting, holding the ``timing`` resource, and whether it gets a
+    GPU."""
+    import ray
+
+    from pipeline.train.launch import TIMING
+
+    resources = ray.cluster_resources()
+    device = config.experiment.eval.device
+    cuda = device == "cuda" or (device == "auto" and resources.get("GPU", 0) > 0)
+    task = ray.remote(num_cpus=min(config.experiment.eval.cpus, resources.get("CPU", 1)), num_gpus=1 if cuda else 0,
+                      resources={TIMING: 1})(fn)
+    return task, cuda
