@@ -80,15 +80,10 @@ def open_store(tracking_uri: str) -> MlflowClient:
 
 
 def registered_versions(client: MlflowClient, experiment: str) -> dict[str, str]:
-    """{finetune run id: models:/NAME/VERSION} of the experiment's registered models: its image classifier
-    where the run has one, else the model an earlier release registered (which ``pipeline serve`` refuses,
-    saying to register classifiers)."""
-    from pipeline.serving.publish import SERVING, SERVING_TAG
-
+    """{finetune run id: models:/NAME/VERSION} of the experiment's registered models (image classifiers)."""
     name = f"token-pooling-{experiment}"
     versions = [v for v in client.search_model_versions(f"name = '{name}'") if v.source.startswith("models:/")]
-    ranked = sorted(versions, key=lambda v: v.tags.get(SERVING_TAG) == SERVING)  # classifiers last: they win
-    return {v.run_id: f"models:/{name}/{v.version}" for v in ranked}
+    return {v.run_id: f"models:/{name}/{v.version}" for v in versions}
 
 
 def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:

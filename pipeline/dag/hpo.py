@@ -91,18 +91,6 @@ def chosen_config(config: Config, settings: dict[str, Any] | None) -> Config:
     return config
 
 
-def recorded_settings(client, run_id: str, sweep: SweepConfig) -> dict[str, Any]:
-    """The swept settings of a finished trial, from its MLflow params (logged as strings, read as YAML)."""
-    from pipeline.config.loading import parse_yaml
-
-    params = client.get_run(run_id).data.params
-    missing = [key for key in sweep.space if key not in params]
-    if missing:
-        raise JobError(f"the chosen trial's MLflow run {run_id} has no params {missing}; rerun the sweep "
-                       "(--force base)")
-    return {key: parse_yaml(params[key], f"MLflow param {key} of run {run_id}") for key in sweep.space}
-
-
 def trial_resources(spec: StageSpec) -> dict[str, float]:
     """What one trial holds: ``experiment.search.trial_cpus``, and a GPU when ``trial_gpus`` > 0."""
     train = spec.config.train

@@ -63,7 +63,7 @@ def clear_store(root: Path, log: Callable[[str], None]) -> None:
     holds anything else and no marker is refused: it may be an experiment's own store."""
     root.mkdir(parents=True, exist_ok=True)
     entries = sorted(p.name for p in root.iterdir())
-    if entries and not (root / MARKER).is_file() and not _earlier_rehearsal(root, entries):
+    if entries and not (root / MARKER).is_file():
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise InputError(f"--rehearse-dir {root}: it holds {shown} and no {MARKER}, so it is not a rehearsal's "
                          "folder, and a rehearsal empties its store before it starts; give a new or empty folder")
@@ -82,14 +82,6 @@ def clear_store(root: Path, log: Callable[[str], None]) -> None:
 
 def _stored(name: str) -> bool:
     return name in STORE or name.startswith("mlflow.db-")  # SQLite's journal beside the store
-
-
-def _earlier_rehearsal(root: Path, entries: list[str]) -> bool:
-    """A folder that a rehearsal wrote before folders were marked: its own entries only, and its data/
-    holding the ImageNet-like images only a rehearsal writes."""
-    data = root / "data"
-    return all(_stored(name) or name == "data" for name in entries) and data.is_dir() and any(
-        p.name.startswith("imagenet_like_") for p in data.iterdir())
 
 
 # ---- the data: ImageNet-like JPEGs in the experiment's own data format ----

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,14 +145,12 @@ def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, Tra
 def run_swept_base(ctx: Context, spec, sweep) -> TrainedResult:
     import ray
 
-    from pipeline.dag.hpo import recorded_settings, run_base_sweep, trial_resources
+    from pipeline.dag.hpo import run_base_sweep, trial_resources
     from pipeline.dag.stages import trained_done
 
     done = trained_done(ctx.client, ctx.exp_id, spec.id)
     if done is not None:
         ctx.log(f"[skip] {spec.label} sweep: done in MLflow run {done.run_id}")
-        if done.settings is None:  # recorded before bases kept their settings: read them from the run's params
-            done = replace(done, settings=recorded_settings(ctx.client, done.run_id, sweep))
         return done
     need, have = trial_resources(spec), ray.cluster_resources()
     slots = max(min(int(have.get(kind, 0) // amount) for kind, amount in need.items() if amount > 0), 1)
@@ -297,10 +295,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
 
 
 def speed_line(result: EvalResult) -> str:
-    """``time 0.642 [0.631, 0.655] of the unmodified model (31 blocks, tolerance)``, or the images/s of a record
-    from before the paired timing."""
-    if result.speed_ratio is None:
-        return f"{result.images_per_s:.0f} img/s (timed unpaired, before the paired timing)"
+    """``time 0.642 [0.631, 0.655] of the unmodified model (31 blocks, tolerance)``."""
     return (f"time {result.speed_ratio:.3f} [{result.speed_ratio_low:.3f}, {result.speed_ratio_high:.3f}] of the "
             f"unmodified model ({result.speed_blocks} blocks, {result.speed_stop})")
 

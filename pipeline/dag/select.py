@@ -211,10 +211,7 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
     except MlflowException:
         client.create_registered_model(name, description="Pareto-optimal models of `pipeline run` (MLflow models: "
                                        "mlflow.pyfunc.load_model('models:/NAME@best'))")
-    # Versions of earlier releases hold a raw checkpoint or a model of tensors in, logits out; only image
-    # classifiers are reused.
-    versions = {v.run_id: v.version for v in client.search_model_versions(f"name = '{name}'")
-                if v.tags.get(SERVING_TAG) == SERVING}
+    versions = {v.run_id: v.version for v in client.search_model_versions(f"name = '{name}'")}
     aliases = []
     for alias, row in picks:
         version = versions.get(row["run_id"])
