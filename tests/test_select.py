@@ -101,7 +101,7 @@ def test_unknown_experiment_store_or_device_is_refused(store, capsys, tmp_path):
     missing = tmp_path / "none" / "mlflow.db"
     code = main(["select", "--experiment", "hand", "--tracking-uri", f"sqlite:///{missing}", "--max-gflops", "1"])
     assert code == 2 and "there is no MLflow store" in capsys.readouterr().err and not missing.parent.exists()
-    from pipeline.budget import best_under_budget, candidates
+    from pipeline.select_model import best_under_budget, candidates
 
     models = candidates(MlflowClient(tracking_uri=uri), "hand")
     assert len(models) == len(MODELS)  # the unfinished evaluation is not a candidate

@@ -63,7 +63,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _pick(args: argparse.Namespace):
-    from pipeline.budget import best_under_budget, candidates, open_store
+    from pipeline.select_model import best_under_budget, candidates, open_store
 
     models = candidates(open_store(args.tracking_uri), args.experiment)
     return best_under_budget(models, max_gflops=args.max_gflops, min_images_per_s=args.min_images_per_s,

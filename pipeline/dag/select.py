@@ -21,35 +21,31 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                      "checkpoint": trained.checkpoint, "stage_id": stage.id, "run_id": trained.run_id,
                      "analysis": measured.analysis, "speed_ratio": measured.speed_ratio,
                      "speed_ratio_low": measured.speed_ratio_low, "speed_ratio_high": measured.speed_ratio_high,
-                     "speed_seconds": measured.speed_seconds, "speed_half_width": None if measured.speed_ratio is None
-                     else (measured.speed_ratio_high - measured.speed_ratio_low) / 2 / measured.speed_ratio,
+                     "speed_seconds": measured.speed_seconds, "speed_half_width": half_width(measured),
                      "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile}"})
     return rows
 
 
+def half_width(measured: EvalResult) -> float:
+    """The paired speed ratio's 95% interval's half-width, relative to the ratio."""
+    return (measured.speed_ratio_high - measured.speed_ratio_low) / 2 / measured.speed_ratio
+
+
 def measure_scale(ctx, rows: list[dict[str, Any]]):
     """``evaluate.Scale`` of the rows' architectures, measured now (never cached: it is what puts this run's
-    models on one scale) in a Ray task that holds the ``timing`` resource, as every evaluation does; None where
-    no row carries a paired speed (records from before it)."""
+    models on one scale) in a Ray task that holds the ``timing`` resource, as every evaluation does."""
     import ray
 
     from pipeline.dag.stages import eval_task
 
-    timed = [r for r in rows if r.get("speed_ratio") is not None]
-    if not timed:
-        return None
-    if len(timed) < len(rows):
-        ctx.log(f"[warning] {len(rows) - len(timed)} of {len(rows)} evaluations are records from before the paired "
-                "timing: their images/s are not on the scale, and the speed front compares them as points; "
-                "`pipeline run CONFIG --force evaluate` measures them again")
     checkpoints = {}
-    for row in timed:
+    for row in rows:
         checkpoints.setdefault(row["arch"], row["checkpoint"])
     task, cuda = eval_task(ctx.config, reference_scale_task)
     scale = ray.get(task.remote(checkpoints, ctx.config.experiment.eval, cuda, ctx.config.kernels.choice()))
-    check, spent = scale.self_check, sum(r.get("speed_seconds") or 0.0 for r in timed)
+    check, spent = scale.self_check, sum(r.get("speed_seconds") or 0.0 for r in rows)
     ctx.log(f"[select] the evaluations' paired speed measurements took {spent:.0f} s in all; half-widths "
-            f"{_spread([r['speed_half_width'] for r in timed])}")
+            f"{_spread([r['speed_half_width'] for r in rows])}")
     ctx.log(f"[select] speed scale: {scale.anchor}'s unmodified model {scale.anchor_images_per_s:.0f} img/s; against "
             f"itself {check.ratio:.3f} [{check.low:.3f}, {check.high:.3f}]"
             + "".join(f"; {arch} {r.ratio:.3f} [{r.low:.3f}, {r.high:.3f}] of it"
@@ -69,12 +65,9 @@ def reference_scale_task(checkpoints, cfg, cuda, kernels):
 
 
 def on_scale(rows: list[dict[str, Any]], scale) -> list[dict[str, Any]]:
-    """The rows with images/s and its interval on ``scale`` (rows without a paired speed keep their own)."""
+    """The rows with images/s and its interval on ``scale``."""
     out = []
     for row in rows:
-        if scale is None or row.get("speed_ratio") is None:
-            out.append(row)
-            continue
         rate, low, high = scale.images_per_s(row["arch"], row["speed_ratio"], row["speed_ratio_low"],
                                              row["speed_ratio_high"])
         out.append(row | {"images_per_s": rate, "images_per_s_low": low, "images_per_s_high": high})

@@ -7,7 +7,7 @@ and ``StageMeta.method``, never through a string-keyed dict.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.config import Config, EvalConfig
@@ -93,7 +93,7 @@ class EvalResult:
     analysis: str | None = None
     skipped: bool = False
     # The paired speed (``bench.paired``): the model's time over its unmodified reference's, its 95% interval,
-    # the blocks and why they stopped, and the load average around it; None in records from before it.
+    # the blocks and why they stopped, and the load average around it.
     speed_ratio: float | None = None
     speed_ratio_low: float | None = None
     speed_ratio_high: float | None = None
@@ -107,9 +107,8 @@ class EvalResult:
 
 
 def from_record(cls: type, record: dict[str, Any], run_id: str, **extra: Any) -> Any:
-    """A result dataclass from an MLflow record (unknown keys of older records are ignored)."""
-    names = {f.name for f in fields(cls)}
-    return cls(run_id=run_id, **{k: v for k, v in record.items() if k in names and k != "run_id"}, **extra)
+    """A result dataclass from an MLflow record (``as_record``'s JSON) and its run."""
+    return cls(run_id=run_id, **record, **extra)
 
 
 @dataclass(frozen=True)
