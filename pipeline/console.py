@@ -6,10 +6,12 @@ Pareto table. The rest of what Ray, Tune and FFCV say is kept off it, and stays 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -47,7 +49,6 @@ def _log_folder() -> Path:
         target = Path()
     if target.parent.name == "logs":
         return target.parent
-    import tempfile
 
     return Path(tempfile.gettempdir())
 
@@ -59,7 +60,6 @@ def quiet_train_reports() -> None:
     Ray Train logs them from a logger named by its file's path (``logging.getLogger(__file__)`` in
     ``ray/train/v2/_internal/execution/context.py``), so ``LoggingConfig(log_level=...)``, which filters
     the ``ray.train`` loggers, lets them through to the root logger's console handler."""
-    import importlib.util
 
     if verbose():
         return

@@ -35,6 +35,7 @@ from pipeline.runtime import (
     resolve_setting,
     step_marker,
 )
+from pipeline.train.checkpoint import model_from_checkpoint
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,6 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
     from pipeline.flops import count_flops
     from pipeline.models import set_kernels
     from pipeline.models.selfcheck import check_model, kernels_ran
-    from pipeline.train.checkpoint import model_from_checkpoint
 
     model, config, _ = model_from_checkpoint(path)
     reference, _, _ = model_from_checkpoint(path, plain=True)  # the same weights, no downsampling
@@ -184,7 +184,6 @@ def reference_scale(checkpoints: dict[str, str], cfg: EvalConfig, *, cuda: bool 
     """``Scale`` of the architectures in ``checkpoints`` (architecture -> any checkpoint of it, whose weights the
     unmodified model takes), timed in ``cfg``'s setting as the evaluate stage times (``speed``)."""
     from pipeline.models import set_kernels
-    from pipeline.train.checkpoint import model_from_checkpoint
 
     device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,
                                           torch.cuda.is_available() if cuda is None else cuda)

@@ -37,6 +37,7 @@ from torch import nn
 from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, downsamples, method_spec
+from pipeline.sparsity import level_keep
 
 with warnings.catch_warnings():
     # fvcore.nn's focal loss calls torch.jit.script at import, which torch 2.11 deprecates with a
@@ -211,7 +212,6 @@ def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none"
     ``method`` with ``options`` at ``keep`` (``"K_1,...,K_L"``) or the paper's sparsity ``level``; InputError for
     arguments that do not fit together."""
     from pipeline.models import create_model, parse_keep
-    from pipeline.sparsity import level_keep
 
     if level is not None and keep is not None:
         raise InputError("give --keep or --level, not both")

@@ -10,6 +10,7 @@ no data-dependent Python branches, so ``fullgraph=True`` holds for every method 
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -195,6 +196,5 @@ def peak_memory_mb(device: torch.device | str) -> float:
     peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

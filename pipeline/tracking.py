@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.console import redact
@@ -81,7 +82,6 @@ def create_store(uri: str) -> None:
 def check_credentials(uri: str) -> None:
     """An authenticated read, so that a server with authentication (``mlflow server --app-name basic-auth``)
     refuses wrong or missing credentials here, before any compute. The password is never printed."""
-    from mlflow.exceptions import MlflowException
 
     try:
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)

@@ -16,12 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import timm
 import torch
+from PIL import Image
 from torch import Tensor, nn
 
 from pipeline.errors import PipelineError
-from pipeline.models import DownsamplingBlocks, apply_downsampling
+from pipeline.models import DownsamplingBlocks, apply_downsampling, create_model
 from pipeline.models.downsampling import BlockRecord
+from pipeline.models.weights import load_state
+from pipeline.train.checkpoint import CheckpointError, model_from_checkpoint
 
 
 class AnalysisError(PipelineError, ValueError):
@@ -69,8 +73,6 @@ class Subject:
 
 
 def _subject(model: nn.Module, state: dict[str, Any], label: str, **extra: Any) -> Subject:
-    import timm
-
     cfg = timm.data.resolve_model_data_config(model)
     grid = tuple(int(g) for g in model.patch_embed.grid_size)
     return Subject(model=model.eval(), state=state, res=int(cfg["input_size"][-1]), mean=tuple(cfg["mean"]),
@@ -88,16 +90,12 @@ def load_subject(checkpoint: str | Path | None = None, model: str | None = None,
     if (checkpoint is None) == (model is None):
         raise AnalysisError("give exactly one of --checkpoint (a `pipeline train` checkpoint) or --model (a timm name)")
     if model is not None:
-        from pipeline.models import create_model
-
         net = create_model(model, weights=weights)
         return _subject(net, net.state_dict(), model if weights is None else f"{model} ({Path(weights).name})")
     return _checkpoint_subject(Path(checkpoint))
 
 
 def _checkpoint_subject(path: Path) -> Subject:
-    from pipeline.train.checkpoint import CheckpointError, model_from_checkpoint
-
     try:
         net, config, state = model_from_checkpoint(path, plain=True)
     except CheckpointError as err:
@@ -119,7 +117,6 @@ def with_method(subject: Subject, method: str, keep: Sequence[int] | None, *,
     ``variant`` (carry, qk_norm, alpha) defaults to the one the subject was trained with, and so do
     the method's options when ``method`` is the subject's own (a ToMe model matched on tokens stays so).
     """
-    from pipeline.models.weights import load_state
 
     net = copy.deepcopy(subject.model)
     variant = subject.variant if variant is None else variant
@@ -163,7 +160,6 @@ def normalise(subject: Subject, images: np.ndarray) -> Tensor:
 
 def read_images(paths: Sequence[str | Path], res: int) -> np.ndarray:
     """Image files -> uint8 (B, res, res, 3): the shorter side resized to ``res``, then a centre crop."""
-    from PIL import Image
 
     from pipeline.data.sources import read_image
 

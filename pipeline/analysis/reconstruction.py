@@ -19,6 +19,7 @@ from torch import Tensor
 
 from pipeline.analysis.probe import AnalysisError, Subject, block_records, normalise, with_method
 from pipeline.methods import METHODS, build_downsampler
+from pipeline.plots import figure, save, style
 
 
 def default_methods() -> tuple[str, ...]:
@@ -125,7 +126,6 @@ def reconstruction_rows(subject: Subject, batches: Iterable[np.ndarray], *, meth
 
 def plot_reconstruction(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Relative error vs block, one curve per method; a column per K, unweighted above, weighted below."""
-    from pipeline.plots import figure, save, style
 
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pipeline.analysis.probe import AnalysisError, Subject, block_records, normalise, with_method
 from pipeline.analysis.reconstruction import nn_error, token_variance
+from pipeline.plots import figure, save, style
 from pipeline.pooling import token_pool
 
 STAGES = {"before": "block input", "attended": "attention output", "mixed": "input + attention"}
@@ -105,7 +106,6 @@ def redundancy_rows(subject: Subject, batches: Iterable[np.ndarray], *, qk_alpha
 
 def plot_redundancy(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Mean cosine similarity, and clusters for 90% and for 99% of the variance, vs block (three panels)."""
-    from pipeline.plots import figure, save, style
 
     panels = (("mean_cosine", "mean pairwise cosine similarity"),
               ("k90", f"clusters for 90% of the variance (of {rows[0]['tokens']})"),

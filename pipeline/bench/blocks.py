@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import re
 import statistics
 import time
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
 from torch import Tensor, nn
 
@@ -48,7 +50,9 @@ from pipeline.bench.timing import median_iqr, time_paired, timed
 from pipeline.cost import CostModel, Curve, PoolSurface, check_key, load_cost_model, save_cost_model
 from pipeline.errors import InputError, JobError
 from pipeline.methods import METHODS
+from pipeline.models import create_model
 from pipeline.models.downsampling import DownsamplingBlocks, DownsamplingConfig
+from pipeline.models.selfcheck import kernels_planned
 from pipeline.runtime import KernelChoice, compile_model, cuda_settings, inference
 
 TABLE_DIR = Path(__file__).resolve().parents[2] / "configs" / "latency"
@@ -68,8 +72,6 @@ class ModelSpec:
     patch_embed: str = "conv"
 
     def build(self, **downsampling: Any) -> nn.Module:
-        from pipeline.models import create_model
-
         arch = {k: v for k, v in dict(img_size=self.img_size, patch_size=self.patch_size, embed_dim=self.embed_dim,
                                       depth=self.depth, num_heads=self.num_heads,
                                       num_classes=self.num_classes).items() if v is not None}
@@ -116,7 +118,6 @@ def device_name(device: torch.device) -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine()
 
@@ -124,15 +125,12 @@ def device_name(device: torch.device) -> str:
 def kernels_in_use(device: torch.device, choice: KernelChoice | None = None) -> dict[str, str]:
     """The kernels the models run on ``device`` under the config's ``kernels`` section (``auto`` resolved,
     ``models.selfcheck.kernels_planned``): the one place a table's key learns them."""
-    from pipeline.models.selfcheck import kernels_planned
 
     record = kernels_planned(choice or KernelChoice(), device)
     return {name: record[name] for name in ("kmedoids", "kmeans", "merge", "attention")}
 
 
 def _versions() -> dict[str, str | None]:
-    import timm
-
     try:
         import triton
         triton_version = triton.__version__

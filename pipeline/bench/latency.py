@@ -24,10 +24,12 @@ from torch import nn
 from pipeline.bench.blocks import BlocksSettings, replace_key, settings_from_key, setup, table_key
 from pipeline.bench.paired import SpeedRatio, SpeedSettings, paired_ratio, sample_timer
 from pipeline.bench.timing import default_calls
+from pipeline.config import ConfigError
 from pipeline.cost import CostModel, check_key
 from pipeline.errors import InputError
 from pipeline.models.keep import effective_keep
 from pipeline.runtime import compile_model, cuda_settings, inference
+from pipeline.sparsity import level_keep
 
 SPREAD = (0.3, 1.0)  # the predicted fractions of the unmodified model's time the random lists cover
 
@@ -105,8 +107,6 @@ def random_keep(rng: random.Random, num_tokens: int, depth: int, *, allow_zero: 
 def held_out_lists(table: CostModel, count: int, seed: int, levels: bool = True) -> list[tuple[str, list[int]]]:
     """The paper's levels for the table's model (with ``levels``), then random lists (``random_keep``) whose
     predicted ratios lie nearest ``count - levels`` targets evenly spread over ``SPREAD``."""
-    from pipeline.config import ConfigError
-    from pipeline.sparsity import level_keep
 
     n, depth = table.num_tokens, table.depth
     chosen: list[tuple[str, list[int]]] = []

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
-from pipeline.data.loaders import LoaderSpec, build_loader
+from pipeline.console import quiet_numba_finalizer
+from pipeline.data.loaders import LoaderSpec, build_loader, label_pipeline, train_decode
 from pipeline.data.sources import open_source
 from pipeline.data.write import WriteSettings, write_beton, write_folder
 
@@ -107,7 +109,6 @@ def natural_image(width: int, height: int, rng: np.random.Generator) -> np.ndarr
     bytes), so the detail is set to make files of ImageNet's size: these average about 105 KB at quality
     90, ImageNet's training JPEGs about 110 KB (138 GB for 1.28 M files). Flat colours would decode much
     faster, white noise much slower."""
-    from PIL import Image
 
     field = np.zeros((height, width, 3), np.float32)
     for cells, amplitude in ((3, 50.0), (9, 40.0), (27, 40.0), (81, 40.0), (243, 40.0)):
@@ -134,7 +135,6 @@ class FolderStats:
 def write_imagenet_like(folder: Path, images: int, classes: int, seed: int, log: Callable[[str], None]
                         ) -> FolderStats:
     """Writes ``folder/class_NNN/NNNNNN.JPEG`` (quality 90, 4:2:0, as ImageNet's JPEGs are) unless it exists."""
-    from PIL import Image
 
     if not folder.exists():
         log(f"writing {images} ImageNet-like JPEGs to {folder}")
@@ -178,9 +178,6 @@ def host_loader(beton: Path, workers: int, batch: int, res: int, seed: int = 0):
     flip, to a uint8 tensor (``pipeline.data.loaders.train_decode``). Normalisation runs on the GPU there."""
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import ToTensor, ToTorchImage
-
-    from pipeline.console import quiet_numba_finalizer
-    from pipeline.data.loaders import label_pipeline, train_decode
 
     quiet_numba_finalizer()
     spec = LoaderSpec(str(beton), train=True, batch_size=batch, res=res, mean=(0.5,) * 3, std=(0.5,) * 3,

@@ -24,7 +24,8 @@ from pipeline.bench.timing import time_paired
 from pipeline.config import BenchLoopConfig, Config, PoolingConfig, RecipeConfig, TrainConfig
 from pipeline.errors import JobError
 from pipeline.methods import downsamples
-from pipeline.runtime import KernelChoice, compile_model, cuda_settings, warm_up
+from pipeline.runtime import KernelChoice, compile_model, cuda_settings, step_marker, warm_up
+from pipeline.train.session import LocalSession
 
 PLAIN_RECIPE = {"mixup": 0.0, "cutmix": 0.0, "label_smoothing": 0.0, "ema": False, "clip_grad": None,
                 "warmup_epochs": 0.0}
@@ -60,7 +61,6 @@ def _job(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooling: Poo
     from pipeline.models.selfcheck import check_model
     from pipeline.train.loop import Job
     from pipeline.train.recipe import build_recipe
-    from pipeline.train.session import LocalSession
 
     mode = "finetune" if downsamples(method) else "base"
     config = Config(
@@ -93,7 +93,6 @@ def _epoch_reads(job, epoch: Callable[[], object], compile_mode: str) -> int | N
 def time_method(cfg: BenchLoopConfig, method: str, keep: list[int] | None, pooling: PoolingConfig,
                 device: torch.device, log: Callable[[str], None], kernels: KernelChoice | None = None) -> LoopRow:
     """One method's row: ``cfg.repeats`` pairs of (``cfg.steps`` bare steps, one loop epoch)."""
-    from pipeline.runtime import step_marker
     from pipeline.train.loop import train_one_epoch
 
     job = _job(cfg, method, keep, pooling, device, kernels or KernelChoice())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that make the host wait for the device (or that would, on CUDA).
@@ -129,7 +130,6 @@ def _profiled(fn: Callable[[], object], cuda: bool):
     On CUDA the session leaves CUPTI attached after it ends (Kineto tears it down only with TEARDOWN_CUPTI=1,
     pytorch/pytorch#144455), which slows every later kernel launch: the benchmarks time first, then profile.
     """
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()

@@ -40,6 +40,7 @@ from pipeline.runtime import (
     step_marker,
     warm_up,
 )
+from pipeline.sparsity import level_keep
 
 CEILING = "ceiling"  # the row label of plain random dropping at the same keep list
 
@@ -78,7 +79,6 @@ class ThroughputResult:
 
 def bench_keep(cfg: BenchThroughputConfig | BenchLoopConfig) -> list[int] | None:
     """The keep list of a model benchmark: its ``keep``, or the paper's list at its ``level``."""
-    from pipeline.sparsity import level_keep
 
     if cfg.keep is not None:
         return cfg.keep

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from pipeline.cli.common import int_list, log
 from pipeline.errors import InputError
 
@@ -28,8 +30,6 @@ def cmd_viz_clusters(args: argparse.Namespace) -> int:
     if args.images:
         pictures, names = read_images(args.images, subject.res), [Path(p).stem for p in args.images]
     elif args.data:
-        import numpy as np
-
         pictures = np.concatenate(list(beton_images(args.data, subject, count=args.count, batch=args.count)))
         names = [f"{Path(args.data).stem}{i:04d}" for i in range(len(pictures))]
     else:

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import get_args
 
+from pipeline.bench.records import training_step_rates, write_record
+from pipeline.bench.serve import format_load, load_test
 from pipeline.cli.common import add_config_args, int_list, log
-from pipeline.config import PatchEmbed, load_config
+from pipeline.config import PatchEmbed, git_sha, load_config
 from pipeline.errors import InputError, MissingFileError
 from pipeline.methods import METHODS
 
@@ -61,8 +65,6 @@ def _kernels_line(config, device: str) -> tuple[str, dict[str, str]]:
 def _record(args: argparse.Namespace, kind: str, section, rows: list[dict], kernels: dict[str, str]) -> None:
     """``--record FILE``: the result as JSON (``bench.records``), what the cluster budget reads."""
     from pipeline.bench.ops import machine_line
-    from pipeline.bench.records import write_record
-    from pipeline.config import git_sha
 
     if args.record is None:
         return
@@ -135,8 +137,6 @@ def _fmnist_loaders(args: argparse.Namespace) -> str:
 
 
 def _imagenet_like(args: argparse.Namespace) -> str:
-    import os
-
     from pipeline.bench.loader import format_imagenet_like, run_imagenet_like, write_imagenet_like
 
     threads = int_list(args.threads, "--threads") or sorted({1, os.cpu_count() or 1})
@@ -152,7 +152,6 @@ def _imagenet_like(args: argparse.Namespace) -> str:
 
 def _store(text: str):
     """``MODE:MAX_RES:QUALITY[:COMPRESS_PROBABILITY]`` -> ``WriteSettings``."""
-    import os
 
     from pipeline.data import WriteSettings
 
@@ -171,7 +170,6 @@ def _store(text: str):
 
 def _measured_rates(text: str | None) -> dict[str, float]:
     """``--step-rates``, else the newest H200 training-step record (``bench.records``)."""
-    from pipeline.bench.records import training_step_rates
 
     if text is not None:
         return _step_rates(text)
@@ -258,10 +256,6 @@ def add_model_bench_args(parser: argparse.ArgumentParser, dtypes: tuple[str, ...
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    import json
-
-    from pipeline.bench.serve import format_load, load_test
-
     if not args.image.is_file():
         raise MissingFileError(f"--image {args.image}: no such file; `pipeline serve` prints the path of an example")
     if args.clients < 1 or args.seconds <= 0:

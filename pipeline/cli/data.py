@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from pipeline.cli.common import log
+from pipeline.console import verbose
 
 
 def cmd_data_write(args: argparse.Namespace) -> int:
-    from pipeline.console import verbose
     from pipeline.data import WriteSettings, open_source, write_beton
 
     source = open_source(args.source, limit=args.limit)
@@ -30,8 +31,6 @@ def cmd_data_folder(args: argparse.Namespace) -> int:
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
-    import json
-
     from pipeline.data.loaders import check_dataset
 
     meta = check_dataset(args.beton, args.num_classes, full_checksum=True)

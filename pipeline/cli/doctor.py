@@ -8,7 +8,7 @@ import os
 import sys
 
 from pipeline.cli.common import add_config_args
-from pipeline.config import load_config
+from pipeline.config import ConfigError, load_config
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -34,7 +34,6 @@ def config_shapes(config):
     """The shapes of the config's model (``models.selfcheck.model_shapes``) with its keep list (``pooling.keep``, or
     the paper's ``pooling.level``); without one, a keep list that pools in every block (``dag.rehearse.ramp_keep``'s),
     so that every block's N is checked. The shapes depend on the keep list alone, not on the method."""
-    from pipeline.config import ConfigError
     from pipeline.models import create_model
     from pipeline.models.selfcheck import model_shapes
     from pipeline.train.build import finetune_keep, model_args

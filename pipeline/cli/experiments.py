@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from pipeline.cli.common import add_config_args
 from pipeline.config import ConfigError, load_config
 from pipeline.config.serve import MAX_BODY_MB, MAX_IMAGES, MAX_PIXELS, ServeConfig
+from pipeline.dag.plan import check_targets, count_plan
+from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 from pipeline.errors import InputError, MissingFileError
-from pipeline.serving.server import DEFAULT_STORE
+from pipeline.report import read_csv, write_report
+from pipeline.serving.server import DEFAULT_STORE, serve
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import json
-
-    from pipeline.dag.plan import check_targets, count_plan
     from pipeline.dag.runner import run_experiment
 
     overrides = list(args.overrides)
@@ -34,8 +37,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.rehearse and given:
         raise InputError(f"{', '.join(given)}: the --rehearse-* flags belong to --rehearse; add it")
     if args.rehearse:
-        from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
-
         settings = RehearsalSettings(fail_method=args.rehearse_fail, **{key: value for key, value in (
             ("root", args.rehearse_dir), ("steps", args.rehearse_steps)) if value is not None})
         return run_rehearsal(config, settings, address=args.address, log=lambda line: print(line, flush=True))
@@ -49,8 +50,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pipeline.report import read_csv, write_report
-
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise InputError(f"--out {args.out} is a file; give a folder for report.md and the plots")
     folder = _find_run_folder(args.run, args.tracking_uri)
@@ -106,8 +105,6 @@ def _find_run_folder(run: str | None, tracking_uri: str) -> Path:
     return Path(local)
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pipeline.serving.server import serve
-
     if (args.model is None) == (args.experiment is None):
         raise InputError("give a MODEL (token-pooling-demo@best) or --experiment NAME with a budget, not both")
     if args.experiment is not None and args.max_gflops is None and args.min_images_per_s is None \
@@ -120,8 +117,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_limits(args: argparse.Namespace):
-    from pydantic import ValidationError
-
     given = {key: getattr(args, key) for key in ServeConfig.model_fields if getattr(args, key) is not None}
     try:
         return ServeConfig(**given)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import warnings
 from pathlib import Path
+
+import yaml
 
 from pipeline.cli.common import add_config_args
 from pipeline.config import dump_config, load_config, write_resolved
 from pipeline.errors import InputError, PipelineWarning
+from pipeline.methods import METHODS, plugin_of
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -21,9 +26,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_methods(args: argparse.Namespace) -> int:
     """Every method, with the package and version of each plugin's; exit 2 when a plugin was left out."""
-    import warnings
-
-    from pipeline.methods import METHODS, plugin_of
 
     with warnings.catch_warnings():  # the plugins left out are listed below as errors, not warned twice
         warnings.simplefilter("ignore", PipelineWarning)
@@ -44,7 +46,6 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 def parse_option(item: str) -> tuple[str, object]:
     """``KEY=VALUE`` of ``--option``, the value read as YAML."""
-    import yaml
 
     key, sep, value = item.partition("=")
     if not sep or not key:
@@ -53,8 +54,6 @@ def parse_option(item: str) -> tuple[str, object]:
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
-    import json
-
     from pipeline.flops import format_report, model_flops
 
     report = model_flops(args.model, embed_dim=args.embed_dim, method=args.method, keep=args.keep, level=args.level,

@@ -7,12 +7,12 @@ import sys
 
 from pipeline.cli.common import add_config_args
 from pipeline.config import load_config
+from pipeline.console import redact
+from pipeline.train import run_training
+from pipeline.train.launch import epochs_done, resolve_paths, run_folder
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipeline.console import redact
-    from pipeline.train import run_training
-
     overrides = list(args.overrides) + ([f"train.address={args.address}"] if args.address else [])
     config = load_config(args.config, overrides)
     try:
@@ -32,8 +32,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _where_it_stopped(config) -> str:
-    from pipeline.train.launch import epochs_done, resolve_paths, run_folder
-
     folder = run_folder(resolve_paths(config))
     done = 0 if folder is None or not folder.exists() else epochs_done(folder)
     if not done:

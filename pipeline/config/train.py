@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pipeline.config.base import MethodName, Section
+from pipeline.console import redact
 from pipeline.errors import InputError
 from pipeline.kernel_choices import CompileMode
 
@@ -95,8 +96,6 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _no_credentials_in_the_uri(self) -> TrainConfig:
-        from pipeline.console import redact
-
         if redact(self.tracking_uri) != self.tracking_uri:
             raise ValueError(f"train.tracking_uri {redact(self.tracking_uri)} holds a user and password; give it "
                              "without them and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")

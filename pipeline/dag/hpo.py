@@ -27,6 +27,7 @@ from pipeline.dag.records import mark_done
 from pipeline.dag.types import StageSpec, TrainedResult
 from pipeline.errors import JobError
 from pipeline.tracking import log_batch
+from pipeline.train import run_training
 
 TRIAL_TAG = "pipeline.trial"
 
@@ -65,8 +66,6 @@ def search_space(sweep: SweepConfig) -> dict[str, Any]:
 def _trial(settings: dict[str, Any], spec: StageSpec) -> None:
     """The Tune trainable: the base trained with ``settings``, each epoch reported to Tune."""
     from ray import tune
-
-    from pipeline.train import run_training
 
     config = chosen_config(spec.config, settings)
     name = trial_name(config.train.name, settings)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 
+from pipeline.bench.paired import SpeedSettings
 from pipeline.cost import CostModel, key_differences
+from pipeline.errors import InputError
+from pipeline.train.checkpoint import load_checkpoint
 
 
 def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], None] = print):
@@ -16,8 +22,6 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
     usable cores, versions, kernels): the figure would not be comparable."""
     from pipeline.bench.blocks import check_threads, measured_key, settings_from_key, table_key
     from pipeline.bench.latency import measure_lists
-    from pipeline.bench.paired import SpeedSettings
-    from pipeline.errors import InputError
 
     settings = settings_from_key(table.key)
     if settings.device == "cuda" and not torch.cuda.is_available():
@@ -53,7 +57,6 @@ REPAIR_TAG = "pipeline.target_check"  # on a latency K search's run: the check's
 
 def retention_weights(checkpoint: str) -> list[torch.Tensor]:
     """A K search's learned retention weights, block by block, from its checkpoint: L x (N,), clamped to [0, 1]."""
-    from pipeline.train.checkpoint import load_checkpoint
 
     state = load_checkpoint(checkpoint)["model"]
     found = {key: value for key, value in state.items() if key.endswith(".retention")}
@@ -67,9 +70,6 @@ def check_latency_targets(ctx, stages: list, results: dict) -> dict:
     finetune sweeps (no trial shares the cores then). The check is recorded on the K search's run and read back
     on a rerun, so a rerun's finetunes get the same list (a new measurement would be noise on their identity).
     Returns ``results`` with the checked lists."""
-    import json
-    from dataclasses import asdict, replace
-    from functools import partial
 
     from pipeline.targets import Repair, repair_keep, target_cost_model, target_fraction
     from pipeline.tracking import log_batch

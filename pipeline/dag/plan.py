@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ExperimentConfig, StageRecipe
@@ -17,6 +18,7 @@ from pipeline.config.identity import IDENTITY_VERSION, identity_content
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
 from pipeline.methods import keeps_all
+from pipeline.sparsity import level_keep
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
 @dataclass(frozen=True)
@@ -181,8 +183,6 @@ def table_path(pattern: str, arch: Arch) -> str:
 
 
 def _table_hash(path: str) -> str:
-    from pathlib import Path
-
     from pipeline.cost import file_sha256
 
     if not Path(path).is_file():
@@ -215,7 +215,6 @@ def evaluate_stage(config: Config, model_stage: Stage) -> Stage:
 
 def paper_levels(config: Config, arch: Arch) -> dict[str, list[int]]:
     """``{"L3": keep}`` for the pinned levels of ``arch`` (configs/sparsity/)."""
-    from pipeline.sparsity import level_keep
 
     name = arch.overrides.get("name", config.model.name)
     if "embed_dim" in arch.overrides:

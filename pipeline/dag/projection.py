@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pipeline.bench import gpu_budget
 from pipeline.bench.records import MEASURED
 from pipeline.config import Config
+from pipeline.dag.plan import archs, base_stage
 from pipeline.errors import InputError
+from pipeline.train.build import build_model
 
 GPU = "H200"  # the GPU whose records the projection reads
 
@@ -53,9 +55,7 @@ def _train_images(config: Config) -> tuple[int | None, str]:
 
 def _arch_gflops(config: Config) -> list[float]:
     """GFLOPs of each width's unmodified model (fvcore, as ``pipeline flops`` counts them)."""
-    from pipeline.dag.plan import archs, base_stage
     from pipeline.flops import count_flops
-    from pipeline.train.build import build_model
 
     return [count_flops(build_model(base_stage(config, arch).config)).total for arch in archs(config)]
 

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench.serve import request_body
 from pipeline.config import Config
 from pipeline.dag.plan import Stage
 from pipeline.errors import InputError
+from pipeline.serving.server import example_image, start_server, wait_ready
 
 
 @dataclass(frozen=True)
@@ -374,9 +376,6 @@ def serve_one(model: str, tracking_uri: str, folder: Path, log: Callable[[str], 
     """Downloads ``model`` into ``folder`` (not ``pipeline serve``'s own folder), starts the scoring server on
     it, sends it one image and stops it."""
     import mlflow
-
-    from pipeline.bench.serve import request_body
-    from pipeline.serving.server import example_image, start_server, wait_ready
 
     started = time.perf_counter()
     process = None

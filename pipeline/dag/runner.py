@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError
+from pipeline.dag.hpo import chosen_config, run_base_sweep, trial_resources
 from pipeline.dag.latency import check_latency_targets
 from pipeline.dag.plan import (
     KINDS,
@@ -26,14 +27,15 @@ from pipeline.dag.plan import (
     paper_levels,
     target_methods,
 )
-from pipeline.dag.records import open_parent, supersede
+from pipeline.dag.records import find_done, open_parent, supersede
 from pipeline.dag.select import run_select
-from pipeline.dag.stages import eval_task, run_evaluation_spec, run_training_spec, stage_spec
+from pipeline.dag.stages import eval_task, run_evaluation_spec, run_training_spec, stage_spec, trained_done
 from pipeline.dag.sweep import one_line, run_sweep
-from pipeline.dag.types import EvalResult, Tracking, TrainedResult
+from pipeline.dag.types import EvalResult, Tracking, TrainedResult, from_record
 from pipeline.errors import JobError
 from pipeline.methods import KEEP_ALL
-from pipeline.train.launch import check_reaches_workers, connect_ray, preflight, resolve_paths
+from pipeline.tracking import check_tracking_uri
+from pipeline.train.launch import TIMING, check_reaches_workers, connect_ray, preflight, resolve_paths
 
 
 @dataclass
@@ -145,9 +147,6 @@ def run_bases(ctx: Context, arch_list: list[Arch]) -> dict[str, tuple[Stage, Tra
 def run_swept_base(ctx: Context, spec, sweep) -> TrainedResult:
     import ray
 
-    from pipeline.dag.hpo import run_base_sweep, trial_resources
-    from pipeline.dag.stages import trained_done
-
     done = trained_done(ctx.client, ctx.exp_id, spec.id)
     if done is not None:
         ctx.log(f"[skip] {spec.label} sweep: done in MLflow run {done.run_id}")
@@ -162,7 +161,6 @@ def run_swept_base(ctx: Context, spec, sweep) -> TrainedResult:
 def downstream_config(ctx: Context, arch: Arch, base: TrainedResult) -> Config:
     """The config the K search and finetunes of ``arch`` plan from: with a swept base, the chosen trial's
     settings applied (its recipe, not the YAML's, is "the best recipe" they continue)."""
-    from pipeline.dag.hpo import chosen_config
 
     if not base.settings:
         return ctx.config
@@ -174,8 +172,6 @@ def recorded(ctx: Context, stages: list[Stage], name: str | None = None) -> dict
     """The stages of ``stages`` that MLflow records done, by id, read here so that a rerun starts no Ray
     worker for them (a Tune trial or task pays about 10 s of imports before it could find out itself).
     With ``name``, logs how many were done."""
-    from pipeline.dag.records import find_done
-    from pipeline.dag.types import from_record
 
     done = {}
     for stage in stages:
@@ -233,7 +229,6 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
 
     ``keep_going``: a failed stage is recorded and the stages that need it are skipped; the rest run.
     ``slicer``: runs only its pick of each kind's planned stages (``pipeline.dag.rehearse``)."""
-    from pipeline.tracking import check_tracking_uri
 
     if config.experiment is None:
         raise ConfigError("`pipeline run` needs an experiment section; see configs/experiments/")
@@ -306,8 +301,6 @@ def check_timing(log: Callable[[str], None] = print) -> None:
     zero nodes now starts one when an evaluation asks for the resource; on a cluster without it the evaluations
     wait, and Ray reports them as infeasible."""
     import ray
-
-    from pipeline.train.launch import TIMING
 
     if ray.cluster_resources().get(TIMING, 0) < 1:
         log(f"[warning] no running node of the Ray cluster has the {TIMING!r} resource that every speed measurement "

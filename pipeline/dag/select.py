@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
+from pipeline.serving.server import DEFAULT_STORE
 
 
 def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
@@ -102,7 +104,6 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
     """The rows of models finetuned at a K-search target's level, with the target, where the search landed before
     rounding (``searched``, a ratio), the predicted and the measured cost (``pipeline.targets.target_cost``); the
     others are not in it."""
-    from dataclasses import asdict
 
     from pipeline.cost import file_sha256
     from pipeline.dag.latency import measure_on_table
@@ -222,7 +223,6 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 def _store_flag(tracking_uri: str) -> str:
     """The ``--tracking-uri`` a command needs to find this store, or nothing for the default one."""
-    from pipeline.serving.server import DEFAULT_STORE
 
     return "" if tracking_uri == DEFAULT_STORE else f" --tracking-uri {tracking_uri}"
 

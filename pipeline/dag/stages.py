@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
@@ -11,9 +13,12 @@ from pipeline.config import Config
 from pipeline.dag.plan import Stage
 from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, TRAINED_RUN, find_done, mark_done, open_child
 from pipeline.dag.types import EvalResult, StageSpec, Tracking, TrainedResult, from_record
+from pipeline.evaluate import evaluate_checkpoint
 from pipeline.methods import plugin_of
-from pipeline.runtime import KernelChoice
+from pipeline.runtime import KernelChoice, peak_memory_mb
 from pipeline.tracking import experiment_id, log_batch
+from pipeline.train import run_training
+from pipeline.train.launch import TIMING
 
 
 def stage_spec(stage: Stage, *, init: str | None, parent_id: str, dag: str) -> StageSpec:
@@ -40,7 +45,6 @@ def trained_done(client: MlflowClient, exp_id: str, stage_id: str) -> TrainedRes
 
 def run_training_spec(spec: StageSpec, log: Callable[[str], None] = print) -> TrainedResult:
     """Trains the stage unless MLflow already records it done; returns its result either way."""
-    from pipeline.train import run_training
 
     config = spec.config
     client, exp_id = _client(config)
@@ -71,8 +75,6 @@ def log_analysis(client: MlflowClient, run_id: str, checkpoint: str, cfg) -> str
 
     Returns their artifact URI, or None when ``eval.analysis_images`` and ``eval.analysis_batch`` are 0.
     """
-    import tempfile
-    from pathlib import Path
 
     from pipeline.analysis.artifacts import evaluation_artifacts
 
@@ -92,8 +94,6 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     ``cuda``: the task was given a GPU (``eval.device`` auto resolves to it). ``trained_run``: the
     finetune run that produced the model (tag ``pipeline.trained_run``, what ``pipeline select`` follows).
     """
-    from pipeline.evaluate import evaluate_checkpoint
-    from pipeline.runtime import peak_memory_mb
 
     client = MlflowClient(tracking_uri=tracking.uri)
     exp_id = experiment_id(client, tracking.experiment, tracking.artifact_root)
@@ -132,8 +132,6 @@ def eval_task(config: Config, fn: Callable):
     """``fn`` as a Ray task in the evaluate stage's setting, holding the ``timing`` resource, and whether it gets a
     GPU."""
     import ray
-
-    from pipeline.train.launch import TIMING
 
     resources = ray.cluster_resources()
     device = config.experiment.eval.device

@@ -40,9 +40,14 @@ from contextlib import contextmanager
 from importlib.metadata import version
 from typing import Any
 
+import numba.typed.typeddict as typeddict
 from numba import njit
+from numba.core.caching import NullCache
+from numba.core.dispatcher import Dispatcher
 from numba.core.errors import NumbaWarning
 from numba.core.serialize import dumps
+
+from pipeline.errors import InputError
 
 FFCV_VERSION = "1.0.2"  # the version whose Compiler.compile is copied below
 CACHE_ENV = "PIPELINE_NUMBA_CACHE"  # "0": no disk cache (numba's and FFCV's own compilation)
@@ -87,8 +92,6 @@ def enabled() -> bool:
     for any other value (``off`` must not read as on)."""
     value = os.environ.get(CACHE_ENV, "1")
     if value not in ("0", "1"):
-        from pipeline.errors import InputError
-
         raise InputError(f"{CACHE_ENV}={value!r} in the environment: set it to 0 (compile in every process, keep "
                          "nothing on disk) or 1 (numba's disk cache, the default), or unset it")
     return value == "1"
@@ -101,9 +104,6 @@ def cache_typed_dicts() -> bool:
     ``PIPELINE_NUMBA_CACHE=0`` or no folder is writable."""
     if not enabled():
         return False
-    import numba.typed.typeddict as typeddict
-    from numba.core.caching import NullCache
-    from numba.core.dispatcher import Dispatcher
 
     for dispatcher in vars(typeddict).values():
         if isinstance(dispatcher, Dispatcher) and isinstance(dispatcher._cache, NullCache):

@@ -14,10 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 from pipeline.config import DataConfig
 from pipeline.console import quiet_numba_finalizer
-from pipeline.data.write import metadata_path
+from pipeline.data.jit_cache import cache_ffcv_compilation
+from pipeline.data.split import holdout_split
+from pipeline.data.write import metadata_path, sha256_file
 from pipeline.errors import InputError, MissingFileError, PipelineError
 
 
@@ -121,7 +124,6 @@ def check_dataset(beton: str | Path, num_classes: int | None = None, full_checks
 
     The size check is free; the SHA-256 (``full_checksum``) reads the whole file.
     """
-    from pipeline.data.write import sha256_file
 
     meta = read_metadata(beton)
     size = Path(beton).stat().st_size
@@ -215,14 +217,10 @@ def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
     """
     from ffcv.loader import Loader, OrderOption
 
-    from pipeline.data.jit_cache import cache_ffcv_compilation
-
     quiet_numba_finalizer()
     cache_ffcv_compilation()
 
     if indices is None and spec.part != "all":
-        from pipeline.data.split import holdout_split
-
         split = holdout_split(spec.path, *spec.holdout)
         indices = split.train if spec.part == "fit" else split.val
     # QUASI_RANDOM is not implemented with distributed=True in FFCV 1.0.2; RANDOM reseeds with seed + epoch.
@@ -323,7 +321,6 @@ class _TorchLoader:
     """
 
     def __init__(self, spec: LoaderSpec) -> None:
-        from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
         from torchvision import datasets, transforms
 
         if spec.train:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import errno
 import functools
+import gc
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.queues
 import os
 import shutil
 import signal
@@ -26,8 +28,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
+from pipeline.config import git_sha
 from pipeline.data.sources import Source
 from pipeline.errors import InputError, PipelineError
 from pipeline.signals import ctrl_c_raises
@@ -219,8 +223,6 @@ def _abandon_queues() -> None:
     that thread hangs the process. The queue is local to FFCV's ``_write_common``, so it is found
     among live objects; ``cancel_join_thread`` is the documented way to exit without flushing.
     """
-    import gc
-    import multiprocessing.queues
 
     for obj in gc.get_objects():
         # type(), not isinstance(): that reads ``__class__``, which a dead weak proxy answers with ReferenceError
@@ -320,7 +322,6 @@ def write_beton(source: Source, out: str | Path, settings: WriteSettings, log=pr
     complete, so an interrupted write never leaves a ``.beton`` that looks finished. A disk that fills
     up raises DataWriteError; ``verbose`` shows a failed writer process's traceback.
     """
-    from pipeline.config import git_sha
 
     out = Path(out)
     _check_output(out, settings.overwrite)
@@ -376,7 +377,6 @@ def write_folder(source: Source, out: str | Path, size: int | None, quality: int
 
     Used for the loader benchmark and for the ``torch`` loader on sources that are not folders.
     """
-    from PIL import Image
 
     out = Path(out)
     if out.exists():

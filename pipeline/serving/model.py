@@ -28,7 +28,10 @@ import mlflow
 import numpy as np
 import pandas as pd
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
 from mlflow.protos.databricks_pb2 import BAD_REQUEST
+from mlflow.types.schema import AnyType, Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+from PIL import Image, UnidentifiedImageError
 
 from pipeline.config.serve import ServeConfig
 
@@ -45,7 +48,6 @@ class BadInput(MlflowException):
 
 def _decoded(image: Any, index: int, max_pixels: int):
     """A PIL image in RGB from encoded bytes or a uint8 array of at most ``max_pixels`` pixels, else BadInput."""
-    from PIL import Image
 
     if isinstance(image, str):
         try:
@@ -77,7 +79,6 @@ def _check_pixels(width: int, height: int, index: int, max_pixels: int) -> None:
 
 def _decoded_file(data: bytes, index: int, max_pixels: int):
     """An encoded image in RGB, its size checked from the header before its pixels are decoded."""
-    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as opened:  # reads the header only
@@ -177,8 +178,6 @@ def _column(model_input: Any) -> list[Any]:
 def signature_and_example(example_image: bytes, num_classes: int):
     """The signature (a column ``image`` of any of the forms above, the ``top_k`` parameter, the answer's
     columns) and an input example: ``example_image``, an encoded image, base64 in JSON."""
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import AnyType, Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 
     ranked = Object([Property("index", "long"), Property("label", "string"), Property("probability", "double")])
     signature = ModelSignature(
@@ -193,7 +192,6 @@ def signature_and_example(example_image: bytes, num_classes: int):
 
 def encode_jpeg(array: np.ndarray, quality: int = 95) -> bytes:
     """``(H, W, 3)`` uint8 -> JPEG bytes."""
-    from PIL import Image
 
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, "JPEG", quality=quality)

@@ -9,9 +9,12 @@ load models only from a store you trust.
 from __future__ import annotations
 
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
+import mlflow
 from mlflow.tracking import MlflowClient
 
 from pipeline.tracking import log_batch
@@ -27,7 +30,6 @@ ENTRY = Path(__file__).resolve().with_name("entry.py")  # the pyfunc, as models-
 
 def pip_requirements() -> list[str]:
     """The packages the served model needs, at the versions installed here."""
-    from importlib.metadata import version
 
     names = ("torch", "torchvision", "timm", "mlflow", "numpy", "pandas", "pillow")
     return [f"{name}=={version(name).split('+')[0]}" for name in names]
@@ -69,8 +71,6 @@ def log_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: dict[st
 
     Returns its model URI (``models:/m-...``).
     """
-    import cloudpickle
-    import mlflow
     import torch
 
     from pipeline.serving.model import signature_and_example

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.config.serve import ServeConfig
+from pipeline.console import redact
 from pipeline.errors import InputError, JobError, MissingFileError
 
 DEFAULT_STORE = "sqlite:///runs/mlflow.db"
@@ -44,7 +45,6 @@ def fetch(uri: str, tracking_uri: str) -> Path:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.console import redact
     from pipeline.tracking import store_missing
 
     if Path(uri).is_dir():

@@ -10,6 +10,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.errors import InputError
 from pipeline.methods import downsamples
 from pipeline.models.factory import ARCH_OVERRIDES, create_model
+from pipeline.sparsity import level_keep
 
 
 def model_args(config: Config) -> dict[str, Any]:
@@ -25,7 +26,6 @@ def model_args(config: Config) -> dict[str, Any]:
 
 def finetune_keep(config: Config) -> list[int]:
     """The keep list of a finetune: ``pooling.keep``, or the paper's ``pooling.level`` for the model."""
-    from pipeline.sparsity import level_keep
 
     if config.pooling.keep is not None:
         return list(config.pooling.keep)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.config import Config
 from pipeline.errors import PipelineError
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -120,7 +121,6 @@ def model_from_checkpoint(path: str | Path, *, plain: bool = False):
     Returns:
         (the model in eval mode, its Config, the checkpoint's state dict).
     """
-    from pipeline.config import Config
     from pipeline.train.build import build_model
 
     state = load_checkpoint(path)

@@ -13,8 +13,10 @@ from typing import Any
 
 from pipeline import signals
 from pipeline.config import Config, ConfigError
-from pipeline.console import say
+from pipeline.config.identity import identity_differences, run_identity
+from pipeline.console import quiet_train_reports, say, verbose
 from pipeline.errors import JobError, MissingFileError
+from pipeline.methods import registered_in_code
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,6 @@ def quiet_local_cleaner() -> None:
 def setup_local_worker() -> None:
     """Ray worker setup hook of a local Ray: the cleaner's warning off, and Ray Train's report lines off the
     console (``pipeline.console.quiet_train_reports``)."""
-    from pipeline.console import quiet_train_reports
 
     quiet_local_cleaner()
     quiet_train_reports()
@@ -152,7 +153,6 @@ def check_reaches_workers(config: Config) -> None:
     """Refuses a config that names a method registered in this process only (``register_method``): Ray
     workers validate the config again from their own registry, which has the built-in methods and the
     entry points of the packages installed where they run, not this process's registrations."""
-    from pipeline.methods import registered_in_code
 
     names = {config.pooling.method, *config.pooling.options, *(config.experiment.methods if config.experiment else [])}
     local = sorted(name for name in names if registered_in_code(name))
@@ -191,7 +191,6 @@ def make_trainer(config: Config):
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from pipeline.console import verbose
     from pipeline.train.loop import train_worker
 
     train = config.train
@@ -256,7 +255,6 @@ def check_rerun(config: Config, restart: bool = False) -> None:
     ``restart`` sets the folder aside (renamed, not deleted) and starts over. The record is written once this
     passes, before the run's first checkpoint.
     """
-    from pipeline.config.identity import identity_differences, run_identity
 
     folder = run_folder(config)
     if folder is None:

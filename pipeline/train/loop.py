@@ -16,12 +16,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from pipeline.config import Config
 from pipeline.console import say
-from pipeline.data.loaders import loader_spec, progressive_res, set_resolution, shared_loader
+from pipeline.data.loaders import (
+    ffcv_loader,
+    loader_spec,
+    progressive_res,
+    read_metadata,
+    set_resolution,
+    shared_loader,
+)
+from pipeline.data.split import holdout_split
 from pipeline.errors import JobError
-from pipeline.models import data_config, project_retention, retention_keep, retention_penalty, unwrap
+from pipeline.models import data_config, load_weights, project_retention, retention_keep, retention_penalty, unwrap
 from pipeline.models.selfcheck import check_model
 from pipeline.runtime import autocast, compile_model, cuda_settings, peak_memory_mb, step_marker
 from pipeline.train.build import arch_signature, build_model
@@ -81,11 +90,8 @@ def val_loader(config: Config, model: nn.Module, session: Session, *, test: bool
                        holdout=holdout)
     if config.data.loader == "torch" or session.world == 1:
         return shared_loader(config.data.loader, spec)
-    from pipeline.data.loaders import ffcv_loader, read_metadata
 
     if holdout:
-        from pipeline.data.split import holdout_split
-
         indices = holdout_split(spec.path, config.data.holdout, config.data.holdout_seed).val
     else:
         indices = np.arange(int(read_metadata(spec.path)["num_images"]))
@@ -94,7 +100,6 @@ def val_loader(config: Config, model: nn.Module, session: Session, *, test: bool
 
 def init_from(config: Config, model: nn.Module) -> None:
     """Loads ``train.init`` (a base checkpoint) or ``model.weights`` (a timm state dict)."""
-    from pipeline.models import load_weights
 
     if config.train.init is not None:
         state = load_init(config.train.init)
@@ -235,7 +240,6 @@ def train_one_epoch(job: Job, epoch: int, step: int) -> tuple[EpochStats, int]:
 def _progress_bar(job: Job, total: int, epoch: int):
     if not (job.lead and job.config.train.progress_bar and sys.stdout.isatty()):
         return None
-    from tqdm import tqdm
 
     return tqdm(total=total, desc=f"epoch {epoch + 1}", leave=False, unit="batch")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, param_groups_weight_decay
+from timm.optim import create_optimizer_v2, get_optimizer_info, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -52,7 +52,6 @@ def fused(opt: str) -> dict[str, bool]:
     """``fused=True`` where the optimizer class takes it (torch's Adam, AdamW, SGD): the whole update in
     one kernel, on CUDA and on the CPU. The ``foreach`` form reads each parameter's step count back with
     ``.item()`` at every step. An unknown name gets nothing here; timm's factory then names the known ones."""
-    from timm.optim import get_optimizer_info
 
     try:
         takes = "fused" in inspect.signature(get_optimizer_info(opt).opt_class).parameters
