@@ -81,11 +81,12 @@ class Option:
         return value
 
     def describe(self) -> str:
-        """``5 (>= 1)`` or ``'topk' (topk, random)``: its default and what it allows."""
-        allowed = (f"{', '.join(map(str, self.choices))}" if self.choices is not None
-                   else f">= {self.minimum:g}" if self.minimum is not None else "")
-        counted = "; counted in GFLOPs" if self.counted else ""
-        return f"{self.default!r}" + (f" ({allowed})" if allowed else "") + counted
+        """``5 (>= 1)`` or ``'tokens' (tokens, metric; counted in GFLOPs)``: its default, what it allows and
+        whether it changes the GFLOPs."""
+        notes = [", ".join(map(str, self.choices)) if self.choices is not None
+                 else f">= {self.minimum:g}" if self.minimum is not None else "", "counted in GFLOPs" * self.counted]
+        notes = [note for note in notes if note]
+        return f"{self.default!r}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _typed(where: str, value: Any, default: Any) -> Any:

@@ -55,7 +55,7 @@ def test_methods_lists_the_registry():
     options = [line.split()[0] for line in lines if line.startswith(" ")]
     assert options == [f"pooling.options.{name}.{key}" for name, spec in METHODS.items() for key in spec.options]
     assert "    pooling.options.wkmedoids.iters = 5 (>= 1): rounds of assignment and centre update" in lines
-    assert ("    pooling.options.tome.cluster_on = 'metric' (tokens, metric); counted in GFLOPs: match on the tokens, "
+    assert ("    pooling.options.tome.cluster_on = 'metric' (tokens, metric; counted in GFLOPs): match on the tokens, "
             "or on the cheaper metric (keys averaged over heads)") in lines
 
 
@@ -252,3 +252,11 @@ def test_every_option_takes_a_negative_number_as_its_value(value):
             assert "expected one argument" not in apart[2], (path, flag, apart)
             checked += 1
     assert checked > 60  # every command's options were reached
+
+
+def test_the_docs_method_table_is_the_registrys():
+    """docs/usage.md's method table is what ``pipeline methods --markdown`` prints from the specs."""
+    from pipeline.cli.info import methods_table
+
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    assert methods_table() in usage

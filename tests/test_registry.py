@@ -330,7 +330,7 @@ def test_a_spec_with_a_new_option_is_seen_by_the_config_the_gflops_the_identity_
             "counted": {"passes": 3}}
         assert main(["methods"]) == 0
         listed = capsys.readouterr().out.splitlines()
-        assert "    pooling.options.passk.passes = 1 (>= 1); counted in GFLOPs: Gram passes it pays for" in listed
+        assert "    pooling.options.passk.passes = 1 (>= 1; counted in GFLOPs): Gram passes it pays for" in listed
         assert any(line.startswith("passk ") and line.endswith("registered in code") for line in listed)
     finally:
         del METHODS["passk"]

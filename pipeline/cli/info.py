@@ -24,12 +24,27 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_methods(args: argparse.Namespace) -> int:
-    """Every method, with the package and version of each plugin's; exit 2 when a plugin was left out."""
+def methods_table() -> str:
+    """The registry as the Markdown table of docs/usage.md: each method's summary, what it reads, its options
+    (default and allowed values) and whether its pooling step has closed-form GFLOPs."""
+    lines = ["| name | method | reads | options (`pooling.options.NAME.KEY`: default, allowed) | closed-form GFLOPs |",
+             "|---|---|---|---|---|"]
+    for name, spec in METHODS.items():
+        options = "; ".join(f"`{key}`: {option.describe()}" for key, option in spec.options.items()) or "-"
+        reads = "scores" if spec.needs_scores else "-"
+        lines.append(f"| `{name}` | {spec.summary} | {reads} | {options} | {'yes' if spec.flops else '-'} |")
+    return "\n".join(lines) + "\n"
 
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    """Every method, with the package and version of each plugin's (``--markdown``: docs/usage.md's table); exit 2
+    when a plugin was left out."""
     with warnings.catch_warnings():  # the plugins left out are listed below as errors, not warned twice
         warnings.simplefilter("ignore", PipelineWarning)
         names = list(METHODS)
+    if args.markdown:
+        print(methods_table(), end="")
+        names = []
     for name in names:
         spec, plugin = METHODS[name], plugin_of(name)
         needs = "significance scores" if spec.needs_scores else "-"
@@ -71,6 +86,7 @@ def add_commands(commands) -> None:
     show.set_defaults(func=cmd_config_show)
 
     methods = commands.add_parser("methods", help="list the downsampling methods")
+    methods.add_argument("--markdown", action="store_true", help="the registry as docs/usage.md's Markdown table")
     methods.set_defaults(func=cmd_methods)
 
     flops = commands.add_parser("flops", help="GFLOPs of a (downsampling) model, with a breakdown (fvcore)")
