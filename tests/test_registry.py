@@ -472,7 +472,7 @@ def test_entry_points_load_in_this_process_each_refusal_named(monkeypatch):
         assert not registered_in_code("good") and registered_in_code("coded")  # a plugin's is not code's
         with pytest.raises(ValueError, match=r"^method 'astring' is not registered: entry point astring = "):
             method_spec("astring")
-        assert METHODS["tome"].summary == "ToMe bipartite soft matching"  # the built-in one stays
+        assert METHODS["tome"].summary == "ToMe bipartite soft matching, size-weighted merge"  # the built-in one stays
         del METHODS["anon"]  # a plugin's method taken out: no longer listed, nor its package
         assert "anon" not in METHODS and plugin_of("anon") is None
         points[:] = [point("other", f"{here}:PLUGIN_SPEC")]
