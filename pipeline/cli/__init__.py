@@ -12,7 +12,7 @@ from typing import TextIO
 from pipeline.cli import analysis, bench, data, doctor, experiments, info, train
 from pipeline.cli.common import Parser
 from pipeline.console import VERBOSE_ENV, quiet_driver
-from pipeline.errors import PipelineError, PipelineWarning
+from pipeline.errors import PipelineError, PipelineWarning, project_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,5 +51,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except PipelineError as err:  # ours, on purpose: one line; anything else keeps its traceback
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {project_error(err) or err}", file=sys.stderr)  # not Ray's wrapper of a task's error
         return 2

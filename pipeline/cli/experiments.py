@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from pipeline.cli.common import add_config_args
 from pipeline.config import ConfigError, load_config
 from pipeline.config.serve import MAX_BODY_MB, MAX_IMAGES, MAX_PIXELS, ServeConfig
-from pipeline.dag.plan import check_targets, count_plan
+from pipeline.dag.checks import plan_checks
+from pipeline.dag.plan import count_plan
 from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 from pipeline.errors import InputError, MissingFileError
 from pipeline.report import read_csv, write_report
@@ -29,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if config.experiment is None:
         raise ConfigError(f"{args.config}: `pipeline run` needs an experiment section; see configs/experiments/")
     if args.plan:
-        check_targets(config)
+        plan_checks(config, args.address)
         print(json.dumps(count_plan(config).as_dict()))
         return 0
     given = [flag for flag, value in (("--rehearse-dir", args.rehearse_dir), ("--rehearse-steps", args.rehearse_steps),
@@ -166,8 +167,9 @@ def add_commands(commands) -> None:
                      help="rerun STAGE (base, ksearch, finetune, evaluate, select) and everything after it")
     run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the config's SQLite store)")
     run.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
-    run.add_argument("--plan", action="store_true", help="refuse a K-search target that no keep list can meet, "
-                     "print the stages per kind and exit")
+    run.add_argument("--plan", action="store_true", help="check what can be known without running (every stage's "
+                     "config, K-search targets, learning rates, data paths, batch against the training set, resources "
+                     "against the cluster), print the stages per kind and exit (docs/usage.md)")
     run.add_argument("--rehearse", action="store_true",
                      help="a dress rehearsal: a slice of the DAG covering every architecture, method and stage kind "
                           "at the real shapes for a few steps each, on synthetic ImageNet-like data, in its own "

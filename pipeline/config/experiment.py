@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -151,9 +151,11 @@ class ExperimentConfig(Section):
     name: str = Field("experiment", pattern=r"^[A-Za-z0-9_.-]+$")
     embed_dims: list[int] | None = Field(None, description="one base per width M (model.* is the template)")
     models: list[str] | None = Field(None, description="or one base per timm model name (the paper's DeiTs)")
-    num_heads: dict[int, int] = Field(default_factory=dict, description="heads per width; default model.num_heads")
+    num_heads: dict[int, Annotated[int, Field(ge=1)]] = Field(default_factory=dict,
+                                                              description="heads per width; default model.num_heads")
     base_checkpoints: dict[str, str] = Field(default_factory=dict, description="arch -> checkpoint: skip its training")
-    lambdas: list[float] | None = Field(None, description="K-search strengths; each gives one sparsity level")
+    lambdas: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+        None, description="K-search strengths (>= 0); each gives one sparsity level")
     ksearch_targets: list[CostTarget] | None = Field(None, description="K searches toward cost targets (latency "
                                                      "or GFLOPs); with or instead of lambdas")
     levels: list[int] | None = Field(None, description="or pin the paper's levels (configs/sparsity/)")
@@ -161,7 +163,7 @@ class ExperimentConfig(Section):
                                       description="finetuned at every level; default: the registry's swept methods")
     baseline: bool = Field(True, description="also finetune each base without downsampling (DeiT-2x control)")
     base: StageRecipe = Field(default_factory=StageRecipe)
-    ksearch: StageRecipe = Field(default_factory=lambda: StageRecipe(epochs=1))
+    ksearch: StageRecipe = Field(default_factory=lambda: StageRecipe(epochs=1, warmup_epochs=0))
     finetune: StageRecipe = Field(default_factory=StageRecipe)
     search: SearchConfig = Field(default_factory=SearchConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipeline.config.base import Section
+from pipeline.errors import InputError
+
+# The optimizers DeiT's and timm's own recipes use, accepted without asking timm (importing it costs seconds of
+# torch at every config load); any other name is looked up in timm's registry (``timm.optim.list_optimizers``), and
+# tests/test_config_refusals.py holds these to it.
+COMMON_OPTIMIZERS = ("adamw", "sgd", "momentum", "lamb", "adam", "lion", "nadam", "rmsproptf")
+# The learning rates of timm's and DeiT's recipes (at their own batch) lie within about 1e-4 to 0.5; one two orders
+# of magnitude outside gets a warning at plan time (docs/usage.md).
+TYPICAL_LR = (1e-6, 50.0)
+
+
+def timm_optimizer(name: str) -> str:
+    """``name`` where timm's ``create_optimizer_v2`` takes it (its last ``_`` part names the optimizer, as in
+    ``lookahead_adamw``), else an InputError with some valid names."""
+    base = name.lower().split("_")[-1]
+    if base in COMMON_OPTIMIZERS:
+        return name
+    from timm.optim import list_optimizers  # only for a name off the common list
+
+    known = list_optimizers()
+    if base not in known:
+        raise InputError(f"{name!r} is not an optimizer of timm; for example {', '.join(COMMON_OPTIMIZERS)} "
+                         f"(timm.optim.list_optimizers() lists all {len(known)})")
+    return name
 
 
 class RecipeConfig(Section):
@@ -27,3 +51,8 @@ class RecipeConfig(Section):
     ema: bool = Field(False, description="keep an EMA of the weights (timm ModelEmaV3) and evaluate it too")
     ema_decay: float = Field(0.99996, gt=0, lt=1)
     amp: bool = Field(True, description="bf16 autocast on GPU (ignored on CPU)")
+
+    @field_validator("opt")
+    @classmethod
+    def _timm_has_it(cls, name: str) -> str:
+        return timm_optimizer(name)

@@ -18,7 +18,7 @@ class CostTarget(Section):
     model's cost or as an absolute figure (ms or GFLOPs). ``pipeline.targets`` holds the search."""
 
     cost: Literal["latency", "gflops"] = Field(description="latency: a cost table's ms; gflops: the count")
-    fraction: float | None = Field(None, gt=0, description="of the unmodified model's cost")
+    fraction: float | None = Field(None, gt=0, le=1, description="of the unmodified model's cost, in (0, 1]")
     value: float | None = Field(None, gt=0, description="or an absolute figure: ms (latency) or GFLOPs")
     table: str | None = Field(None, description="latency: the cost table (JSON of `pipeline bench blocks`); "
                               "{arch} in it stands for the width's label (M32) or the model's name, {embed_dim} "
@@ -26,10 +26,10 @@ class CostTarget(Section):
     table_sha256: str | None = Field(None, description="the table's content hash (the DAG sets it; a table that "
                                      "changed afterwards is refused)")
     method: MethodName = Field("powerbert", description="gflops: the method whose pooling step is counted")
-    methods: list[MethodName] | None = Field(None, description="experiment: the methods finetuned at this target's "
-                                             "level; default experiment.methods")
-    archs: list[str] | None = Field(None, description="experiment: the widths (M32) or models searched toward it; "
-                                    "default all")
+    methods: list[MethodName] | None = Field(None, min_length=1, description="experiment: the methods finetuned at "
+                                             "this target's level; default experiment.methods")
+    archs: list[str] | None = Field(None, min_length=1, description="experiment: the widths (M32) or models searched "
+                                    "toward it; default all")
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="the level's name in stage ids, "
                              "reports and aliases; default from the figure (lat0.8, gf1.2g); two targets at one "
                              "figure with each method's own table need one each")

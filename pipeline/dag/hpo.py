@@ -23,6 +23,7 @@ from typing import Any
 
 from pipeline import signals
 from pipeline.config import Config, SweepConfig, with_setting
+from pipeline.console import worker_failure
 from pipeline.dag.records import mark_done
 from pipeline.dag.types import StageSpec, TrainedResult
 from pipeline.errors import JobError
@@ -183,7 +184,8 @@ def run_base_sweep(spec: StageSpec, sweep: SweepConfig, *, client, exp_id: str, 
     results = signals.fit(tuner)  # Ray's fit leaves its SIGINT handler; this does not
     errors = [r.error for r in results if r.error is not None]
     if errors:
-        raise JobError(f"{len(errors)} trial(s) of the {spec.label} sweep failed; first: {errors[0]}")
+        raise JobError(worker_failure(f"the first of {len(errors)} failed trial(s) of the {spec.label} sweep",
+                                      errors[0], "the trial's error.txt under " + str(path)))
     records = trial_records(results, spec, sweep, client, exp_id)
     best = choose(records, sweep)
     epochs = config.recipe.epochs

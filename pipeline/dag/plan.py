@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, ExperimentConfig, StageRecipe
+from pydantic import ValidationError
+
+from pipeline.config import Config, ConfigError, ExperimentConfig, StageRecipe
 from pipeline.config.identity import IDENTITY_VERSION, identity_content
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
@@ -89,10 +91,35 @@ def archs(config: Config) -> list[Arch]:
     return found
 
 
-def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: dict[str, Any],
+# The experiment-level key each setting of a stage config comes from: what an error in a stage config names.
+_ORIGINS = {("model", "embed_dim"): "experiment.embed_dims", ("model", "name"): "experiment.models",
+            ("model", "num_heads"): "experiment.num_heads or model.num_heads",
+            ("train", "ksearch_lambda"): "experiment.lambdas",
+            ("train", "ksearch_target"): "experiment.ksearch_targets",
+            ("train", "workers"): "experiment.search.trial_workers",
+            ("train", "cpus_per_worker"): "experiment.search.trial_cpus",
+            ("train", "use_gpu"): "experiment.search.trial_gpus", ("pooling", "method"): "experiment.methods",
+            ("pooling", "keep"): "experiment.levels or the K search's keep list"}
+
+
+def _origin(loc: tuple[Any, ...], stage: str, updates: dict[str, dict[str, Any]]) -> str:
+    """The experiment-level key behind an error at ``loc`` of a ``stage`` config made with ``updates``."""
+    section, field = (str(loc[0]) if loc else None), (str(loc[1]) if len(loc) > 1 else None)
+    if section == "recipe":
+        return f"experiment.{stage}" + (f".{field}" if field else "")
+    if (section, field) in _ORIGINS:
+        return _ORIGINS[section, field]
+    keys = [(name, key) for name, changed in updates.items() if section in (None, name) for key in changed]
+    found = dict.fromkeys(_ORIGINS.get(key, f"experiment.{stage}" if key[0] == "recipe" else None) for key in keys)
+    return " / ".join(origin for origin in found if origin) or f"experiment.{stage}"
+
+
+def _with(config: Config, *, stage: str, model: dict[str, Any], recipe: StageRecipe, train: dict[str, Any],
           pooling: dict[str, Any] | None = None) -> Config:
-    """``config`` with section updates (typed copies), validated again: a bad width or keep list fails here."""
+    """``config`` with section updates (typed copies), validated again: a bad width or keep list fails here, as a
+    ConfigError naming the experiment-level key it came from (``stage``: the experiment's recipe section)."""
     stage_recipe = {k: v for k, v in recipe.model_dump(exclude={"sweep"}).items() if v is not None}
+    updates = {"model": model, "recipe": stage_recipe, "train": train, "pooling": pooling or {}}
     updated = config.model_copy(update={
         "model": config.model.model_copy(update=model),
         "recipe": config.recipe.model_copy(update=stage_recipe),
@@ -100,14 +127,20 @@ def _with(config: Config, *, model: dict[str, Any], recipe: StageRecipe, train: 
         "pooling": config.pooling.model_copy(update=pooling or {}),
         "experiment": None,
     })
-    return Config.model_validate(updated.model_dump())
+    try:
+        return Config.model_validate(updated.model_dump())
+    except ValidationError as err:
+        problems = "; ".join(f"{_origin(e['loc'], stage, updates)}: {e['msg']}"
+                             + (f" ({'.'.join(map(str, e['loc']))}={e['input']!r})" if len(e["loc"]) > 1 else "")
+                             for e in err.errors())
+        raise ConfigError(f"a {stage} stage's config is not valid: {problems}") from None
 
 
 def base_stage(config: Config, arch: Arch) -> Stage:
     exp = config.experiment
     given = exp.base_checkpoints.get(arch.label)
     train = {"mode": "base"} if exp.base.sweep is None else {"mode": "base", **trial_train(exp)}
-    cfg = _with(config, model=arch.overrides, recipe=exp.base, train=train)
+    cfg = _with(config, stage="base", model=arch.overrides, recipe=exp.base, train=train)
     sweep = None if exp.base.sweep is None or given else exp.base.sweep.model_dump(mode="json")
     return Stage("base", f"{exp.name}-base-{arch.label}", cfg, [], arch.label, StageMeta(given=given or None,
                                                                                        sweep=sweep))
@@ -125,7 +158,7 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
     exp = config.experiment
     stages = []
     for lam in exp.lambdas or []:
-        cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
+        cfg = _with(config, stage="ksearch", model=arch.overrides, recipe=exp.ksearch,
                     train={"mode": "ksearch", "ksearch_lambda": lam, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-lam{lam:g}", cfg, [base.id], arch.label,
                             StageMeta(lam=lam)))
@@ -136,7 +169,7 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
         if target.table is not None:  # the identity follows the table's content, not its path
             table = table_path(target.table, arch)
             target = target.model_copy(update={"table": table, "table_sha256": _table_hash(table)})
-        cfg = _with(config, model=arch.overrides, recipe=exp.ksearch,
+        cfg = _with(config, stage="ksearch", model=arch.overrides, recipe=exp.ksearch,
                     train={"mode": "ksearch", "ksearch_target": target, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-{target.label}", cfg, [base.id],
                             arch.label, StageMeta(target=target.label, rounding=ROUNDING)))
@@ -196,10 +229,12 @@ def finetune_stage(config: Config, arch: Arch, base: Stage, method: str, level: 
     """One trial of the sweep; a ``method`` that keeps every token is the no-downsampling baseline."""
     exp = config.experiment
     if keeps_all(method):
-        cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "baseline", **trial_train(exp)},
+        cfg = _with(config, stage="finetune", model=arch.overrides, recipe=exp.finetune,
+                    train={"mode": "baseline", **trial_train(exp)},
                     pooling={"keep": None, "level": None})
     else:
-        cfg = _with(config, model=arch.overrides, recipe=exp.finetune, train={"mode": "finetune", **trial_train(exp)},
+        cfg = _with(config, stage="finetune", model=arch.overrides, recipe=exp.finetune,
+                    train={"mode": "finetune", **trial_train(exp)},
                     pooling={"method": method, "keep": keep, "level": None})
     label = f"{exp.name}-ft-{arch.label}-{level}-{method}"
     return Stage("finetune", label, cfg, [base.id, *upstream], arch.label, StageMeta(method=method, level=level))

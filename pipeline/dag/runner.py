@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError
+from pipeline.dag.checks import plan_checks
 from pipeline.dag.hpo import chosen_config, run_base_sweep, trial_resources
 from pipeline.dag.latency import check_latency_targets
 from pipeline.dag.plan import (
@@ -18,7 +19,6 @@ from pipeline.dag.plan import (
     Stage,
     archs,
     base_stage,
-    check_targets,
     count_plan,
     dag_id,
     evaluate_stage,
@@ -105,7 +105,6 @@ def check_experiment(config: Config) -> None:
                         apply_downsampling(build_model(stage.config), method, keep)
                     except ValueError as err:
                         raise ConfigError(f"experiment: {arch.label} level {level} with {method}: {err}") from None
-    check_targets(config)  # and a target that no keep list can meet
 
 
 def force_kinds(force: str | None) -> list[str]:
@@ -237,6 +236,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     kinds = force_kinds(force)
     check_reaches_workers(config)  # every stage runs in a Ray worker, a Tune trial or a Ray task
     check_tracking_uri(config.train.tracking_uri)  # creates nothing; preflight creates the store after its checks
+    plan_checks(config, address)  # what `run --plan` refuses, before any data is written
     prepare_data(config, log)
     check_experiment(config)
     counts = count_plan(config)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pipeline import signals
 from pipeline.config import ExperimentConfig
+from pipeline.console import worker_failure
 from pipeline.dag.types import StageSpec
 from pipeline.errors import JobError
 
@@ -112,7 +113,8 @@ def run_sweep(specs: list[StageSpec], exp: ExperimentConfig, *, storage: str, na
     wall = time.perf_counter() - started
     errors = [r.error for r in results if r.error is not None]
     if errors and not keep_going:
-        raise JobError(f"{len(errors)} trial(s) of {name} failed; first: {errors[0]}")
+        raise JobError(worker_failure(f"the first of {len(errors)} failed trial(s) of {name}", errors[0],
+                                      "the error file the [sweep] line names"))
     failed = {r.config["spec"].label: one_line(r.error) for r in results if r.error is not None}
     train_s = sum(float(r.metrics.get("stage_seconds", 0.0)) for r in results if r.metrics)
     timing = SweepTiming(len(results), wall, train_s, slots, failed)

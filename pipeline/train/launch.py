@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any
 from pipeline import signals
 from pipeline.config import Config, ConfigError
 from pipeline.config.identity import identity_differences, run_identity
-from pipeline.console import quiet_train_reports, say, verbose
+from pipeline.console import quiet_train_reports, quiet_worker_errors, say, verbose, worker_failure
 from pipeline.errors import JobError, MissingFileError
 from pipeline.methods import registered_in_code
 
@@ -75,6 +76,25 @@ def check_data(config: Config) -> None:
             raise MissingFileError(f"data.{split}: {path} is not an image folder (loader: torch)")
     if config.data.batch_size % 2 and (config.recipe.mixup > 0 or config.recipe.cutmix > 0):
         raise ConfigError(f"data.batch_size={config.data.batch_size}: Mixup/CutMix pair images, use an even batch")
+    if config.data.loader == "ffcv":
+        from pipeline.data.loaders import read_metadata
+
+        images = int(read_metadata(config.data.train)["num_images"])
+        check_batch_fits(config, images, config.data.train, workers_key="train.workers")
+
+
+def check_batch_fits(config: Config, images: int, source: str, *, workers_key: str, world: int | None = None,
+                     batch: int | None = None, batch_key: str = "data.batch_size") -> None:
+    """Refuses a global batch (``batch``, default ``data.batch_size``, x ``world`` workers, default
+    ``train.workers``) larger than the images it trains on (``images`` in ``source``, less the ``data.holdout``
+    share): every rank's epoch would have no step."""
+    world = max(config.train.workers if world is None else world, 1)
+    batch = config.data.batch_size if batch is None else batch
+    training = math.ceil(images * (1 - config.data.holdout))
+    if batch * world > training:
+        held = f" less data.holdout={config.data.holdout:g}" if config.data.holdout else ""
+        raise ConfigError(f"{batch_key}={batch} x {world} worker(s) ({workers_key}) is larger than the training "
+                          f"set: {source} has {training} training image(s){held}; lower {batch_key}")
 
 
 def check_model(config: Config) -> None:
@@ -94,22 +114,26 @@ def check_resources(config: Config) -> None:
     """Enough CPUs (and GPUs) in the Ray cluster for the workers asked for."""
     import ray
 
-    train = config.train
-    resources = ray.cluster_resources()
+    nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    check_fits(config.train, ray.cluster_resources(), nodes, "the Ray cluster")
+
+
+def check_fits(train, resources: dict[str, float], nodes: int, cluster: str) -> None:
+    """Refuses a job (``train``: a ``TrainConfig``) whose workers need more CPUs, GPUs or nodes than ``resources``
+    and ``nodes`` give; ``cluster`` names where they were counted."""
     if train.use_gpu and resources.get("GPU", 0) < 1:
-        raise ConfigError("train.use_gpu is true but the Ray cluster has no GPU; set train.use_gpu=false "
+        raise ConfigError(f"train.use_gpu is true but {cluster} has no GPU; set train.use_gpu=false "
                           "or connect to a GPU cluster (--address)")
     cpus = train.workers * train.cpus_per_worker
     if resources.get("CPU", 0) < cpus:
         raise ConfigError(f"train.workers={train.workers} x train.cpus_per_worker={train.cpus_per_worker} needs "
-                          f"{cpus:g} CPUs but the Ray cluster has {resources.get('CPU', 0):g}; lower them")
+                          f"{cpus:g} CPUs but {cluster} has {resources.get('CPU', 0):g}; lower them")
     if train.use_gpu and resources.get("GPU", 0) < train.workers:
-        raise ConfigError(f"train.workers={train.workers} GPU workers but the cluster has "
+        raise ConfigError(f"train.workers={train.workers} GPU workers but {cluster} has "
                           f"{resources.get('GPU', 0):g} GPUs")
-    nodes = sum(1 for node in ray.nodes() if node["Alive"])
     if train.placement == "STRICT_SPREAD" and nodes < train.workers:
         raise ConfigError(f"train.placement=STRICT_SPREAD puts each of the {train.workers} workers on its own node "
-                          f"but the Ray cluster has {nodes} node(s); add nodes or use train.placement=SPREAD")
+                          f"but {cluster} has {nodes} node(s); add nodes or use train.placement=SPREAD")
 
 
 def preflight(config: Config) -> None:
@@ -142,11 +166,12 @@ def quiet_local_cleaner() -> None:
 
 
 def setup_local_worker() -> None:
-    """Ray worker setup hook of a local Ray: the cleaner's warning off, and Ray Train's report lines off the
-    console (``pipeline.console.quiet_train_reports``)."""
+    """Ray worker setup hook of a local Ray: the cleaner's warning off, and Ray Train's report lines and a project
+    error's worker tracebacks off the console (``pipeline.console.quiet_train_reports``, ``quiet_worker_errors``)."""
 
     quiet_local_cleaner()
     quiet_train_reports()
+    quiet_worker_errors()
 
 
 def check_reaches_workers(config: Config) -> None:
@@ -303,8 +328,8 @@ def run_training(config: Config, address: str | None = None,
     try:
         result = signals.fit(make_trainer(config))  # Ray's fit leaves its SIGINT handler; this does not
     except Exception as err:  # Ray wraps the worker's exception; keep its message, drop Ray's frames
-        raise JobError(f"training job {config.train.name!r} failed after {config.train.max_failures} "
-                           f"restart(s): {err}") from err
+        raise JobError(worker_failure(f"training job {config.train.name!r} failed after "
+                                      f"{config.train.max_failures} restart(s)", err)) from err
     if result.checkpoint is None:
         raise JobError(f"training job {config.train.name!r} finished without a checkpoint")
     with result.checkpoint.as_directory() as directory:

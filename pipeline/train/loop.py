@@ -29,7 +29,7 @@ from pipeline.data.loaders import (
     shared_loader,
 )
 from pipeline.data.split import holdout_split
-from pipeline.errors import JobError
+from pipeline.errors import JobError, LossNotFiniteError
 from pipeline.models import data_config, load_weights, project_retention, retention_keep, retention_penalty, unwrap
 from pipeline.models.selfcheck import check_model
 from pipeline.runtime import autocast, compile_model, cuda_settings, peak_memory_mb, step_marker
@@ -156,15 +156,15 @@ class StepTotals:
 
     def read(self, epoch: int, step: int) -> float:
         """The mean loss of the steps since the last read, read from the device (one wait for the GPU);
-        raises FloatingPointError if the loss was not finite at one of them. ``step``: the global step
-        just done, for the message."""
+        raises LossNotFiniteError (a FloatingPointError) if the loss was not finite at one of them. ``step``: the
+        global step just done, for the message."""
         if self.steps == self.read_steps:
             return math.nan
         sums = self.sums.tolist()
         if not math.isfinite(sums[0]):
             first = step - (self.steps - self.read_steps) + 1
             where = f"step {step}" if first == step else f"one of the steps {first}..{step}"
-            raise FloatingPointError(f"the training loss is not finite at {where} (epoch {epoch + 1}); lower "
+            raise LossNotFiniteError(f"the training loss is not finite at {where} (epoch {epoch + 1}); lower "
                                      "recipe.lr or enable recipe.clip_grad")
         mean = (sums[0] - self.read_sums[0]) / (self.images - self.read_images)
         self.read_sums, self.read_images, self.read_steps = (sums[0], sums[1]), self.images, self.steps

@@ -1,0 +1,154 @@
+"""What ``pipeline run --plan`` refuses, or warns about, without running anything (as ``terraform plan`` does):
+every stage's config made and validated, the K-search targets, the learning rates, the data paths and each
+training's global batch against the training set, and the resources against the cluster the run would connect
+to. Each failure is one line, before any stage runs; ``pipeline run`` makes the same checks before its first.
+
+The config's own validation comes first (``pipeline.config``): what one section or the experiment section can
+refuse alone, it refuses at load. docs/usage.md lists what is refused and what is warned about.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+from pipeline.config import Config, ConfigError, PrepareItem
+from pipeline.config.recipe import TYPICAL_LR
+from pipeline.dag.plan import Stage, archs, base_stage, check_targets, finetune_stage, ksearch_stages
+from pipeline.errors import MissingFileError, PipelineWarning
+from pipeline.methods import KEEP_ALL
+from pipeline.train.launch import check_batch_fits, check_fits, connect_ray
+
+
+def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
+    """Every check that needs no stage to run, the cheapest first (the data's: no torch to import) and the cluster
+    last (it may connect to one); returns the training stages it made (a finetune a method, with its level's keep
+    list left open)."""
+    check_data_plan(config)
+    stages = training_stages(config)
+    check_targets(config)
+    warn_learning_rates(config)
+    check_cluster(config, stages, address)
+    return stages
+
+
+def training_stages(config: Config) -> list[Stage]:
+    """The base, K-search and finetune stages of every arch, each config validated (``plan._with``): a finetune per
+    method, the baseline's too, with no keep list (a K search's list is known only once it ran)."""
+    exp = config.experiment
+    methods = dict.fromkeys([*exp.methods, *(m for t in exp.ksearch_targets or [] for m in t.methods or [])])
+    stages: list[Stage] = []
+    for arch in archs(config):
+        base = base_stage(config, arch)
+        stages += [base, *ksearch_stages(config, arch, base)]
+        stages += [finetune_stage(config, arch, base, method, "plan", None, []) for method in methods]
+        if exp.baseline:
+            stages.append(finetune_stage(config, arch, base, KEEP_ALL, "full", None, []))
+    return stages
+
+
+def warn_learning_rates(config: Config) -> None:
+    """A warning for a learning rate two orders of magnitude outside what timm's and DeiT's recipes use: a run at
+    1e30 diverges at its first step, one at 1e-9 learns nothing; neither is refused (a study may want one)."""
+    low, high = TYPICAL_LR
+    given = {"recipe.lr": config.recipe.lr}
+    given |= {f"experiment.{stage}.lr": getattr(config.experiment, stage).lr
+              for stage in ("base", "ksearch", "finetune")}
+    for key, lr in given.items():
+        if lr is not None and not low <= lr <= high:
+            warnings.warn(f"{key}={lr:g} is outside {low:g} to {high:g}, two orders of magnitude beyond the learning "
+                          "rates of timm's and DeiT's recipes (about 1e-4 to 0.5): the training will likely diverge "
+                          "or not learn", PipelineWarning, stacklevel=2)
+
+
+def _prepared(config: Config, path: str) -> PrepareItem | None:
+    resolved = Path(path).resolve()
+    return next((item for item in config.experiment.prepare if Path(item.out).resolve() == resolved), None)
+
+
+def training_images(config: Config) -> tuple[int | None, str]:
+    """The training set's image count where the plan can know it: its metadata, else the limit of the
+    ``experiment.prepare`` item that writes it; and where it came from."""
+    from pipeline.data.write import metadata_path  # FFCV's writer: only its path helper, and only here
+
+    path = config.data.train
+    meta = metadata_path(path)
+    if config.data.loader == "ffcv" and meta.is_file():
+        return int(json.loads(meta.read_text())["num_images"]), path
+    item = _prepared(config, path)
+    if item is not None and item.limit is not None:
+        return item.limit, f"{path} (experiment.prepare writes {item.limit} images of {item.source})"
+    return None, path
+
+
+def check_data_plan(config: Config) -> None:
+    """Both data paths are set and exist, or an ``experiment.prepare`` item writes them; each training's global
+    batch (the bases' ``train.workers``, the trials' ``experiment.search.trial_workers``, a base sweep's
+    ``data.batch_size`` values) fits the training set where its size is known."""
+    exp = config.experiment
+    for split in ("train", "val"):
+        path = getattr(config.data, split)
+        if path is None:
+            raise ConfigError(f"data.{split} is not set; write a dataset with `python -m pipeline data write`, or "
+                              "add an experiment.prepare item")
+        exists = Path(path).is_dir() if config.data.loader == "torch" else Path(path).is_file()
+        if not exists and _prepared(config, path) is None:
+            raise MissingFileError(f"data.{split}: {path} does not exist and no experiment.prepare item writes it; "
+                                   "write it with `python -m pipeline data write`, or add one")
+    images, source = training_images(config)
+    if images is None:
+        return
+    sweep = exp.base.sweep.space.get("data.batch_size") if exp.base.sweep is not None else None
+    for batch in [config.data.batch_size, *([] if sweep is None else sweep.values())]:
+        key = "data.batch_size" if batch == config.data.batch_size else "experiment.base.sweep.space.data.batch_size"
+        if len(exp.base_checkpoints) < len(archs(config)):  # a base to train
+            world = config.train.workers if exp.base.sweep is None else 0
+            check_batch_fits(config, images, source, workers_key="train.workers", world=world, batch=batch,
+                             batch_key=key)
+    check_batch_fits(config, images, source, workers_key="experiment.search.trial_workers",
+                     world=exp.search.trial_workers)
+
+
+def local_resources(gpus: bool) -> dict[str, float]:
+    """What a local Ray would have here: the CPUs this process may run on, and the CUDA devices (``gpus``:
+    counted only when a stage asks for one)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not gpus:
+        return {"CPU": float(cpus)}
+    import torch
+
+    return {"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}
+
+
+def check_cluster(config: Config, stages: list[Stage], address: str | None) -> None:
+    """Each training's workers, each sweep trial and each evaluation fit the cluster the run would use: the one
+    at ``address`` (or ``train.address``, ``RAY_ADDRESS``), connected to, else this machine as a local Ray."""
+    address = address or config.train.address or os.environ.get("RAY_ADDRESS")
+    exp = config.experiment
+    if address is not None:
+        import ray
+
+        connect_ray(address)
+        resources, nodes = ray.cluster_resources(), sum(1 for node in ray.nodes() if node["Alive"])
+        cluster = f"the Ray cluster at {address}"
+    else:
+        wants_gpu = exp.eval.device == "cuda" or any(s.config.train.use_gpu for s in stages)
+        resources, nodes, cluster = local_resources(wants_gpu), 1, "this machine (a local Ray)"
+    for stage in stages:
+        train = stage.config.train
+        if stage.meta.given is not None or (stage.kind == "base" and train.workers == 0 and exp.base.sweep is None):
+            continue  # nothing to train, or trained in this process
+        if train.workers > 0:
+            check_fits(train, resources, nodes, cluster)
+            continue
+        gpus = 1.0 if stage.kind == "base" and train.use_gpu else exp.search.trial_gpus
+        if resources.get("CPU", 0) < train.cpus_per_worker or resources.get("GPU", 0) < gpus:
+            raise ConfigError(f"a {stage.kind} trial takes {train.cpus_per_worker:g} CPU(s) and {gpus:g} GPU(s) "
+                              "(experiment.search.trial_cpus, trial_gpus) but "
+                              f"{cluster} has {resources.get('CPU', 0):g} and {resources.get('GPU', 0):g}; Tune would "
+                              "wait for them forever: lower them")
+    if exp.eval.device == "cuda" and resources.get("GPU", 0) < 1:
+        raise ConfigError(f"experiment.eval.device=cuda but {cluster} has no GPU; use device auto or cpu, or "
+                          "connect to a GPU cluster (--address)")
