@@ -130,11 +130,13 @@ def _add_budget_args(parser: argparse.ArgumentParser, *, required: bool) -> None
     budget = parser.add_mutually_exclusive_group(required=required)
     budget.add_argument("--max-gflops", type=float, default=None)
     budget.add_argument("--min-images-per-s", type=float, default=None,
-                        help="measured images/s: a model fits when the lower end of its 95%% interval (the select "
-                        "stage's, on one scale for every width) is at least this")
+                        help="measured images/s: a model fits when the lower end of its interval (the select stage's, "
+                        "on one scale for every width; at least 90%%: a model's 95%% interval chained with its "
+                        "reference's) is at least this")
     budget.add_argument("--max-latency-ms", type=float, default=None,
-                        help="latency measured against --table (a K-search target's models): a model fits when "
-                        "the upper end of its 95%% interval is at most this")
+                        help="latency measured against --table (a K-search target's models; the measured ratio times "
+                        "the measured unmodified model's ms, not the table's prediction): a model fits when the "
+                        "upper end of its 95%% interval is at most this")
     parser.add_argument("--table", default=None, help="the cost table --max-latency-ms refers to")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="only models timed on this device (default: any)")
