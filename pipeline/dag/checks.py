@@ -63,6 +63,14 @@ def warn_learning_rates(config: Config) -> None:
                           "or not learn", PipelineWarning, stacklevel=2)
 
 
+def found(path: str, folder: bool = False) -> bool:
+    """Whether ``path`` is a file (a folder with ``folder``); a name the file system refuses (too long) is none."""
+    try:
+        return Path(path).is_dir() if folder else Path(path).is_file()
+    except OSError:
+        return False
+
+
 def _prepared(config: Config, path: str) -> PrepareItem | None:
     resolved = Path(path).resolve()
     return next((item for item in config.experiment.prepare if Path(item.out).resolve() == resolved), None)
@@ -75,7 +83,7 @@ def training_images(config: Config) -> tuple[int | None, str]:
 
     path = config.data.train
     meta = metadata_path(path)
-    if config.data.loader == "ffcv" and meta.is_file():
+    if config.data.loader == "ffcv" and found(str(meta)):
         return int(json.loads(meta.read_text())["num_images"]), path
     item = _prepared(config, path)
     if item is not None and item.limit is not None:
@@ -93,8 +101,7 @@ def check_data_plan(config: Config) -> None:
         if path is None:
             raise ConfigError(f"data.{split} is not set; write a dataset with `python -m pipeline data write`, or "
                               "add an experiment.prepare item")
-        exists = Path(path).is_dir() if config.data.loader == "torch" else Path(path).is_file()
-        if not exists and _prepared(config, path) is None:
+        if not found(path, folder=config.data.loader == "torch") and _prepared(config, path) is None:
             raise MissingFileError(f"data.{split}: {path} does not exist and no experiment.prepare item writes it; "
                                    "write it with `python -m pipeline data write`, or add one")
     images, source = training_images(config)

@@ -179,6 +179,8 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
 def check_targets(config: Config) -> None:
     """Refuses a K-search target below the cheapest keep list its cost model allows (``targets.cheapest_fraction``),
     naming that fraction: at plan time, not when the K search rounds its list after a whole epoch."""
+    import torch
+
     from pipeline.targets import cheapest_fraction, target_cost_model, target_fraction
     from pipeline.train.build import build_model
 
@@ -189,8 +191,14 @@ def check_targets(config: Config) -> None:
             target = stage.config.train.ksearch_target
             if target is None:
                 continue
-            costs = target_cost_model(target, build_model(stage.config), stage.config.pooling)
+            with torch.device("meta"):  # the shapes the cost model reads, without initialising any weight
+                model = build_model(stage.config)
+            costs = target_cost_model(target, model, stage.config.pooling)
             fraction, cheapest = target_fraction(target, costs), cheapest_fraction(costs)
+            if fraction > 1:
+                raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): {target.value:g} is "
+                                 f"above the unmodified model's {costs.unmodified():.4g}: a K search toward it keeps "
+                                 "every token; give a value below that, or a fraction in (0, 1]")
             if fraction < cheapest:
                 where = f"the cost table {target.table}" if target.cost == "latency" else f"{target.method}'s GFLOPs"
                 raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): {fraction:.4g} of the "
@@ -218,7 +226,11 @@ def table_path(pattern: str, arch: Arch) -> str:
 def _table_hash(path: str) -> str:
     from pipeline.cost import file_sha256
 
-    if not Path(path).is_file():
+    try:
+        there = Path(path).is_file()
+    except OSError:  # a name the file system refuses (too long): no table
+        there = False
+    if not there:
         raise InputError(f"experiment.ksearch_targets: no cost table at {path}; measure one with "
                          "`pipeline bench blocks`")
     return file_sha256(path)
