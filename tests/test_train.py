@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,10 +16,12 @@ from mlflow.tracking import MlflowClient
 from pipeline.config import ConfigError, load_config
 from pipeline.data import WriteSettings, open_source, write_beton, write_folder
 from pipeline.data.loaders import DatasetMismatchError
+from pipeline.errors import JobError
 from pipeline.methods import METHODS
 from pipeline.tracking import TrackingError
-from pipeline.train import run_training
+from pipeline.train import loop, run_training
 from pipeline.train.checkpoint import CheckpointError, load_checkpoint
+from pipeline.train.launch import quiet_local_cleaner
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
@@ -290,3 +295,65 @@ def test_a_reported_checkpoint_ray_never_registered_is_found_and_a_torn_one_skip
             torch.save(payload, folder / "checkpoint.pt")
     assert newest_stored_state(tmp_path, after_epoch=-1) == {"epoch": 1}
     assert newest_stored_state(tmp_path, after_epoch=1) is None  # Ray's own is as new: use it
+
+
+@pytest.mark.ray
+@pytest.mark.beton
+def test_a_bug_in_the_workers_keeps_its_traceback(data, runs, monkeypatch):
+    """A RuntimeError planted in the workers' training function is a bug, not the project's error: the job's error
+    keeps Ray's text with the traceback (a project error's one line is the CLI test's below)."""
+    def planted(config_dict):  # a closure: Ray pickles it by value into the workers
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(loop, "train_worker", planted)
+    with pytest.raises(JobError, match=r"(?s)training job 'planted' failed after 0 restart\(s\): .*Traceback .*"
+                                       r"RuntimeError: planted bug"):
+        run_training(tiny(data, runs, "train.name=planted", "train.max_failures=0"))
+
+
+@pytest.mark.ray
+@pytest.mark.beton
+@pytest.mark.slow
+def test_the_cli_ends_a_diverging_training_in_one_error_line_and_verbose_shows_the_tracebacks(data, tmp_path):
+    """Through the CLI, in a subprocess: recipe.lr=1e30 on two Ray Train workers ends in one ``error:`` line and no
+    traceback (exit 2); with --verbose the workers' tracebacks are shown. A batch larger than the training set is
+    refused before Ray starts."""
+    where = [f"data.train={data['train']}", f"data.val={data['val']}", f"train.storage_path={tmp_path / 'ray'}",
+             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"train.artifact_root={tmp_path / 'art'}",
+             "train.max_failures=0", "recipe.lr=1e30"]
+
+    def train(*extra: str) -> subprocess.CompletedProcess:
+        sets = [arg for item in [*where, *extra] for arg in ("--set", item)]
+        return subprocess.run([sys.executable, "-m", "pipeline", "train", str(TINY), *sets], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    quiet = train("train.name=quiet")
+    output = quiet.stdout + quiet.stderr
+    assert quiet.returncode == 2, output
+    errors = [line for line in quiet.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: the training loss is not finite"), output
+    assert "Traceback" not in output, output
+    loud = subprocess.run([sys.executable, "-m", "pipeline", "train", str(TINY), "--verbose",
+                           *[arg for item in [*where, "train.name=loud"] for arg in ("--set", item)]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert loud.returncode == 2 and "Traceback (most recent call last)" in loud.stdout + loud.stderr
+    big = train("train.name=big", "data.batch_size=1000000")
+    assert big.returncode == 2 and "Traceback" not in big.stderr, big.stderr
+    assert big.stderr.strip().splitlines()[-1].startswith("error: data.batch_size=1000000 x 2 worker(s) "
+                                                          "(train.workers) is larger than the training set")
+
+
+def test_the_cleaner_hook_drops_its_monitors_lost_connection_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append((args.thread.name, args.exc_type)))
+    quiet_local_cleaner()
+
+    def fail(error: Exception) -> None:
+        raise error
+
+    for name, error in (("PlacementGroupCleanerMonitor", ConnectionError("gone")),
+                        ("PlacementGroupCleanerMonitor", RuntimeError("bug")), ("other", ConnectionError("x"))):
+        thread = threading.Thread(target=fail, args=(error,), name=name)
+        thread.start()
+        thread.join()
+    assert seen == [("PlacementGroupCleanerMonitor", RuntimeError), ("other", ConnectionError)]

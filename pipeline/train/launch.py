@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ def preflight(config: Config) -> None:
 
 _CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 _NO_STATE_API = "Failed to query Ray Train Controller actor state"
+_CLEANER_THREAD = "PlacementGroupCleanerMonitor"
 
 
 def _not_the_state_api_warning(record: logging.LogRecord) -> bool:
@@ -161,8 +163,20 @@ def quiet_local_cleaner() -> None:
     The cleaner asks the State API, which the dashboard serves, once a second whether the training's
     controller lives; a local Ray starts without a dashboard (starting one here made the test cluster's
     own head miss its 180 s start in CI, docs/design.md), so every ask failed and warned: 28 of the 60
-    lines of a tiny training. Its other warnings stay."""
+    lines of a tiny training. Its other warnings stay.
+
+    Also its monitor thread's ``ConnectionError`` when the local cluster goes away under it (the driver ended,
+    which ends a local Ray): a race, whose thread traceback reached the console after a failed training's one
+    line now and then. Any other exception of any thread still reaches the previous hook."""
     logging.getLogger(_CLEANER_LOGGER).addFilter(_not_the_state_api_warning)
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (args.thread is not None and args.thread.name == _CLEANER_THREAD
+                and issubclass(args.exc_type, ConnectionError)):
+            previous(args)
+
+    threading.excepthook = hook
 
 
 def setup_local_worker() -> None:
