@@ -53,7 +53,7 @@ class Evaluation:
     speed_ratio_low: float = math.nan  # the ratio's 95% interval
     speed_ratio_high: float = math.nan
     speed_blocks: int = 0
-    speed_stop: str = ""  # "tolerance" or "cap" (``bench.paired.SpeedRatio``)
+    speed_stop: str = ""  # why the blocks stopped: ``bench.paired.STOPS``
     speed_seconds: float = 0.0  # wall time of the pilot and the blocks
     load_before: float = math.nan  # the 1-minute load average before and after the timing
     load_after: float = math.nan
@@ -101,8 +101,7 @@ def speed(run: Callable[[Tensor], Tensor], reference: Callable[[Tensor], Tensor]
           settings: SpeedSettings | None = None) -> SpeedRatio:
     """``run``'s time over ``reference``'s on ``images`` (B, 3, H, W), paired (``bench.paired``), in one held
     inference context (``runtime.inference``). A sample queues ``timing.default_calls`` calls (10 on CUDA, timed
-    by CUDA events); on the CPU ``threads`` threads, one timed on the process's CPU clock (more on wall time)."""
-    timer = sample_timer(device, calls=default_calls(device), clock="cpu" if threads == 1 else "wall")
+    by CUDA events); on the CPU ``threads`` threads, one timed on its thread's CPU clock (more on wall time)."""
     mark = step_marker(compile)
 
     def model() -> object:
@@ -114,6 +113,7 @@ def speed(run: Callable[[Tensor], Tensor], reference: Callable[[Tensor], Tensor]
         return reference(images)
 
     with inference(device, dtype), cpu_threads(device, threads):
+        timer = sample_timer(device, calls=default_calls(device), clock="cpu" if threads == 1 else "wall")
         return paired_ratio(model, unmodified, timer=timer, settings=settings or SpeedSettings())
 
 

@@ -15,15 +15,16 @@ from pipeline.methods import keeps_all
 from pipeline.pareto import Measured, Point, best_at_budgets, measured_front, pareto_front
 
 COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "images_per_s_low",
-           "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high", "speed_ties", "train_top1",
-           "checkpoint", "stage_id", "run_id", "analysis", "speed_setting"]
+           "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high", "speed_blocks", "speed_stop",
+           "speed_half_width", "speed_ties", "train_top1", "checkpoint", "stage_id", "run_id", "analysis",
+           "speed_setting"]
 SPEED_COLUMNS = ("images_per_s_low", "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high")
 # The cost axes of a Pareto front: GFLOPs, or the measured time per image (lower is better for both).
 COSTS = {"gflops": lambda r: r["gflops"], "images_per_s": lambda r: 1.0 / r["images_per_s"]}
 COST_LABELS = {"gflops": "GFLOPs lower", "images_per_s": "measured images/s higher"}
 # The K-search target table: each model of a target's level, its target, predicted and measured cost.
 TARGET_COLUMNS = ["arch", "level", "method", "target_unit", "target_cost", "searched", "predicted", "spent",
-                  "measured", "cost_status", "gflops", "top1"]
+                  "measured", "speed_blocks", "speed_stop", "speed_half_width", "cost_status", "gflops", "top1"]
 
 
 REQUIRED_COLUMNS = ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s")  # what the report reads
@@ -76,10 +77,14 @@ def budget_table(rows: Sequence[dict[str, Any]], budgets: Sequence[float]) -> li
 
 
 def speed_text(row: dict[str, Any]) -> str | None:
-    """``0.642 [0.631, 0.655]``: the speed ratio and its interval, where the row has them."""
+    """``0.642 [0.631, 0.655] (31 blocks, tolerance, +-1.7%)``: the speed ratio, its interval and what bounded the
+    measurement, where the row has them."""
     if row.get("speed_ratio") is None:
         return None
-    return f"{row['speed_ratio']:.3f} [{row['speed_ratio_low']:.3f}, {row['speed_ratio_high']:.3f}]"
+    text = f"{row['speed_ratio']:.3f} [{row['speed_ratio_low']:.3f}, {row['speed_ratio_high']:.3f}]"
+    if row.get("speed_stop"):
+        text += f" ({row['speed_blocks']} blocks, {row['speed_stop']}, +-{row['speed_half_width']:.1%})"
+    return text
 
 
 def _front(rows: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
@@ -180,12 +185,13 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
 
 def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequence[float] | None = None,
                  title: str = "Experiment report", bases: Sequence[dict[str, Any]] = (),
-                 targets: Sequence[dict[str, Any]] = ()) -> dict[str, Path]:
+                 targets: Sequence[dict[str, Any]] = (), speed_warning: str | None = None) -> dict[str, Path]:
     """Writes results.csv, pareto.csv, budgets.csv, three plots and report.md into ``out_dir``.
 
     ``bases``: one row per base model (arch, val_top1, test_top1, run_id), shown with both numbers.
     ``targets``: the models of K-search target levels with their target, predicted and measured cost
-    (``dag.select.target_rows``), as targets.csv and a section.
+    (``dag.select.target_rows``), as targets.csv and a section. ``speed_warning``: why this run's speeds are in
+    doubt (the unmodified model against itself excluded 1), printed above the speed front.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: (r["arch"], r["method"], -r["gflops"]))
@@ -209,8 +215,12 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
     measured = f" (measured {', '.join(setting)})" if setting else ""
     text = [f"# {title}", "", "## Pareto front (GFLOPs lower, top-1 higher)", "", markdown_table(front, shown), "",
             f"## Pareto front by measured speed (images/s higher, top-1 higher){measured}", "",
+            *([f"**Warning: {speed_warning}.**", ""] if speed_warning else []),
             "Each model's time is a paired ratio to its architecture's unmodified model with a 95% interval "
-            "(`speed`: ratio [low, high]); images/s are the references' rates over it, on one scale for every width. "
+            "(`speed`: ratio [low, high], then the blocks measured, why they stopped and the half-width reached: "
+            "`tolerance` within the tolerance, `wider` not, `cap` or `max_blocks` stopped early); images/s are the "
+            "references' rates over it, on one scale for every width, with an interval of at least 90% (the model's "
+            "95% interval chained with its reference's). "
             "A model is left out only where another is at least as accurate and faster beyond the intervals; "
             "`speed_ties` names the models of the front it cannot be told apart from (a less accurate tie stays: the "
             "measurement cannot say it is not the faster).", "",

@@ -2,7 +2,8 @@
 
 An experiment's models are the finished evaluate runs under its newest DAG parent run (tags
 ``pipeline.stage = dag``, run name = ``experiment.name``): top-1, GFLOPs and measured images/s
-(with the device they were measured on, and the 95% interval the select stage put on one scale), and the
+(with the device they were measured on, and the interval of at least 90% the select stage put on one scale: a
+model's 95% interval chained with its reference's), and the
 finetune run that trained each model. A speed budget holds only where the measurement's doubt does: images/s
 at least X by the interval's lower end, latency under X ms by its upper end. The model
 URI is its Model Registry version when it is registered (``models:/token-pooling-NAME/V``), else
@@ -47,7 +48,7 @@ class Candidate:
     device: str
     latency_ms: float | None = None  # measured against a latency table (a K-search target's models)
     latency_table: str | None = None  # that table's sha256
-    images_per_s_low: float | None = None  # the select stage's 95% interval of images/s (on its one scale)
+    images_per_s_low: float | None = None  # the select stage's interval (>= 90%) of images/s, on its one scale
     images_per_s_high: float | None = None
     latency_ms_high: float | None = None  # the measured latency's interval's upper end
 
@@ -64,7 +65,7 @@ class Candidate:
     def line(self) -> str:
         latency = "" if self.latency_ms is None else f"  {self.latency_ms:.3f} ms measured"
         if self.latency_ms is not None and self.latency_ms_high is not None:
-            latency += f" (at most {self.latency_ms_high:.3f})"
+            latency += f" (95% interval's upper end {self.latency_ms_high:.3f})"
         interval = ("" if self.images_per_s_low is None else
                     f" [{self.images_per_s_low:.0f}, {self.images_per_s_high:.0f}]")
         return (f"{self.uri}  top1 {self.top1:.2f}%  {self.gflops:.4f} GFLOPs  {self.images_per_s:.0f}{interval} img/s "

@@ -258,10 +258,14 @@ class TargetCost:
     unit: str  # "ms" or "gflops"
     target_cost: float  # the target as an absolute figure
     predicted: float | None  # the cost model's figure at the model's keep list, for its method
-    measured: float | None  # GFLOPs: the evaluate stage's fvcore count; ms: None (see ``status``)
+    measured: float | None  # GFLOPs: the evaluate stage's fvcore count; ms: the measured ratio times the measured
+    # unmodified model's time, both from one paired measurement at the table's setting (None: see ``status``)
     status: str  # how ``measured`` came about, or why there is none
     measured_low: float | None = None  # a measured latency's 95% interval (ms)
     measured_high: float | None = None
+    speed_blocks: int | None = None  # the paired measurement's blocks, why they stopped and its relative half-width
+    speed_stop: str | None = None
+    speed_half_width: float | None = None
 
 
 def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[int], gflops: float,
@@ -270,9 +274,10 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
 
     A GFLOPs target is predicted with the closed forms for the model's own method (its pooling step may cost more
     than the searched method's) and measured by the evaluate stage's count. A latency target is predicted with its
-    table; ``measure(table, keep)`` (``dag.latency.measure_on_table``) gives the measured ratio to the unmodified
-    model with its interval, or None and why (another machine or setting than the table's key), for the table's own
-    method only.
+    table; ``measure(table, keep)`` (``dag.latency.measure_on_table``) gives the paired measurement against the
+    unmodified model (a ``bench.paired.SpeedRatio``: the ratio, its interval and the unmodified model's measured
+    time), or None and why (another machine or setting than the table's key), for the table's own method only: the
+    measured milliseconds are the ratio times that measured time, never the table's prediction of it.
     """
     if target.cost == "gflops":
         costs = target_cost_model(target, model, pooling)
@@ -281,15 +286,17 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
                      if method_spec(method).flops is not None else None)
         return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
     costs = target_cost_model(target, model, pooling)
-    limit, full = target_fraction(target, costs) * costs.unmodified(), costs.unmodified()
+    limit = target_fraction(target, costs) * costs.unmodified()
     table_method = costs.key.get("method")
     if table_method not in (None, method):
         return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None,
                           f"predicted (the table times {table_method}, not {method})")
     value, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)
-    ratio, low, high = measured_ratio(value)
-    scaled = [None if r is None else r * full for r in (ratio, low, high)]
-    return TargetCost(target.label, costs.unit, limit, costs.predict(keep), scaled[0], status, scaled[1], scaled[2])
+    if value is None:
+        return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None, status)
+    reference_ms = value.reference_s * 1e3  # the unmodified model's measured time, in the table's setting
+    return TargetCost(target.label, costs.unit, limit, costs.predict(keep), value.ratio * reference_ms, status,
+                      value.low * reference_ms, value.high * reference_ms, value.blocks, value.stop, value.half_width)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from pipeline.bench.paired import SpeedRatio
 from pipeline.config import CostTarget
 from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
@@ -360,11 +361,12 @@ def test_the_dual_grows_while_the_search_costs_more_than_the_target_and_shrinks_
         assert search.dual_value() == pytest.approx(0.6 + 0.5 * (low - 0.6) * step)  # shrinks below the target
 
 
-def _over(ratio: float, calls: list[list[int]]):
-    """A machine on which every list measures ``ratio`` of the unmodified model; it appends each list to ``calls``."""
-    def measure(table: CostModel, keep: list[int]) -> tuple[float, str]:
+def _over(ratio: float, calls: list[list[int]], reference_ms: float = 2.5):
+    """A machine on which every list measures ``ratio`` of the unmodified model, which takes ``reference_ms``; it
+    appends each list to ``calls``."""
+    def measure(table: CostModel, keep: list[int]) -> tuple[SpeedRatio, str]:
         calls.append(list(keep))
-        return ratio, "measured"
+        return SpeedRatio(ratio, ratio, ratio, 8, "tolerance", 0.0, 0.0, reference_s=reference_ms / 1e3), "measured"
     return measure
 
 
@@ -506,12 +508,14 @@ def test_a_finetunes_target_cost_is_predicted_for_its_own_method_and_measured_wh
     assert unmeasured.predicted == pytest.approx(predicted)
     calls: list[list[int]] = []
     measured = target_cost(latency, model, "powerbert", keep, gflops=0.0, measure=_over(0.4, calls))
-    assert measured.measured == pytest.approx(0.4 * full) and measured.status == "measured" and calls == [keep]
+    # the measured ratio times the measured unmodified model's 2.5 ms, not the table's prediction of it
+    assert measured.measured == pytest.approx(0.4 * 2.5) and measured.status == "measured" and calls == [keep]
+    assert full != pytest.approx(2.5) and (measured.speed_blocks, measured.speed_stop) == (8, "tolerance")
     elsewhere = target_cost(latency, model, "powerbert", keep, gflops=0.0, measure=lambda t, k: (None, "predicted"))
     assert (elsewhere.measured, elsewhere.status) == (None, "predicted")
     any_method = CostTarget(cost="latency", fraction=0.8, table=str(_latency_table(tmp_path / "u.json", {})))
     assert target_cost(any_method, model, "kmedoids", keep, gflops=0.0, measure=_over(0.5, [])).measured == (
-        pytest.approx(0.5 * full))  # a table that names no method is measured for any
+        pytest.approx(0.5 * 2.5))  # a table that names no method is measured for any
 
 
 def test_targets_are_checked_when_loaded():
@@ -540,7 +544,7 @@ def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(t
     spec = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2,
                      num_classes=4)
     settings = BlocksSettings(spec, "powerbert", method_spec("powerbert").resolve("powerbert", {}), batch=2, step=8,
-                              warmup=1, repeats=2, min_sample_s=0.0, threads=1, anchor_cap_s=0.2)
+                              warmup=1, repeats=2, min_sample_s=0.0, threads=1, anchor_cap_s=2.0)
     table, _ = measure_table(settings, tmp_path / "table.json", log=lambda _: None)
     torch.set_num_threads(threads)
     ratio, status = measure_on_table(table, [8, 8], log=lambda _: None)
@@ -721,19 +725,17 @@ def test_a_latency_targets_row_carries_the_measured_interval_and_the_measure_get
 
     def paired(costs: CostModel, keep: list[int]) -> tuple[SimpleNamespace, str]:
         seen.append((costs, list(keep)))
-        return SimpleNamespace(ratio=0.4, low=0.35, high=0.45), "measured (paired)"
+        return SpeedRatio(0.4, 0.35, 0.45, 40, "wider", 0.0, 1.0, reference_s=0.003), "measured (paired)"
 
     row = target_cost(CostTarget(cost="latency", value=6.0, table=str(path)), model, "powerbert", keep, gflops=0.0,
                       measure=paired)
     assert seen == [(load_cost_model(path), keep)]
     assert (row.target, row.unit, row.status) == ("lat6ms", "ms", "measured (paired)")
     assert row.target_cost == pytest.approx(6.0) and row.predicted == pytest.approx(table_cost(table, keep))
-    assert (row.measured, row.measured_low, row.measured_high) == (pytest.approx(0.4 * full),
-                                                                   pytest.approx(0.35 * full),
-                                                                   pytest.approx(0.45 * full))
-    bare = target_cost(CostTarget(cost="latency", fraction=0.8, table=str(path)), model, "powerbert", keep,
-                       gflops=0.0, measure=_over(0.5, []))
-    assert bare.measured == bare.measured_low == bare.measured_high == pytest.approx(0.5 * full)
+    assert (row.measured, row.measured_low, row.measured_high) == (pytest.approx(0.4 * 3.0), pytest.approx(0.35 * 3.0),
+                                                                   pytest.approx(0.45 * 3.0))  # of the measured 3 ms
+    assert (row.speed_blocks, row.speed_stop, row.speed_half_width) == (40, "wider", pytest.approx(0.05 / 0.4))
+    assert full != pytest.approx(3.0)
 
 
 def test_a_repair_that_no_tighter_limit_fits_reports_the_measured_interval():

@@ -149,7 +149,7 @@ def measure_lists(s: BlocksSettings, lists: list[tuple[str, list[int]]], table: 
                                  settings=speed or SpeedSettings(warmup=s.warmup))
             rows.append(CheckRow(label, keep, table.predict(keep) / full, ratio))
             log(f"[latency-check] {i}/{len(lists)} {label}: predicted {rows[-1].predicted:.3f}, measured "
-                f"{ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}] ({ratio.blocks} blocks, {ratio.stop}), "
+                f"{ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}] ({ratio.label()}), "
                 f"error {rows[-1].error:+.1%}")
     return rows
 

@@ -7,10 +7,15 @@ machine's speed that is linear over a block cancels, and one that is slower than
 
 The statistic is the median of the block ratios with the distribution-free 95% interval of the median from
 the binomial order statistics (``median_interval``): no bootstrap of a median at these sizes. The number of
-blocks is set before they are measured, from a pilot (``paired_ratio``): the spread of 8 pilot blocks sets the
-fewest new blocks (at least 8) whose interval it predicts within the tolerance (``planned_blocks``), limited by what
-``cap_s`` affords at the pilot's pace; the result comes from the new blocks alone. Stopping the moment the
-interval first dips under the tolerance would pick a lucky run of blocks and bias the interval.
+blocks is set before they are measured, from a pilot (``paired_ratio``): the robust spread of 8 pilot blocks
+(their median absolute deviation, so one outlier does not size the run) sets the fewest new blocks (at least 8)
+whose interval it predicts within the tolerance (``planned_blocks``); the result comes from the new blocks
+alone. Stopping the moment the interval first dips under the tolerance would pick a lucky run of blocks and
+bias the interval.
+
+``cap_s`` is a limit on the wall clock, pilot included: the clock is read before every block, and a measurement
+ends within one block of the cap. The result says why it stopped (``SpeedRatio.stop``) and what it reached: the
+label ``tolerance`` only where the interval's half-width is within the tolerance.
 
 Written here rather than taken from a library: ``torch.utils.benchmark`` and pytest-benchmark time one
 function at a time (no interleaved pairs, no interval of a ratio), and neither sizes a measurement from a pilot.
@@ -19,6 +24,7 @@ function at a time (no interleaved pairs, no interval of a ratio), and neither s
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import statistics
 import time
@@ -32,6 +38,15 @@ from pipeline.errors import InputError
 
 CONFIDENCE = 0.95
 MIN_BLOCKS = 8
+FEWEST_BLOCKS = 6  # the fewest whose median has a 95% interval (``order_statistic_rank``)
+# Why a measurement stopped: ``tolerance``, the planned blocks were measured and the interval is within the
+# tolerance; ``wider``, they were measured and it is not; ``cap``, the clock reached ``cap_s`` first;
+# ``max_blocks``, the tolerance would have needed more than ``max_blocks`` and the interval is wider.
+STOPS = ("tolerance", "wider", "cap", "max_blocks")
+
+
+class TimerError(InputError):
+    """A timed sample that is not a positive number of seconds: the timer cannot time that call."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +54,7 @@ class SpeedSettings:
     """How a paired ratio is measured: the relative half-width it aims at, the time it may take, the warm-up."""
 
     tolerance: float = 0.02  # the interval's relative half-width aimed at (of the median)
-    cap_s: float = 20.0  # the most seconds the measured blocks may take at the pilot's pace
+    cap_s: float = 20.0  # the most wall-clock seconds the pilot and the blocks may take (to within one block)
     pilot: int = MIN_BLOCKS
     warmup: int = 2  # calls of each function before the pilot (compiles, caches, first-call costs)
     max_blocks: int = 2000
@@ -49,10 +64,8 @@ class SpeedSettings:
 class SpeedRatio:
     """A paired ratio: the model's time over the reference's, as the median of block ratios with its interval.
 
-    ``stop``: ``"tolerance"`` when the blocks the pilot asked for were measured (those its spread predicts
-    reach the tolerance: the median measurement does, any one may land wider or narrower), ``"cap"`` when
-    ``cap_s`` allowed fewer, ``"max_blocks"`` when ``max_blocks`` did (the interval is then predicted wider than
-    the tolerance). ``pilot_half_width``: the half-width the pilot's spread predicts at the pilot's size."""
+    ``stop``: one of ``STOPS``. ``pilot_half_width``: the half-width the pilot's spread predicts at the pilot's
+    size. ``reference_s``: the reference's median measured seconds a call over the blocks (its own scale)."""
 
     ratio: float
     low: float
@@ -62,7 +75,8 @@ class SpeedRatio:
     pilot_half_width: float
     seconds: float  # wall time of the pilot and the blocks
     block_ratios: tuple[float, ...] = field(repr=False, default=())
-    reference_s: float = math.nan  # the reference's median seconds a call over the blocks (its own scale)
+    reference_s: float = math.nan
+    confidence: float = CONFIDENCE  # what the interval holds at least (a chained one: less, ``chain``)
 
     @property
     def half_width(self) -> float:
@@ -71,6 +85,10 @@ class SpeedRatio:
 
     def covers(self, value: float) -> bool:
         return self.low <= value <= self.high
+
+    def label(self) -> str:
+        """``31 blocks, tolerance, +-1.7%``: what bounded it and what it reached."""
+        return f"{self.blocks} blocks, {self.stop}, +-{self.half_width:.1%}"
 
 
 @functools.cache
@@ -104,7 +122,13 @@ def block_ratio(fn: Callable[[], object], reference: Callable[[], object], index
     order = "ABBA" if index % 2 == 0 else "BAAB"
     seconds = {"A": 0.0, "B": 0.0}
     for who in order:
-        seconds[who] += timer(reference if who == "A" else fn)
+        sample = timer(reference if who == "A" else fn)
+        if not sample > 0:  # also NaN
+            what = getattr(timer, "describe", "the timer")
+            raise TimerError(f"{what} read {sample!r} s for one sample of the "
+                             f"{'reference' if who == 'A' else 'model'}: it cannot time a call this short (or its "
+                             "clock does not advance); time more calls a sample (calls) or use the wall clock")
+        seconds[who] += sample
     return seconds["B"] / seconds["A"]
 
 
@@ -117,27 +141,47 @@ def predicted_half_width(spread: float, n: int) -> float:
     return spread * -statistics.NormalDist().inv_cdf((rank - 0.375) / (n + 0.25))
 
 
-def planned_blocks(pilot: list[float], pilot_s: float, s: SpeedSettings) -> tuple[int, str, float]:
-    """The blocks to measure after the pilot, why (``tolerance``, ``cap`` or ``max_blocks``), and the pilot's
-    half-width (its interval's, as its spread predicts it: ``predicted_half_width`` at the pilot's size).
+def pilot_spread(pilot: list[float]) -> float:
+    """The pilot's relative spread as a standard deviation, winsorized at 3 robust standard deviations (1.4826 times
+    the median absolute deviation) from the median: one outlier block among 8 moves it little, where it would
+    multiply a plain standard deviation, and normal blocks keep the standard deviation's efficiency (the MAD's
+    alone, 37% of it at 8 blocks, sized too few blocks as often as it sized enough)."""
+    median = statistics.median(pilot)
+    bound = 3 * 1.4826 * statistics.median(abs(x - median) for x in pilot)
+    return statistics.stdev([min(max(x, median - bound), median + bound) for x in pilot]) / median
 
-    The blocks asked for are the fewest whose interval the pilot's spread predicts within the tolerance. Not
-    ``len(pilot) * (h / tolerance)^2`` with h the pilot's own interval: at 8 blocks that interval is [min, max],
-    which covers 99.2%, not 95%, and scaled so it asks for more blocks than the tolerance needs (about 2.7 times
-    for normal blocks; in the synthetic test a 2% tolerance landed at 1.3% after 99 blocks, against 1.95% after
-    44 with this rule)."""
-    spread = statistics.stdev(pilot) / statistics.median(pilot)
+
+def planned_blocks(pilot: list[float], s: SpeedSettings) -> tuple[int, float]:
+    """The blocks to measure after the pilot, and the pilot's half-width (its interval's, as its spread predicts
+    it: ``predicted_half_width`` at the pilot's size).
+
+    The blocks asked for are the fewest whose interval the pilot's spread predicts within the tolerance, at most
+    ``max_blocks`` (then the interval is predicted wider). Not ``len(pilot) * (h / tolerance)^2`` with h the pilot's
+    own interval: at 8 blocks that interval is [min, max], which covers 99.2%, not 95%, and scaled so it asks for
+    more blocks than the tolerance needs (about 2.7 times for normal blocks)."""
+    spread = pilot_spread(pilot)
     # The fewest blocks from 0.8 of the large-sample count on (the exact interval is never narrower than that
     # count's; its half-width falls with n only up to the ranks' steps, so the scan, not a bisection, finds it).
     z = statistics.NormalDist().inv_cdf(0.5 + CONFIDENCE / 2)
     large_sample = (z * math.sqrt(math.pi / 2) * spread / s.tolerance) ** 2
-    needed = max(MIN_BLOCKS, min(math.floor(0.8 * large_sample), s.max_blocks + 1))
-    while needed <= s.max_blocks and predicted_half_width(spread, needed) > s.tolerance:
-        needed += 1  # max_blocks + 1 when not even max_blocks reach the tolerance
-    affordable = max(MIN_BLOCKS, math.floor(s.cap_s / max(pilot_s / len(pilot), 1e-9)))
-    n = min(needed, affordable, s.max_blocks)
-    stop = "tolerance" if n == needed else "cap" if n == affordable else "max_blocks"
-    return n, stop, predicted_half_width(spread, len(pilot))
+    needed = max(MIN_BLOCKS, min(math.floor(0.8 * large_sample), s.max_blocks))
+    while needed < s.max_blocks and predicted_half_width(spread, needed) > s.tolerance:
+        needed += 1
+    return needed, predicted_half_width(spread, len(pilot))
+
+
+def _timed_blocks(fn: Callable[[], object], reference: Callable[[], object], timer: Callable[[Callable], float],
+                  first: int, count: int, within: Callable[[], bool]) -> list[float]:
+    """Up to ``count`` blocks from index ``first``, each started only while ``within()`` (the cap's clock), with the
+    young garbage collected before it; ``paired_ratio`` turns the collector off for the measurement, so no collection
+    lands in a sample (a young one takes 0.04 ms; a full one, 170 ms once timm is imported, waits until after)."""
+    blocks = []
+    for index in range(first, first + count):
+        if not within():
+            break
+        gc.collect(1)
+        blocks.append(block_ratio(fn, reference, index, timer))
+    return blocks
 
 
 def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, timer: Callable[[Callable], float],
@@ -145,19 +189,32 @@ def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, t
                  wall: Callable[[], float] = time.perf_counter) -> SpeedRatio:
     """``fn``'s time over ``reference``'s (both already on their device, inputs bound), as ``SpeedRatio``.
 
-    ``timer(f)``: seconds of one timed sample of ``f`` (``sample_timer``); ``wall``: the clock the cap is
-    counted on. The pilot sets how many blocks follow; the result is theirs alone."""
+    ``timer(f)``: seconds of one timed sample of ``f`` (``sample_timer``); ``wall``: the clock the cap is read on,
+    before every block of the pilot and after it. The pilot sets how many blocks follow, and the result is theirs
+    alone, unless the cap leaves fewer than ``FEWEST_BLOCKS`` after the pilot: then it is every block measured. A
+    cap that leaves fewer than ``FEWEST_BLOCKS`` in all is an InputError that says what the cap would need."""
     if settings.pilot < MIN_BLOCKS:
         raise InputError(f"a paired ratio needs a pilot of at least {MIN_BLOCKS} blocks, got {settings.pilot}")
     for _ in range(settings.warmup):
         reference()
         fn()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _measure(fn, reference, timer, settings, log, wall)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _measure(fn: Callable[[], object], reference: Callable[[], object], timer: Callable[[Callable], float],
+             settings: SpeedSettings, log: Callable[[str], None] | None, wall: Callable[[], float]) -> SpeedRatio:
+    """The pilot and the blocks of ``paired_ratio``, the collector off."""
     start = wall()
-    pilot = [block_ratio(fn, reference, i, timer) for i in range(settings.pilot)]
-    n, stop, half = planned_blocks(pilot, wall() - start, settings)
-    if log is not None:
-        log(f"[speed] the pilot's spread predicts a half-width of {half:.1%} at {settings.pilot} blocks: "
-            f"measuring {n} blocks ({stop})")
+
+    def within() -> bool:
+        return wall() - start < settings.cap_s
+
     reference_times: list[float] = []
 
     def recorded(f: Callable[[], object]) -> float:
@@ -166,18 +223,37 @@ def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, t
             reference_times.append(seconds)
         return seconds
 
-    blocks = [block_ratio(fn, reference, settings.pilot + i, recorded) for i in range(n)]
+    recorded.describe = getattr(timer, "describe", "the timer")
+    pilot = _timed_blocks(fn, reference, recorded, 0, settings.pilot, within)
+    planned, half = planned_blocks(pilot, settings) if len(pilot) >= FEWEST_BLOCKS else (0, math.nan)
+    if log is not None and len(pilot) == settings.pilot:
+        log(f"[speed] the pilot's spread predicts a half-width of {half:.1%} at {settings.pilot} blocks: "
+            f"measuring {planned} blocks")
+    blocks = _timed_blocks(fn, reference, recorded, settings.pilot, planned, within) if planned else []
+    capped = len(pilot) < settings.pilot or len(blocks) < planned
+    if len(blocks) < FEWEST_BLOCKS:
+        blocks = pilot + blocks
+    seconds = wall() - start
+    if len(blocks) < FEWEST_BLOCKS:
+        pace = seconds / max(len(blocks), 1)
+        raise InputError(f"speed_cap_s={settings.cap_s:g} s allowed {len(blocks)} block(s) of four timed samples "
+                         f"({pace:.3g} s a block); a {CONFIDENCE:.0%} interval needs {FEWEST_BLOCKS}: raise "
+                         f"speed_cap_s to at least {math.ceil(pace * (settings.pilot + FEWEST_BLOCKS))} s")
     ratio, low, high = median_interval(blocks)
-    return SpeedRatio(ratio, low, high, n, stop, half, wall() - start, tuple(blocks),
+    reached = (high - low) / 2 / ratio <= settings.tolerance
+    stop = ("cap" if capped else "tolerance" if reached
+            else "max_blocks" if planned == settings.max_blocks else "wider")
+    return SpeedRatio(ratio, low, high, len(blocks), stop, half, seconds, tuple(blocks),
                       statistics.median(reference_times))
 
 
 def sample_timer(device: torch.device, *, calls: int = 1, clock: str = "cpu") -> Callable[[Callable], float]:
     """Seconds a call of ``f``, over ``calls`` calls back to back: CUDA events on a GPU (the device's own time
-    of the queued calls); on the CPU the process's CPU time (``clock="cpu"``, which equals latency with one
-    thread and leaves out what else the machine runs) or wall time (``"wall"``). On the CPU it fixes glibc's
-    malloc thresholds for the rest of the process first (``bench.heap``): a timing then varies less from one
-    process to the next."""
+    of the queued calls); on the CPU this thread's CPU time (``clock="cpu"``, which equals latency at one torch
+    thread and leaves out what else the machine runs; more threads are refused, since their work would not be
+    counted) or wall time (``"wall"``). On the CPU it fixes glibc's malloc thresholds for the rest of the process
+    first (``bench.heap``): a timing then varies less from one process to the next. The timer's ``describe``
+    names its clock and device for the errors that quote it."""
     if device.type == "cuda":
         def cuda_time(f: Callable[[], object]) -> float:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -187,25 +263,32 @@ def sample_timer(device: torch.device, *, calls: int = 1, clock: str = "cpu") ->
             end.record()
             end.synchronize()
             return begin.elapsed_time(end) / 1000 / calls
+        cuda_time.describe = f"the CUDA event timer on {torch.cuda.get_device_name(device)}"
         return cuda_time
     if clock not in ("cpu", "wall"):
         raise InputError(f"clock {clock!r}: use cpu or wall")
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise InputError(f"the cpu clock counts this thread's time, and torch runs {torch.get_num_threads()} threads "
+                         "here: time with one thread (threads: 1) or with the wall clock")
     steady_heap()
-    now = time.process_time if clock == "cpu" else time.perf_counter
+    now = time.thread_time if clock == "cpu" else time.perf_counter
 
     def cpu_time(f: Callable[[], object]) -> float:
         begin = now()
         for _ in range(calls):
             f()
         return (now() - begin) / calls
+    cpu_time.describe = f"the {'thread CPU time' if clock == 'cpu' else 'wall clock'} timer on the CPU"
     return cpu_time
 
 
 def chain(first: SpeedRatio, second: SpeedRatio) -> SpeedRatio:
     """``first * second`` (a model against its reference, that reference against an anchor): the ratios multiply,
-    and so, conservatively, do the interval's ends (each end holds with its own 95%; the product's coverage is
-    at least 90%, and both measurements are usually much tighter than the tolerance)."""
+    and so, conservatively, do the interval's ends. Each interval holds with its own 95%, so the product's holds
+    with at least 90% (Bonferroni), which its ``confidence`` says; its stop is the first one's that is not
+    ``tolerance``."""
+    stop = next((r.stop for r in (first, second) if r.stop != "tolerance"), "tolerance")
     return SpeedRatio(first.ratio * second.ratio, first.low * second.low, first.high * second.high,
-                      first.blocks + second.blocks, first.stop if first.stop == "cap" else second.stop,
-                      max(first.pilot_half_width, second.pilot_half_width), first.seconds + second.seconds,
-                      reference_s=second.reference_s)
+                      first.blocks + second.blocks, stop, max(first.pilot_half_width, second.pilot_half_width),
+                      first.seconds + second.seconds, reference_s=second.reference_s,
+                      confidence=1 - (1 - first.confidence) - (1 - second.confidence))

@@ -46,10 +46,10 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
         torch.set_num_threads(threads)
     ratio = row.speed
     return ratio, (f"measured (paired against the unmodified model: {ratio.ratio:.3f} [{ratio.low:.3f}, "
-                   f"{ratio.high:.3f}], {ratio.blocks} blocks, {ratio.stop})")
+                   f"{ratio.high:.3f}], {ratio.label()}; the unmodified model {ratio.reference_s * 1e3:.3f} ms)")
 
 
-CHECK_CAP_S = 60.0  # the most seconds a keep list's check may spend on its blocks
+CHECK_CAP_S = 60.0  # the most seconds a keep list's check may spend on its pilot and blocks
 
 
 REPAIR_TAG = "pipeline.target_check"  # on a latency K search's run: the check's Repair as JSON

@@ -322,8 +322,9 @@ def tail_reports(config: Config, summary: dict[str, Any], served: StageReport) -
     if f"{name}-select" in summary["failures"]:
         return [StageReport("select", f"{name}-select", FAIL, error=summary["failures"][f"{name}-select"]),
                 StageReport("register", f"token-pooling-{name}", SKIPPED, error="select failed"), served]
-    out = [StageReport("select", f"{name}-select", PASS if "rows" in summary else SKIPPED,
-                       error="" if "rows" in summary else "no evaluated model")]
+    said = ("no evaluated model" if "rows" not in summary
+            else f"speeds in doubt: {summary['speed_warning']}" if summary.get("speed_warning") else "")
+    out = [StageReport("select", f"{name}-select", PASS if "rows" in summary else SKIPPED, error=said)]
     if config.experiment.register_models and "rows" not in summary:
         out.append(StageReport("register", f"token-pooling-{name}", SKIPPED, error="select did not run"))
     elif config.experiment.register_models:

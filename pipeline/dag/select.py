@@ -24,6 +24,7 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                      "analysis": measured.analysis, "speed_ratio": measured.speed_ratio,
                      "speed_ratio_low": measured.speed_ratio_low, "speed_ratio_high": measured.speed_ratio_high,
                      "speed_seconds": measured.speed_seconds, "speed_half_width": half_width(measured),
+                     "speed_blocks": measured.speed_blocks, "speed_stop": measured.speed_stop,
                      "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile}"})
     return rows
 
@@ -53,6 +54,17 @@ def measure_scale(ctx, rows: list[dict[str, Any]]):
             + "".join(f"; {arch} {r.ratio:.3f} [{r.low:.3f}, {r.high:.3f}] of it"
                       for arch, r in scale.references.items() if arch != scale.anchor))
     return scale
+
+
+def self_check_warning(check) -> str | None:
+    """Why the run's speeds are in doubt, where the unmodified model timed against itself (``evaluate.Scale``'s
+    ``self_check``, a ``SpeedRatio``) has an interval that excludes 1; None where it covers 1."""
+    if check.covers(1.0):
+        return None
+    return (f"the unmodified model timed against itself measured {check.ratio:.3f} [{check.low:.3f}, "
+            f"{check.high:.3f}], an interval without 1: the machine's speed moved within the measurements, so this "
+            "run's speed ratios and images/s may be off by as much; measure again on a quieter machine "
+            "(`pipeline run CONFIG --force evaluate`)")
 
 
 def _spread(values: list[float]) -> str:
@@ -134,14 +146,19 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
 def record_latency(client, rows: list[dict[str, Any]], evaluations: dict[str, EvalResult]) -> None:
     """The measured latency of each target row on its evaluate run, with its table's hash: what ``pipeline select
     --max-latency-ms`` reads."""
-    from pipeline.dag.records import LATENCY_HIGH, LATENCY_METRIC, LATENCY_TABLE_TAG
+    from pipeline.dag.records import LATENCY_HIGH, LATENCY_METRIC, LATENCY_PREDICTED, LATENCY_TABLE_TAG
     from pipeline.tracking import log_batch
 
     for row in rows:
-        if row["target_unit"] == "ms" and row["measured"] is not None:
-            log_batch(client, evaluations[row["stage_id"]].run_id,
-                      metrics={LATENCY_METRIC: row["measured"], LATENCY_HIGH: row["measured_high"]},
-                      tags={LATENCY_TABLE_TAG: row["table_sha256"]})
+        if row["target_unit"] != "ms":
+            continue
+        metrics = {} if row["predicted"] is None else {LATENCY_PREDICTED: row["predicted"]}
+        if row["measured"] is not None:
+            metrics |= {LATENCY_METRIC: row["measured"], LATENCY_HIGH: row["measured_high"],
+                        "latency_speed_blocks": row["speed_blocks"],
+                        "latency_speed_half_width": row["speed_half_width"]}
+        log_batch(client, evaluations[row["stage_id"]].run_id, metrics=metrics,
+                  tags={LATENCY_TABLE_TAG: row["table_sha256"], "pipeline.latency_speed_stop": str(row["speed_stop"])})
 
 
 def target_alias(label: str) -> str:
@@ -231,14 +248,18 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                evaluations: dict[str, EvalResult], bases: dict[str, TrainedResult] | None = None) -> dict[str, Any]:
     exp = ctx.config.experiment
     rows = result_rows(ft_stages, ft_results, evaluations)
-    rows = on_scale(rows, measure_scale(ctx, rows))
+    scale = measure_scale(ctx, rows)
+    rows = on_scale(rows, scale)
+    warning = self_check_warning(scale.self_check)
+    if warning:
+        ctx.log(f"[warning] {warning}")
     record_scale(ctx.client, rows, evaluations)
     base_rows = [{"arch": arch, "val_top1": base.val_top1, "test_top1": base.test_top1, "run_id": base.run_id}
                  for arch, base in (bases or {}).items()]
     targeted = target_rows(ctx, ft_stages, rows)
     record_latency(ctx.client, targeted, evaluations)
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
-                         targets=targeted)
+                         targets=targeted, speed_warning=warning)
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
     front = fronts(rows, exp.select.cost)["all"]
@@ -264,4 +285,4 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                 f"{aliases[0]}{_store_flag(ctx.config.train.tracking_uri)}`; pickled modules: load them only from a "
                 "store you trust)")
     return {"rows": rows, "front": front, "targets": targeted, "files": {k: str(v) for k, v in files.items()},
-            "aliases": aliases, "parent_run_id": ctx.parent}
+            "aliases": aliases, "parent_run_id": ctx.parent, "speed_warning": warning}
