@@ -38,7 +38,8 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
                            "check-powerbert-b1-seed1.md: 20 lists: median |error| 3.6%, worst 14.2%, Kendall tau "
                            "0.989"),
     "speed_repeat.py": (["--smoke"], "agree within their intervals: 50% of 4 models"),  # a and full: 2% apart, 2.8%
-    "paired_speed.py": (["--device", "cpu", "--methods", "powerbert", "--batch", "1", "--cap-s", "0.5"],
+    "clock_compare.py": (["--rounds", "1", "--cap-s", "1", "--batch", "4"], "| thread clock, collector off | 1 | "),
+    "paired_speed.py": (["--device", "cpu", "--methods", "powerbert", "--batch", "1", "--cap-s", "2"],
                         "| powerbert | "),
     "native_kmeans.py": (["--smoke"], "| True |"),
     "native_kmedoids.py": (["--smoke"], "| True |"),
