@@ -57,19 +57,24 @@ class Measured:
     top1: float
 
 
-def beats(a: Measured, b: Measured) -> bool:
-    """``a`` beats ``b`` beyond the intervals: at least as accurate and faster beyond them (``a.high < b.low``).
-    A more accurate model whose interval overlaps ``b``'s does not: the measurement cannot say ``b`` is not the
-    faster one, so ``b`` stays on the front as its tie. (Letting it beat ``b`` made the front hang on interval
-    widths: one wide interval in one run took a model off that the other run kept.)"""
-    return a.top1 >= b.top1 and a.high < b.low
+def beats(a: Measured, b: Measured, margin: float = 0.0) -> bool:
+    """``a`` beats ``b`` beyond the intervals: at least as accurate and faster beyond them by the relative
+    ``margin`` (``a.high * (1 + margin) < b.low``; margin 0: beyond the intervals alone). A more accurate model whose
+    interval overlaps ``b``'s does not: the measurement cannot say ``b`` is not the faster one, so ``b`` stays on the
+    front as its tie. (Letting it beat ``b`` made the front hang on interval widths: one wide interval in one run
+    took a model off that the other run kept.) The margin is the machine's run-to-run spread
+    (``experiment.select.tie_margin``): times that differ by less than it are ties, whatever the intervals say."""
+    return a.top1 >= b.top1 and a.high * (1 + margin) < b.low
 
 
-def measured_front(models: Sequence[Measured]) -> list[tuple[Measured, list[str]]]:
-    """The models no other beats beyond the intervals (``beats``), cheapest first by the interval's middle (its
-    ends' sum sorts alike), then the more accurate, then by id, each with the ids of the other front models whose
-    intervals overlap its own: ties, which the measurement does not order (a tie may be less accurate: nothing says
-    it is not the faster). O(n^2): a front of an experiment's models, not of millions."""
-    front = [m for m in models if not any(beats(o, m) for o in models if o.id != m.id)]
+def measured_front(models: Sequence[Measured], margin: float = 0.0) -> list[tuple[Measured, list[str]]]:
+    """The models no other beats beyond the intervals and ``margin`` (``beats``), cheapest first by the interval's
+    middle (its ends' sum sorts alike), then the more accurate, then by id, each with the ids of the other front
+    models whose intervals, each widened upward by the margin, overlap its own: ties, which the measurement does
+    not order (a tie may be less accurate: nothing says it is not the faster). O(n^2): a front of an experiment's
+    models, not of millions."""
+    front = [m for m in models if not any(beats(o, m, margin) for o in models if o.id != m.id)]
     front.sort(key=lambda m: (m.low + m.high, -m.top1, m.id))
-    return [(m, [o.id for o in front if o.id != m.id and o.low <= m.high and m.low <= o.high]) for m in front]
+    grow = 1 + margin
+    return [(m, [o.id for o in front if o.id != m.id and o.low <= m.high * grow and m.low <= o.high * grow])
+            for m in front]

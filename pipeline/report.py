@@ -13,6 +13,7 @@ from pipeline import plots
 from pipeline.errors import InputError
 from pipeline.methods import keeps_all
 from pipeline.pareto import Measured, Point, best_at_budgets, measured_front, pareto_front
+from pipeline.spread import SpreadRecord
 
 COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "images_per_s_low",
            "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high", "speed_blocks", "speed_stop",
@@ -87,10 +88,11 @@ def speed_text(row: dict[str, Any]) -> str | None:
     return text
 
 
-def _front(rows: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
+def _front(rows: Sequence[dict[str, Any]], cost: str, margin: float = 0.0) -> list[dict[str, Any]]:
     """The Pareto front of ``rows`` over (``cost``, top-1), cheapest first. By measured speed, where the rows carry
     its interval (``images_per_s_low`` / ``_high``), a model is left out only where another beats it beyond the
-    intervals (``pareto.measured_front``), and ``speed_ties`` names the front's models it cannot be told from."""
+    intervals and the relative ``margin`` (``pareto.measured_front``), and ``speed_ties`` names the front's models
+    it cannot be told from."""
     if cost != "images_per_s" or any(r.get("images_per_s_low") is None for r in rows):
         return _line(rows, cost)
     by_id = {r["stage_id"]: r for r in rows}
@@ -98,14 +100,16 @@ def _front(rows: Sequence[dict[str, Any]], cost: str) -> list[dict[str, Any]]:
                 for r in rows]
     label = {r["stage_id"]: f"{r['arch']}/{r['level']}/{r['method']}" for r in rows}
     return [by_id[m.id] | {"speed_ties": ", ".join(label[t] for t in ties) or None}
-            for m, ties in measured_front(measured)]
+            for m, ties in measured_front(measured, margin)]
 
 
-def fronts(rows: Sequence[dict[str, Any]], cost: str = "gflops") -> dict[str, list[dict[str, Any]]]:
-    """The Pareto front overall (key ``all``) and per method, over (``cost``, top-1), cheapest first (``_front``)."""
-    out = {"all": _front(rows, cost)}
+def fronts(rows: Sequence[dict[str, Any]], cost: str = "gflops",
+           margin: float = 0.0) -> dict[str, list[dict[str, Any]]]:
+    """The Pareto front overall (key ``all``) and per method, over (``cost``, top-1), cheapest first (``_front``;
+    ``margin``: the relative tie margin of a front by measured speed)."""
+    out = {"all": _front(rows, cost, margin)}
     for method in sorted({r["method"] for r in rows}):
-        out[method] = _front([r for r in rows if r["method"] == method], cost)
+        out[method] = _front([r for r in rows if r["method"] == method], cost, margin)
     return out
 
 
@@ -117,15 +121,15 @@ def _save(fig, ax, path: Path, fontsize: int = 8, ncol: int = 1) -> Path:
     return plots.save(fig, path, legend_ax=ax, fontsize=fontsize, ncol=ncol)
 
 
-def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, cost: str = "gflops") -> Path:
+def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, cost: str = "gflops", margin: float = 0.0) -> Path:
     """Top-1 vs GFLOPs (Figures 1b, 3) or vs measured images/s: one curve per method (its Pareto front),
-    the overall front as a wide grey line."""
+    the overall front as a wide grey line (``margin``: the tie margin of the fronts by measured speed)."""
     if cost == "gflops":
         fig, ax = plots.chart("Top-1 vs GFLOPs (each method's Pareto front)", "GFLOPs per image", "top-1 (%)")
     else:
         setting = rows[0].get("speed_setting") or ""
         fig, ax = plots.chart(f"Top-1 vs measured speed ({setting})".replace(" ()", ""), "images/s", "top-1 (%)")
-    method_fronts = fronts(rows, cost)
+    method_fronts = fronts(rows, cost, margin)
     for index, method in enumerate(m for m in method_fronts if m != "all"):
         _curve(ax, _line(method_fronts[method], cost), plots.style(index), method, x=cost, markersize=5)
     overall = _line(method_fronts["all"], cost)
@@ -183,20 +187,39 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def machine_lines(spread: SpreadRecord | None, tie_margin: float) -> list[str]:
+    """The report's paragraph on the machine's run-to-run spread and the tie margin, where there is either (none:
+    the report as without them)."""
+    lines = []
+    if spread is not None:
+        lines.append(f"Run-to-run on this machine ({spread.device}, {spread.threads} thread(s), "
+                     f"`pipeline doctor --speed`: {spread.source()}): one pair's ratio in {spread.k} fresh processes "
+                     f"spread {spread.between:.1%} (sd/mean; {min(spread.ratios):.3f} to {max(spread.ratios):.3f}) "
+                     f"against a median half-width of {spread.within:.1%} within a process: the intervals above hold "
+                     "within this run; between runs a ratio moves by about the spread.")
+    if tie_margin > 0:
+        lines.append(f"Tie margin {tie_margin:.1%} (`experiment.select.tie_margin`): models whose times differ by "
+                     "less than it are ties and none leaves the front for another.")
+    return [line for text in lines for line in (text, "")]
+
+
 def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequence[float] | None = None,
                  title: str = "Experiment report", bases: Sequence[dict[str, Any]] = (),
-                 targets: Sequence[dict[str, Any]] = (), speed_warning: str | None = None) -> dict[str, Path]:
+                 targets: Sequence[dict[str, Any]] = (), speed_warning: str | None = None,
+                 tie_margin: float = 0.0, spread: SpreadRecord | None = None) -> dict[str, Path]:
     """Writes results.csv, pareto.csv, budgets.csv, three plots and report.md into ``out_dir``.
 
     ``bases``: one row per base model (arch, val_top1, test_top1, run_id), shown with both numbers.
     ``targets``: the models of K-search target levels with their target, predicted and measured cost
     (``dag.select.target_rows``), as targets.csv and a section. ``speed_warning``: why this run's speeds are in
-    doubt (the unmodified model against itself excluded 1), printed above the speed front.
+    doubt (the unmodified model against itself excluded 1), printed above the speed front. ``tie_margin``: the
+    relative margin under which the speed front's models are ties (``experiment.select.tie_margin``); ``spread``:
+    the machine's run-to-run spread the speeds were measured beside (``pipeline doctor --speed``), shown with them.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: (r["arch"], r["method"], -r["gflops"]))
     budgets = list(budgets) if budgets else default_budgets(rows)
-    front, speed_front = fronts(rows, "gflops")["all"], fronts(rows, "images_per_s")["all"]
+    front, speed_front = fronts(rows, "gflops")["all"], fronts(rows, "images_per_s", tie_margin)["all"]
     table = budget_table(rows, budgets)
     files = {
         "results": write_csv(ordered, out_dir / "results.csv"),
@@ -205,7 +228,7 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
         "budgets": write_csv(table, out_dir / "budgets.csv", ["budget_gflops", "top1", "method", "arch", "level",
                                                               "gflops"]),
         "tradeoff_plot": plot_tradeoff(rows, out_dir / "tradeoff.png"),
-        "speed_plot": plot_tradeoff(rows, out_dir / "tradeoff_speed.png", cost="images_per_s"),
+        "speed_plot": plot_tradeoff(rows, out_dir / "tradeoff_speed.png", cost="images_per_s", margin=tie_margin),
         "width_plot": plot_widths(rows, out_dir / "widths.png"),
         "keep_plot": plot_keep_lists(rows, out_dir / "keep_lists.png"),
     }
@@ -223,7 +246,7 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
             "95% interval chained with its reference's). "
             "A model is left out only where another is at least as accurate and faster beyond the intervals; "
             "`speed_ties` names the models of the front it cannot be told apart from (a less accurate tie stays: the "
-            "measurement cannot say it is not the faster).", "",
+            "measurement cannot say it is not the faster).", "", *machine_lines(spread, tie_margin),
             markdown_table(timed, ["arch", "level", "method", "gflops", "top1", "images_per_s", "speed",
                                    "speed_ties"]), "",
             "## Best top-1 within a GFLOPs budget", "",

@@ -51,6 +51,7 @@ class Candidate:
     images_per_s_low: float | None = None  # the select stage's interval (>= 90%) of images/s, on its one scale
     images_per_s_high: float | None = None
     latency_ms_high: float | None = None  # the measured latency's interval's upper end
+    threads: int = 1  # the CPU threads it was timed with (``experiment.eval.threads``)
 
     @property
     def slowest_rate(self) -> float:
@@ -115,7 +116,7 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
                              metrics["gflops"], metrics.get(SCALED_RATE, metrics["images_per_s"]),
                              params.get("eval_device", "cpu"), metrics.get(LATENCY_METRIC),
                              run.data.tags.get(LATENCY_TABLE_TAG), metrics.get(RATE_LOW), metrics.get(RATE_HIGH),
-                             metrics.get(LATENCY_HIGH)))
+                             metrics.get(LATENCY_HIGH), int(params.get("eval_threads", 1))))
     if not out:
         raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
     return out

@@ -8,6 +8,9 @@ in k fresh processes spaced over a span, and records the spread of their ratios 
 process, one JSON file per machine (device and threads), where the report, ``pipeline select`` and
 ``experiment.select.tie_margin: machine`` look it up.
 
+It stands beside ``report`` rather than in ``bench`` because it times as an evaluation does (``evaluate.speed``),
+and ``evaluate`` imports ``bench``.
+
     python -m pipeline.spread --one '{"name": ...}'   # one process: prints one JSON line (``measure_pair``)
 """
 
@@ -23,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from pipeline.errors import InputError, MissingFileError
 MACHINE_DIR = Path("runs/machine")  # where the records are written and looked up (relative to the working folder)
 PAIR_METHOD = "wkmedoids"  # the demo's latency target's method
 PAIR_SEED = 0  # the pair's random weights: the ratio, not the accuracy, is measured
+PROCESSES, OVER_S = 4, 180.0  # ``doctor --speed``'s default: 4 processes over 3 minutes (about 3.5 in all)
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,14 @@ def _run_one(spec: PairSpec) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def check_span(processes: int, over_s: float) -> None:
+    """An InputError naming the flag, for fewer than 2 processes or a span that is not a finite number >= 0."""
+    if processes < 2:
+        raise InputError(f"--processes {processes}: a spread between processes needs at least 2")
+    if not (over_s >= 0 and math.isfinite(over_s)):
+        raise InputError(f"--over-s {over_s:g}: give the span the processes are spread over, in seconds (>= 0)")
+
+
 def measure_spread(spec: PairSpec, processes: int, over_s: float, *, out: Path | None = None,
                    log: Callable[[str], None] = print, run_one: Callable[[PairSpec], dict[str, Any]] = _run_one,
                    clock: Callable[[], float] = time.monotonic,
@@ -246,10 +258,7 @@ def measure_spread(spec: PairSpec, processes: int, over_s: float, *, out: Path |
     """``spec``'s ratio in ``processes`` fresh processes, the i-th started ``i * over_s / (processes - 1)`` s after
     the first (at once where the one before ran longer), written to ``out`` (default ``record_path`` of the device
     and threads the processes report) as a ``SpreadRecord``."""
-    if processes < 2:
-        raise InputError(f"--processes {processes}: a spread between processes needs at least 2")
-    if not (over_s >= 0 and math.isfinite(over_s)):
-        raise InputError(f"--over-s {over_s:g}: give the span the processes are spread over, in seconds (>= 0)")
+    check_span(processes, over_s)
     start, results = clock(), []
     for index in range(processes):
         wait = start + index * over_s / (processes - 1) - clock()
@@ -263,7 +272,7 @@ def measure_spread(spec: PairSpec, processes: int, over_s: float, *, out: Path |
     figures = spread_statistics([r["ratio"] for r in results], [r["half_width"] for r in results])
     path = out or record_path(first["device"], first["threads"])
     record = SpreadRecord(device=first["device"], threads=first["threads"], setting=first["setting"],
-                          torch=first["torch"], timm=first["timm"], date=datetime.now(timezone.utc).isoformat(),
+                          torch=first["torch"], timm=first["timm"], date=datetime.now(UTC).isoformat(),
                           over_s=over_s, seconds=clock() - start, pair=asdict(spec), processes=results,
                           path=str(path), **figures)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 from pipeline.errors import InputError, MissingFileError
 from pipeline.report import read_csv, write_report
 from pipeline.serving.server import DEFAULT_STORE, serve
+from pipeline.spread import machine_record
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -76,6 +77,10 @@ def cmd_select(args: argparse.Namespace) -> int:
     print(f"model: {pick.uri}\ntop1: {pick.top1:.2f}\ngflops: {pick.gflops:.4f}\n"
           f"images_per_s: {pick.images_per_s:.1f}{interval} ({pick.device})\n"
           f"method: {pick.method}\nlevel: {pick.level}")
+    spread = machine_record(pick.device, pick.threads) if pick.images_per_s_low is not None else None
+    if spread is not None:  # the intervals hold within a run; this is how far a run moves on this machine
+        print(f"machine_spread: {spread.between:.1%} between processes (sd/mean), median half-width "
+              f"{spread.within:.1%} within one ({spread.source()})")
     return 0
 
 

@@ -143,6 +143,10 @@ class SelectConfig(Section):
 
     cost: Literal["gflops", "images_per_s"] = Field(
         "gflops", description="the cost axis: GFLOPs, or the images/s the evaluate stage measured")
+    tie_margin: Literal["none", "machine"] | Annotated[float, Field(ge=0, lt=1)] = Field(
+        "none", description="the front by measured speed: models whose times differ by less than this relative "
+        "margin are ties, and none leaves the front for another; none: the intervals alone; machine: this "
+        "machine's recorded run-to-run spread (`pipeline doctor --speed`); or a number (0.02: 2%)")
 
 
 class ExperimentConfig(Section):

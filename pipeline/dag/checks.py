@@ -19,6 +19,7 @@ from pipeline.config.recipe import TYPICAL_LR
 from pipeline.dag.plan import Stage, archs, base_stage, check_targets, finetune_stage, ksearch_stages
 from pipeline.errors import MissingFileError, PipelineWarning
 from pipeline.methods import KEEP_ALL
+from pipeline.spread import check_tie_margin
 from pipeline.train.launch import check_batch_fits, check_fits, connect_ray
 
 
@@ -29,6 +30,7 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     check_data_plan(config)
     stages = training_stages(config)
     check_targets(config)
+    check_tie_margin(config)
     warn_learning_rates(config)
     check_cluster(config, stages, address)
     return stages

@@ -9,6 +9,7 @@ from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 from pipeline.serving.server import DEFAULT_STORE
+from pipeline.spread import machine_record, tie_margin
 
 
 def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
@@ -258,11 +259,16 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                  for arch, base in (bases or {}).items()]
     targeted = target_rows(ctx, ft_stages, rows)
     record_latency(ctx.client, targeted, evaluations)
+    device = next(iter(evaluations.values())).device if evaluations else "cpu"
+    margin = tie_margin(exp.select.tie_margin, device, exp.eval.threads)
+    spread = machine_record(device, exp.eval.threads)
+    if spread is not None:
+        ctx.log(f"[select] this machine's run-to-run spread ({spread.source()}): {spread.summary()}")
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
-                         targets=targeted, speed_warning=warning)
+                         targets=targeted, speed_warning=warning, tie_margin=margin, spread=spread)
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
-    front = fronts(rows, exp.select.cost)["all"]
+    front = fronts(rows, exp.select.cost, margin)["all"]
     budgets = list(exp.budgets) if exp.budgets else default_budgets(rows)
     aliases = register_models(ctx, registry_picks(rows, front, budgets, targeted)) if exp.register_models else []
     shown = ["arch", "level", "method", "gflops", "top1", "images_per_s"]
