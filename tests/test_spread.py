@@ -1,0 +1,155 @@
+"""The machine's run-to-run spread (``pipeline.spread``, ``pipeline doctor --speed``) and the tie margin it gives the
+front by measured speed (``experiment.select.tie_margin``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import ConfigError, load_config
+from pipeline.errors import InputError, MissingFileError
+from pipeline.pareto import Measured, measured_front
+from pipeline.report import fronts, machine_lines
+from pipeline.spread import (
+    PairSpec,
+    check_tie_margin,
+    machine_record,
+    measure_spread,
+    read_record,
+    record_path,
+    spread_statistics,
+    tie_margin,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "experiments" / "demo.yaml"
+SPEC = PairSpec(name="deit_tiny_patch16_224", args={"embed_dim": 32}, method="wkmedoids", keep=[24] * 4,
+                kernels={}, eval={"batch": 64})
+
+
+def test_the_statistics_against_figures_worked_by_hand():
+    # mean 0.67; deviations -0.03, -0.01, 0.01, 0.03: squares sum to 0.002, / 3 -> sd 0.0258199; / 0.67
+    figures = spread_statistics([0.64, 0.66, 0.68, 0.70], [0.01, 0.02, 0.015, 0.03])
+    assert figures["between"] == pytest.approx(0.0385371, rel=1e-5)
+    assert figures["max_over_min"] == pytest.approx(0.70 / 0.64)  # 1.09375
+    assert figures["within"] == pytest.approx(0.0175)  # the median of four: (0.015 + 0.02) / 2
+    with pytest.raises(InputError, match="at least 2"):
+        spread_statistics([0.64], [0.01])
+
+
+def fake_processes(ratios: list[float], run_s: float):
+    """A ``run_one`` that returns ``ratios`` in turn and takes ``run_s`` on a fake clock, which ``sleep`` advances;
+    ``starts`` lists the clock at each start."""
+    now, starts = [0.0], []
+
+    def run_one(spec: PairSpec) -> dict:
+        starts.append(now[0])
+        now[0] += run_s
+        ratio = ratios[len(starts) - 1]
+        return {"ratio": ratio, "low": ratio * 0.99, "high": ratio * 1.01, "half_width": 0.01, "blocks": 20,
+                "stop": "tolerance", "seconds": run_s, "device": "Test CPU (R)", "setting": "cpu fp32 compile:none",
+                "threads": 1, "torch": "t", "timm": "m"}
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    return run_one, lambda: now[0], sleep, starts
+
+
+def test_the_processes_are_spread_over_the_span_and_recorded(tmp_path):
+    run_one, clock, sleep, starts = fake_processes([0.64, 0.66, 0.68, 0.70], run_s=5.0)
+    lines = []
+    out = tmp_path / "speed.json"
+    record = measure_spread(SPEC, 4, 30.0, out=out, log=lines.append, run_one=run_one, clock=clock, sleep=sleep)
+    assert starts == [0.0, 10.0, 20.0, 30.0]  # i * 30 / 3 after the first
+    assert lines[1] == "[speed] 2/4: 0.660 [0.653, 0.667] (20 blocks, tolerance, +-1.0%)"
+    assert record.between == pytest.approx(0.0385371, rel=1e-5) and record.within == pytest.approx(0.01)
+    again = read_record(out)
+    assert again == record and again.k == 4 and again.pair == asdict(SPEC) and again.seconds == 35.0
+    assert "ratio 0.640 to 0.700 over 4 processes in 30 s, spread 3.9% (sd/mean)" in record.summary()
+    # a process that runs past the next one's start: the next starts at once
+    run_one, clock, sleep, starts = fake_processes([0.64, 0.66, 0.68], run_s=15.0)
+    measure_spread(SPEC, 3, 20.0, out=out, log=lines.append, run_one=run_one, clock=clock, sleep=sleep)
+    assert starts == [0.0, 15.0, 30.0]
+
+
+def test_the_default_file_is_named_by_the_device_and_threads(tmp_path):
+    assert record_path("Intel(R) Xeon(R) Processor", 2, tmp_path) == \
+        tmp_path / "speed-intel-r-xeon-r-processor-t2.json"
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(InputError, match="doctor --speed"):
+        read_record(tmp_path / "bad.json")
+
+
+def test_the_tie_margin_comes_from_this_machines_record(tmp_path):
+    from pipeline.bench.blocks import device_name
+
+    assert tie_margin("none", "cpu", 1, tmp_path) == 0.0 and tie_margin(0.02, "cpu", 1, tmp_path) == 0.02
+    with pytest.raises(MissingFileError, match="pipeline doctor --speed"):
+        tie_margin("machine", "cpu", 1, tmp_path)
+    config = load_config(DEMO, ["experiment.select.tie_margin=machine"])
+    with pytest.raises(ConfigError, match="no run-to-run spread is recorded"):
+        check_tie_margin(config, tmp_path)
+    run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
+    import torch
+
+    out = record_path(device_name(torch.device("cpu")), 1, tmp_path)
+    measure_spread(SPEC, 2, 0.0, out=out, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
+    # two ratios: sd = 0.01 * sqrt(2), mean 0.65
+    assert tie_margin("machine", "cpu", 1, tmp_path) == pytest.approx(0.0141421 / 0.65, rel=1e-5)
+    check_tie_margin(config, tmp_path)
+    assert machine_record("cpu", 2, tmp_path) is None  # another thread count: another record
+    text = "\n".join(machine_lines(machine_record("cpu", 1, tmp_path), 0.0))
+    assert "spread 2.2% (sd/mean; 0.640 to 0.660)" in text and str(out) in text
+    assert machine_lines(None, 0.0) == []  # no record, no margin: the report as before
+
+
+def test_a_model_one_percent_slower_is_a_tie_at_a_two_percent_margin():
+    # seconds per image [low, high]: "slower" is 1% slower, its interval clear of "fast"'s, and less accurate
+    fast, slower = Measured("fast", 1.000, 1.002, 70.0), Measured("slower", 1.010, 1.012, 69.0)
+    assert measured_front([fast, slower]) == [(fast, [])]
+    assert measured_front([fast, slower], 0.02) == [(fast, ["slower"]), (slower, ["fast"])]
+    # 3% slower: off the front at 2% as well
+    far = Measured("far", 1.030, 1.032, 69.0)
+    assert measured_front([fast, far], 0.02) == [(fast, [])]
+
+
+def test_the_reports_front_takes_the_margin():
+    def row(name: str, rate: float, top1: float) -> dict:
+        return {"arch": "M32", "level": name, "method": "random", "gflops": 0.001, "top1": top1, "stage_id": name,
+                "images_per_s": rate, "images_per_s_low": rate * 0.999, "images_per_s_high": rate * 1.001}
+
+    rows = [row("fast", 1000.0, 70.0), row("slower", 990.0, 69.0)]
+    assert [r["level"] for r in fronts(rows, "images_per_s")["all"]] == ["fast"]
+    front = fronts(rows, "images_per_s", 0.02)["all"]
+    assert [(r["level"], r["speed_ties"]) for r in front] == [("fast", "M32/slower/random"),
+                                                              ("slower", "M32/fast/random")]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--speed", "--processes", "1"], "--processes 1: a spread between processes needs at least 2"),
+    (["--speed", "--over-s", "-5"], "--over-s -5: give the span"),
+    (["--processes", "3"], "--processes, --over-s and --out go with --speed"),
+])
+def test_doctor_speed_refuses_bad_flags_in_one_line(flags, message, capsys):
+    assert main(["doctor", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_doctor_speed_runs_two_processes_through_the_cli(tmp_path):
+    out = tmp_path / "speed.json"
+    done = subprocess.run([sys.executable, "-m", "pipeline", "doctor", "--speed", "--processes", "2", "--over-s", "0",
+                           "--set", "experiment.eval.speed_cap_s=1", "--set", "experiment.eval.batch=8",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "[speed] 2/2: " in done.stderr
+    assert done.stdout.startswith("between processes: ratio ") and f"recorded in {out}" in done.stdout
+    record = json.loads(out.read_text())
+    assert len(record["processes"]) == 2 and record["pair"]["eval"]["batch"] == 8 and record["threads"] == 1
