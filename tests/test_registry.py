@@ -548,3 +548,48 @@ def test_a_learnable_method_is_built_with_the_width_grid_k_and_its_options():
         assert build_downsampler("learnt", dim=8) == (8, None, None, 2)
     finally:
         del METHODS["learnt"]
+
+
+def test_an_option_checks_its_type_choices_and_minimum_and_says_what_it_allows():
+    """``Option.check`` against values written out: the default's type (an int where a float is; no bool for an
+    int), a default of None takes any YAML value, the choices and the minimum; ``describe`` as ``pipeline methods``
+    prints it."""
+    from pipeline.errors import InputError
+    from pipeline.methods import CLUSTER_ON, ITERS, Option
+
+    where = "pooling.options.m.k"
+    assert ITERS.check(where, 3) == 3 and ITERS.check(where, 1) == 1
+    with pytest.raises(InputError, match=r"^pooling.options.m.k is at least 1, got 0$"):
+        ITERS.check(where, 0)
+    with pytest.raises(InputError, match=r"^pooling.options.m.k takes a value of type int \(its default is 5\), "
+                                         r"got True$"):
+        ITERS.check(where, True)
+    with pytest.raises(InputError, match=r"takes a value of type int \(its default is 5\), got 2.5$"):
+        ITERS.check(where, 2.5)
+    scale = Option(1.0, minimum=0.5)
+    assert scale.check(where, 2) == 2.0 and isinstance(scale.check(where, 2), float)
+    assert scale.check(where, 0.5) == 0.5
+    with pytest.raises(InputError, match=r"is at least 0.5, got 0.25$"):
+        scale.check(where, 0.25)
+    assert CLUSTER_ON.check(where, "metric") == "metric"
+    with pytest.raises(InputError, match=r"^pooling.options.m.k is one of 'tokens', 'metric', got 'keys'$"):
+        CLUSTER_ON.check(where, "keys")
+    anything = Option(None)
+    assert [anything.check(where, v) for v in (None, 1, "a", [1], {"a": 1}, True)] == [None, 1, "a", [1], {"a": 1},
+                                                                                        True]
+    with pytest.raises(InputError, match=r"^pooling.options.m.k takes a YAML value, got object$"):
+        anything.check(where, object())
+    with pytest.raises(InputError, match=r"takes a value of type list \(its default is \[1\]\), got 'x'$"):
+        Option([1]).check(where, "x")
+    assert ITERS.describe() == "5 (>= 1)"
+    assert CLUSTER_ON.describe() == "'tokens' (tokens, metric; counted in GFLOPs)"
+    assert Option("a").describe() == "'a'" and Option(2, counted=True).describe() == "2 (counted in GFLOPs)"
+
+
+def test_the_built_in_steps_flops_are_the_gram_matrix_or_nothing():
+    """K-Medoids' step multiplies the n x n Gram matrix of what it clusters (n^2 width); a selection multiplies
+    nothing; the methods without a closed form have none."""
+    assert method_spec("kmedoids").flops(7, 3, 5, {}) == 7 * 7 * 5 == method_spec("wkmedoids").flops(7, 3, 5, {})
+    assert {name: method_spec(name).flops(7, 3, 5, {}) for name in ("powerbert", "random", "importance")} == {
+        "powerbert": 0, "random": 0, "importance": 0}
+    assert [name for name in ("kmeans", "wkmeans", "tome", "conv", "none") if method_spec(name).flops] == []
