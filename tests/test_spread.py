@@ -153,3 +153,35 @@ def test_doctor_speed_runs_two_processes_through_the_cli(tmp_path):
     assert done.stdout.startswith("between processes: ratio ") and f"recorded in {out}" in done.stdout
     record = json.loads(out.read_text())
     assert len(record["processes"]) == 2 and record["pair"]["eval"]["batch"] == 8 and record["threads"] == 1
+
+
+def test_select_prints_the_machines_spread_beside_the_interval(tmp_path, monkeypatch, capsys):
+    """``pipeline select`` names this machine's record (runs/machine/ under the working folder) where the pick was
+    timed with an interval on a device and threads it has one for; without a record its output is as before."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.bench.blocks import device_name
+    from pipeline.dag.records import RATE_HIGH, RATE_LOW, SCALED_RATE
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())
+    parent = client.create_run(exp, run_name="spread", tags={"pipeline.stage": "dag"}).info.run_id
+    run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
+                                       "pipeline.done": "1"}).info.run_id
+    client.log_param(run, "checkpoint", "/ckpt/m")
+    for key, value in (("top1", 70.0), ("gflops", 0.002), ("images_per_s", 2000.0), (SCALED_RATE, 2000.0),
+                       (RATE_LOW, 1950.0), (RATE_HIGH, 2050.0)):
+        client.log_metric(run, key, value)
+    args = ["select", "--experiment", "spread", "--tracking-uri", uri, "--min-images-per-s", "1000"]
+    assert main(args) == 0
+    assert "machine_spread" not in capsys.readouterr().out
+    run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
+    out = record_path(device_name(torch.device("cpu")), 1)
+    measure_spread(SPEC, 2, 0.0, out=out, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("machine_spread: "))
+    assert line.startswith("machine_spread: 2.2% between processes (sd/mean), median half-width 1.0% within one (")
+    assert str(out) in line
