@@ -22,8 +22,6 @@ from pipeline.spread import machine_record
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pipeline.dag.runner import run_experiment
-
     overrides = list(args.overrides)
     if args.tracking_uri:
         overrides.append(f"train.tracking_uri={args.tracking_uri}")
@@ -34,6 +32,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan_checks(config, args.address)
         print(json.dumps(count_plan(config).as_dict()))
         return 0
+    from pipeline.dag.runner import run_experiment  # here: --plan needs none of torch, Ray or MLflow's runner
+
     given = [flag for flag, value in (("--rehearse-dir", args.rehearse_dir), ("--rehearse-steps", args.rehearse_steps),
                                       ("--rehearse-fail", args.rehearse_fail)) if value is not None]
     if not args.rehearse and given:
