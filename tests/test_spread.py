@@ -185,3 +185,11 @@ def test_select_prints_the_machines_spread_beside_the_interval(tmp_path, monkeyp
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("machine_spread: "))
     assert line.startswith("machine_spread: 2.2% between processes (sd/mean), median half-width 1.0% within one (")
     assert str(out) in line
+
+
+def test_the_tie_margin_leaves_the_experiments_id_alone():
+    """Another margin reads the same evaluations: the DAG's parent run (its id) is the same, and so is the id of
+    a config that does not set it."""
+    from pipeline.dag.plan import dag_id
+
+    assert dag_id(load_config(DEMO)) == dag_id(load_config(DEMO, ["experiment.select.tie_margin=0.02"]))

@@ -62,8 +62,9 @@ def dag_id(config: Config) -> str:
     experiment section, the pooling settings its finetunes share (every method's options included) and the
     kernel choices of its evaluations. Two sweeps that differ only in ``pooling.carry`` or
     ``pooling.options.wkmedoids.iters`` are two experiments, and ``--force`` on one must not retire the other's
-    runs."""
-    meta = {"experiment": config.experiment.model_dump(mode="json"),
+    runs. ``experiment.select.tie_margin`` is left out: it is how the select stage (never cached) reads the same
+    measurements, so another margin selects again under the same parent run."""
+    meta = {"experiment": config.experiment.model_dump(mode="json", exclude={"select": {"tie_margin"}}),
             "pooling": config.pooling.model_dump(mode="json", exclude={"method", "keep", "level"}),
             "kernels": chosen_kernels(config)}
     return stage_id("dag", config, [], meta)
