@@ -227,11 +227,17 @@ def test_the_optimizers_accepted_without_timm_are_timms():
 
 # ---- run --plan: what it can know without running ----
 
-def test_plan_refuses_a_global_batch_larger_than_the_prepared_training_set(monkeypatch):
+def test_plan_refuses_a_global_batch_larger_than_the_prepared_training_set(monkeypatch, tmp_path):
+    """The demo's prepare step, writing to folders of this test (the checkout's data/ may hold the betons already,
+    and then the plan counts their images instead)."""
     monkeypatch.chdir(ROOT)
     from pipeline.dag.checks import plan_checks
 
-    config = load_config(CONFIGS["demo"], ["data.batch_size=1000000000"])
+    train, val = tmp_path / "train.beton", tmp_path / "val.beton"
+    prepare = (f"experiment.prepare=[{{source: 'fashion-mnist:train', out: '{train}', limit: 10000}}, "
+               f"{{source: 'fashion-mnist:test', out: '{val}', limit: 2000}}]")
+    config = load_config(CONFIGS["demo"], ["data.batch_size=1000000000", f"data.train={train}", f"data.val={val}",
+                                           prepare])
     with pytest.raises(ConfigError, match=r"data\.batch_size=1000000000 x 2 worker\(s\) \(train\.workers\) is larger "
                                           r"than the training set: .*experiment\.prepare writes 10000 images"):
         plan_checks(config)
