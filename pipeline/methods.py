@@ -31,6 +31,7 @@ factories by ``"module:attribute"``, so there is no import loop.
 from __future__ import annotations
 
 import importlib
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
@@ -76,8 +77,10 @@ class Option:
             value = _typed(where, value, self.default)
         if self.choices is not None and value not in self.choices:
             raise InputError(f"{where} is one of {', '.join(map(repr, self.choices))}, got {value!r}")
-        if self.minimum is not None and isinstance(value, (int, float)) and value < self.minimum:
+        if self.minimum is not None and isinstance(value, (int, float)) and not value >= self.minimum:  # NaN too
             raise InputError(f"{where} is at least {self.minimum:g}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(f"{where} is a finite number, got {value!r}")
         return value
 
     def describe(self) -> str:
@@ -138,6 +141,8 @@ class MethodSpec:
 
     def __post_init__(self) -> None:
         declared = {name: value if isinstance(value, Option) else Option(value) for name, value in self.options.items()}
+        for name, option in declared.items():  # a default its own declaration refuses is the spec's mistake
+            option.check(f"the default of option {name!r} of MethodSpec {self.summary!r}", option.default)
         object.__setattr__(self, "options", MappingProxyType(declared))
 
     def factory(self) -> Callable[..., Any]:

@@ -275,8 +275,12 @@ def measure_spread(spec: PairSpec, processes: int, over_s: float, *, out: Path |
                           torch=first["torch"], timm=first["timm"], date=datetime.now(UTC).isoformat(),
                           over_s=over_s, seconds=clock() - start, pair=asdict(spec), processes=results,
                           path=str(path), **figures)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(record.as_json())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(record.as_json())
+    except OSError as err:
+        raise InputError(f"--out {path}: cannot write the record there ({err.strerror}); give a file path in a "
+                         "writable folder") from None
     return record
 
 

@@ -216,8 +216,9 @@ def test_the_cap_is_a_limit_on_the_clock_pilot_included():
     """10 s samples under a 20 s cap: the first block (40 s) ends past the cap and no other starts, and one block
     is no interval: one line says so and what cap would do."""
     timer, clock = _timers(0.01, 0.01, seconds=10.0)
-    with pytest.raises(InputError, match=r"^speed_cap_s=20 s allowed 1 block\(s\) of four timed samples \(40 s a "
-                                         r"block\); a 95% interval needs 6: raise speed_cap_s to at least 560 s$"):
+    with pytest.raises(InputError, match=r"^eval.speed_cap_s=20 s allowed 1 block\(s\) of four timed samples \(40 s "
+                                         r"a block\); a 95% interval needs 6: raise eval.speed_cap_s to at least 240 "
+                                         r"s \(to 640 s for a pilot and the blocks it plans\)$"):
         paired_ratio(lambda: None, lambda: None, timer=timer, wall=clock,
                      settings=SpeedSettings(warmup=0, cap_s=20.0))
     assert clock() == 40.0  # within one block of the cap

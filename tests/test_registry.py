@@ -195,7 +195,8 @@ def test_a_broken_plugin_is_named_in_one_line_and_the_others_load(tmp_path):
         "entry point"], proc.stderr
     assert re.search(r"^firstk\s+keep K tokens from an offset \(a plugin\).*from tp-plugin 0\.1$", proc.stdout,
                      flags=re.M), proc.stdout
-    assert re.search(r"^kmedoids\s+K-Medoids \(eq\. 8\).*built-in$", proc.stdout, flags=re.M), proc.stdout
+    assert re.search(r"^kmedoids\s+Token Pooling by K-Medoids \(eq\. 8\).*built-in$", proc.stdout,
+                     flags=re.M), proc.stdout
     assert not re.search(r"^(lastk|midk)\s", proc.stdout, flags=re.M), proc.stdout
 
 

@@ -97,15 +97,15 @@ class BlocksSettings:
     repeats: int = 7
     min_sample_s: float = 0.005  # a timed sample queues calls until it lasts about this long
     anchor_tolerance: float = 0.01  # the anchor cells' 95% interval half-width aimed at (``anchor_cell``)
-    anchor_cap_s: float = 30.0  # the most seconds each anchor cell's blocks may take
-    clock: str = "wall"  # or "cpu": the process's CPU time (one thread on the CPU; see CLOCKS)
+    anchor_cap_s: float = 30.0  # the most wall-clock seconds each anchor cell's pilot and blocks may take
+    clock: str = "wall"  # or "cpu": the timing thread's CPU time (one thread on the CPU; see CLOCKS)
     kernels: KernelChoice = field(default_factory=KernelChoice)  # the config's ``kernels`` section
 
 
-# What a sample's seconds are: wall time, or the process's CPU time. On a shared CPU, wall time also counts
-# whatever else the machine runs while a sample waits for a core; with one thread the CPU time does not,
-# and equals the wall time of an idle machine. With more threads it would sum them (and their spin-waits).
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+# What a sample's seconds are: wall time, or the timing thread's CPU time (the clock of ``paired.sample_timer``, which
+# the anchor cells use). On a shared CPU, wall time also counts whatever else the machine runs while a sample waits
+# for a core; with one torch thread the thread's CPU time does not, and equals the wall time of an idle machine.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def device_name(device: torch.device) -> str:
@@ -293,9 +293,9 @@ def anchor_names(num_tokens: int) -> tuple[str, str, str]:
 def anchor_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksSettings,
                 device: torch.device) -> dict[str, Any]:
     """``fn`` against ``base`` as ``bench.paired`` measures a speed: ABBA blocks, as many as a pilot says an
-    interval of half-width ``s.anchor_tolerance`` of the ratio needs (at most ``s.anchor_cap_s``); ``iqr`` is
-    then the 95% interval's width (``low`` to ``high``), and ``stop`` says whether the tolerance or the cap ended
-    it. On the 2-core Xeon, idle, five pairs left the model cell an IQR of 7-23% of itself, and the fixed part
+    interval of half-width ``s.anchor_tolerance`` of the ratio needs (``s.anchor_cap_s`` the limit, pilot included);
+    ``iqr`` is then the 95% interval's width (``low`` to ``high``), and ``stop`` what bounded it (``paired.STOPS``).
+    On the 2-core Xeon, idle, five pairs left the model cell an IQR of 7-23% of itself, and the fixed part
     of four tables measured one after another ranged from -0.02 to 1.9 blocks."""
     for _ in range(max(s.warmup, 1)):  # warm (compiled, cached) before the calls a sample needs are counted
         base()
@@ -304,7 +304,7 @@ def anchor_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksS
     calls = _calls(fn, base, device, s.min_sample_s, clock)
     timer = sample_timer(device, calls=calls, clock=s.clock)
     found = paired_ratio(fn, base, timer=timer, settings=SpeedSettings(
-        tolerance=s.anchor_tolerance, cap_s=s.anchor_cap_s, warmup=0))
+        tolerance=s.anchor_tolerance, cap_s=s.anchor_cap_s, warmup=0, cap_key="anchor_cap_s (--anchor-cap-s)"))
     return {"ratio": found.ratio, "iqr": found.high - found.low, "base_ms": found.reference_s * 1e3,
             "calls": calls, "blocks": found.blocks, "low": found.low, "high": found.high, "stop": found.stop}
 

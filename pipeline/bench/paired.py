@@ -7,8 +7,9 @@ machine's speed that is linear over a block cancels, and one that is slower than
 
 The statistic is the median of the block ratios with the distribution-free 95% interval of the median from
 the binomial order statistics (``median_interval``): no bootstrap of a median at these sizes. The number of
-blocks is set before they are measured, from a pilot (``paired_ratio``): the robust spread of 8 pilot blocks
-(their median absolute deviation, so one outlier does not size the run) sets the fewest new blocks (at least 8)
+blocks is set before they are measured, from a pilot (``paired_ratio``): the spread of 8 pilot blocks (their
+standard deviation after pulling each to within 3 MAD-sigmas of the median, so one outlier does not size the run,
+``pilot_spread``) sets the fewest new blocks (at least 8)
 whose interval it predicts within the tolerance (``planned_blocks``); the result comes from the new blocks
 alone. Stopping the moment the interval first dips under the tolerance would pick a lucky run of blocks and
 bias the interval.
@@ -55,6 +56,7 @@ class SpeedSettings:
 
     tolerance: float = 0.02  # the interval's relative half-width aimed at (of the median)
     cap_s: float = 20.0  # the most wall-clock seconds the pilot and the blocks may take (to within one block)
+    cap_key: str = "eval.speed_cap_s"  # where the user sets ``cap_s``, for the error that says to raise it
     pilot: int = MIN_BLOCKS
     warmup: int = 2  # calls of each function before the pilot (compiles, caches, first-call costs)
     max_blocks: int = 2000
@@ -236,9 +238,10 @@ def _measure(fn: Callable[[], object], reference: Callable[[], object], timer: C
     seconds = wall() - start
     if len(blocks) < FEWEST_BLOCKS:
         pace = seconds / max(len(blocks), 1)
-        raise InputError(f"speed_cap_s={settings.cap_s:g} s allowed {len(blocks)} block(s) of four timed samples "
-                         f"({pace:.3g} s a block); a {CONFIDENCE:.0%} interval needs {FEWEST_BLOCKS}: raise "
-                         f"speed_cap_s to at least {math.ceil(pace * (settings.pilot + FEWEST_BLOCKS))} s")
+        raise InputError(f"{settings.cap_key}={settings.cap_s:g} s allowed {len(blocks)} block(s) of four timed "
+                         f"samples ({pace:.3g} s a block); a {CONFIDENCE:.0%} interval needs {FEWEST_BLOCKS}: raise "
+                         f"{settings.cap_key} to at least {math.ceil(pace * FEWEST_BLOCKS)} s (to "
+                         f"{math.ceil(pace * 2 * MIN_BLOCKS)} s for a pilot and the blocks it plans)")
     ratio, low, high = median_interval(blocks)
     reached = (high - low) / 2 / ratio <= settings.tolerance
     stop = ("cap" if capped else "tolerance" if reached

@@ -323,7 +323,7 @@ def cmd_bench_latency_check(args: argparse.Namespace) -> int:
     if args.lists < 2 or not 0 < args.tolerance < 1 or args.cap_s <= 0:
         raise InputError("--lists must be at least 2 (Kendall's tau compares pairs), --tolerance in (0, 1) and "
                          "--cap-s above 0")
-    speed = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, warmup=args.warmup)
+    speed = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, warmup=args.warmup, cap_key="--cap-s")
     table, rows = run_check(load_cost_model(args.table), count=args.lists, seed=args.seed, levels=not args.no_levels,
                             other_device=args.other_device, speed=speed, log=log, where=str(args.table))
     print(format_check(table, rows, str(args.table)))
@@ -376,7 +376,8 @@ def _add_bench_latency(bench_commands) -> None:
     check.add_argument("--warmup", type=int, default=2, help="calls of each model before a list is timed")
     check.add_argument("--tolerance", type=float, default=0.02, help="each list's paired ratio is timed in blocks "
                        "until its 95%% interval's half-width is about this share of it (bench.paired)")
-    check.add_argument("--cap-s", type=float, default=30.0, help="the most seconds a list's blocks may take")
+    check.add_argument("--cap-s", type=float, default=30.0,
+                       help="the most wall-clock seconds a list's measurement (its pilot and blocks) may take")
     check.add_argument("--other-device", action="store_true",
                        help="accept a table measured on another machine (device, threads, versions, kernels): its "
                             "figures are then a prediction, and the output says so")

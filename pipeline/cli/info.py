@@ -65,7 +65,10 @@ def parse_option(item: str) -> tuple[str, object]:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise InputError(f"--option {item!r}: expected KEY=VALUE, for example --option iters=3")
-    return key, yaml.safe_load(value)
+    try:
+        return key, yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise InputError(f"--option {item!r}: the value is not YAML ({str(err).splitlines()[0]})") from None
 
 
 def cmd_flops(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
         if differences:
             return None, f"predicted (this machine is not the table's key: {'; '.join(differences)})"
         (row,) = measure_lists(settings, [("target", keep)], table, base, device, log,
-                               SpeedSettings(cap_s=CHECK_CAP_S))
+                               SpeedSettings(cap_s=CHECK_CAP_S, cap_key="the K-search check's cap (CHECK_CAP_S)"))
     finally:
         torch.set_num_threads(threads)
     ratio = row.speed
