@@ -78,7 +78,6 @@ class SpeedRatio:
     seconds: float  # wall time of the pilot and the blocks
     block_ratios: tuple[float, ...] = field(repr=False, default=())
     reference_s: float = math.nan
-    confidence: float = CONFIDENCE  # what the interval holds at least (a chained one: less, ``chain``)
 
     @property
     def half_width(self) -> float:
@@ -288,10 +287,9 @@ def sample_timer(device: torch.device, *, calls: int = 1, clock: str = "cpu") ->
 def chain(first: SpeedRatio, second: SpeedRatio) -> SpeedRatio:
     """``first * second`` (a model against its reference, that reference against an anchor): the ratios multiply,
     and so, conservatively, do the interval's ends. Each interval holds with its own 95%, so the product's holds
-    with at least 90% (Bonferroni), which its ``confidence`` says; its stop is the first one's that is not
+    with at least 90% (Bonferroni; its readers call it that); its stop is the first one's that is not
     ``tolerance``."""
     stop = next((r.stop for r in (first, second) if r.stop != "tolerance"), "tolerance")
     return SpeedRatio(first.ratio * second.ratio, first.low * second.low, first.high * second.high,
                       first.blocks + second.blocks, stop, max(first.pilot_half_width, second.pilot_half_width),
-                      first.seconds + second.seconds, reference_s=second.reference_s,
-                      confidence=1 - (1 - first.confidence) - (1 - second.confidence))
+                      first.seconds + second.seconds, reference_s=second.reference_s)

@@ -32,7 +32,7 @@ def add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("config", type=Path, nargs=None if required else "?", default=None,
                         help="experiment YAML under configs/" + ("" if required else " (default: built-in defaults)"))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="dotted override, for example --set pooling.iters=3 (repeatable)")
+                        help="dotted override, for example --set pooling.options.wkmedoids.iters=3 (repeatable)")
 
 
 def log(line: str) -> None:

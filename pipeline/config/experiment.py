@@ -124,10 +124,11 @@ class EvalConfig(Section):
     warmup: int = Field(2, ge=0, description="calls of the model and its reference before they are timed")
     speed_tolerance: float = Field(0.02, gt=0, lt=1, description="the speed ratio's 95% interval aimed at, as a "
                                    "half-width relative to the ratio: an 8-block pilot's spread sets the blocks")
-    speed_cap_s: float = Field(20.0, gt=0, description="the most seconds a model's timed blocks may take (at the "
-                               "pilot's pace); a result that hit it says so (speed_stop: cap)")
-    threads: int = Field(1, ge=1, description="CPU timing threads: 1 times the process's CPU clock, as the latency "
-                         "tables do; more time wall clock")
+    speed_cap_s: float = Field(20.0, gt=0, description="the most wall-clock seconds a model's measurement (its "
+                               "pilot and blocks) may take, to within one block; a result that hit it says so "
+                               "(speed_stop: cap)")
+    threads: int = Field(1, ge=1, description="CPU timing threads: 1 times the timing thread's CPU clock, as the "
+                         "latency tables do; more time wall clock")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="autocast dtype of the timing")
     compile: Literal["auto", "none", "default", "reduce-overhead", "max-autotune"] = Field(

@@ -158,8 +158,10 @@ def record_latency(client, rows: list[dict[str, Any]], evaluations: dict[str, Ev
             metrics |= {LATENCY_METRIC: row["measured"], LATENCY_HIGH: row["measured_high"],
                         "latency_speed_blocks": row["speed_blocks"],
                         "latency_speed_half_width": row["speed_half_width"]}
-        log_batch(client, evaluations[row["stage_id"]].run_id, metrics=metrics,
-                  tags={LATENCY_TABLE_TAG: row["table_sha256"], "pipeline.latency_speed_stop": str(row["speed_stop"])})
+        tags = {LATENCY_TABLE_TAG: row["table_sha256"]}
+        if row["measured"] is not None:
+            tags["pipeline.latency_speed_stop"] = row["speed_stop"]
+        log_batch(client, evaluations[row["stage_id"]].run_id, metrics=metrics, tags=tags)
 
 
 def target_alias(label: str) -> str:

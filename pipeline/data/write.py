@@ -32,7 +32,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from pipeline.config import git_sha
-from pipeline.data.sources import Source
+from pipeline.data.sources import Source, read_image
 from pipeline.errors import InputError, PipelineError
 from pipeline.signals import ctrl_c_raises
 
@@ -79,8 +79,6 @@ def metadata_path(beton: str | Path) -> Path:
 
 
 def _check_one(args: tuple[str, int]) -> str | None:
-    from pipeline.data.sources import read_image
-
     path, draft = args
     try:
         read_image(path, draft=draft)

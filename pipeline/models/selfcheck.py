@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -157,13 +156,6 @@ def kernels_planned(choice: KernelChoice, device: torch.device | str) -> dict[st
     else:
         record = dict.fromkeys(("kmedoids", "kmeans", "merge", "attention"), "torch")
     return record | {"torch": torch.__version__, "triton": triton_version()}
-
-
-def kernel_record(choice: KernelChoice, device: torch.device | str) -> dict[str, str]:
-    """Deprecated: ``kernels_planned`` (what ``auto`` resolves to); what ran is ``kernels_ran``."""
-    warnings.warn("models.selfcheck.kernel_record is deprecated: use kernels_planned for what auto resolves to, "
-                  "kernels_ran for what the dispatches ran", DeprecationWarning, stacklevel=2)
-    return kernels_planned(choice, device)
 
 
 KERNELS = ("kmedoids", "kmeans", "merge", "attention")
