@@ -84,8 +84,7 @@ def open_store(tracking_uri: str) -> MlflowClient:
 def registered_versions(client: MlflowClient, experiment: str) -> dict[str, str]:
     """{finetune run id: models:/NAME/VERSION} of the experiment's registered models (image classifiers)."""
     name = f"token-pooling-{experiment}"
-    versions = [v for v in client.search_model_versions(f"name = '{name}'") if v.source.startswith("models:/")]
-    return {v.run_id: f"models:/{name}/{v.version}" for v in versions}
+    return {v.run_id: f"models:/{name}/{v.version}" for v in client.search_model_versions(f"name = '{name}'")}
 
 
 def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
