@@ -20,8 +20,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.tracking import log_batch
 
 MODEL_ARTIFACT = "model"
-# On the finetune run: its logged image classifier, for idempotent reruns. Runs of earlier releases carry
-# "pipeline.model_uri" (a model of float tensors in, logits out): a rerun logs the classifier beside it.
+# On the finetune run: its logged image classifier, for idempotent reruns.
 MODEL_URI_TAG = "pipeline.classifier_uri"
 SERVING_TAG, SERVING = "pipeline.serving", "image-classifier"  # on a registered version: what `pipeline serve` serves
 PACKAGE = Path(__file__).resolve().parents[1]

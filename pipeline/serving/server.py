@@ -65,9 +65,8 @@ def fetch(uri: str, tracking_uri: str) -> Path:
         mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(folder))
     config = mlflow.models.Model.load(str(folder)).flavors.get("python_function", {}).get("config") or {}
     if "classes" not in config:
-        raise InputError(f"{uri} is not an image classifier of this project (a model of tensors in, logits out, "
-                         "registered by an earlier release); run `python -m pipeline run` again to register "
-                         "classifiers")
+        raise InputError(f"{uri} is not an image classifier of this project (its pyfunc config names no classes); "
+                         "serve a model that `python -m pipeline run` registered")
     return folder
 
 
