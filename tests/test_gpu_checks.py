@@ -126,13 +126,13 @@ def test_the_gpu_checks_speed_part_times_a_level_with_the_paired_primitive(tmp_p
     """The speed part at a small size: DeiT-S level 3 at batch 2 against the unmodified model on the CPU's clock, a
     paired ratio with its interval, as the evaluate stage measures (CUDA events on the lent GPU)."""
     out = tmp_path / "gpu"
-    proc = checks(out, "speed", BATCH="2", COMPILE="none", SPEED_METHODS="powerbert", SPEED_CAP_S="1",
-                  DEADLINE=str(int(time.time()) + 300))
+    proc = checks(out, "speed", BATCH="2", COMPILE="none", SPEED_METHODS="powerbert", SPEED_CAP_S="6",
+                  DEADLINE=str(int(time.time()) + 300))  # a cap that holds six blocks of DeiT-S on the CPU
     assert proc.returncode == 0 and re.findall(r"^   exit (\d+)", proc.stdout, flags=re.M) == ["0"], proc.stdout
     table = (out / "speed-none.md").read_text()
     assert "deit_small_patch16_224 level 3, batch 2, bf16, compile none" in table
-    found = re.search(r"^\| powerbert \| ([\d.]+) \| \[([\d.]+), ([\d.]+)\] \| (\d+) \| (tolerance|cap) \|", table,
-                      flags=re.M)
+    found = re.search(r"^\| powerbert \| ([\d.]+) \| \[([\d.]+), ([\d.]+)\] \| (\d+) \| "
+                      r"(tolerance|wider|cap|max_blocks) \|", table, flags=re.M)
     assert found, table
     ratio, low, high, blocks = float(found[1]), float(found[2]), float(found[3]), int(found[4])
-    assert 0 < low <= ratio <= high and blocks >= 8
+    assert 0 < low <= ratio <= high and blocks >= 6
