@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,10 @@ TARGET_COLUMNS = ["arch", "level", "method", "target_unit", "target_cost", "sear
                   "measured", "speed_blocks", "speed_stop", "speed_half_width", "cost_status", "gflops", "top1"]
 
 
+# Beside results.csv: what else a report was written from (its title, budgets, bases, targets, the speed warning,
+# the tie margin and the machine's spread), so that ``rebuild_report`` writes the same report again.
+REPORT_INPUTS = "report.json"
+
 REQUIRED_COLUMNS = ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s")  # what the report reads
 
 
@@ -46,8 +51,9 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
                              "or was edited; run `pipeline run` again to write it")
         for line, row in enumerate(reader, start=2):
             try:
-                for key in ("gflops", "top1", "images_per_s", "train_top1", *SPEED_COLUMNS):
+                for key in ("gflops", "top1", "images_per_s", "train_top1", "speed_half_width", *SPEED_COLUMNS):
                     row[key] = float(row[key]) if row.get(key) not in (None, "", "None") else None
+                row["speed_blocks"] = int(row["speed_blocks"]) if row.get("speed_blocks") not in (None, "") else 0
                 row["keep"] = json.loads(row["keep"]) if row.get("keep") not in (None, "", "None") else None
             except (ValueError, TypeError) as err:
                 raise InputError(f"{path}, line {line}: a value that is not a number or a keep list ({err}); run "
@@ -279,4 +285,24 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
                  "where there is one (`cost_status` says which).", "", markdown_table(list(targets), columns), ""]
     files["report"] = out_dir / "report.md"
     files["report"].write_text("\n".join(text))
+    inputs = {"title": title, "budgets": budgets, "bases": list(bases), "targets": list(targets),
+              "speed_warning": speed_warning, "tie_margin": tie_margin, "spread": spread and asdict(spread)}
+    files["inputs"] = out_dir / REPORT_INPUTS
+    files["inputs"].write_text(json.dumps(inputs, indent=1))
     return files
+
+
+def rebuild_report(folder: Path, out_dir: Path) -> dict[str, Path]:
+    """``write_report`` again from ``folder``'s results.csv and the inputs it was written with (``REPORT_INPUTS``;
+    a folder without them, as a results.csv of your own, gets a report of the rows alone) into ``out_dir``."""
+    rows = read_csv(folder / "results.csv")
+    path = folder / REPORT_INPUTS
+    if not path.is_file():
+        return write_report(rows, out_dir, title=f"Experiment {folder.name}")
+    try:
+        inputs = json.loads(path.read_text())
+        spread = inputs.pop("spread")
+        return write_report(rows, out_dir, **inputs, spread=spread and SpreadRecord(**spread))
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise InputError(f"{path}: not what `pipeline run` writes ({type(err).__name__}: {err}); delete it for a "
+                         "report of results.csv alone, or run `pipeline run` again to write both") from None

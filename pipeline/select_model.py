@@ -66,7 +66,7 @@ class Candidate:
     def line(self) -> str:
         latency = "" if self.latency_ms is None else f"  {self.latency_ms:.3f} ms measured"
         if self.latency_ms is not None and self.latency_ms_high is not None:
-            latency += f" (95% interval's upper end {self.latency_ms_high:.3f})"
+            latency += f" (upper end {self.latency_ms_high:.3f}: the ratio's 95% interval times the measured reference)"
         interval = ("" if self.images_per_s_low is None else
                     f" [{self.images_per_s_low:.0f}, {self.images_per_s_high:.0f}]")
         return (f"{self.uri}  top1 {self.top1:.2f}%  {self.gflops:.4f} GFLOPs  {self.images_per_s:.0f}{interval} img/s "

@@ -261,7 +261,7 @@ class TargetCost:
     measured: float | None  # GFLOPs: the evaluate stage's fvcore count; ms: the measured ratio times the measured
     # unmodified model's time, both from one paired measurement at the table's setting (None: see ``status``)
     status: str  # how ``measured`` came about, or why there is none
-    measured_low: float | None = None  # a measured latency's 95% interval (ms)
+    measured_low: float | None = None  # the ratio's 95% interval x the measured reference (ms)
     measured_high: float | None = None
     speed_blocks: int | None = None  # the paired measurement's blocks, why they stopped and its relative half-width
     speed_stop: str | None = None

@@ -263,3 +263,39 @@ def test_a_cluster_without_the_timing_resource_is_warned_about_before_any_stage(
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "timing": 2.0})
     check_timing(said.append)
     assert said == []
+
+
+def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, capsys):
+    """`pipeline report FOLDER --out OTHER` writes the same report.md as the select stage's ``write_report``: its
+    bases, K-search targets, speed warning, tie margin and machine spread come from report.json beside
+    results.csv, not only the rows. A report.json that is not the pipeline's is refused in one line; without one,
+    the report holds what results.csv gives."""
+    from pipeline.report import REPORT_INPUTS, write_report
+    from pipeline.spread import SpreadRecord
+
+    row = {"arch": "M32", "level": "lam0.1", "method": "powerbert", "keep": [8, 6], "gflops": 0.002, "top1": 61.5,
+           "images_per_s": 2000.0, "images_per_s_low": 1900.0, "images_per_s_high": 2100.0, "speed_ratio": 0.5,
+           "speed_ratio_low": 0.48, "speed_ratio_high": 0.52, "speed_blocks": 31, "speed_stop": "wider",
+           "speed_half_width": 0.04, "stage_id": "s1", "run_id": "r1", "checkpoint": "c", "train_top1": 60.0}
+    target = row | {"target_unit": "ms", "target_cost": 0.8, "searched": 0.79, "predicted": 0.81, "spent": 1.01,
+                    "measured": 0.83, "cost_status": "measured"}
+    spread = SpreadRecord(device="Test CPU", threads=1, setting="cpu fp32", torch="t", timm="m", date="2026-12-06",
+                          over_s=180.0, seconds=190.0, pair={}, processes=[{"ratio": 0.64}, {"ratio": 0.66}],
+                          between=0.021, within=0.017, max_over_min=1.03, path="runs/machine/x.json")
+    first = tmp_path / "run"
+    write_report([row], first, [0.003], title="Experiment demo", bases=[{"arch": "M32", "val_top1": 70.0,
+                 "test_top1": None, "run_id": "b1"}], targets=[target], speed_warning="the self-check excluded 1",
+                 tie_margin=0.021, spread=spread)
+    written = (first / "report.md").read_text()
+    for part in ("# Experiment demo", "## Base models", "## K-search targets", "**Warning: the self-check excluded 1.**",
+                 "Tie margin 2.1%", "spread 2.1% (sd/mean; 0.640 to 0.660)", "31 blocks, wider, +-4.0%"):
+        assert part in written, part
+    assert main(["report", str(first), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "report.md").read_text() == written
+    (first / REPORT_INPUTS).write_text('{"title": "x"}')
+    assert main(["report", str(first), "--out", str(tmp_path / "bad")]) == 2
+    assert f"{first / REPORT_INPUTS}: not what `pipeline run` writes (KeyError" in capsys.readouterr().err
+    (first / REPORT_INPUTS).unlink()
+    assert main(["report", str(first), "--out", str(tmp_path / "rows")]) == 0
+    rows_only = (tmp_path / "rows" / "report.md").read_text()
+    assert rows_only.startswith("# Experiment run\n") and "## Base models" not in rows_only

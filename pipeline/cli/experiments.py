@@ -16,7 +16,7 @@ from pipeline.dag.checks import plan_checks
 from pipeline.dag.plan import count_plan
 from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 from pipeline.errors import InputError, MissingFileError
-from pipeline.report import read_csv, write_report
+from pipeline.report import rebuild_report
 from pipeline.serving.server import DEFAULT_STORE, serve
 from pipeline.spread import machine_record
 
@@ -55,9 +55,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise InputError(f"--out {args.out} is a file; give a folder for report.md and the plots")
     folder = _find_run_folder(args.run, args.tracking_uri)
-    rows = read_csv(folder / "results.csv")
     out = args.out or folder
-    files = write_report(rows, out, title=f"Experiment {folder.name}")
+    files = rebuild_report(folder, out)
     print((out / "report.md").read_text())
     print(f"wrote {', '.join(str(p) for p in files.values())}", file=sys.stderr)
     return 0
@@ -141,7 +140,8 @@ def _add_budget_args(parser: argparse.ArgumentParser, *, required: bool) -> None
     budget.add_argument("--max-latency-ms", type=float, default=None,
                         help="latency measured against --table (a K-search target's models; the measured ratio times "
                         "the measured unmodified model's ms, not the table's prediction): a model fits when the "
-                        "upper end of its 95%% interval is at most this")
+                        "upper end of its interval (the ratio's 95%% interval times the measured unmodified "
+                        "model's ms) is at most this")
     parser.add_argument("--table", default=None, help="the cost table --max-latency-ms refers to")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="only models timed on this device (default: any)")

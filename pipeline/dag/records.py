@@ -28,7 +28,7 @@ TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of 
 # On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
 # table's sha256.
 LATENCY_METRIC, LATENCY_TABLE_TAG = "latency_ms", "pipeline.latency_table"
-LATENCY_HIGH = "latency_ms_high"  # the measured latency's 95% interval's upper end
+LATENCY_HIGH = "latency_ms_high"  # the ratio's 95% interval's upper end x the measured reference ms
 LATENCY_PREDICTED = "latency_ms_predicted"  # the table's prediction at the model's keep list (not a measurement)
 SCALED_RATE, RATE_LOW, RATE_HIGH = "images_per_s_scaled", "images_per_s_low", "images_per_s_high"  # the select stage's
 
