@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline.config import Config, ConfigError, PrepareItem
 from pipeline.config.recipe import TYPICAL_LR
-from pipeline.dag.plan import Stage, archs, base_stage, check_targets, finetune_stage, ksearch_stages
+from pipeline.dag.plan import Stage, archs, base_stage, check_targets, finetune_stage, found, ksearch_stages
 from pipeline.errors import MissingFileError, PipelineWarning
 from pipeline.methods import KEEP_ALL
 from pipeline.spread import check_tie_margin
@@ -63,14 +63,6 @@ def warn_learning_rates(config: Config) -> None:
             warnings.warn(f"{key}={lr:g} is outside {low:g} to {high:g}, two orders of magnitude beyond the learning "
                           "rates of timm's and DeiT's recipes (about 1e-4 to 0.5): the training will likely diverge "
                           "or not learn", PipelineWarning, stacklevel=2)
-
-
-def found(path: str, folder: bool = False) -> bool:
-    """Whether ``path`` is a file (a folder with ``folder``); a name the file system refuses (too long) is none."""
-    try:
-        return Path(path).is_dir() if folder else Path(path).is_file()
-    except OSError:
-        return False
 
 
 def _prepared(config: Config, path: str) -> PrepareItem | None:

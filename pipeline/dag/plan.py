@@ -224,14 +224,18 @@ def table_path(pattern: str, arch: Arch) -> str:
     return pattern.replace("{arch}", arch.label).replace("{embed_dim}", str(arch.overrides.get("embed_dim")))
 
 
+def found(path: str, folder: bool = False) -> bool:
+    """Whether ``path`` is a file (a folder with ``folder``); a name the file system refuses (too long) is none."""
+    try:
+        return Path(path).is_dir() if folder else Path(path).is_file()
+    except OSError:
+        return False
+
+
 def _table_hash(path: str) -> str:
     from pipeline.cost import file_sha256
 
-    try:
-        there = Path(path).is_file()
-    except OSError:  # a name the file system refuses (too long): no table
-        there = False
-    if not there:
+    if not found(path):
         raise InputError(f"experiment.ksearch_targets: no cost table at {path}; measure one with "
                          "`pipeline bench blocks`")
     return file_sha256(path)
