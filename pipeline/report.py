@@ -259,9 +259,10 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
             markdown_table(table, ["budget_gflops", "top1", "method", "arch", "level", "gflops"]), "",
             "## Plots", "", "![top-1 vs GFLOPs](tradeoff.png)", "", "![top-1 vs images/s](tradeoff_speed.png)", "",
             "![per width](widths.png)", "", "![keep lists](keep_lists.png)", "", "## All models", "",
-            "`top1`: the evaluate stage on `data.val` (the test set when `data.holdout` > 0); `train_top1`: the "
-            "finetune's last validation top-1 (on the held-out split when `data.holdout` > 0).", "",
-            markdown_table(ordered, shown + ["train_top1", "keep"]), ""]
+            "`top1`: the evaluate stage on `data.val` (the test set when `data.holdout` > 0); `speed`: as above; "
+            "`train_top1`: the finetune's last validation top-1 (on the held-out split when `data.holdout` > 0).", "",
+            markdown_table([{**r, "speed": speed_text(r)} for r in ordered], shown + ["speed", "train_top1", "keep"]),
+            ""]
     if bases:
         text += ["## Base models", "", "`val_top1` ranks (the held-out split when `data.holdout` > 0); `test_top1` "
                  "is `data.val`, measured once after the last epoch (empty without a held-out split).", "",
