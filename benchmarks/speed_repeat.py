@@ -4,22 +4,25 @@ Each model's speed is a paired ratio to its architecture's unmodified model with
 stage, ``bench.paired``). Two runs agree on a model when ``|r2 / r1 - 1| <= sqrt(h1^2 + h2^2)``, r the ratio and h
 the interval's relative half-width in each run. It prints every model's two ratios, the share that agree, the
 median half-width of each run, and the two speed fronts (``report.fronts``) with their ties: they should hold the
-same models, or differ only by models marked as ties.
+same models, or differ only by models marked as ties. With ``--spread`` (a ``pipeline doctor --speed`` record), also
+the share of models whose ``|r2 / r1 - 1|`` is within the machine's recorded spread between processes.
 
     rm -rf runs && make demo && cp -r runs/experiments/demo /tmp/demo-1
     rm -rf runs && make demo && cp -r runs/experiments/demo /tmp/demo-2
-    python benchmarks/speed_repeat.py /tmp/demo-1 /tmp/demo-2
+    python benchmarks/speed_repeat.py /tmp/demo-1 /tmp/demo-2 --spread runs/machine/speed-CPU-t1.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import tempfile
 from pathlib import Path
 
 from pipeline.report import fronts, read_csv, write_csv
+from pipeline.spread import read_record
 
 
 def half_width(row: dict) -> float:
@@ -47,6 +50,16 @@ def compare(first: list[dict], second: list[dict]) -> tuple[list[str], float]:
     return lines, agree / len(first)
 
 
+def spread_line(first: list[dict], second: list[dict], spread: float) -> str:
+    """How many models' ``|r2 / r1 - 1|`` are within ``spread``, and the median and widest of them."""
+    other = {key(r): r for r in second}
+    changes = sorted(abs(other[key(r)]["speed_ratio"] / r["speed_ratio"] - 1) for r in first)
+    within = sum(change <= spread for change in changes)
+    return (f"within the machine's spread of {spread:.2%}: {within} of {len(changes)} models "
+            f"({within / len(changes):.0%}); |r2/r1 - 1| median {statistics.median(changes):.2%}, "
+            f"widest {changes[-1]:.2%}")
+
+
 def front_lines(rows: list[dict], name: str) -> list[str]:
     front = fronts(rows, "images_per_s")["all"]
     return [f"{name} speed front ({len(front)} models):"] + [
@@ -56,7 +69,8 @@ def front_lines(rows: list[dict], name: str) -> list[str]:
 
 
 def smoke_runs(root: Path) -> list[Path]:
-    """Two made-up results folders of four models (``--smoke``: the script runs; its figures then mean nothing).
+    """Two made-up results folders of four models and a spread record of 2.5% beside them (``--smoke``: the script
+    runs; its figures then mean nothing).
     ``c`` is on run 1's front as ``b``'s tie, and off run 2's, where ``b`` is faster beyond the intervals."""
     folders = []
     for run, ratios in enumerate(([0.5, 0.7, 0.69, 1.0], [0.51, 0.66, 0.75, 1.0]), 1):
@@ -71,16 +85,23 @@ def smoke_runs(root: Path) -> list[Path]:
         folders.append(root / f"run-{run}")
         folders[-1].mkdir(parents=True)
         write_csv(rows, folders[-1] / "results.csv")
+    record = {"device": "Made-up CPU", "threads": 1, "setting": "cpu fp32 compile:none", "torch": "-", "timm": "-",
+              "date": "-", "over_s": 180.0, "seconds": 180.0, "pair": {},
+              "processes": [{"ratio": 0.99}, {"ratio": 1.01}], "between": 0.025, "within": 0.02, "max_over_min": 1.02}
+    (root / "spread.json").write_text(json.dumps(record))
     return folders
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", type=Path, help="two results folders (each holding results.csv)")
+    parser.add_argument("--spread", type=Path, default=None,
+                        help="the machine's record of `pipeline doctor --speed` (runs/machine/speed-*.json)")
     parser.add_argument("--smoke", action="store_true", help="compare two made-up runs (the script runs)")
     args = parser.parse_args()
     if args.smoke:
-        args.runs = smoke_runs(Path(tempfile.mkdtemp()))
+        root = Path(tempfile.mkdtemp())
+        args.runs, args.spread = smoke_runs(root), args.spread or root / "spread.json"
     if len(args.runs) != 2:
         parser.error("give two results folders (or --smoke)")
     first, second = (read_csv(folder / "results.csv") for folder in args.runs)
@@ -92,6 +113,8 @@ def main() -> None:
         print(f"{name}: median half-width {statistics.median(half_width(r) for r in rows):.2%}, widest "
               f"{max(half_width(r) for r in rows):.2%}")
     print(f"agree within their intervals: {share:.0%} of {len(first)} models (the criterion: at least 90%)")
+    if args.spread is not None:
+        print(spread_line(first, second, read_record(args.spread).between))
     one, two = ({key(r): r for r in fronts(rows, 'images_per_s')['all']} for rows in (first, second))
     print("\n".join(front_lines(first, "run 1") + front_lines(second, "run 2")))
     only = [(key_, front[key_]) for front, other in ((one, two), (two, one)) for key_ in front if key_ not in other]
