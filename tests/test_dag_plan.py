@@ -359,3 +359,33 @@ def test_a_store_recorded_under_another_identity_version_is_refused_in_one_line(
                                          r"train.tracking_uri\) and rerun$"):
         open_parent(uri, "old", None, "abc", "tiny")
     assert len(client.search_runs([old])) == 1  # nothing added
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "experiments").glob("*.yaml")))
+def test_every_shipped_experiments_rehearsal_copy_validates_and_keeps_a_warmup_inside_its_epoch(name, tmp_path):
+    """``--rehearse`` runs one epoch a stage: a warm-up longer than that (the paper config's 5 epochs) is cut to
+    ``WARMUP`` epochs, so the copy validates (the config refuses a warm-up as long as its stage) and the warm-up
+    still runs; each width's base stage config (which applies the base's own warm-up) validates."""
+    from pipeline.dag import rehearse
+    from pipeline.dag.plan import archs, base_stage
+
+    original = load_config(ROOT / "configs" / "experiments" / name)
+    copy = rehearse.rehearsal_config(original, rehearse.RehearsalSettings(root=tmp_path), tmp_path, tmp_path)
+    assert copy.recipe.epochs == 1
+    assert copy.recipe.warmup_epochs == min(original.recipe.warmup_epochs, rehearse.WARMUP)
+    for stage in ("base", "ksearch", "finetune"):
+        own = getattr(original.experiment, stage).warmup_epochs
+        assert getattr(copy.experiment, stage).warmup_epochs == (None if own is None else min(own, rehearse.WARMUP))
+    assert all(base_stage(copy, arch).config.recipe.epochs == 1 for arch in archs(copy))
+    if name == "fmnist_hpo.yaml":  # its base sweep draws warm-ups of 0.5, 1 and 2 epochs: 0.5 is left
+        assert copy.experiment.base.sweep.space["recipe.warmup_epochs"].choice == [0.5]
+
+
+def test_a_rehearsal_copy_that_does_not_validate_is_one_config_error(tmp_path, monkeypatch):
+    from pipeline.dag import rehearse
+
+    monkeypatch.setattr(rehearse, "WARMUP", 7)  # a scaling fault: a warm-up longer than the one-epoch stage
+    paper = load_config(ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml")
+    with pytest.raises(ConfigError, match=r"^the rehearsal's scaled copy of the config does not validate \(.*warmup_"
+                                          r"epochs 5 is not below .*fault of --rehearse's scaling"):
+        rehearse.rehearsal_config(paper, rehearse.RehearsalSettings(root=tmp_path), tmp_path, tmp_path)

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from pipeline.bench.serve import request_body
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.dag.plan import Stage
 from pipeline.errors import InputError
 from pipeline.serving.server import example_image, start_server, wait_ready
@@ -148,6 +150,19 @@ def write_data(config: Config, settings: RehearsalSettings, folder: Path, log: C
 
 # ---- the config: the experiment's shapes, scaled-down resources, its own storage ----
 
+WARMUP = 0.5  # the most warm-up epochs a rehearsal's one-epoch stage keeps
+
+
+def _short_warmups(param: dict[str, Any]) -> dict[str, Any]:
+    """A base sweep's ``recipe.warmup_epochs`` parameter (``config.experiment.SweepParam``'s JSON) whose values all
+    fit a one-epoch stage: choices cut to ``WARMUP``, a range above it the choice of its low end, cut likewise."""
+    if param.get("choice") is not None:
+        return {"choice": sorted({min(value, WARMUP) for value in param["choice"]})}
+    kind = next(key for key, value in param.items() if value is not None)
+    low, high = param[kind]
+    return param if high <= WARMUP else {"choice": [min(low, WARMUP)]}
+
+
 def _scaled(config: Config, settings: RehearsalSettings, train: Path, val: Path) -> dict[str, Any]:
     data = config.model_dump(mode="json")
     root = settings.root.resolve()
@@ -160,11 +175,18 @@ def _scaled(config: Config, settings: RehearsalSettings, train: Path, val: Path)
                          experiment=f"{data['train']['experiment']}-rehearsal", max_failures=0,
                          keep_checkpoints=1, checkpoint_artifact_mb=0, compile="none", progress_bar=False,
                          debug_fail_at_step=None, debug_pause_at_step=None)
-    data["recipe"]["epochs"] = 1
+    # One epoch a stage, and a warm-up inside it where the experiment has one (the schedule's warm-up still runs):
+    # the config refuses a warm-up as long as its stage.
+    data["recipe"].update(epochs=1, warmup_epochs=min(data["recipe"]["warmup_epochs"], WARMUP))
     for stage in ("base", "ksearch", "finetune"):
         exp[stage]["epochs"] = 1
+        if exp[stage].get("warmup_epochs") is not None:
+            exp[stage]["warmup_epochs"] = min(exp[stage]["warmup_epochs"], WARMUP)
     if exp["base"]["sweep"] is not None:
         exp["base"]["sweep"].update(num_samples=1, max_concurrent=1)
+        space = exp["base"]["sweep"]["space"]
+        if "recipe.warmup_epochs" in space:
+            space["recipe.warmup_epochs"] = _short_warmups(space["recipe.warmup_epochs"])
     exp["search"].update(algorithm="grid", num_samples=1, trial_workers=min(exp["search"]["trial_workers"],
                          settings.workers), trial_cpus=settings.cpus, trial_gpus=0.0, max_concurrent=None)
     eval_ = exp["eval"]
@@ -178,8 +200,14 @@ def _scaled(config: Config, settings: RehearsalSettings, train: Path, val: Path)
 
 
 def rehearsal_config(config: Config, settings: RehearsalSettings, train: Path, val: Path) -> Config:
-    """``config`` at its shapes with the rehearsal's data, resources, storage, MLflow store and names."""
-    return Config.model_validate(_scaled(config, settings, train, val))
+    """``config`` at its shapes with the rehearsal's data, resources, storage, MLflow store and names. A scaled
+    config that does not validate is the rehearsal's fault, not the experiment's: a ConfigError that says so."""
+    try:
+        return Config.model_validate(_scaled(config, settings, train, val))
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}".lstrip(": ") for e in err.errors())
+        raise ConfigError(f"the rehearsal's scaled copy of the config does not validate ({problems}); the config "
+                          "itself does: this is a fault of --rehearse's scaling (pipeline/dag/rehearse.py)") from None
 
 
 # ---- the slice ----
