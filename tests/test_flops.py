@@ -144,12 +144,15 @@ def test_flops_cli_json():
 
 
 @pytest.mark.slow
-def test_flops_cli_level_and_bad_input():
-    run = [sys.executable, "-m", "pipeline", "flops", "--model", "deit_e252_patch16_224", "--method", "powerbert"]
-    proc = subprocess.run(run + ["--level", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_flops_cli_level_and_bad_input(capsys):
+    from pipeline.cli import main
+
+    run = ["flops", "--model", "deit_e252_patch16_224", "--method", "powerbert"]
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *run, "--level", "4"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert "effective keep: 196,194,181,147,111,75,48,36,5,5,2,0" in proc.stdout
-    bad = subprocess.run(run + ["--keep", "196,195"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "keep has 2 entries but the model has 12 blocks" in bad.stderr
+    assert main([*run, "--keep", "196,195"]) == 2  # the same entry point in this process: no start-up of its own
+    assert "keep has 2 entries but the model has 12 blocks" in capsys.readouterr().err
 
 
 def test_attention_counts_the_same_on_every_path():
