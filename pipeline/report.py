@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ TARGET_COLUMNS = ["arch", "level", "method", "target_unit", "target_cost", "sear
 # the tie margin and the machine's spread), so that ``rebuild_report`` writes the same report again.
 REPORT_INPUTS = "report.json"
 
+EMPTY = (None, "", "None")  # a cell without a value, as write_csv leaves it
 REQUIRED_COLUMNS = ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s")  # what the report reads
 
 
@@ -52,9 +54,9 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
         for line, row in enumerate(reader, start=2):
             try:
                 for key in ("gflops", "top1", "images_per_s", "train_top1", "speed_half_width", *SPEED_COLUMNS):
-                    row[key] = float(row[key]) if row.get(key) not in (None, "", "None") else None
-                row["speed_blocks"] = int(row["speed_blocks"]) if row.get("speed_blocks") not in (None, "") else 0
-                row["keep"] = json.loads(row["keep"]) if row.get("keep") not in (None, "", "None") else None
+                    row[key] = float(row[key]) if row.get(key) not in EMPTY else None
+                row["speed_blocks"] = int(row["speed_blocks"]) if row.get("speed_blocks") not in EMPTY else None
+                row["keep"] = json.loads(row["keep"]) if row.get("keep") not in EMPTY else None
             except (ValueError, TypeError) as err:
                 raise InputError(f"{path}, line {line}: a value that is not a number or a keep list ({err}); run "
                                  "`pipeline run` again to write it") from None
@@ -184,7 +186,7 @@ def plot_keep_lists(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     def cell(value: Any) -> str:
-        if isinstance(value, float):
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):  # numpy's floats too
             return f"{value:.4f}" if value < 10 else f"{value:.2f}"
         return "" if value is None else str(value)
 
@@ -212,8 +214,10 @@ def machine_lines(spread: SpreadRecord | None, tie_margin: float) -> list[str]:
 def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequence[float] | None = None,
                  title: str = "Experiment report", bases: Sequence[dict[str, Any]] = (),
                  targets: Sequence[dict[str, Any]] = (), speed_warning: str | None = None,
-                 tie_margin: float = 0.0, spread: SpreadRecord | None = None) -> dict[str, Path]:
-    """Writes results.csv, pareto.csv, budgets.csv, three plots and report.md into ``out_dir``.
+                 tie_margin: float = 0.0, spread: SpreadRecord | None = None,
+                 record_inputs: bool = True) -> dict[str, Path]:
+    """Writes results.csv, pareto.csv, budgets.csv, three plots, report.md and (``record_inputs``) report.json, the
+    other arguments, for ``rebuild_report``, into ``out_dir``.
 
     ``bases``: one row per base model (arch, val_top1, test_top1, run_id), shown with both numbers.
     ``targets``: the models of K-search target levels with their target, predicted and measured cost
@@ -284,26 +288,47 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
                  "prediction at the model's keep list for its method, and `spent`, that prediction over the target "
                  "(a list predicted more than 3% under it is flagged UNDER in `cost_status`); and the measured cost "
                  "where there is one (`cost_status` says which).", "", markdown_table(list(targets), columns), ""]
+    if record_inputs:
+        inputs = {"title": title, "budgets": budgets, "bases": list(bases), "targets": list(targets),
+                  "speed_warning": speed_warning, "tie_margin": tie_margin, "spread": spread and asdict(spread)}
+        files["inputs"] = out_dir / REPORT_INPUTS
+        files["inputs"].write_text(json.dumps(inputs, indent=1, default=_plain))
     files["report"] = out_dir / "report.md"
     files["report"].write_text("\n".join(text))
-    inputs = {"title": title, "budgets": budgets, "bases": list(bases), "targets": list(targets),
-              "speed_warning": speed_warning, "tie_margin": tie_margin, "spread": spread and asdict(spread)}
-    files["inputs"] = out_dir / REPORT_INPUTS
-    files["inputs"].write_text(json.dumps(inputs, indent=1))
     return files
 
 
-def rebuild_report(folder: Path, out_dir: Path) -> dict[str, Path]:
-    """``write_report`` again from ``folder``'s results.csv and the inputs it was written with (``REPORT_INPUTS``;
-    a folder without them, as a results.csv of your own, gets a report of the rows alone) into ``out_dir``."""
-    rows = read_csv(folder / "results.csv")
-    path = folder / REPORT_INPUTS
-    if not path.is_file():
-        return write_report(rows, out_dir, title=f"Experiment {folder.name}")
+def _plain(value: Any) -> Any:
+    """What JSON has no type for, in report.json: numpy's and torch's scalars as numbers, paths as text."""
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"report.json cannot hold a {type(value).__name__} ({value!r})")
+
+
+def read_inputs(path: Path) -> dict[str, Any]:
+    """``write_report``'s arguments besides the rows, from the report.json at ``path``."""
     try:
         inputs = json.loads(path.read_text())
         spread = inputs.pop("spread")
-        return write_report(rows, out_dir, **inputs, spread=spread and SpreadRecord(**spread))
+        inputs["spread"] = spread and SpreadRecord(**spread)
+        if set(inputs) != {"title", "budgets", "bases", "targets", "speed_warning", "tie_margin", "spread"}:
+            raise KeyError(f"keys {sorted(inputs)}")
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise InputError(f"{path}: not what `pipeline run` writes ({type(err).__name__}: {err}); delete it for a "
                          "report of results.csv alone, or run `pipeline run` again to write both") from None
+    return inputs
+
+
+def rebuild_report(folder: Path, out_dir: Path, log: Callable[[str], None]) -> dict[str, Path]:
+    """``write_report`` again from ``folder``'s results.csv and the inputs it was written with (``REPORT_INPUTS``)
+    into ``out_dir``. A folder without report.json (a results.csv the select stage did not write) gets a report of
+    the rows alone, said in ``log``, and no report.json: nothing claims it had no bases, targets or margin."""
+    rows = read_csv(folder / "results.csv")
+    path = folder / REPORT_INPUTS
+    if path.is_file():
+        return write_report(rows, out_dir, **read_inputs(path))
+    log(f"warning: no {path}: the report holds the rows of results.csv alone (no base models, K-search targets, "
+        "speed warning, tie margin or machine spread)")
+    return write_report(rows, out_dir, title=f"Experiment {folder.name}", record_inputs=False)

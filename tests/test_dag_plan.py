@@ -363,22 +363,37 @@ def test_a_store_recorded_under_another_identity_version_is_refused_in_one_line(
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "experiments").glob("*.yaml")))
 def test_every_shipped_experiments_rehearsal_copy_validates_and_keeps_a_warmup_inside_its_epoch(name, tmp_path):
-    """``--rehearse`` runs one epoch a stage: a warm-up longer than that (the paper config's 5 epochs) is cut to
-    ``WARMUP`` epochs, so the copy validates (the config refuses a warm-up as long as its stage) and the warm-up
-    still runs; each width's base stage config (which applies the base's own warm-up) validates."""
+    """``--rehearse`` runs one epoch a stage: the copy of every shipped experiment validates (the config refuses a
+    warm-up as long as its stage: the paper config's 5 epochs), each warm-up is shorter than its one epoch, and one
+    the experiment has is still there (above 0); each width's base stage config validates."""
     from pipeline.dag import rehearse
     from pipeline.dag.plan import archs, base_stage
 
     original = load_config(ROOT / "configs" / "experiments" / name)
     copy = rehearse.rehearsal_config(original, rehearse.RehearsalSettings(root=tmp_path), tmp_path, tmp_path)
     assert copy.recipe.epochs == 1
-    assert copy.recipe.warmup_epochs == min(original.recipe.warmup_epochs, rehearse.WARMUP)
-    for stage in ("base", "ksearch", "finetune"):
-        own = getattr(original.experiment, stage).warmup_epochs
-        assert getattr(copy.experiment, stage).warmup_epochs == (None if own is None else min(own, rehearse.WARMUP))
+    pairs = [(original.recipe.warmup_epochs, copy.recipe.warmup_epochs)] + [
+        (getattr(original.experiment, stage).warmup_epochs, getattr(copy.experiment, stage).warmup_epochs)
+        for stage in ("base", "ksearch", "finetune")]
+    for before, after in pairs:
+        assert (before is None) == (after is None) and (before is None or 0 <= after < 1)
+        assert before is None or (after > 0) == (before > 0), (before, after)
     assert all(base_stage(copy, arch).config.recipe.epochs == 1 for arch in archs(copy))
     if name == "fmnist_hpo.yaml":  # its base sweep draws warm-ups of 0.5, 1 and 2 epochs: 0.5 is left
         assert copy.experiment.base.sweep.space["recipe.warmup_epochs"].choice == [0.5]
+
+
+@pytest.mark.parametrize(("swept", "cut"), [
+    ({"choice": [0.0, 0.25, 1.0, 2.0]}, {"choice": [0.0, 0.25, 0.5]}),
+    ({"uniform": [0.0, 2.0]}, {"choice": [0.5]}),         # reaches past the one epoch: a warm-up that runs
+    ({"loguniform": [0.1, 0.4]}, {"loguniform": [0.1, 0.4]}),  # inside it already
+    ({"randint": [0, 3]}, {"choice": [0.5]}),
+])
+def test_a_swept_warmup_is_cut_inside_the_rehearsals_one_epoch(swept, cut):
+    from pipeline.dag.rehearse import _short_warmups
+
+    full = {"uniform": None, "loguniform": None, "randint": None, "choice": None}
+    assert {k: v for k, v in _short_warmups(full | swept).items() if v is not None} == cut
 
 
 def test_a_rehearsal_copy_that_does_not_validate_is_one_config_error(tmp_path, monkeypatch):
@@ -386,6 +401,11 @@ def test_a_rehearsal_copy_that_does_not_validate_is_one_config_error(tmp_path, m
 
     monkeypatch.setattr(rehearse, "WARMUP", 7)  # a scaling fault: a warm-up longer than the one-epoch stage
     paper = load_config(ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml")
-    with pytest.raises(ConfigError, match=r"^the rehearsal's scaled copy of the config does not validate \(.*warmup_"
-                                          r"epochs 5 is not below .*fault of --rehearse's scaling"):
+    with pytest.raises(ConfigError) as refused:
         rehearse.rehearsal_config(paper, rehearse.RehearsalSettings(root=tmp_path), tmp_path, tmp_path)
+    said = str(refused.value)
+    assert said.startswith("--rehearse scaled the config to one epoch a stage, and the copy does not validate (the "
+                           "base stage: recipe.warmup_epochs 5 is not below "), said
+    assert "Value error" not in said and said.endswith(
+        "the config itself is valid: run it without --rehearse, and report this fault of the rehearsal's scaling "
+        "(pipeline/dag/rehearse.py)")

@@ -277,8 +277,11 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
            "images_per_s": 2000.0, "images_per_s_low": 1900.0, "images_per_s_high": 2100.0, "speed_ratio": 0.5,
            "speed_ratio_low": 0.48, "speed_ratio_high": 0.52, "speed_blocks": 31, "speed_stop": "wider",
            "speed_half_width": 0.04, "stage_id": "s1", "run_id": "r1", "checkpoint": "c", "train_top1": 60.0}
-    target = row | {"target_unit": "ms", "target_cost": 0.8, "searched": 0.79, "predicted": 0.81, "spent": 1.01,
-                    "measured": 0.83, "cost_status": "measured"}
+    import numpy as np
+
+    # a numpy scalar and a path, as a cost model or a table's place could leave them: numbers and text in report.json
+    target = row | {"target_unit": "ms", "target_cost": np.float32(0.8), "searched": 0.79, "predicted": 0.81,
+                    "spent": 1.01, "measured": 0.83, "cost_status": "measured", "table": Path("configs/t.json")}
     spread = SpreadRecord(device="Test CPU", threads=1, setting="cpu fp32", torch="t", timm="m", date="2026-12-06",
                           over_s=180.0, seconds=190.0, pair={}, processes=[{"ratio": 0.64}, {"ratio": 0.66}],
                           between=0.021, within=0.017, max_over_min=1.03, path="runs/machine/x.json")
@@ -298,7 +301,14 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
     (first / REPORT_INPUTS).write_text('{"title": "x"}')
     assert main(["report", str(first), "--out", str(tmp_path / "bad")]) == 2
     assert f"{first / REPORT_INPUTS}: not what `pipeline run` writes (KeyError" in capsys.readouterr().err
+    (first / "results.csv").write_text("arch,level\n")  # a fault of results.csv is not blamed on report.json
+    assert main(["report", str(first), "--out", str(tmp_path / "bad")]) == 2
+    assert "results.csv lacks the column(s) method" in capsys.readouterr().err
+    write_report([row], first)
     (first / REPORT_INPUTS).unlink()
     assert main(["report", str(first), "--out", str(tmp_path / "rows")]) == 0
+    assert f"warning: no {first / REPORT_INPUTS}: the report holds the rows of results.csv alone" in \
+        capsys.readouterr().err
     rows_only = (tmp_path / "rows" / "report.md").read_text()
     assert rows_only.startswith("# Experiment run\n") and "## Base models" not in rows_only
+    assert not (tmp_path / "rows" / REPORT_INPUTS).exists()  # nothing claims the run had no bases or targets

@@ -56,7 +56,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise InputError(f"--out {args.out} is a file; give a folder for report.md and the plots")
     folder = _find_run_folder(args.run, args.tracking_uri)
     out = args.out or folder
-    files = rebuild_report(folder, out)
+    files = rebuild_report(folder, out, log=lambda line: print(line, file=sys.stderr))
     print((out / "report.md").read_text())
     print(f"wrote {', '.join(str(p) for p in files.values())}", file=sys.stderr)
     return 0

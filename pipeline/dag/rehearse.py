@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from pipeline.bench.serve import request_body
 from pipeline.config import Config, ConfigError
+from pipeline.config.experiment import ParamRange
 from pipeline.dag.plan import Stage
 from pipeline.errors import InputError
 from pipeline.serving.server import example_image, start_server, wait_ready
@@ -154,13 +155,13 @@ WARMUP = 0.5  # the most warm-up epochs a rehearsal's one-epoch stage keeps
 
 
 def _short_warmups(param: dict[str, Any]) -> dict[str, Any]:
-    """A base sweep's ``recipe.warmup_epochs`` parameter (``config.experiment.SweepParam``'s JSON) whose values all
-    fit a one-epoch stage: choices cut to ``WARMUP``, a range above it the choice of its low end, cut likewise."""
-    if param.get("choice") is not None:
-        return {"choice": sorted({min(value, WARMUP) for value in param["choice"]})}
-    kind = next(key for key, value in param.items() if value is not None)
-    low, high = param[kind]
-    return param if high <= WARMUP else {"choice": [min(low, WARMUP)]}
+    """A base sweep's ``recipe.warmup_epochs`` parameter (``config.experiment.ParamRange``'s JSON) whose values
+    all fit a one-epoch stage: choices cut to ``WARMUP``; a range that reaches above it, the choice of ``WARMUP``
+    (a warm-up that still runs)."""
+    swept = ParamRange.model_validate(param)
+    if swept.kind == "choice":
+        return {"choice": sorted({min(value, WARMUP) for value in swept.choice})}
+    return param if swept.values()[-1] <= WARMUP else {"choice": [WARMUP]}
 
 
 def _scaled(config: Config, settings: RehearsalSettings, train: Path, val: Path) -> dict[str, Any]:
@@ -205,9 +206,12 @@ def rehearsal_config(config: Config, settings: RehearsalSettings, train: Path, v
     try:
         return Config.model_validate(_scaled(config, settings, train, val))
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}".lstrip(": ") for e in err.errors())
-        raise ConfigError(f"the rehearsal's scaled copy of the config does not validate ({problems}); the config "
-                          "itself does: this is a fault of --rehearse's scaling (pipeline/dag/rehearse.py)") from None
+        problems = "; ".join(": ".join(part for part in (".".join(map(str, e["loc"])),
+                                                         e["msg"].removeprefix("Value error, ")) if part)
+                             for e in err.errors())
+        raise ConfigError(f"--rehearse scaled the config to one epoch a stage, and the copy does not validate "
+                          f"({problems}); the config itself is valid: run it without --rehearse, and report this "
+                          "fault of the rehearsal's scaling (pipeline/dag/rehearse.py)") from None
 
 
 # ---- the slice ----
