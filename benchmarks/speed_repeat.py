@@ -9,7 +9,8 @@ the share of models whose ``|r2 / r1 - 1|`` is within the machine's recorded spr
 
     rm -rf runs && make demo && cp -r runs/experiments/demo /tmp/demo-1
     rm -rf runs && make demo && cp -r runs/experiments/demo /tmp/demo-2
-    python benchmarks/speed_repeat.py /tmp/demo-1 /tmp/demo-2 --spread runs/machine/speed-CPU-t1.json
+    python benchmarks/speed_repeat.py /tmp/demo-1 /tmp/demo-2 \
+        --spread runs/machine/speed-intel-r-xeon-r-processor-t1.json
 """
 
 from __future__ import annotations
@@ -50,13 +51,19 @@ def compare(first: list[dict], second: list[dict]) -> tuple[list[str], float]:
     return lines, agree / len(first)
 
 
+# Where 90% of the differences of two runs fall if each run's ratio spreads by an sd s: 1.645 sqrt(2) s.
+BAND = 1.645 * math.sqrt(2)
+
+
 def spread_line(first: list[dict], second: list[dict], spread: float) -> str:
-    """How many models' ``|r2 / r1 - 1|`` are within ``spread``, and the median and widest of them."""
+    """How many models' ``|r2 / r1 - 1|`` are within ``spread`` (an sd of one run, relative) and within the band
+    that would hold 90% of two runs' differences at that sd, and the median and widest of them."""
     other = {key(r): r for r in second}
     changes = sorted(abs(other[key(r)]["speed_ratio"] / r["speed_ratio"] - 1) for r in first)
-    within = sum(change <= spread for change in changes)
+    within, band = (sum(change <= limit for change in changes) for limit in (spread, BAND * spread))
     return (f"within the machine's spread of {spread:.2%}: {within} of {len(changes)} models "
-            f"({within / len(changes):.0%}); |r2/r1 - 1| median {statistics.median(changes):.2%}, "
+            f"({within / len(changes):.0%}); within {BAND * spread:.2%} (90% of two runs' differences at that sd): "
+            f"{band} ({band / len(changes):.0%}); |r2/r1 - 1| median {statistics.median(changes):.2%}, "
             f"widest {changes[-1]:.2%}")
 
 
