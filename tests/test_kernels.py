@@ -258,7 +258,7 @@ def test_a_training_run_records_the_choice_and_the_kernels_that_ran(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     with torch.no_grad():
         tiny()(torch.randn(1, 3, 32, 32))  # before the job: not its record
-    tracker = JobTracker.open(config, device="cpu")
+    tracker = JobTracker.open(config)
     params = client.get_run(tracker.run_id).data.params
     assert {key: params[key] for key in params if key.startswith("kernels")} == {
         "kernels.kmedoids": "auto", "kernels.kmeans": "torch", "kernels.merge": "auto", "kernels.attention": "auto",

@@ -373,7 +373,7 @@ def train(config: Config, session: Session, on_epoch: Callable[[dict[str, float]
             say(f"[rank 0] resuming from the checkpoint of epoch {start_epoch}")
     nodes = gather(session.node_id, session.world)
     if job.lead:
-        job.tracker = JobTracker.open(config, job.run_id, device=session.device)
+        job.tracker = JobTracker.open(config, job.run_id)
         job.run_id = job.tracker.run_id
         job.tracker.record_placement(nodes)
         if state is not None:

@@ -30,10 +30,10 @@ class JobTracker:
     config: Config
 
     @classmethod
-    def open(cls, config: Config, run_id: str | None = None, device: torch.device | str = "cpu") -> JobTracker:
+    def open(cls, config: Config, run_id: str | None = None) -> JobTracker:
         """Continues ``run_id`` (from this job's checkpoint), else starts a run for this job; the params are the
         config. The record of what the fused steps run starts here (``runtime.forget_dispatches``); ``finish``
-        logs it (``kernels_run.*``). ``device``: kept for callers; the record comes from the dispatches."""
+        logs it (``kernels_run.*``)."""
         train = config.train
         method = config.pooling.method if train.mode == "finetune" else KEEP_ALL
         plugin = plugin_of(method)
