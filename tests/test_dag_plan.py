@@ -409,3 +409,33 @@ def test_a_rehearsal_copy_that_does_not_validate_is_one_config_error(tmp_path, m
     assert "Value error" not in said and said.endswith(
         "the config itself is valid: run it without --rehearse, and report this fault of the rehearsal's scaling "
         "(pipeline/dag/rehearse.py)")
+
+
+@pytest.mark.slow  # builds DeiT-S and runs it at 224 px
+def test_the_rehearsals_speed_cap_holds_the_pilot_of_the_paper_configs_largest_model(restore_threads):
+    """``--rehearse`` evaluates the paper config's widths at their shapes on the CPU: its speed cap must hold the
+    pilot's blocks of the largest (DeiT-S, its level-1 list) at the rehearsal's batch on one thread, or no
+    evaluation gives an interval (a cap of 1 s refused every one of them: 0.6-2 s a block). A block is two calls
+    of each model; timed here once each after a warm-up, with room for a machine half as fast."""
+    import time
+
+    import torch
+
+    from pipeline.bench.paired import MIN_BLOCKS
+    from pipeline.dag.rehearse import RehearsalSettings
+    from pipeline.models import create_model
+    from pipeline.sparsity import level_keep
+
+    settings = RehearsalSettings()
+    torch.set_num_threads(1)
+    images = torch.randn(settings.batch, 3, 224, 224)
+    pooled = create_model("deit_small_patch16_224", method="wkmedoids",
+                          keep=level_keep("deit_small_patch16_224", 1)).eval()
+    seconds = 0.0
+    with torch.inference_mode():
+        for model in (pooled, create_model("deit_small_patch16_224").eval()):
+            model(images)
+            start = time.perf_counter()
+            model(images)
+            seconds += 2 * (time.perf_counter() - start)
+    assert 2 * MIN_BLOCKS * seconds < settings.speed_cap_s, (seconds, settings.speed_cap_s)

@@ -48,6 +48,11 @@ class RehearsalSettings:
     batch: int = 8  # images a step (even: Mixup/CutMix pair them)
     workers: int = 1  # Ray Train workers a training job (0 stays 0: in-process training)
     cpus: float = 1.0  # CPUs a worker, a trial and an evaluation task
+    # Each evaluation's paired speed at a 5% tolerance, within this many seconds: a limit that holds the pilot's
+    # blocks (``bench.paired.MIN_BLOCKS``) of the paper's largest model at ``batch`` on one CPU thread (DeiT-S:
+    # about 2.3 s a block here, 18 s a pilot), so every evaluation gives an interval; small models stop at the
+    # tolerance.
+    speed_cap_s: float = 60.0
     fail_method: str | None = None
 
     def __post_init__(self) -> None:
@@ -191,7 +196,7 @@ def _scaled(config: Config, settings: RehearsalSettings, train: Path, val: Path)
     exp["search"].update(algorithm="grid", num_samples=1, trial_workers=min(exp["search"]["trial_workers"],
                          settings.workers), trial_cpus=settings.cpus, trial_gpus=0.0, max_concurrent=None)
     eval_ = exp["eval"]
-    eval_.update(batch=settings.batch, warmup=1, speed_tolerance=0.05, speed_cap_s=1.0, device="cpu",
+    eval_.update(batch=settings.batch, warmup=1, speed_tolerance=0.05, speed_cap_s=settings.speed_cap_s, device="cpu",
                  cpus=settings.cpus,
                  analysis_images=min(eval_["analysis_images"], 1),
                  analysis_batch=min(eval_["analysis_batch"], settings.batch))
