@@ -22,12 +22,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from pipeline.pareto import relative_half_width
 from pipeline.report import fronts, read_csv, write_csv
 from pipeline.spread import read_record
 
 
 def half_width(row: dict) -> float:
-    return (row["speed_ratio_high"] - row["speed_ratio_low"]) / 2 / row["speed_ratio"]
+    return relative_half_width(row["speed_ratio"], row["speed_ratio_low"], row["speed_ratio_high"])
 
 
 def key(row: dict) -> tuple[str, str, str]:

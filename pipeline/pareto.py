@@ -47,6 +47,12 @@ def best_at_budgets(points: Sequence[Point], budgets: Sequence[float]) -> list[t
     return table
 
 
+def relative_half_width(ratio: float, low: float, high: float) -> float:
+    """The half-width of ``ratio``'s interval ``[low, high]``, relative to the ratio: what a speed's tolerance
+    bounds (``bench.paired``) and every speed label reports."""
+    return (high - low) / 2 / ratio
+
+
 @dataclass(frozen=True)
 class Measured:
     """A model whose cost is a measured interval [low, high] (seconds per image: lower is better) with top-1."""

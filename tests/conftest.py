@@ -52,6 +52,24 @@ def synthetic_data(tmp_path_factory) -> Callable[[int, int], Path]:
     return pair
 
 
+def one_evaluation_store(root: Path, experiment: str, dag: str, checkpoint: str, metrics: dict[str, float]) -> str:
+    """The URI of an MLflow store in ``root`` that holds, in the MLflow experiment ``experiment``, one DAG parent run
+    named ``dag`` and one finished evaluation under it (of ``checkpoint``, with ``metrics``), as `pipeline select`
+    reads an experiment."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment(experiment, artifact_location=(root / "a").as_uri())
+    parent = client.create_run(exp, run_name=dag, tags={"pipeline.stage": "dag"}).info.run_id
+    run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
+                                       "pipeline.done": "1"}).info.run_id
+    client.log_param(run, "checkpoint", checkpoint)
+    for key, value in metrics.items():
+        client.log_metric(run, key, value)
+    return uri
+
+
 @pytest.fixture
 def restore_threads():
     """torch's thread count as it was before the test (latency measurements set their table's)."""

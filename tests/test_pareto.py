@@ -109,3 +109,23 @@ def test_intervals_that_share_an_end_are_not_apart():
     # one middle: the more accurate first, whatever the ids
     same = [Measured("x", 1.0, 3.0, 60.0), Measured("y", 1.5, 2.5, 65.0)]
     assert [m.id for m, _ in measured_front(same)] == ["y", "x"]
+
+
+def test_a_relative_half_width_is_half_the_interval_over_the_ratio():
+    from pipeline.pareto import relative_half_width
+
+    assert relative_half_width(0.5, 0.48, 0.52) == pytest.approx(0.04)
+    assert relative_half_width(2.0, 1.8, 2.4) == pytest.approx(0.15)  # an interval not centred on the ratio
+    assert relative_half_width(1.0, 1.0, 1.0) == 0.0
+
+
+def test_a_tie_margin_keeps_models_within_it_on_the_front_as_ties():
+    """a: [1.0, 1.1] s, b: [1.15, 1.2] s, equally accurate. Apart beyond the intervals alone (1.1 < 1.15): b is
+    beaten. With a 5% margin, a's upper end grows to 1.155, past b's lower end: no longer apart, so both stay on the
+    front as each other's ties (each interval widened upward by the margin overlaps the other)."""
+    from pipeline.pareto import Measured, beats, measured_front
+
+    a, b = Measured("a", 1.0, 1.1, 70.0), Measured("b", 1.15, 1.2, 70.0)
+    assert beats(a, b) and beats(a, b, 0.04) and not beats(a, b, 0.05)  # 1.1 x 1.04 = 1.144 < 1.15 <= 1.155
+    assert [(m.id, ties) for m, ties in measured_front([a, b])] == [("a", [])]
+    assert [(m.id, ties) for m, ties in measured_front([a, b], 0.05)] == [("a", ["b"]), ("b", ["a"])]

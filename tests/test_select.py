@@ -9,6 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
+from tests.conftest import one_evaluation_store
 
 # (method, level, top1, gflops, images/s, device): the models the hand-built experiment evaluated.
 MODELS = [
@@ -118,15 +119,8 @@ def test_select_needs_exactly_one_budget(store, capsys):
 
 def test_the_dag_is_found_in_any_mlflow_experiment(tmp_path, capsys):
     # configs/experiments/demo.yaml records under train.experiment: demo, not token-pooling
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("demo", artifact_location=(tmp_path / "a").as_uri())
-    parent = client.create_run(exp, run_name="demo", tags={"pipeline.stage": "dag"}).info.run_id
-    run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
-                                       "pipeline.done": "1"}).info.run_id
-    client.log_param(run, "checkpoint", "/ckpt/a")
-    for key, value in (("top1", 70.0), ("gflops", 0.002), ("images_per_s", 500.0)):
-        client.log_metric(run, key, value)
+    uri = one_evaluation_store(tmp_path, "demo", "demo", "/ckpt/a",
+                               {"top1": 70.0, "gflops": 0.002, "images_per_s": 500.0})
     assert main(["select", "--experiment", "demo", "--tracking-uri", uri, "--max-gflops", "0.005"]) == 0
     assert "model: /ckpt/a" in capsys.readouterr().out
 

@@ -26,6 +26,7 @@ from pipeline.spread import (
     spread_statistics,
     tie_margin,
 )
+from tests.conftest import one_evaluation_store
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "experiments" / "demo.yaml"
@@ -159,22 +160,14 @@ def test_select_prints_the_machines_spread_beside_the_interval(tmp_path, monkeyp
     """``pipeline select`` names this machine's record (runs/machine/ under the working folder) where the pick was
     timed with an interval on a device and threads it has one for; without a record its output is as before."""
     import torch
-    from mlflow.tracking import MlflowClient
 
     from pipeline.bench.blocks import device_name
     from pipeline.dag.records import RATE_HIGH, RATE_LOW, SCALED_RATE
 
     monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())
-    parent = client.create_run(exp, run_name="spread", tags={"pipeline.stage": "dag"}).info.run_id
-    run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
-                                       "pipeline.done": "1"}).info.run_id
-    client.log_param(run, "checkpoint", "/ckpt/m")
-    for key, value in (("top1", 70.0), ("gflops", 0.002), ("images_per_s", 2000.0), (SCALED_RATE, 2000.0),
-                       (RATE_LOW, 1950.0), (RATE_HIGH, 2050.0)):
-        client.log_metric(run, key, value)
+    uri = one_evaluation_store(tmp_path, "x", "spread", "/ckpt/m", {
+        "top1": 70.0, "gflops": 0.002, "images_per_s": 2000.0, SCALED_RATE: 2000.0, RATE_LOW: 1950.0,
+        RATE_HIGH: 2050.0})
     args = ["select", "--experiment", "spread", "--tracking-uri", uri, "--min-images-per-s", "1000"]
     assert main(args) == 0
     assert "machine_spread" not in capsys.readouterr().out

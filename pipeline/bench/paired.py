@@ -36,6 +36,7 @@ import torch
 
 from pipeline.bench.heap import steady_heap
 from pipeline.errors import InputError
+from pipeline.pareto import relative_half_width
 
 CONFIDENCE = 0.95
 MIN_BLOCKS = 8
@@ -82,7 +83,7 @@ class SpeedRatio:
     @property
     def half_width(self) -> float:
         """The interval's half-width relative to the ratio."""
-        return (self.high - self.low) / 2 / self.ratio
+        return relative_half_width(self.ratio, self.low, self.high)
 
     def covers(self, value: float) -> bool:
         return self.low <= value <= self.high
@@ -242,7 +243,7 @@ def _measure(fn: Callable[[], object], reference: Callable[[], object], timer: C
                          f"{settings.cap_key} to at least {math.ceil(pace * FEWEST_BLOCKS)} s (to "
                          f"{math.ceil(pace * 2 * MIN_BLOCKS)} s for a pilot and the blocks it plans)")
     ratio, low, high = median_interval(blocks)
-    reached = (high - low) / 2 / ratio <= settings.tolerance
+    reached = relative_half_width(ratio, low, high) <= settings.tolerance
     stop = ("cap" if capped else "tolerance" if reached
             else "max_blocks" if planned == settings.max_blocks else "wider")
     return SpeedRatio(ratio, low, high, len(blocks), stop, half, seconds, tuple(blocks),

@@ -7,6 +7,7 @@ from typing import Any
 
 from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
+from pipeline.pareto import relative_half_width
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 from pipeline.serving.server import DEFAULT_STORE
 from pipeline.spread import machine_record, tie_margin
@@ -24,15 +25,11 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                      "checkpoint": trained.checkpoint, "stage_id": stage.id, "run_id": trained.run_id,
                      "analysis": measured.analysis, "speed_ratio": measured.speed_ratio,
                      "speed_ratio_low": measured.speed_ratio_low, "speed_ratio_high": measured.speed_ratio_high,
-                     "speed_seconds": measured.speed_seconds, "speed_half_width": half_width(measured),
+                     "speed_seconds": measured.speed_seconds, "speed_half_width": relative_half_width(
+                         measured.speed_ratio, measured.speed_ratio_low, measured.speed_ratio_high),
                      "speed_blocks": measured.speed_blocks, "speed_stop": measured.speed_stop,
                      "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile}"})
     return rows
-
-
-def half_width(measured: EvalResult) -> float:
-    """The paired speed ratio's 95% interval's half-width, relative to the ratio."""
-    return (measured.speed_ratio_high - measured.speed_ratio_low) / 2 / measured.speed_ratio
 
 
 def measure_scale(ctx, rows: list[dict[str, Any]]):
@@ -154,12 +151,11 @@ def record_latency(client, rows: list[dict[str, Any]], evaluations: dict[str, Ev
         if row["target_unit"] != "ms":
             continue
         metrics = {} if row["predicted"] is None else {LATENCY_PREDICTED: row["predicted"]}
+        tags = {LATENCY_TABLE_TAG: row["table_sha256"]}
         if row["measured"] is not None:
             metrics |= {LATENCY_METRIC: row["measured"], LATENCY_HIGH: row["measured_high"],
                         "latency_speed_blocks": row["speed_blocks"],
                         "latency_speed_half_width": row["speed_half_width"]}
-        tags = {LATENCY_TABLE_TAG: row["table_sha256"]}
-        if row["measured"] is not None:
             tags["pipeline.latency_speed_stop"] = row["speed_stop"]
         log_batch(client, evaluations[row["stage_id"]].run_id, metrics=metrics, tags=tags)
 
