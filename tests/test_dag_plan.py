@@ -439,3 +439,15 @@ def test_the_rehearsals_speed_cap_holds_the_pilot_of_the_paper_configs_largest_m
             model(images)
             seconds += 2 * (time.perf_counter() - start)
     assert 2 * MIN_BLOCKS * seconds < settings.speed_cap_s, (seconds, settings.speed_cap_s)
+
+
+@pytest.mark.parametrize("bad", [{"steps": 0}, {"batch": 3}, {"workers": -1}, {"cpus": 0.0}, {"speed_cap_s": 0.0},
+                                 {"speed_cap_s": float("nan")}])
+def test_rehearsal_settings_out_of_range_are_refused_in_one_line(bad):
+    from pipeline.dag.rehearse import RehearsalSettings
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError, match=r"^rehearsal: steps .*: give steps >= 1, an even batch >= 2, workers >= 0, "
+                                         r"cpus > 0 and speed_cap_s > 0$"):
+        RehearsalSettings(**bad)
+    RehearsalSettings()  # the defaults are fine

@@ -56,9 +56,11 @@ class RehearsalSettings:
     fail_method: str | None = None
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch < 2 or self.batch % 2 or self.workers < 0 or self.cpus <= 0:
+        if (self.steps < 1 or self.batch < 2 or self.batch % 2 or self.workers < 0 or self.cpus <= 0
+                or not self.speed_cap_s > 0):
             raise InputError(f"rehearsal: steps {self.steps}, batch {self.batch}, workers {self.workers}, cpus "
-                             f"{self.cpus}: give steps >= 1, an even batch >= 2, workers >= 0 and cpus > 0")
+                             f"{self.cpus}, speed_cap_s {self.speed_cap_s}: give steps >= 1, an even batch >= 2, "
+                             "workers >= 0, cpus > 0 and speed_cap_s > 0")
 
 
 # ---- the folder: its generated data kept, its store cleared ----
