@@ -160,8 +160,14 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root, data):
     counts = {kind: len(runs) for kind, runs in by_kind.items()}
     sweeps = sorted(p.name for p in (root / "ray").iterdir())
     lines: list[str] = []
-    third = run_experiment(load_config(TINY, [*tiny_overrides(root, data), TARGET]), log=lines.append)
+    # tiny.yaml leaves experiment.select.tie_margin at none; a margin is not part of the DAG's id, and the select
+    # stage tags the parent run with the choice and the margin its speed front used
+    assert (parent.data.tags["pipeline.tie_margin_choice"], parent.data.tags["pipeline.tie_margin"]) == ("none", "0")
+    margin = "experiment.select.tie_margin=0.02"
+    third = run_experiment(load_config(TINY, [*tiny_overrides(root, data), TARGET, margin]), log=lines.append)
     assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == counts
+    tags = client.get_run(parent.info.run_id).data.tags
+    assert (tags["pipeline.tie_margin_choice"], tags["pipeline.tie_margin"]) == ("0.02", "0.02")
     assert len(third["rows"]) == len(finetunes)
     assert sorted(p.name for p in (root / "ray").iterdir()) == sweeps
     assert not [line for line in lines if line.startswith(("[sweep]", "[evaluate]", "[run]"))], lines

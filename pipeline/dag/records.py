@@ -24,6 +24,8 @@ DONE = "pipeline.done"
 RESULT = "pipeline.result"
 DAG = "pipeline.dag"
 IDENTITY_TAG = "pipeline.identity_version"  # on a DAG's parent run and its stage runs: ``IDENTITY_VERSION``
+# On a DAG's parent run: experiment.select.tie_margin as configured, and the relative margin the speed front used.
+TIE_MARGIN_CHOICE, TIE_MARGIN = "pipeline.tie_margin_choice", "pipeline.tie_margin"
 TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of its model
 # On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
 # table's sha256.

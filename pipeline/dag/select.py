@@ -245,6 +245,8 @@ def _store_flag(tracking_uri: str) -> str:
 
 def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                evaluations: dict[str, EvalResult], bases: dict[str, TrainedResult] | None = None) -> dict[str, Any]:
+    from pipeline.dag.records import TIE_MARGIN, TIE_MARGIN_CHOICE
+
     exp = ctx.config.experiment
     rows = result_rows(ft_stages, ft_results, evaluations)
     scale = measure_scale(ctx, rows)
@@ -259,6 +261,8 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     record_latency(ctx.client, targeted, evaluations)
     device = next(iter(evaluations.values())).device if evaluations else "cpu"
     margin = tie_margin(exp.select.tie_margin, device, exp.eval.threads)
+    ctx.client.set_tag(ctx.parent, TIE_MARGIN_CHOICE, str(exp.select.tie_margin))
+    ctx.client.set_tag(ctx.parent, TIE_MARGIN, f"{margin:.6g}")
     spread = machine_record(device, exp.eval.threads)
     if spread is not None:
         ctx.log(f"[select] this machine's run-to-run spread ({spread.source()}): {spread.summary()}")
