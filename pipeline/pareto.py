@@ -17,11 +17,6 @@ class Point:
     top1: float
 
 
-def dominates(a: Point, b: Point) -> bool:
-    """``a`` is no worse than ``b`` in both objectives and strictly better in one."""
-    return a.cost <= b.cost and a.top1 >= b.top1 and (a.cost < b.cost or a.top1 > b.top1)
-
-
 def pareto_front(points: Sequence[Point]) -> list[Point]:
     """The non-dominated points, by increasing cost.
 

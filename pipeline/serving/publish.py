@@ -34,16 +34,6 @@ def pip_requirements() -> list[str]:
     return [f"{name}=={version(name).split('+')[0]}" for name in names]
 
 
-def example_batch(model, images: int = 1):
-    """A fixed (images, 3, H, W) float32 batch at the model's input size (seeded, reproducible)."""
-    import torch
-
-    from pipeline.models import data_config
-
-    size = data_config(model)["input_size"]
-    return torch.randn(images, *size, generator=torch.Generator().manual_seed(0))
-
-
 def model_config(model, classes: list[str]) -> dict[str, Any]:
     """What the served model needs besides its weights: the class names and timm's data config."""
     from pipeline.models import data_config
