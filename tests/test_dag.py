@@ -112,6 +112,8 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root, data):
     # 3. MLflow: one parent run; every stage run is its child; the report and K lists are artifacts.
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     (parent,) = by_kind["dag"]
+    # the select stage tags the parent with experiment.select.tie_margin (tiny.yaml's: none) and the margin it used
+    assert (parent.data.tags["pipeline.tie_margin_choice"], parent.data.tags["pipeline.tie_margin"]) == ("none", "0")
     for kind in ("base", "ksearch", "finetune", "evaluate"):
         assert all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in by_kind[kind]), kind
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
@@ -156,13 +158,11 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root, data):
     version = client.get_model_version_by_alias("token-pooling-tiny", "best")
     assert version.run_id in {r.info.run_id for r in finetunes}
 
-    # 4. A third run trains nothing, records nothing new and starts no Tune sweep or evaluation task.
+    # 4. A third run, with another tie margin (not part of the DAG's id), trains nothing, records nothing new and
+    # starts no Tune sweep or evaluation task; its select stage retags the same parent run with the new margin.
     counts = {kind: len(runs) for kind, runs in by_kind.items()}
     sweeps = sorted(p.name for p in (root / "ray").iterdir())
     lines: list[str] = []
-    # tiny.yaml leaves experiment.select.tie_margin at none; a margin is not part of the DAG's id, and the select
-    # stage tags the parent run with the choice and the margin its speed front used
-    assert (parent.data.tags["pipeline.tie_margin_choice"], parent.data.tags["pipeline.tie_margin"]) == ("none", "0")
     margin = "experiment.select.tie_margin=0.02"
     third = run_experiment(load_config(TINY, [*tiny_overrides(root, data), TARGET, margin]), log=lines.append)
     assert {kind: len(runs) for kind, runs in runs_by_kind(root).items()} == counts

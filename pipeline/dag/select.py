@@ -246,6 +246,7 @@ def _store_flag(tracking_uri: str) -> str:
 def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                evaluations: dict[str, EvalResult], bases: dict[str, TrainedResult] | None = None) -> dict[str, Any]:
     from pipeline.dag.records import TIE_MARGIN, TIE_MARGIN_CHOICE
+    from pipeline.tracking import log_batch
 
     exp = ctx.config.experiment
     rows = result_rows(ft_stages, ft_results, evaluations)
@@ -261,8 +262,6 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     record_latency(ctx.client, targeted, evaluations)
     device = next(iter(evaluations.values())).device if evaluations else "cpu"
     margin = tie_margin(exp.select.tie_margin, device, exp.eval.threads)
-    ctx.client.set_tag(ctx.parent, TIE_MARGIN_CHOICE, str(exp.select.tie_margin))
-    ctx.client.set_tag(ctx.parent, TIE_MARGIN, f"{margin:.6g}")
     spread = machine_record(device, exp.eval.threads)
     if spread is not None:
         ctx.log(f"[select] this machine's run-to-run spread ({spread.source()}): {spread.summary()}")
@@ -270,6 +269,8 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                          targets=targeted, speed_warning=warning, tie_margin=margin, spread=spread)
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
+    # after the report it describes: a rerun with another margin (not part of the DAG's id) retags the same parent
+    log_batch(ctx.client, ctx.parent, tags={TIE_MARGIN_CHOICE: str(exp.select.tie_margin), TIE_MARGIN: f"{margin:.6g}"})
     front = fronts(rows, exp.select.cost, margin)["all"]
     budgets = list(exp.budgets) if exp.budgets else default_budgets(rows)
     aliases = register_models(ctx, registry_picks(rows, front, budgets, targeted)) if exp.register_models else []
