@@ -34,7 +34,6 @@ from pipeline.dag.sweep import one_line, run_sweep
 from pipeline.dag.types import EvalResult, Tracking, TrainedResult, from_record
 from pipeline.errors import JobError
 from pipeline.methods import KEEP_ALL
-from pipeline.pareto import relative_half_width
 from pipeline.tracking import check_tracking_uri
 from pipeline.train.launch import TIMING, check_reaches_workers, connect_ray, preflight, resolve_paths
 
@@ -293,7 +292,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
 def speed_line(result: EvalResult) -> str:
     """``time 0.642 [0.631, 0.655] of the unmodified model (31 blocks, tolerance, +-1.7%)``: the ratio, its interval,
     what bounded the measurement and the half-width it reached."""
-    half = relative_half_width(result.speed_ratio, result.speed_ratio_low, result.speed_ratio_high)
+    half = result.speed_half_width
     return (f"time {result.speed_ratio:.3f} [{result.speed_ratio_low:.3f}, {result.speed_ratio_high:.3f}] of the "
             f"unmodified model ({result.speed_blocks} blocks, {result.speed_stop}, +-{half:.1%})")
 

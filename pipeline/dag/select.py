@@ -7,7 +7,6 @@ from typing import Any
 
 from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
-from pipeline.pareto import relative_half_width
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 from pipeline.serving.server import DEFAULT_STORE
 from pipeline.spread import machine_record, tie_margin
@@ -25,8 +24,7 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                      "checkpoint": trained.checkpoint, "stage_id": stage.id, "run_id": trained.run_id,
                      "analysis": measured.analysis, "speed_ratio": measured.speed_ratio,
                      "speed_ratio_low": measured.speed_ratio_low, "speed_ratio_high": measured.speed_ratio_high,
-                     "speed_seconds": measured.speed_seconds, "speed_half_width": relative_half_width(
-                         measured.speed_ratio, measured.speed_ratio_low, measured.speed_ratio_high),
+                     "speed_seconds": measured.speed_seconds, "speed_half_width": measured.speed_half_width,
                      "speed_blocks": measured.speed_blocks, "speed_stop": measured.speed_stop,
                      "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile}"})
     return rows

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.config import Config, EvalConfig
+from pipeline.pareto import relative_half_width
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,11 @@ class EvalResult:
     load_after: float | None = None
 
     as_record = _record
+
+    @property
+    def speed_half_width(self) -> float:
+        """The paired speed ratio's 95% interval's half-width, relative to the ratio."""
+        return relative_half_width(self.speed_ratio, self.speed_ratio_low, self.speed_ratio_high)
 
 
 def from_record(cls: type, record: dict[str, Any], run_id: str, **extra: Any) -> Any:
