@@ -4,8 +4,6 @@ held context casts each weight once."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -26,16 +24,17 @@ def test_default_calls_queue_on_cuda_only():
 
 
 def test_timed_returns_seconds_a_call_over_calls_back_to_back(monkeypatch):
-    events = []
-    monkeypatch.setattr(timing, "sync", lambda device: events.append("sync"))
+    """On a clock that a call advances by 2 s and a synchronisation by 1 s: 3 calls then one sync read 7 s."""
+    events, now = [], [100.0]
+    monkeypatch.setattr(timing, "sync", lambda device: (events.append("sync"), now.__setitem__(0, now[0] + 1.0)))
 
     def fn():
         events.append("call")
-        time.sleep(0.01)
+        now[0] += 2.0
 
-    seconds = timing.timed(fn, torch.device("cuda"), calls=3)
+    seconds = timing.timed(fn, torch.device("cuda"), calls=3, clock=lambda: now[0])
     assert events == ["call", "call", "call", "sync"], "one synchronisation after the last call"
-    assert 0.01 <= seconds < 0.03 * 3, seconds  # a call's time, not the sample's
+    assert seconds == pytest.approx(7.0 / 3)  # a call's time, the sync's share included, not the sample's
 
 
 def test_time_paired_alternates_samples_of_calls():
@@ -47,17 +46,20 @@ def test_time_paired_alternates_samples_of_calls():
 
 
 def test_host_seconds_times_each_call_from_an_idle_device(monkeypatch):
-    events = []
-    monkeypatch.setattr(timing, "sync", lambda device: events.append("sync"))
-    sleeps = iter([0.001, 0.03, 0.008])
+    """On a clock that each call advances by its own step and a synchronisation by 100 s (outside the timed call):
+    the median of the calls' steps."""
+    events, now = [], [0.0]
+    monkeypatch.setattr(timing, "sync", lambda device: (events.append("sync"), now.__setitem__(0, now[0] + 100.0)))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    steps = iter([1.0, 30.0, 8.0])
 
     def fn():
         events.append("call")
-        time.sleep(next(sleeps))
+        now[0] += next(steps)
 
     seconds = timing.host_seconds(fn, torch.device("cuda"), repeats=3)
     assert events == ["sync", "call"] * 3 + ["sync"]
-    assert 0.008 <= seconds < 0.03, "the median of the three calls"
+    assert seconds == 8.0, "the median of the three calls"
 
 
 def _casts(counter: OpCounter) -> int:
