@@ -57,6 +57,7 @@ class Evaluation:
     speed_seconds: float = 0.0  # wall time of the pilot and the blocks
     load_before: float = math.nan  # the 1-minute load average before and after the timing
     load_after: float = math.nan
+    device_name: str = ""  # ``bench.blocks.device_name`` of the device it was timed on: its spread record's name
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +127,7 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
     """Everything the select stage needs about one trained model, measured in ``cfg``'s setting with
     ``kernels`` (default all ``auto``; each fused kernel is checked on the device first at the model's shapes);
     ``kernels`` of the result is what the dispatches of its top-1 and timed calls ran."""
+    from pipeline.bench.blocks import device_name
     from pipeline.flops import count_flops
     from pipeline.models import set_kernels
     from pipeline.models.selfcheck import check_model, kernels_ran
@@ -157,8 +159,8 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
                       images_per_s_spread=rate / ratio.low - rate / ratio.high, num_images=count, device=device,
                       dtype=dtype, compile=mode, kernels=ran, speed_ratio=ratio.ratio, speed_ratio_low=ratio.low,
                       speed_ratio_high=ratio.high, speed_blocks=ratio.blocks, speed_stop=ratio.stop,
-                      speed_seconds=ratio.seconds,
-                      load_before=load_before, load_after=load_after)
+                      speed_seconds=ratio.seconds, load_before=load_before, load_after=load_after,
+                      device_name=device_name(target))
 
 
 @dataclass(frozen=True)

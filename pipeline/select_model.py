@@ -52,6 +52,7 @@ class Candidate:
     images_per_s_high: float | None = None
     latency_ms_high: float | None = None  # the measured latency's interval's upper end
     threads: int = 1  # the CPU threads it was timed with (``experiment.eval.threads``)
+    device_name: str | None = None  # the timed device's name (``bench.blocks.device_name``): its spread record
 
     @property
     def slowest_rate(self) -> float:
@@ -115,7 +116,8 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
                              metrics["gflops"], metrics.get(SCALED_RATE, metrics["images_per_s"]),
                              params.get("eval_device", "cpu"), metrics.get(LATENCY_METRIC),
                              run.data.tags.get(LATENCY_TABLE_TAG), metrics.get(RATE_LOW), metrics.get(RATE_HIGH),
-                             metrics.get(LATENCY_HIGH), int(params.get("eval_threads", 1))))
+                             metrics.get(LATENCY_HIGH), int(params.get("eval_threads", 1)),
+                             params.get("eval_device_name")))
     if not out:
         raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
     return out

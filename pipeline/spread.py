@@ -188,46 +188,50 @@ def read_record(path: Path) -> SpreadRecord:
             from None
 
 
-def machine_record(device: str, threads: int, root: Path = MACHINE_DIR) -> SpreadRecord | None:
-    """This machine's record for evaluations on ``device`` (``cpu`` or ``cuda``, as an evaluation names it) at
-    ``threads``: the file of this machine's device name (``bench.blocks.device_name``), None where there is none
-    (or no such device here)."""
-    import torch
-
-    from pipeline.bench.blocks import device_name
-
-    if device == "cuda" and not torch.cuda.is_available():
-        return None
-    path = record_path(device_name(torch.device(device)), threads, root)
-    return read_record(path) if path.is_file() else None
+def machine_record(name: str | None, threads: int, root: Path = MACHINE_DIR) -> SpreadRecord | None:
+    """The record of the device called ``name`` (``bench.blocks.device_name``: where a model was timed, which may
+    be another node than this one) at ``threads``; None where there is none, or no name."""
+    path = None if name is None else record_path(name, threads, root)
+    return read_record(path) if path is not None and path.is_file() else None
 
 
-def tie_margin(choice: str | float, device: str, threads: int, root: Path = MACHINE_DIR) -> float:
+def tie_margin(choice: str | float, name: str | None, threads: int, root: Path = MACHINE_DIR) -> float:
     """``experiment.select.tie_margin`` as a relative margin: 0 for ``none``, the recorded ``between`` spread of
-    this machine for ``machine`` (a MissingFileError where there is no record), a number as it is."""
+    the device called ``name`` for ``machine`` (a MissingFileError where there is no record), a number as it is."""
     if choice == "none":
         return 0.0
     if choice != "machine":
         return float(choice)
-    record = machine_record(device, threads, root)
+    record = machine_record(name, threads, root)
     if record is None:
+        device = name or "the timed device (its evaluations did not name it)"
         raise MissingFileError(f"experiment.select.tie_margin: machine, but no run-to-run spread is recorded for "
-                               f"{device} at {threads} thread(s) under {root}; run `python -m pipeline doctor "
-                               "--speed CONFIG` on this machine first, or set tie_margin: none or a number")
+                               f"{device} at {threads} thread(s) under {root}; run `python -m pipeline doctor --speed "
+                               "CONFIG` on a machine with that device first, or set tie_margin: none or a number")
     return record.between
 
 
 def check_tie_margin(config: Config, root: Path = MACHINE_DIR) -> None:
-    """``run --plan``'s check of ``experiment.select.tie_margin: machine``: a record for the evaluation's device
-    (``eval.device``; ``auto`` is the GPU where this machine has one) and threads. A ConfigError without one."""
+    """``run --plan``'s check of ``experiment.select.tie_margin: machine``: a record for this machine's evaluation
+    device (``eval.device``; ``auto`` is the GPU where this machine has one) at ``eval.threads``. A ConfigError
+    without one. Where this machine has no GPU and the evaluations ask for one, they run on other nodes, whose
+    device the select stage looks up: any record at those threads passes here."""
     exp = config.experiment
     if exp.select.tie_margin != "machine":
         return
     import torch
 
+    from pipeline.bench.blocks import device_name
+
     device = exp.eval.device if exp.eval.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():  # timed on other nodes: their record is read at select
+        if any(root.glob(f"speed-*-t{exp.eval.threads}.json")):
+            return
+        name = "the evaluations' GPU"
+    else:
+        name = device_name(torch.device(device))
     try:
-        tie_margin("machine", device, exp.eval.threads, root)
+        tie_margin("machine", name, exp.eval.threads, root)
     except MissingFileError as err:
         raise ConfigError(str(err)) from None
 

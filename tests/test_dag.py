@@ -18,6 +18,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from pipeline.bench.blocks import device_name
 from pipeline.config import load_config
 from pipeline.dag.plan import count_plan
 from pipeline.dag.records import DONE, STAGE_KIND
@@ -317,6 +318,8 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(synthetic_data, tmp
     for run in (*finetunes, *evaluations):
         assert (run.data.tags["pipeline.plugin"], run.data.tags["pipeline.plugin_version"]) == ("tp-plugin", "0.1")
     assert len(evaluations) == 1 and "pipeline.plugin" not in runs["base"][0].data.tags
+    # the device it was timed on, by the name its spread record has (pipeline select looks the record up by it)
+    assert evaluations[0].data.params["eval_device_name"] == device_name(torch.device("cpu"))
 
 
 def resident_high_mark_mb() -> float:

@@ -4,12 +4,14 @@ front by measured speed (``experiment.select.tie_margin``)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.cli import main
 from pipeline.config import ConfigError, load_config
@@ -88,27 +90,50 @@ def test_the_default_file_is_named_by_the_device_and_threads(tmp_path):
         read_record(tmp_path / "bad.json")
 
 
-def test_the_tie_margin_comes_from_this_machines_record(tmp_path):
+def test_the_tie_margin_comes_from_the_timed_devices_record(tmp_path):
+    """The margin is the record of the device the models were timed on, by its name: a record of another device
+    (another node's card) is not this one's; ``run --plan`` checks this machine's device."""
     from pipeline.bench.blocks import device_name
 
-    assert tie_margin("none", "cpu", 1, tmp_path) == 0.0 and tie_margin(0.02, "cpu", 1, tmp_path) == 0.02
-    with pytest.raises(MissingFileError, match="pipeline doctor --speed"):
-        tie_margin("machine", "cpu", 1, tmp_path)
+    here = device_name(torch.device("cpu"))
+    assert tie_margin("none", here, 1, tmp_path) == 0.0 and tie_margin(0.02, here, 1, tmp_path) == 0.02
+    with pytest.raises(MissingFileError, match=f"recorded for {re.escape(here)} at 1 thread.*pipeline doctor --speed"):
+        tie_margin("machine", here, 1, tmp_path)
     config = load_config(DEMO, ["experiment.select.tie_margin=machine"])
     with pytest.raises(ConfigError, match="no run-to-run spread is recorded"):
         check_tie_margin(config, tmp_path)
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
-    import torch
-
-    out = record_path(device_name(torch.device("cpu")), 1, tmp_path)
+    out = record_path(here, 1, tmp_path)
     measure_spread(SPEC, 2, 0.0, out=out, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
     # two ratios: sd = 0.01 * sqrt(2), mean 0.65
-    assert tie_margin("machine", "cpu", 1, tmp_path) == pytest.approx(0.0141421 / 0.65, rel=1e-5)
+    assert tie_margin("machine", here, 1, tmp_path) == pytest.approx(0.0141421 / 0.65, rel=1e-5)
     check_tie_margin(config, tmp_path)
-    assert machine_record("cpu", 2, tmp_path) is None  # another thread count: another record
-    text = "\n".join(machine_lines(machine_record("cpu", 1, tmp_path), 0.0))
+    assert machine_record(here, 2, tmp_path) is None  # another thread count: another record
+    assert machine_record("NVIDIA H200", 1, tmp_path) is None and machine_record(None, 1, tmp_path) is None
+    with pytest.raises(MissingFileError, match="recorded for NVIDIA H200 at 1 thread"):
+        tie_margin("machine", "NVIDIA H200", 1, tmp_path)
+    with pytest.raises(MissingFileError, match=r"recorded for the timed device \(its evaluations did not name it\)"):
+        tie_margin("machine", None, 1, tmp_path)  # evaluations recorded before they logged the name
+    other = record_path("NVIDIA H200", 1, tmp_path)
+    other.write_text(out.read_text().replace(here, "NVIDIA H200"))  # as doctor --speed wrote it on a GPU node
+    assert machine_record("NVIDIA H200", 1, tmp_path).path == str(other)
+    text = "\n".join(machine_lines(machine_record(here, 1, tmp_path), 0.0))
     assert "spread 2.2% (sd/mean; 0.640 to 0.660)" in text and str(out) in text
     assert machine_lines(None, 0.0) == []  # no record, no margin: the report as before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a driver without the evaluations' GPU")
+def test_the_plan_check_of_a_gpu_evaluation_on_a_driver_without_one_needs_some_record(tmp_path):
+    """Evaluations on ``cuda`` planned from a machine without a GPU run on other nodes: their card's name is not
+    known here, so the plan accepts any record at the threads (the select stage reads the card's own)."""
+    config = load_config(DEMO, ["experiment.select.tie_margin=machine", "experiment.eval.device=cuda"])
+    with pytest.raises(ConfigError, match="recorded for the evaluations' GPU at 1 thread"):
+        check_tie_margin(config, tmp_path)
+    record_path("NVIDIA H200", 1, tmp_path).write_text("{}")
+    check_tie_margin(config, tmp_path)
+    record_path("NVIDIA H200", 1, tmp_path).rename(record_path("NVIDIA H200", 2, tmp_path))
+    with pytest.raises(ConfigError, match="the evaluations' GPU at 1 thread"):
+        check_tie_margin(config, tmp_path)
 
 
 def test_a_model_one_percent_slower_is_a_tie_at_a_two_percent_margin():
@@ -156,28 +181,36 @@ def test_doctor_speed_runs_two_processes_through_the_cli(tmp_path):
     assert len(record["processes"]) == 2 and record["pair"]["eval"]["batch"] == 8 and record["threads"] == 1
 
 
-def test_select_prints_the_machines_spread_beside_the_interval(tmp_path, monkeypatch, capsys):
-    """``pipeline select`` names this machine's record (runs/machine/ under the working folder) where the pick was
-    timed with an interval on a device and threads it has one for; without a record its output is as before."""
-    import torch
+def test_select_prints_the_timed_devices_spread_beside_the_interval(tmp_path, monkeypatch, capsys):
+    """``pipeline select`` names the record (runs/machine/ under the working folder) of the device the pick was
+    timed on, by the name its evaluation logged, whichever machine runs select; without one its output is as
+    before."""
+    from mlflow.tracking import MlflowClient
 
-    from pipeline.bench.blocks import device_name
     from pipeline.dag.records import RATE_HIGH, RATE_LOW, SCALED_RATE
 
     monkeypatch.chdir(tmp_path)
     uri = one_evaluation_store(tmp_path, "x", "spread", "/ckpt/m", {
         "top1": 70.0, "gflops": 0.002, "images_per_s": 2000.0, SCALED_RATE: 2000.0, RATE_LOW: 1950.0,
         RATE_HIGH: 2050.0})
+    client = MlflowClient(tracking_uri=uri)
+    (evaluation,) = client.search_runs([client.get_experiment_by_name("x").experiment_id],
+                                       filter_string="tags.`pipeline.stage` = 'evaluate'")
+    client.log_param(evaluation.info.run_id, "eval_device_name", "Another Node's CPU")
     args = ["select", "--experiment", "spread", "--tracking-uri", uri, "--min-images-per-s", "1000"]
+    run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
+    from pipeline.bench.blocks import device_name
+
+    here = record_path(device_name(torch.device("cpu")), 1)  # this machine's: not where the pick was timed
+    measure_spread(SPEC, 2, 0.0, out=here, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
     assert main(args) == 0
     assert "machine_spread" not in capsys.readouterr().out
-    run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
-    out = record_path(device_name(torch.device("cpu")), 1)
-    measure_spread(SPEC, 2, 0.0, out=out, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
+    there = record_path("Another Node's CPU", 1)
+    there.write_text(here.read_text())
     assert main(args) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("machine_spread: "))
     assert line.startswith("machine_spread: 2.2% between processes (sd/mean), median half-width 1.0% within one (")
-    assert str(out) in line
+    assert str(there) in line
 
 
 def test_the_tie_margin_leaves_the_experiments_id_alone():

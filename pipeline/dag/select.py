@@ -258,11 +258,11 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                  for arch, base in (bases or {}).items()]
     targeted = target_rows(ctx, ft_stages, rows)
     record_latency(ctx.client, targeted, evaluations)
-    device = next(iter(evaluations.values())).device if evaluations else "cpu"
-    margin = tie_margin(exp.select.tie_margin, device, exp.eval.threads)
-    spread = machine_record(device, exp.eval.threads)
+    name = next(iter(evaluations.values())).device_name if evaluations else None  # where the models were timed
+    margin = tie_margin(exp.select.tie_margin, name, exp.eval.threads)
+    spread = machine_record(name, exp.eval.threads)
     if spread is not None:
-        ctx.log(f"[select] this machine's run-to-run spread ({spread.source()}): {spread.summary()}")
+        ctx.log(f"[select] the run-to-run spread of {name} ({spread.source()}): {spread.summary()}")
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
                          targets=targeted, speed_warning=warning, tie_margin=margin, spread=spread)
     for path in files.values():

@@ -109,8 +109,8 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
         log_batch(client, run_id, tags=tags)
     choice = KernelChoice(**(spec.meta.kernels or {}))
     measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda, kernels=choice)
-    setting = {"device": measured.device, "dtype": measured.dtype, "compile": measured.compile,
-               "threads": cfg.threads}
+    setting = {"device": measured.device, "device_name": measured.device_name, "dtype": measured.dtype,
+               "compile": measured.compile, "threads": cfg.threads}
     kernels = {f"kernels.{key}": value for key, value in choice.as_dict().items()}
     kernels |= {f"kernels_run.{key}": value for key, value in measured.kernels.items()}
     speed = {key: getattr(measured, key) for key in ("speed_ratio", "speed_ratio_low", "speed_ratio_high",

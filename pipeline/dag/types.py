@@ -103,6 +103,7 @@ class EvalResult:
     speed_seconds: float | None = None
     load_before: float | None = None
     load_after: float | None = None
+    device_name: str | None = None  # the timed device's name (``bench.blocks.device_name``): its spread record
 
     as_record = _record
 
