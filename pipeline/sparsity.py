@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.config import CONFIG_DIR, ConfigError
+from pipeline.config import CONFIG_DIR, ConfigError, error_message
 from pipeline.config.loading import parse_yaml
 
 SPARSITY_DIR = CONFIG_DIR / "sparsity"
@@ -43,7 +43,7 @@ def load_sparsity(path: str | Path) -> SparsityFile:
     try:
         return SparsityFile.model_validate(parse_yaml(path.read_text(), str(path)))
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {error_message(e)}" for e in err.errors())
         raise ConfigError(f"{path}: {problems}") from None
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pipeline.config import CONFIG_DIR, Config, ConfigError, config_hash, load_config, write_resolved
+from tests.processes import ROOT
 
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))  # experiment configs; configs/sparsity/ has its own schema
 
@@ -65,8 +67,33 @@ def test_unknown_section(tmp_path: Path):
         load_config(path)
 
 
+@pytest.mark.parametrize(("override", "key", "allowed"), [
+    ("experiment.base.nosuch=1", "experiment.base.nosuch", "epochs, lr, sweep, warmup_epochs"),  # under an optional
+    ("experiment.select.nosuch=1", "experiment.select.nosuch", "cost, tie_margin"),
+    # --set splits a space's dotted key (recipe.lr): the range at the key "recipe" has no field lr
+    ("experiment.base.sweep.space.recipe.lr=1", "experiment.base.sweep.space.recipe.lr",
+     "choice, loguniform, randint, uniform"),
+])
+def test_an_unknown_key_lists_its_sections_keys_through_optional_sections_and_dicts(override, key, allowed):
+    hpo = ROOT / "configs" / "experiments" / "fmnist_hpo.yaml"
+    with pytest.raises(ConfigError, match=rf"--set {re.escape(override)}: {re.escape(key)}: unknown key; allowed keys "
+                                          rf"here: {allowed}$"):
+        load_config(hpo, [override])
+
+
+def test_a_check_across_keys_is_one_line_without_pydantics_prefix():
+    """A check of the whole config (heads against every width) has no key of its own: its line is the source and
+    the message, which names the keys, without pydantic's "Value error, "."""
+    demo = ROOT / "configs" / "experiments" / "demo.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(demo, ["model.num_heads=7"])
+    assert str(err.value) == (f"invalid config:\n  {demo}: model.num_heads 7 does not divide the width 32 of "
+                              "experiment.embed_dims (M32): give heads that divide every width, or "
+                              "experiment.num_heads per width")
+
+
 def test_wrong_type_from_override_names_the_override():
-    with pytest.raises(ConfigError, match=r"--set pooling.options.kmeans.iters=three: pooling.options: Value error, "
+    with pytest.raises(ConfigError, match=r"--set pooling.options.kmeans.iters=three: pooling.options: "
                        r"pooling.options.kmeans.iters takes a value of type int \(its default is 5\), got 'three'"):
         load_config(None, ["pooling.options.kmeans.iters=three"])
 
@@ -83,7 +110,7 @@ def test_strict_types_refuse_coercion(tmp_path: Path):
 @pytest.mark.parametrize(
     "override,fragment",
     [
-        ("pooling.method=kmodes", "pooling.method: Value error, unknown downsampling method 'kmodes'; choose one of"),
+        ("pooling.method=kmodes", "pooling.method: unknown downsampling method 'kmodes'; choose one of"),
         ("pooling.options.wkmedoids.iters=0", "pooling.options.wkmedoids.iters is at least 1, got 0"),
         ("bench.keep=[98, 0]", "every K must be >= 1"),
         ("pooling.options.kmeans.init=kmeans++",

@@ -210,7 +210,7 @@ def test_a_learning_rate_far_outside_timms_recipes_is_warned_about(lr, capsys):
 
 
 def test_an_unknown_optimizer_is_refused_at_load_naming_the_key_and_valid_names():
-    with pytest.raises(ConfigError, match=r"recipe\.opt: Value error, 'no_such_opt' is not an optimizer of timm; for "
+    with pytest.raises(ConfigError, match=r"recipe\.opt: 'no_such_opt' is not an optimizer of timm; for "
                                           r"example adamw, sgd"):
         load_config(CONFIGS["demo"], ["recipe.opt=no_such_opt"])
     assert load_config(TINY, ["recipe.opt=lookahead_adamw"]).recipe.opt == "lookahead_adamw"

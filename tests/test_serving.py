@@ -298,7 +298,7 @@ def test_serve_refuses_limits_it_cannot_keep(capsys):
 
     assert main(["serve", "x@best", "--max-pixels", "100000000", "--max-images", "0"]) == 2
     error = capsys.readouterr().err
-    assert "--max-pixels 100000000: Value error, 100000000 is over PIL's decompression-bomb limit" in error
+    assert "--max-pixels 100000000: 100000000 is over PIL's decompression-bomb limit" in error
     assert "--max-images 0: Input should be greater than or equal to 1" in error
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from pipeline.cli.common import add_config_args
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, error_message, load_config
 from pipeline.config.serve import MAX_BODY_MB, MAX_IMAGES, MAX_PIXELS, ServeConfig
 from pipeline.dag.checks import plan_checks
 from pipeline.dag.plan import count_plan
@@ -126,7 +126,8 @@ def _serve_limits(args: argparse.Namespace):
     try:
         return ServeConfig(**given)
     except ValidationError as err:
-        problems = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}" for e in err.errors())
+        problems = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {error_message(e)}"
+                             for e in err.errors())
         raise ConfigError(problems) from None
 
 

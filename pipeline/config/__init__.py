@@ -7,7 +7,7 @@ it came from (the file, or ``--set``) and what is allowed. One module per sectio
 what spans sections; ``loading`` reads, merges, hashes and writes configs.
 """
 
-from pipeline.config.base import CONFIG_DIR, ConfigError, PatchEmbed, Section
+from pipeline.config.base import CONFIG_DIR, ConfigError, PatchEmbed, Section, error_message
 from pipeline.config.bench import BenchLoopConfig, BenchOpsConfig, BenchThroughputConfig
 from pipeline.config.data import DataConfig, ProgressiveConfig
 from pipeline.config.experiment import (
@@ -35,5 +35,5 @@ __all__ = [
     "ExperimentConfig", "KernelsConfig", "ModelConfig", "ParamRange", "PatchEmbed", "PoolingConfig", "PrepareItem",
     "ProgressiveConfig", "RecipeConfig", "SearchConfig", "Section", "SelectConfig", "StageRecipe", "SweepConfig",
     "TrainConfig", "config_hash",
-    "dump_config", "git_sha", "load_config", "parse_override", "with_setting", "write_resolved",
+    "dump_config", "error_message", "git_sha", "load_config", "parse_override", "with_setting", "write_resolved",
 ]

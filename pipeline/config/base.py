@@ -3,8 +3,9 @@ types several sections use."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
@@ -27,6 +28,12 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 class ConfigError(PipelineError, ValueError):
     """A config that cannot be used; the message names the key, its source and what is allowed."""
+
+
+def error_message(error: Mapping[str, Any]) -> str:
+    """One pydantic error's message as the user reads it: a validator's own text without the ``Value error, ``
+    pydantic puts before it. Every place that turns a ValidationError into a ConfigError words it with this."""
+    return str(error["msg"]).removeprefix("Value error, ")
 
 
 class Section(BaseModel):

@@ -13,12 +13,13 @@ import re
 import subprocess
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipeline.config.base import CONFIG_DIR, ConfigError
+from pipeline.config.base import CONFIG_DIR, ConfigError, error_message
 from pipeline.config.root import Config
 from pipeline.console import redact
 
@@ -123,29 +124,39 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, item: str) -> 
     node[parts[-1]] = value
 
 
+def _held(annotation: Any) -> Any:
+    """What a field holds, its ``None`` left out: ``ExperimentConfig | None`` is ``ExperimentConfig``."""
+    kinds = [arg for arg in get_args(annotation) if arg is not type(None)]
+    return kinds[0] if get_origin(annotation) in (Union, UnionType) and len(kinds) == 1 else annotation
+
+
 def _allowed_keys(loc: tuple[str | int, ...]) -> list[str]:
-    model: type[BaseModel] = Config
+    """The keys of the section that holds ``loc``'s last part: through optional sections, and past the key of a
+    dict-valued field (``experiment.base.sweep.space.KEY``) to its values' fields."""
+    annotation: Any = Config
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if get_origin(annotation) is dict:
+            annotation = _held(get_args(annotation)[1])
+            continue
+        field = annotation.model_fields.get(str(part)) if isinstance(annotation, type) else None
+        annotation = _held(getattr(field, "annotation", None))
+        if not (get_origin(annotation) is dict or isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
-        model = annotation
-    return sorted(model.model_fields)
+    return sorted(annotation.model_fields) if isinstance(annotation, type) else []
 
 
 def _describe(err: ValidationError, sources: dict[tuple[str, ...], str]) -> str:
     lines = []
     for item in err.errors():
         loc = tuple(str(p) for p in item["loc"])
-        key = ".".join(loc) or "(top level)"
+        key = ".".join(loc)
         source = next((sources[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in sources), "defaults")
         if item["type"] == "extra_forbidden":
             message = f"unknown key; allowed keys here: {', '.join(_allowed_keys(loc))}"
         else:
             shown = "input" in item and item["type"] != "value_error"
-            message = f"{item['msg']} (got {item['input']!r})" if shown else item["msg"]
-        lines.append(f"  {source}: {key}: {message}")
+            message = f"{error_message(item)} (got {item['input']!r})" if shown else error_message(item)
+        lines.append(f"  {source}: {key}: {message}" if loc else f"  {source}: {message}")  # across keys: names them
     return "invalid config:\n" + "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from pipeline.config.base import ConfigError, Section
+from pipeline.config.base import ConfigError, Section, error_message
 from pipeline.config.bench import BenchLoopConfig, BenchOpsConfig, BenchThroughputConfig
 from pipeline.config.data import DataConfig
 from pipeline.config.experiment import ExperimentConfig
@@ -107,4 +107,4 @@ def with_setting(config: Config, key: str, value: Any) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:  # a trial's setting: the key that set it, not pydantic's traceback
-        raise ConfigError(f"{key}={value!r}: {'; '.join(e['msg'] for e in err.errors())}") from None
+        raise ConfigError(f"{key}={value!r}: {'; '.join(error_message(e) for e in err.errors())}") from None

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.config import Config, ConfigError, ExperimentConfig, StageRecipe
+from pipeline.config import Config, ConfigError, ExperimentConfig, StageRecipe, error_message
 from pipeline.config.identity import IDENTITY_VERSION, identity_content
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
@@ -131,7 +131,7 @@ def _with(config: Config, *, stage: str, model: dict[str, Any], recipe: StageRec
     try:
         return Config.model_validate(updated.model_dump())
     except ValidationError as err:
-        problems = "; ".join(f"{_origin(e['loc'], stage, updates)}: {e['msg']}"
+        problems = "; ".join(f"{_origin(e['loc'], stage, updates)}: {error_message(e)}"
                              + (f" ({'.'.join(map(str, e['loc']))}={e['input']!r})" if len(e["loc"]) > 1 else "")
                              for e in err.errors())
         raise ConfigError(f"a {stage} stage's config is not valid: {problems}") from None

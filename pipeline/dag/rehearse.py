@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pipeline.bench.serve import request_body
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, error_message
 from pipeline.config.experiment import ParamRange
 from pipeline.dag.plan import Stage
 from pipeline.errors import InputError
@@ -213,8 +213,7 @@ def rehearsal_config(config: Config, settings: RehearsalSettings, train: Path, v
     try:
         return Config.model_validate(_scaled(config, settings, train, val))
     except ValidationError as err:
-        problems = "; ".join(": ".join(part for part in (".".join(map(str, e["loc"])),
-                                                         e["msg"].removeprefix("Value error, ")) if part)
+        problems = "; ".join(": ".join(part for part in (".".join(map(str, e["loc"])), error_message(e)) if part)
                              for e in err.errors())
         raise ConfigError(f"--rehearse scaled the config to one epoch a stage, and the copy does not validate "
                           f"({problems}); the config itself is valid: run it without --rehearse, and report this "
