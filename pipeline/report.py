@@ -4,6 +4,7 @@ Figure 4 (per width) and the K lists per sparsity level, as CSV, PNG and a markd
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import numbers
 from collections.abc import Callable, Sequence
@@ -298,6 +299,11 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
     return files
 
 
+# What report.json holds: ``write_report``'s parameters besides the rows, the folder and ``record_inputs``; a
+# parameter added there and not written is refused by ``read_inputs`` (the rebuild's test), not dropped.
+INPUT_KEYS = frozenset(inspect.signature(write_report).parameters) - {"rows", "out_dir", "record_inputs"}
+
+
 def _plain(value: Any) -> Any:
     """What JSON has no type for, in report.json: numpy's and torch's scalars as numbers, paths as text."""
     if hasattr(value, "item"):
@@ -313,7 +319,7 @@ def read_inputs(path: Path) -> dict[str, Any]:
         inputs = json.loads(path.read_text())
         spread = inputs.pop("spread")
         inputs["spread"] = spread and SpreadRecord(**spread)
-        if set(inputs) != {"title", "budgets", "bases", "targets", "speed_warning", "tie_margin", "spread"}:
+        if set(inputs) != INPUT_KEYS:
             raise KeyError(f"keys {sorted(inputs)}")
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise InputError(f"{path}: not what `pipeline run` writes ({type(err).__name__}: {err}); delete it for a "
