@@ -172,7 +172,7 @@ def test_doctor_speed_refuses_bad_flags_in_one_line(flags, message, capsys):
 def test_doctor_speed_runs_two_processes_through_the_cli(tmp_path):
     out = tmp_path / "speed.json"
     done = subprocess.run([sys.executable, "-m", "pipeline", "doctor", "--speed", "--processes", "2", "--over-s", "0",
-                           "--set", "experiment.eval.speed_cap_s=1", "--set", "experiment.eval.batch=8",
+                           "--set", "experiment.eval.speed_cap_s=3", "--set", "experiment.eval.batch=8",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "[speed] 2/2: " in done.stderr
