@@ -93,7 +93,7 @@ def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
     assert both[2].id == "139df6fee288fbb3"  # its id names the rounding's rule (targets.ROUNDING) too
-    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "44126514bfbe6dac"
+    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "ff6e6506e5563aec"
     assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
     # Two targets at one figure, each with its own name (as each method's own table needs): two searches, two
     # levels; the same figure without names is refused.
