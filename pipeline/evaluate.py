@@ -57,7 +57,7 @@ class Evaluation:
     speed_seconds: float = 0.0  # wall time of the pilot and the blocks
     load_before: float = math.nan  # the 1-minute load average before and after the timing
     load_after: float = math.nan
-    device_name: str = ""  # ``bench.blocks.device_name`` of the device it was timed on: its spread record's name
+    device_name: str | None = None  # ``bench.blocks.device_name`` of the device it was timed on: its spread record
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -197,11 +197,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
 
 
 def machine_lines(spread: SpreadRecord | None, tie_margin: float) -> list[str]:
-    """The report's paragraph on the machine's run-to-run spread and the tie margin, where there is either (none:
-    the report as without them)."""
+    """The report's paragraph on the timed device's run-to-run spread and the tie margin, where there is either
+    (none: the report as without them)."""
     lines = []
     if spread is not None:
-        lines.append(f"Run-to-run on this machine ({spread.device}, {spread.threads} thread(s), "
+        lines.append(f"Run-to-run on the device the models were timed on ({spread.device}, {spread.threads} thread(s), "
                      f"`pipeline doctor --speed`: {spread.source()}): one pair's ratio in {spread.k} fresh processes "
                      f"spread {spread.between:.1%} (sd/mean; {min(spread.ratios):.3f} to {max(spread.ratios):.3f}) "
                      f"against a median half-width of {spread.within:.1%} within a process: the intervals above hold "
@@ -225,7 +225,7 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
     (``dag.select.target_rows``), as targets.csv and a section. ``speed_warning``: why this run's speeds are in
     doubt (the unmodified model against itself excluded 1), printed above the speed front. ``tie_margin``: the
     relative margin under which the speed front's models are ties (``experiment.select.tie_margin``); ``spread``:
-    the machine's run-to-run spread the speeds were measured beside (``pipeline doctor --speed``), shown with them.
+    the run-to-run spread of the device the speeds were measured on (``pipeline doctor --speed``), shown with them.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: (r["arch"], r["method"], -r["gflops"]))

@@ -5,8 +5,8 @@ pair can move further: on a VM whose host shifts the guest's speed, the demo's r
 0.64 to 0.79 in different runs against intervals of +-1-2% (docs/data/cpu/2026-12-02_ratio-drift/). This module
 times one fixed pair (a pooled DeiT-style model against its unmodified one, in an experiment's evaluation setting)
 in k fresh processes spaced over a span, and records the spread of their ratios beside the half-width within a
-process, one JSON file per machine (device and threads), where the report, ``pipeline select`` and
-``experiment.select.tie_margin: machine`` look it up.
+process, one JSON file per device (by its name) and thread count, where the report, ``pipeline select`` and
+``experiment.select.tie_margin: machine`` look it up by the name of the device the models were timed on.
 
 It stands beside ``report`` rather than in ``bench`` because it times as an evaluation does (``evaluate.speed``),
 and ``evaluate`` imports ``bench``.
@@ -195,45 +195,52 @@ def machine_record(name: str | None, threads: int, root: Path = MACHINE_DIR) -> 
     return read_record(path) if path is not None and path.is_file() else None
 
 
-def tie_margin(choice: str | float, name: str | None, threads: int, root: Path = MACHINE_DIR) -> float:
-    """``experiment.select.tie_margin`` as a relative margin: 0 for ``none``, the recorded ``between`` spread of
-    the device called ``name`` for ``machine`` (a MissingFileError where there is no record), a number as it is."""
-    if choice == "none":
-        return 0.0
+def tie_margin(choice: str | float, names: Sequence[str | None], threads: int, root: Path = MACHINE_DIR
+               ) -> tuple[float, SpreadRecord | None]:
+    """``experiment.select.tie_margin`` as a relative margin for models timed on the devices called ``names``
+    (``bench.blocks.device_name``, as their evaluations logged them), and the record shown beside their speeds: the
+    widest recorded spread of those devices (a cluster of mixed cards takes its least steady). The margin is 0 for
+    ``none``, that record's ``between`` for ``machine`` (a MissingFileError where a device has no record), a number
+    as it is."""
+    records = {name: machine_record(name, threads, root) for name in dict.fromkeys(names)}
+    widest = max((r for r in records.values() if r is not None), key=lambda r: r.between, default=None)
     if choice != "machine":
-        return float(choice)
-    record = machine_record(name, threads, root)
-    if record is None:
-        device = name or "the timed device (its evaluations did not name it)"
+        return (0.0 if choice == "none" else float(choice)), widest
+    missing = [name or "a device its evaluations did not name (recorded before they did)"
+               for name, record in records.items() if record is None] or ([] if records else ["no evaluated device"])
+    if missing:
         raise MissingFileError(f"experiment.select.tie_margin: machine, but no run-to-run spread is recorded for "
-                               f"{device} at {threads} thread(s) under {root}; run `python -m pipeline doctor --speed "
-                               "CONFIG` on a machine with that device first, or set tie_margin: none or a number")
-    return record.between
+                               f"{'; '.join(missing)} at {threads} thread(s) under {root}; run `python -m pipeline "
+                               "doctor --speed CONFIG` on a machine with that device first, or set tie_margin: none "
+                               "or a number")
+    return widest.between, widest
 
 
-def check_tie_margin(config: Config, root: Path = MACHINE_DIR) -> None:
-    """``run --plan``'s check of ``experiment.select.tie_margin: machine``: a record for this machine's evaluation
-    device (``eval.device``; ``auto`` is the GPU where this machine has one) at ``eval.threads``. A ConfigError
-    without one. Where this machine has no GPU and the evaluations ask for one, they run on other nodes, whose
-    device the select stage looks up: any record at those threads passes here."""
+def check_tie_margin(config: Config, device: str, here: bool, root: Path = MACHINE_DIR) -> None:
+    """``run --plan``'s check of ``experiment.select.tie_margin: machine`` for evaluations on ``device`` (``cpu`` or
+    ``cuda``: ``eval.device`` as the evaluate stage resolves it on the cluster): where they run on this machine
+    (``here``), its device's record at ``eval.threads``; on a cluster's nodes, whose names only their evaluations
+    will log, a record of a ``device`` at ``eval.threads``. A ConfigError without one."""
     exp = config.experiment
     if exp.select.tie_margin != "machine":
         return
-    import torch
+    threads = exp.eval.threads
+    if here:
+        import torch
 
-    from pipeline.bench.blocks import device_name
+        from pipeline.bench.blocks import device_name
 
-    device = exp.eval.device if exp.eval.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():  # timed on other nodes: their record is read at select
-        if any(root.glob(f"speed-*-t{exp.eval.threads}.json")):
-            return
-        name = "the evaluations' GPU"
-    else:
-        name = device_name(torch.device(device))
-    try:
-        tie_margin("machine", name, exp.eval.threads, root)
-    except MissingFileError as err:
-        raise ConfigError(str(err)) from None
+        try:
+            tie_margin("machine", [device_name(torch.device(device))], threads, root)
+        except MissingFileError as err:
+            raise ConfigError(str(err)) from None
+        return
+    records = [read_record(path) for path in sorted(root.glob(f"speed-*-t{threads}.json"))]  # each one readable
+    if not any(record.setting.split()[0] == device for record in records):
+        raise ConfigError(f"experiment.select.tie_margin: machine, but no run-to-run spread of a {device} device at "
+                          f"{threads} thread(s) is recorded under {root}, and the evaluations run on the cluster's "
+                          f"nodes: run `python -m pipeline doctor --speed CONFIG` on one of them and copy its record "
+                          "there, or set tie_margin: none or a number")
 
 
 def _run_one(spec: PairSpec) -> dict[str, Any]:

@@ -73,6 +73,7 @@ def test_unknown_section(tmp_path: Path):
     # --set splits a space's dotted key (recipe.lr): the range at the key "recipe" has no field lr
     ("experiment.base.sweep.space.recipe.lr=1", "experiment.base.sweep.space.recipe.lr",
      "choice, loguniform, randint, uniform"),
+    ('experiment.prepare=[{"nosuch": 1}]', "experiment.prepare.0.nosuch", "limit, max_res, mode, out, source"),
 ])
 def test_an_unknown_key_lists_its_sections_keys_through_optional_sections_and_dicts(override, key, allowed):
     hpo = ROOT / "configs" / "experiments" / "fmnist_hpo.yaml"
@@ -82,14 +83,15 @@ def test_an_unknown_key_lists_its_sections_keys_through_optional_sections_and_di
 
 
 def test_a_check_across_keys_is_one_line_without_pydantics_prefix():
-    """A check of the whole config (heads against every width) has no key of its own: its line is the source and
-    the message, which names the keys, without pydantic's "Value error, "."""
+    """A check of the whole config (heads against every width) has no key of its own: its line is everything the
+    config was made of (the file and the overrides) and the message, which names the keys, without pydantic's
+    "Value error, "."""
     demo = ROOT / "configs" / "experiments" / "demo.yaml"
     with pytest.raises(ConfigError) as err:
-        load_config(demo, ["model.num_heads=7"])
-    assert str(err.value) == (f"invalid config:\n  {demo}: model.num_heads 7 does not divide the width 32 of "
-                              "experiment.embed_dims (M32): give heads that divide every width, or "
-                              "experiment.num_heads per width")
+        load_config(demo, ["model.num_heads=7", "seed=3"])
+    assert str(err.value) == (f"invalid config:\n  {demo}, --set model.num_heads=7, --set seed=3: model.num_heads 7 "
+                              "does not divide the width 32 of experiment.embed_dims (M32): give heads that divide "
+                              "every width, or experiment.num_heads per width")
 
 
 def test_wrong_type_from_override_names_the_override():

@@ -157,6 +157,9 @@ def test_a_trial_setting_that_fails_names_its_key():
 
     with pytest.raises(ConfigError, match=r"recipe\.lr=-1\.0: Input should be greater than 0"):
         with_setting(load_config(TINY), "recipe.lr", -1.0)
+    # a validator's own message, without pydantic's "Value error, " before it
+    with pytest.raises(ConfigError, match=r"^pooling\.method='kmodes': unknown downsampling method 'kmodes'; choose"):
+        with_setting(load_config(TINY), "pooling.method", "kmodes")
 
 
 # ---- values that make a run meaningless: refused or warned at plan time ----

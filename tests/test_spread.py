@@ -92,48 +92,82 @@ def test_the_default_file_is_named_by_the_device_and_threads(tmp_path):
 
 def test_the_tie_margin_comes_from_the_timed_devices_record(tmp_path):
     """The margin is the record of the device the models were timed on, by its name: a record of another device
-    (another node's card) is not this one's; ``run --plan`` checks this machine's device."""
+    (another node's card) is not this one's; several devices take the widest spread; ``run --plan`` of a local run
+    checks this machine's device."""
     from pipeline.bench.blocks import device_name
 
     here = device_name(torch.device("cpu"))
-    assert tie_margin("none", here, 1, tmp_path) == 0.0 and tie_margin(0.02, here, 1, tmp_path) == 0.02
+    assert tie_margin("none", [here], 1, tmp_path) == (0.0, None)
+    assert tie_margin(0.02, [here], 1, tmp_path) == (0.02, None)
     with pytest.raises(MissingFileError, match=f"recorded for {re.escape(here)} at 1 thread.*pipeline doctor --speed"):
-        tie_margin("machine", here, 1, tmp_path)
+        tie_margin("machine", [here], 1, tmp_path)
     config = load_config(DEMO, ["experiment.select.tie_margin=machine"])
     with pytest.raises(ConfigError, match="no run-to-run spread is recorded"):
-        check_tie_margin(config, tmp_path)
+        check_tie_margin(config, "cpu", True, tmp_path)
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
     out = record_path(here, 1, tmp_path)
     measure_spread(SPEC, 2, 0.0, out=out, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
     # two ratios: sd = 0.01 * sqrt(2), mean 0.65
-    assert tie_margin("machine", here, 1, tmp_path) == pytest.approx(0.0141421 / 0.65, rel=1e-5)
-    check_tie_margin(config, tmp_path)
+    margin, shown = tie_margin("machine", [here, here], 1, tmp_path)
+    assert margin == pytest.approx(0.0141421 / 0.65, rel=1e-5) and shown.path == str(out)
+    assert tie_margin("none", [here], 1, tmp_path) == (0.0, shown)  # shown beside the speeds without a margin too
+    check_tie_margin(config, "cpu", True, tmp_path)
     assert machine_record(here, 2, tmp_path) is None  # another thread count: another record
     assert machine_record("NVIDIA H200", 1, tmp_path) is None and machine_record(None, 1, tmp_path) is None
     with pytest.raises(MissingFileError, match="recorded for NVIDIA H200 at 1 thread"):
-        tie_margin("machine", "NVIDIA H200", 1, tmp_path)
-    with pytest.raises(MissingFileError, match=r"recorded for the timed device \(its evaluations did not name it\)"):
-        tie_margin("machine", None, 1, tmp_path)  # evaluations recorded before they logged the name
-    other = record_path("NVIDIA H200", 1, tmp_path)
-    other.write_text(out.read_text().replace(here, "NVIDIA H200"))  # as doctor --speed wrote it on a GPU node
-    assert machine_record("NVIDIA H200", 1, tmp_path).path == str(other)
+        tie_margin("machine", [here, "NVIDIA H200"], 1, tmp_path)  # every device the models were timed on
+    with pytest.raises(MissingFileError, match=r"recorded for a device its evaluations did not name"):
+        tie_margin("machine", [None], 1, tmp_path)  # evaluations recorded before they logged the name
+    wide = json.loads(out.read_text()) | {"device": "NVIDIA H200", "between": 0.05}
+    record_path("NVIDIA H200", 1, tmp_path).write_text(json.dumps(wide))  # as doctor --speed wrote it on a GPU node
+    margin, shown = tie_margin("machine", [here, "NVIDIA H200"], 1, tmp_path)
+    assert (margin, shown.device) == (0.05, "NVIDIA H200")  # mixed devices: the least steady one's spread
     text = "\n".join(machine_lines(machine_record(here, 1, tmp_path), 0.0))
     assert "spread 2.2% (sd/mean; 0.640 to 0.660)" in text and str(out) in text
     assert machine_lines(None, 0.0) == []  # no record, no margin: the report as before
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a driver without the evaluations' GPU")
-def test_the_plan_check_of_a_gpu_evaluation_on_a_driver_without_one_needs_some_record(tmp_path):
-    """Evaluations on ``cuda`` planned from a machine without a GPU run on other nodes: their card's name is not
-    known here, so the plan accepts any record at the threads (the select stage reads the card's own)."""
-    config = load_config(DEMO, ["experiment.select.tie_margin=machine", "experiment.eval.device=cuda"])
-    with pytest.raises(ConfigError, match="recorded for the evaluations' GPU at 1 thread"):
-        check_tie_margin(config, tmp_path)
-    record_path("NVIDIA H200", 1, tmp_path).write_text("{}")
-    check_tie_margin(config, tmp_path)
-    record_path("NVIDIA H200", 1, tmp_path).rename(record_path("NVIDIA H200", 2, tmp_path))
-    with pytest.raises(ConfigError, match="the evaluations' GPU at 1 thread"):
-        check_tie_margin(config, tmp_path)
+def test_the_plan_check_for_a_cluster_needs_a_record_of_the_evaluations_kind_of_device(tmp_path):
+    """On a cluster the evaluations' node is known only when they log it: the plan wants a readable record of the
+    kind of device they will use (its setting's first word), at the threads; a broken one is refused by name."""
+    from pipeline.errors import InputError
+
+    config = load_config(DEMO, ["experiment.select.tie_margin=machine"])
+    with pytest.raises(ConfigError, match="no run-to-run spread of a cuda device at 1 thread.*on the cluster's nodes"):
+        check_tie_margin(config, "cuda", False, tmp_path)
+    run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
+    cpu = record_path("Some CPU", 1, tmp_path)
+    measure_spread(SPEC, 2, 0.0, out=cpu, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
+    check_tie_margin(config, "cpu", False, tmp_path)
+    with pytest.raises(ConfigError, match="of a cuda device"):
+        check_tie_margin(config, "cuda", False, tmp_path)  # a CPU's record is not a GPU's
+    card = json.loads(cpu.read_text()) | {"device": "NVIDIA H200", "setting": "cuda bf16 compile:default"}
+    record_path("NVIDIA H200", 2, tmp_path).write_text(json.dumps(card))
+    with pytest.raises(ConfigError, match="of a cuda device at 1 thread"):
+        check_tie_margin(config, "cuda", False, tmp_path)  # at other threads
+    record_path("NVIDIA H200", 1, tmp_path).write_text(json.dumps(card))
+    check_tie_margin(config, "cuda", False, tmp_path)
+    record_path("Broken", 1, tmp_path).write_text("{}")
+    with pytest.raises(InputError, match="speed-broken-t1.json: not a record of `pipeline doctor --speed`"):
+        check_tie_margin(config, "cuda", False, tmp_path)
+
+
+def test_run_plan_checks_the_margin_for_the_device_the_evaluations_will_use(tmp_path, monkeypatch):
+    """``run --plan`` of a local run on this CPU-only machine (``eval.device: auto``): this CPU's record, looked up
+    under the working folder's runs/machine/, after the cluster's checks."""
+    from pipeline.bench.blocks import device_name
+    from pipeline.dag.checks import plan_checks
+
+    # its latency targets' tables are read relative to the checkout: none here
+    config = load_config(DEMO, ["experiment.select.tie_margin=machine", "experiment.ksearch_targets=null"])
+    monkeypatch.chdir(tmp_path)
+    here = device_name(torch.device("cpu"))
+    with pytest.raises(ConfigError, match=f"recorded for {re.escape(here)} at 1 thread"):
+        plan_checks(config)
+    run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
+    measure_spread(SPEC, 2, 0.0, out=record_path(here, 1), log=lambda _: None, run_one=run_one, clock=clock,
+                   sleep=sleep)
+    assert plan_checks(config)
 
 
 def test_a_model_one_percent_slower_is_a_tie_at_a_two_percent_margin():

@@ -132,31 +132,36 @@ def _held(annotation: Any) -> Any:
 
 def _allowed_keys(loc: tuple[str | int, ...]) -> list[str]:
     """The keys of the section that holds ``loc``'s last part: through optional sections, and past the key of a
-    dict-valued field (``experiment.base.sweep.space.KEY``) to its values' fields."""
+    dict-valued field (``experiment.base.sweep.space.KEY``) or the index of a list (``experiment.prepare.0``) to
+    their items' fields. Empty where the section is none of these."""
     annotation: Any = Config
     for part in loc[:-1]:
-        if get_origin(annotation) is dict:
-            annotation = _held(get_args(annotation)[1])
+        if get_origin(annotation) in (dict, list):
+            annotation = _held(get_args(annotation)[-1])
             continue
         field = annotation.model_fields.get(str(part)) if isinstance(annotation, type) else None
         annotation = _held(getattr(field, "annotation", None))
-        if not (get_origin(annotation) is dict or isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if not (get_origin(annotation) in (dict, list) or isinstance(annotation, type)
+                and issubclass(annotation, BaseModel)):
             return []
     return sorted(annotation.model_fields) if isinstance(annotation, type) else []
 
 
-def _describe(err: ValidationError, sources: dict[tuple[str, ...], str]) -> str:
+def _describe(err: ValidationError, sources: dict[tuple[str, ...], str], given: str) -> str:
+    """The errors a line each, under the source of their key; a check across keys (no key of its own, its message
+    names them) under ``given``, everything the config was made of."""
     lines = []
     for item in err.errors():
         loc = tuple(str(p) for p in item["loc"])
         key = ".".join(loc)
         source = next((sources[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in sources), "defaults")
         if item["type"] == "extra_forbidden":
-            message = f"unknown key; allowed keys here: {', '.join(_allowed_keys(loc))}"
+            allowed = _allowed_keys(loc)
+            message = "unknown key" + (f"; allowed keys here: {', '.join(allowed)}" if allowed else "")
         else:
             shown = "input" in item and item["type"] != "value_error"
             message = f"{error_message(item)} (got {item['input']!r})" if shown else error_message(item)
-        lines.append(f"  {source}: {key}: {message}" if loc else f"  {source}: {message}")  # across keys: names them
+        lines.append(f"  {source}: {key}: {message}" if loc else f"  {given}: {message}")
     return "invalid config:\n" + "\n".join(lines)
 
 
@@ -176,7 +181,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_describe(err, sources)) from None
+        given = [str(path)] * (path is not None) + [f"--set {redact(item)}" for item in overrides]
+        raise ConfigError(_describe(err, sources, ", ".join(given) or "defaults")) from None
 
 
 def config_hash(config: Config) -> str:

@@ -30,7 +30,6 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     check_data_plan(config)
     stages = training_stages(config)
     check_targets(config)
-    check_tie_margin(config)
     warn_learning_rates(config)
     check_cluster(config, stages, address)
     return stages
@@ -153,3 +152,8 @@ def check_cluster(config: Config, stages: list[Stage], address: str | None) -> N
     if exp.eval.device == "cuda" and resources.get("GPU", 0) < 1:
         raise ConfigError(f"experiment.eval.device=cuda but {cluster} has no GPU; use device auto or cpu, or "
                           "connect to a GPU cluster (--address)")
+    if exp.select.tie_margin == "machine":  # on the device the evaluate stage will pick (``dag.stages.eval_task``)
+        auto = exp.eval.device == "auto"
+        gpus = (local_resources(True) if auto and address is None else resources).get("GPU", 0)
+        gpu = exp.eval.device == "cuda" or auto and gpus > 0
+        check_tie_margin(config, "cuda" if gpu else "cpu", here=address is None)

@@ -9,7 +9,7 @@ from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 from pipeline.serving.server import DEFAULT_STORE
-from pipeline.spread import machine_record, tie_margin
+from pipeline.spread import tie_margin
 
 
 def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
@@ -258,11 +258,10 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                  for arch, base in (bases or {}).items()]
     targeted = target_rows(ctx, ft_stages, rows)
     record_latency(ctx.client, targeted, evaluations)
-    name = next(iter(evaluations.values())).device_name if evaluations else None  # where the models were timed
-    margin = tie_margin(exp.select.tie_margin, name, exp.eval.threads)
-    spread = machine_record(name, exp.eval.threads)
+    timed_on = [evaluation.device_name for evaluation in evaluations.values()]  # each model's device, by name
+    margin, spread = tie_margin(exp.select.tie_margin, timed_on, exp.eval.threads)
     if spread is not None:
-        ctx.log(f"[select] the run-to-run spread of {name} ({spread.source()}): {spread.summary()}")
+        ctx.log(f"[select] the run-to-run spread of {spread.device} ({spread.source()}): {spread.summary()}")
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
                          targets=targeted, speed_warning=warning, tie_margin=margin, spread=spread)
     for path in files.values():
