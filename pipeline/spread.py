@@ -236,7 +236,7 @@ def check_tie_margin(config: Config, device: str, here: bool, root: Path = MACHI
             raise ConfigError(str(err)) from None
         return
     records = [read_record(path) for path in sorted(root.glob(f"speed-*-t{threads}.json"))]  # each one readable
-    if not any(record.setting.split()[0] == device for record in records):
+    if not any(record.setting.split()[:1] == [device] for record in records):
         raise ConfigError(f"experiment.select.tie_margin: machine, but no run-to-run spread of a {device} device at "
                           f"{threads} thread(s) is recorded under {root}, and the evaluations run on the cluster's "
                           f"nodes: run `python -m pipeline doctor --speed CONFIG` on one of them and copy its record "

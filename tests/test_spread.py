@@ -153,21 +153,52 @@ def test_the_plan_check_for_a_cluster_needs_a_record_of_the_evaluations_kind_of_
 
 
 def test_run_plan_checks_the_margin_for_the_device_the_evaluations_will_use(tmp_path, monkeypatch):
-    """``run --plan`` of a local run on this CPU-only machine (``eval.device: auto``): this CPU's record, looked up
-    under the working folder's runs/machine/, after the cluster's checks."""
+    """``run --plan`` of a local run (``eval.device: auto``) on a machine without a GPU: this CPU's record, looked
+    up under the working folder's runs/machine/, after the cluster's checks."""
     from pipeline.bench.blocks import device_name
-    from pipeline.dag.checks import plan_checks
+    from pipeline.dag import checks
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(checks, "local_resources", lambda gpus: {"CPU": 2.0, "GPU": 0.0})
     # its latency targets' tables are read relative to the checkout: none here
     config = load_config(DEMO, ["experiment.select.tie_margin=machine", "experiment.ksearch_targets=null"])
     monkeypatch.chdir(tmp_path)
     here = device_name(torch.device("cpu"))
     with pytest.raises(ConfigError, match=f"recorded for {re.escape(here)} at 1 thread"):
-        plan_checks(config)
+        checks.plan_checks(config)
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
     measure_spread(SPEC, 2, 0.0, out=record_path(here, 1), log=lambda _: None, run_one=run_one, clock=clock,
                    sleep=sleep)
-    assert plan_checks(config)
+    assert checks.plan_checks(config)
+
+
+@pytest.mark.parametrize(("device", "address", "gpus", "checked"), [
+    ("auto", None, 0.0, ("cpu", True)), ("auto", None, 1.0, ("cuda", True)), ("cpu", None, 1.0, ("cpu", True)),
+    ("auto", "ray://head:10001", 0.0, ("cpu", False)), ("auto", "ray://head:10001", 4.0, ("cuda", False)),
+    ("cuda", "ray://head:10001", 4.0, ("cuda", False)),
+])
+def test_the_plan_checks_the_margin_on_the_device_the_evaluate_stage_picks(device, address, gpus, checked,
+                                                                           monkeypatch):
+    """``eval.device`` resolved as ``dag.stages.eval_task`` resolves it: ``auto`` is a GPU where the cluster (or,
+    for a local run, this machine) has one; a local run checks this machine's record, a cluster's run a record of
+    the kind of device (``here`` False). Ray is faked: the cluster's resources are ``gpus``."""
+    import types
+
+    from pipeline.dag import checks
+
+    seen = []
+    fake_ray = types.SimpleNamespace(cluster_resources=lambda: {"CPU": 8.0, "GPU": gpus},
+                                     nodes=lambda: [{"Alive": True}])
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setattr(checks, "connect_ray", lambda where: None)
+    monkeypatch.setattr(checks, "local_resources", lambda wanted: {"CPU": 8.0} | ({"GPU": gpus} if wanted else {}))
+    monkeypatch.setattr(checks, "check_tie_margin", lambda config, kind, here: seen.append((kind, here)))
+    config = load_config(DEMO, ["experiment.select.tie_margin=machine", f"experiment.eval.device={device}"])
+    checks.check_cluster(config, [], address)
+    assert seen == [checked]
+    seen.clear()
+    checks.check_cluster(load_config(DEMO, [f"experiment.eval.device={device}"]), [], address)
+    assert seen == []  # no margin from a record: nothing to check
 
 
 def test_a_model_one_percent_slower_is_a_tie_at_a_two_percent_margin():
