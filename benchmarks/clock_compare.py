@@ -62,7 +62,7 @@ def main() -> None:
     steady_heap()
     timers = {"process clock, collector on": process_clock, "thread clock, collector off": sample_timer(
         torch.device("cpu"), clock="cpu")}
-    settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s)
+    settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
     widths: dict[str, list[float]] = {name: [] for name in timers}
     for index in range(args.rounds):
         names = list(timers) if index % 2 == 0 else list(reversed(timers))

@@ -45,7 +45,7 @@ def main() -> None:
     torch.manual_seed(0)
     base = create_model(args.model).eval().to(device)
     images = torch.randn(args.batch, 3, *base.patch_embed.img_size, device=device)
-    settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s)
+    settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
     print(f"{args.model} level {args.level}, batch {args.batch}, {args.dtype}, compile {args.compile}, "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU, one thread, CPU clock'}")
     print("| method | time ratio | 95% interval | blocks | stop | speed-up |\n|---|---:|---:|---:|---|---:|")

@@ -58,6 +58,7 @@ class Evaluation:
     load_before: float = math.nan  # the 1-minute load average before and after the timing
     load_after: float = math.nan
     device_name: str | None = None  # ``bench.blocks.device_name`` of the device it was timed on: its spread record
+    clock: str = ""  # the clock its speed was timed on (``speed_clock``): speeds on different clocks do not compare
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,8 +115,14 @@ def speed(run: Callable[[Tensor], Tensor], reference: Callable[[Tensor], Tensor]
         return reference(images)
 
     with inference(device, dtype), cpu_threads(device, threads):
-        timer = sample_timer(device, calls=default_calls(device), clock="cpu" if threads == 1 else "wall")
+        timer = sample_timer(device, calls=default_calls(device), clock=speed_clock(device, threads))
         return paired_ratio(model, unmodified, timer=timer, settings=settings or SpeedSettings())
+
+
+def speed_clock(device: torch.device, threads: int) -> str:
+    """The clock ``speed`` times on: ``cuda`` (CUDA events), ``cpu`` (the thread's CPU time, at one torch thread) or
+    ``wall`` (the wall clock, at more threads, whose work the thread's clock would not count)."""
+    return "cuda" if device.type == "cuda" else "cpu" if threads == 1 else "wall"
 
 
 def speed_settings(cfg: EvalConfig) -> SpeedSettings:
@@ -160,7 +167,7 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
                       dtype=dtype, compile=mode, kernels=ran, speed_ratio=ratio.ratio, speed_ratio_low=ratio.low,
                       speed_ratio_high=ratio.high, speed_blocks=ratio.blocks, speed_stop=ratio.stop,
                       speed_seconds=ratio.seconds, load_before=load_before, load_after=load_after,
-                      device_name=device_name(target))
+                      device_name=device_name(target), clock=speed_clock(target, cfg.threads))
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,18 @@ from pipeline.dag.records import (
     SCALED_RATE,
     STAGE_KIND,
     TRAINED_RUN,
+    check_identity_version,
 )
 from pipeline.errors import InputError, MissingFileError
 from pipeline.tracking import store_missing
 
 EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # experiment.name's pattern: safe inside a quoted filter
+
+
+# What the images/s interval of a candidate is: a model's 95% interval chained with its width's reference's on the
+# select stage's scale (``bench.paired.chain``, Bonferroni), measured in one run's processes: another run moves it by
+# the device's spread between processes (``pipeline doctor --speed``).
+RATE_INTERVAL_SCOPE = "at least 90%, within this run"
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,7 @@ class Candidate:
         if self.latency_ms is not None and self.latency_ms_high is not None:
             latency += f" (upper end {self.latency_ms_high:.3f}: the ratio's 95% interval times the measured reference)"
         interval = ("" if self.images_per_s_low is None else
-                    f" [{self.images_per_s_low:.0f}, {self.images_per_s_high:.0f}]")
+                    f" [{self.images_per_s_low:.0f}, {self.images_per_s_high:.0f}] ({RATE_INTERVAL_SCOPE})")
         return (f"{self.uri}  top1 {self.top1:.2f}%  {self.gflops:.4f} GFLOPs  {self.images_per_s:.0f}{interval} img/s "
                 f"({self.device}){latency}  [{self.method}, {self.level}]")
 
@@ -102,6 +109,8 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
         raise InputError(f"no experiment {experiment!r} in this MLflow store; `pipeline run` records one under its "
                          "experiment.name (pass --tracking-uri for another store)")
     parent = parents[0]
+    store = client.get_experiment(parent.info.experiment_id)
+    check_identity_version(client, store.experiment_id, client.tracking_uri, store.name)  # as `pipeline run` does
     evaluations = client.search_runs(
         [parent.info.experiment_id], max_results=10000,
         filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and tags.`{STAGE_KIND}` = 'evaluate' "
@@ -112,12 +121,14 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
         trained = run.data.tags.get(TRAINED_RUN)
         uri = registered.get(trained) or (f"runs:/{trained}/checkpoint" if trained else run.data.params["checkpoint"])
         metrics, params = run.data.metrics, run.data.params
-        out.append(Candidate(uri, params.get("method", "?"), params.get("level", "?"), metrics["top1"],
-                             metrics["gflops"], metrics.get(SCALED_RATE, metrics["images_per_s"]),
-                             params.get("eval_device", "cpu"), metrics.get(LATENCY_METRIC),
+        if SCALED_RATE not in metrics:
+            raise InputError(f"experiment {experiment!r}: evaluation run {run.info.run_id} has no images/s on the "
+                             f"select stage's scale ({SCALED_RATE}): the DAG's select stage has not finished; run "
+                             "`pipeline run` with its config to the end, then select")
+        out.append(Candidate(uri, params["method"], params["level"], metrics["top1"], metrics["gflops"],
+                             metrics[SCALED_RATE], params["eval_device"], metrics.get(LATENCY_METRIC),
                              run.data.tags.get(LATENCY_TABLE_TAG), metrics.get(RATE_LOW), metrics.get(RATE_HIGH),
-                             metrics.get(LATENCY_HIGH), int(params.get("eval_threads", 1)),
-                             params.get("eval_device_name")))
+                             metrics.get(LATENCY_HIGH), int(params["eval_threads"]), params["eval_device_name"]))
     if not out:
         raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
     return out

@@ -20,6 +20,14 @@ import pytest
 # FLOP counts half the time (docs/testing.md). Set before torch is imported: it reads the variable once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# A speed measurement in a test runs on the real clock only to check *what* it records, never how fast the machine
+# is (docs/testing.md, "Wall-clock limits inside tests"): its cap is one only a hang reaches, and its tolerance is loose
+# enough that the pilot's 8 blocks plan the fewest blocks after them (8, unless the block ratios spread by over a
+# third; 20 at a spread of 0.85), so a paired ratio stops on its own after about 16 blocks however loaded the machine.
+# The cap itself is tested on a scripted clock (tests/test_paired.py).
+HANG_S = 300.0
+LOOSE_TOLERANCE = 0.5
+
 # The marks' plugin: `make check`'s --inner-loop and its guard (tests/tiers.py, docs/testing.md).
 pytest_plugins = ["tests.tiers"]
 
@@ -52,21 +60,45 @@ def synthetic_data(tmp_path_factory) -> Callable[[int, int], Path]:
     return pair
 
 
-def one_evaluation_store(root: Path, experiment: str, dag: str, checkpoint: str, metrics: dict[str, float]) -> str:
+def dag_parent(client, exp: str, name: str, version: int | None = None) -> str:
+    """A DAG parent run named ``name`` in the MLflow experiment ``exp``, tagged as `pipeline run` tags it (its stage
+    kind and ``IDENTITY_VERSION``, or ``version``); its run id."""
+    from pipeline.config.identity import IDENTITY_VERSION
+    from pipeline.dag.records import IDENTITY_TAG, STAGE_KIND
+
+    tags = {STAGE_KIND: "dag", IDENTITY_TAG: str(IDENTITY_VERSION if version is None else version)}
+    return client.create_run(exp, run_name=name, tags=tags).info.run_id
+
+
+def finished_evaluation(client, exp: str, parent: str, metrics: dict[str, float], *,
+                        tags: dict[str, str] | None = None, scaled: bool = True, **params: str) -> str:
+    """A finished evaluate run under ``parent`` with ``metrics``, and the params the evaluate stage logs (the method,
+    level, device and threads of the timing; ``params`` replace them); with ``scaled``, the select stage's images/s
+    (``SCALED_RATE``), the evaluation's own unless ``metrics`` has it. Its run id."""
+    from pipeline.dag.records import SCALED_RATE
+
+    run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
+                                       "pipeline.done": "1", **(tags or {})}).info.run_id
+    logged = {"checkpoint": "/ckpt/model", "method": "none", "level": "full", "eval_device": "cpu", "eval_threads": "1",
+              "eval_device_name": "Test CPU", **params}
+    for key, value in logged.items():
+        client.log_param(run, key, value)
+    for key, value in (({SCALED_RATE: metrics["images_per_s"]} if scaled else {}) | metrics).items():
+        client.log_metric(run, key, value)
+    return run
+
+
+def one_evaluation_store(root: Path, experiment: str, dag: str, checkpoint: str, metrics: dict[str, float],
+                         **params: str) -> str:
     """The URI of an MLflow store in ``root`` that holds, in the MLflow experiment ``experiment``, one DAG parent run
-    named ``dag`` and one finished evaluation under it (of ``checkpoint``, with ``metrics``), as `pipeline select`
-    reads an experiment."""
+    named ``dag`` and one finished evaluation under it (of ``checkpoint``, with ``metrics`` and ``params``:
+    ``finished_evaluation``), as `pipeline select` reads an experiment."""
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment(experiment, artifact_location=(root / "a").as_uri())
-    parent = client.create_run(exp, run_name=dag, tags={"pipeline.stage": "dag"}).info.run_id
-    run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
-                                       "pipeline.done": "1"}).info.run_id
-    client.log_param(run, "checkpoint", checkpoint)
-    for key, value in metrics.items():
-        client.log_metric(run, key, value)
+    finished_evaluation(client, exp, dag_parent(client, exp, dag), metrics, checkpoint=checkpoint, **params)
     return uri
 
 

@@ -129,8 +129,14 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root, data):
     # Every evaluation names the kernel choice and what its dispatches ran: the CPU's native K-Medoids at the N of
     # each block its keep list pools in, for WK-Medoids alone (PoWER-BERT and the baseline run none).
     for row in rows:
-        ran = client.get_run(row["analysis"].rsplit("/artifacts/analysis", 1)[0].rsplit("/", 1)[1]).data.params
+        evaluation = client.get_run(row["analysis"].rsplit("/artifacts/analysis", 1)[0].rsplit("/", 1)[1]).data
+        ran = evaluation.params
         assert ran["kernels.kmedoids"] == "auto" and "kernels_run.attention" in ran and "kernels_run.torch" in ran
+        # the clock its speed was timed on (one thread: the thread's CPU time), and the interval's half-width as
+        # results.csv has it (half the interval's width over the ratio, written out)
+        assert ran["eval_clock"] == "cpu", ran
+        low, ratio, high = row["speed_ratio_low"], row["speed_ratio"], row["speed_ratio_high"]
+        assert evaluation.metrics["speed_half_width"] == pytest.approx((high - low) / 2 / ratio)
         n, pooled = 16, []  # the tokens entering each block, and those of the blocks that pool
         for k in row["keep"] or []:
             pooled += [n] if 0 < k < n and n not in pooled else []
@@ -153,9 +159,10 @@ def test_dag_survives_a_killed_driver_then_reruns_without_training(root, data):
     report = (root / "experiments" / "tiny" / "report.md").read_text()
     assert "## Analysis artifacts" in report
     # Deployment-aware selection: the speed front, measured in the setting the evaluate stage resolved.
-    heading = "## Pareto front by measured speed (images/s higher, top-1 higher) (measured cpu fp32 compile:none)"
+    heading = ("## Pareto front by measured speed (images/s higher, top-1 higher) (measured cpu fp32 compile:none "
+               "clock:cpu)")
     assert heading in report
-    assert {row["speed_setting"] for row in rows} == {"cpu fp32 compile:none"}
+    assert {row["speed_setting"] for row in rows} == {"cpu fp32 compile:none clock:cpu"}
     version = client.get_model_version_by_alias("token-pooling-tiny", "best")
     assert version.run_id in {r.info.run_id for r in finetunes}
 
@@ -276,6 +283,7 @@ def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_f
 
 @pytest.mark.ray
 @pytest.mark.beton
+@pytest.mark.speed  # the DAG run of `make test-under-load`: its evaluate and select stages time models
 def test_a_plugin_method_runs_through_the_dag_on_ray_workers(synthetic_data, tmp_path):
     """A method of another installed package (entry point group pipeline.methods) goes through the whole
     DAG: config validation in the driver, Ray Train workers for the K search and the finetune (trial_workers 1;

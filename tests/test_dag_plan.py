@@ -62,7 +62,7 @@ def test_stage_ids_change_downstream_of_any_change(data, tmp_path):
 def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
     """The ids of tiny.yaml's stages, pinned: a change that moves one without bumping ``IDENTITY_VERSION`` fails
     here (docs/design.md lists each version's ids of the first stage); bumping it moves every one. A change to
-    tiny.yaml moves the ids of what it reaches (its evaluation cap from 1 to 3 s: the evaluation's and the DAG's)."""
+    tiny.yaml moves the ids of what it reaches (its evaluation cap from 3 to 300 s: the evaluation's and the DAG's)."""
     from pipeline.config import identity
     from pipeline.dag import plan
     from pipeline.dag.plan import archs, base_stage, dag_id, evaluate_stage, finetune_stage, ksearch_stages
@@ -77,13 +77,13 @@ def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
 
     config = load_config(TINY)
     assert ids(config) == ["b6d65810254668ab", "22f922e70d56a766", "e9633713e482a150", "10a1b69f3308dfb6",
-                           "8f888036fac81bcf", "3c8aafbe174eef99", "35360114ede0edd1"]  # identity version 2
+                           "8f888036fac81bcf", "4698b6cc58ed1efe", "8c1832143b66f1ee"]  # identity version 2
     monkeypatch.setattr(identity, "IDENTITY_VERSION", 3)
     monkeypatch.setattr(plan, "IDENTITY_VERSION", 3)
     moved = ids(config)
     assert len(set(moved)) == 7
     assert not set(moved) & {"b6d65810254668ab", "22f922e70d56a766", "e9633713e482a150", "10a1b69f3308dfb6",
-                             "8f888036fac81bcf", "3c8aafbe174eef99", "35360114ede0edd1"}
+                             "8f888036fac81bcf", "4698b6cc58ed1efe", "8c1832143b66f1ee"}
     monkeypatch.undo()
     arch = archs(config)[0]
     base = base_stage(config, arch)
@@ -93,7 +93,7 @@ def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
     assert [s.id for s in both[:2]] == [ks[0].id, ks[1].id] and both[2].label == "tiny-ksearch-M16-gf0.6"
     assert both[2].config.train.ksearch_target.fraction == 0.6 and both[2].id not in {ks[0].id, ks[1].id}
     assert both[2].id == "139df6fee288fbb3"  # its id names the rounding's rule (targets.ROUNDING) too
-    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "ff6e6506e5563aec"
+    assert dag_id(load_config(TINY, [TARGET, "experiment.search.max_concurrent=null"])) == "916277a0aae2ee13"
     assert both[2].config.train.ksearch_target.methods is None  # the finetunes' concern: not the search's identity
     # Two targets at one figure, each with its own name (as each method's own table needs): two searches, two
     # levels; the same figure without names is refused.

@@ -34,18 +34,21 @@ from pipeline.bench.paired import STOPS, SpeedRatio, SpeedSettings
 from pipeline.cost import Curve, PoolSurface, check_key, load_cost_model, save_cost_model
 from pipeline.errors import InputError
 from pipeline.methods import method_spec
+from tests.conftest import HANG_S, LOOSE_TOLERANCE
 
-QUICK = SpeedSettings(cap_s=2.0, warmup=1)  # few blocks: these tests check what is measured, not how well
+# A pilot and the few blocks it plans: these tests check what is measured, not how well (HANG_S in tests/conftest.py).
+QUICK = SpeedSettings(tolerance=LOOSE_TOLERANCE, cap_s=HANG_S, warmup=1)
 TINY = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=4)
 
 
 # The measurements set torch's threads (the table's setting); later tests get theirs back.
-pytestmark = pytest.mark.usefixtures("restore_threads")
+pytestmark = [pytest.mark.usefixtures("restore_threads"), pytest.mark.speed]
 
 
 def settings(method: str = "wkmedoids", batch: int = 2, **more) -> BlocksSettings:
     return BlocksSettings(TINY, method, method_spec(method).resolve(method, {}), batch=batch, step=8, warmup=1,
-                          repeats=2, min_sample_s=0.0, **({"threads": 1, "anchor_cap_s": 2.0} | more))
+                          repeats=2, min_sample_s=0.0,
+                          **({"threads": 1, "anchor_tolerance": LOOSE_TOLERANCE, "anchor_cap_s": HANG_S} | more))
 
 
 def brute_force(data: dict, keep: list[int]) -> float:
@@ -175,7 +178,7 @@ def test_a_partial_file_with_its_anchor_cells_as_pairs_measures_them_again_and_t
                         "mlp/16 measured again: the partial file has them as pairs, not to an interval)")
     assert len([line for line in again if re.match(r"\[blocks\] \d+/", line)]) == 4  # the three and the last
     anchors = table.key["anchors"]
-    assert set(anchors) == {"model", "attn/16", "mlp/16"} and table.key["anchor_cap_s"] == 2.0
+    assert set(anchors) == {"model", "attn/16", "mlp/16"} and table.key["anchor_cap_s"] == HANG_S
     assert all(a["low"] <= a["ratio"] <= a["high"] and a["stop"] in STOPS
                for a in anchors.values()), anchors
     assert anchors["model"]["ratio"] > 1  # the whole model, in blocks at N (scaled as its ratio is)
@@ -204,7 +207,7 @@ def _spin(seconds: float):
 def test_an_anchor_cell_finds_a_known_ratio_within_its_interval():
     """Two busy loops of 2 ms and 1 ms of CPU: the ratio 2 on the CPU clock, inside the interval, whose width is
     the cell's spread."""
-    s = settings(clock="cpu", anchor_tolerance=0.05, anchor_cap_s=1.0)
+    s = settings(clock="cpu", anchor_tolerance=0.05)
     found = anchor_cell(_spin(0.002), _spin(0.001), s, torch.device("cpu"))
     assert found["ratio"] == pytest.approx(2.0, rel=0.1) and found["low"] <= found["ratio"] <= found["high"]
     assert found["iqr"] == pytest.approx(found["high"] - found["low"]) and found["stop"] in STOPS
@@ -301,13 +304,15 @@ def test_the_cli_measures_a_table_and_checks_it_as_a_prediction_for_another_devi
     assert main(["bench", "blocks", "--model", "deit_tiny_patch16_224", "--set", "model.img_size=16",
                  "--set", "model.patch_size=4", "--set", "model.depth=2", "--embed-dim", "16",
                  "--set", "model.num_heads=2", "--method", "powerbert", "--batch", "1", "--threads", "1",
-                 "--step", "8", "--repeats", "1", "--anchor-cap-s", "2", "--warmup", "1", "--out", str(out)]) == 0
+                 "--step", "8", "--repeats", "1", "--anchor-tolerance", str(LOOSE_TOLERANCE),
+                 "--anchor-cap-s", str(HANG_S), "--warmup", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert "powerbert" in printed.out and "| 16 |" in printed.out and "[blocks] 1/" in printed.err
     data = json.loads(out.read_text())
     data["key"]["device"] = "Some Other CPU"
     save_cost_model(load_cost_model(out).__class__.from_json(data), out)
-    check = ["bench", "latency-check", str(out), "--lists", "3", "--cap-s", "2", "--warmup", "1"]
+    check = ["bench", "latency-check", str(out), "--lists", "3", "--tolerance", str(LOOSE_TOLERANCE),
+             "--cap-s", str(HANG_S), "--warmup", "1"]
     assert main(check) == 2
     assert "device: 'Some Other CPU' != " in capsys.readouterr().err
     assert main([*check, "--other-device"]) == 0

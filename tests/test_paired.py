@@ -22,6 +22,7 @@ from pipeline.bench.paired import (
     paired_ratio,
 )
 from pipeline.errors import InputError
+from tests.processes import ROOT
 
 
 def test_the_rank_is_the_binomial_order_statistic_at_95_percent():
@@ -220,12 +221,59 @@ def test_the_cap_is_a_limit_on_the_clock_pilot_included():
     """10 s samples under a 20 s cap: the first block (40 s) ends past the cap and no other starts, and one block
     is no interval: one line says so and what cap would do."""
     timer, clock = _timers(0.01, 0.01, seconds=10.0)
-    with pytest.raises(InputError, match=r"^eval.speed_cap_s=20 s allowed 1 block\(s\) of four timed samples \(40 s "
-                                         r"a block\); a 95% interval needs 6: raise eval.speed_cap_s to at least 240 "
-                                         r"s \(to 640 s for a pilot and the blocks it plans\)$"):
+    # the key a user sets (`--set experiment.eval.speed_cap_s=...`), not a path the config refuses
+    with pytest.raises(InputError, match=r"^experiment.eval.speed_cap_s=20 s allowed 1 block\(s\) of four "
+                                         r"timed samples \(40 s a block\); a 95% interval needs 6: raise "
+                                         r"experiment.eval.speed_cap_s to at least 240 s \(to 640 s for a pilot and "
+                                         r"the blocks it plans\)$"):
         paired_ratio(lambda: None, lambda: None, timer=timer, wall=clock,
                      settings=SpeedSettings(warmup=0, cap_s=20.0))
     assert clock() == 40.0  # within one block of the cap
+
+
+def test_the_key_the_cap_error_names_is_one_the_config_takes():
+    from pipeline.config import load_config
+
+    key = SpeedSettings().cap_key
+    assert key == "experiment.eval.speed_cap_s"
+    assert load_config(ROOT / "configs" / "experiments" / "tiny.yaml", [f"{key}=7"]).experiment.eval.speed_cap_s == 7
+
+
+def test_a_cap_that_runs_out_before_any_block_says_so_without_a_pace():
+    """The wall clock jumps 5 s between the start and the first block's check, past a 1 s cap: no block, and the
+    line says so rather than quoting a pace of no block and a cap of 0 s."""
+    times = iter([0.0, 5.0, 5.0, 5.0, 5.0])
+    with pytest.raises(InputError, match=r"^experiment.eval.speed_cap_s=1 s ran out before the first block of four "
+                                         r"timed samples was measured \(5 s\): raise experiment.eval.speed_cap_s$"):
+        paired_ratio(lambda: None, lambda: None, timer=lambda f: 1.0, wall=lambda: next(times),
+                     settings=SpeedSettings(warmup=0, cap_s=1.0))
+
+
+@pytest.mark.parametrize("samples", [[math.inf] * 4, [0.01, math.inf, 0.01, 0.01], [0.01, 0.01, math.nan, 0.01]])
+def test_a_sample_that_is_not_a_finite_number_of_seconds_is_refused(samples):
+    """Every sample +inf crashed in ``statistics.stdev``; some +inf made an interval [x, inf] labelled ``wider``."""
+    from pipeline.bench.paired import TimerError
+
+    read = iter(samples * 100)
+    with pytest.raises(TimerError, match=r"^the timer read (inf|nan) s for one sample of the (reference|model): "):
+        paired_ratio(lambda: None, lambda: None, timer=lambda f: next(read), wall=lambda: 0.0,
+                     settings=SpeedSettings(warmup=0, cap_s=1e9))
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"tolerance": 0.0}, r"^a speed tolerance of 0.0: give the interval's relative half-width"),
+    ({"tolerance": 1.0}, r"^a speed tolerance of 1.0: "),
+    ({"tolerance": math.nan}, r"^a speed tolerance of nan: "),
+    ({"cap_s": 0.0}, r"^experiment.eval.speed_cap_s=0.0: give the most seconds a measurement may take, above 0$"),
+    ({"cap_s": -3.0, "cap_key": "--cap-s"}, r"^--cap-s=-3.0: "),
+    ({"cap_s": math.nan}, r"^experiment.eval.speed_cap_s=nan: "),
+    ({"pilot": 4}, r"^a pilot of 4 blocks, at most 2000 blocks and 2 warm-up calls: give a pilot of at least 8"),
+    ({"max_blocks": 5}, r"at least 6 blocks"),
+    ({"warmup": -1}, r"-1 warm-up calls"),
+])
+def test_speed_settings_that_cannot_measure_are_refused_in_one_line(settings, message):
+    with pytest.raises(InputError, match=message):
+        SpeedSettings(**settings)
 
 
 def test_a_timer_that_reads_zero_is_refused_naming_it():

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
-from tests.conftest import one_evaluation_store
+from tests.conftest import dag_parent, finished_evaluation, one_evaluation_store
 
 # (method, level, top1, gflops, images/s, device): the models the hand-built experiment evaluated.
 MODELS = [
@@ -28,20 +28,14 @@ def store(tmp_path_factory) -> tuple[str, dict[str, str]]:
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("token-pooling", artifact_location=(root / "artifacts").as_uri())
-    client.create_run(exp, run_name="other", tags={"pipeline.stage": "dag"})  # another experiment's DAG
-    parent = client.create_run(exp, run_name="hand", tags={"pipeline.stage": "dag"}).info.run_id
+    dag_parent(client, exp, "other")  # another experiment's DAG
+    parent = dag_parent(client, exp, "hand")
     trained = {}
     for method, level, top1, gflops, speed, device in MODELS:
         finetune = client.create_run(exp, run_name=f"ft-{method}-{level}").info.run_id
         trained[f"{method}/{level}/{device}"] = finetune
-        run = client.create_run(exp, run_name=f"eval-{method}-{level}", tags={
-            "mlflow.parentRunId": parent, "pipeline.stage": "evaluate", "pipeline.done": "1",
-            "pipeline.trained_run": finetune}).info.run_id
-        client.log_param(run, "method", method)
-        client.log_param(run, "level", level)
-        client.log_param(run, "eval_device", device)
-        for key, value in (("top1", top1), ("gflops", gflops), ("images_per_s", speed)):
-            client.log_metric(run, key, value)
+        finished_evaluation(client, exp, parent, {"top1": top1, "gflops": gflops, "images_per_s": speed},
+                            tags={"pipeline.trained_run": finetune}, method=method, level=level, eval_device=device)
     unfinished = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate"})
     client.log_metric(unfinished.info.run_id, "top1", 99.0)  # not done: never a candidate
     # The wkmedoids model (timed on the GPU) is registered as an MLflow model.
@@ -131,7 +125,7 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
     uri, _ = store
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("token-pooling").experiment_id
-    parent = client.create_run(exp, run_name="lat", tags={"pipeline.stage": "dag"}).info.run_id
+    parent = dag_parent(client, exp, "lat")
     table, other = tmp_path / "table.json", tmp_path / "other.json"
     table.write_text('{"a": 1}\n')
     other.write_text('{"b": 2}\n')
@@ -140,11 +134,8 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
 
     for name, top1, ms, against in (("fast", 70.0, 3.0, table), ("slow", 80.0, 6.0, table),
                                     ("elsewhere", 90.0, 1.0, other), ("unmeasured", 95.0, None, None)):
-        run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
-                                           "pipeline.done": "1"}).info.run_id
-        client.log_param(run, "checkpoint", f"/ckpt/{name}")
-        for key, value in (("top1", top1), ("gflops", 0.002), ("images_per_s", 500.0)):
-            client.log_metric(run, key, value)
+        run = finished_evaluation(client, exp, parent, {"top1": top1, "gflops": 0.002, "images_per_s": 500.0},
+                                  checkpoint=f"/ckpt/{name}")
         if ms is not None:
             client.log_metric(run, LATENCY_METRIC, ms)
             client.set_tag(run, LATENCY_TABLE_TAG, file_sha256(against))
@@ -164,30 +155,28 @@ def test_select_by_latency_measured_against_a_table(store, tmp_path, capsys):
 @pytest.mark.slow
 def test_speed_budgets_hold_by_the_intervals_end(tmp_path, capsys):
     """The select stage's images/s on one scale with its interval: ``--min-images-per-s`` by the lower end,
-    ``--max-latency-ms`` by the upper end; the evaluate stage's own figure is not read where the scale is there."""
+    ``--max-latency-ms`` by the upper end; the evaluate stage's own figure is never read."""
     from pipeline.cost import file_sha256
     from pipeline.dag.records import LATENCY_HIGH, LATENCY_METRIC, LATENCY_TABLE_TAG, RATE_HIGH, RATE_LOW, SCALED_RATE
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())
-    parent = client.create_run(exp, run_name="scaled", tags={"pipeline.stage": "dag"}).info.run_id
+    parent = dag_parent(client, exp, "scaled")
     table = tmp_path / "table.json"
     table.write_text('{"a": 1}\n')
     # name, top1, evaluate's own images/s, (scaled, low, high), (latency ms, its upper end)
     for name, top1, own, scaled, ms in (("wide", 80.0, 9000.0, (2000.0, 1700.0, 2300.0), (3.0, 3.6)),
                                         ("tight", 78.0, 10.0, (1950.0, 1900.0, 2000.0), (3.2, 3.3))):
-        run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
-                                           "pipeline.done": "1"}).info.run_id
-        client.log_param(run, "checkpoint", f"/ckpt/{name}")
-        for key, value in (("top1", top1), ("gflops", 0.002), ("images_per_s", own), *zip(
-                (SCALED_RATE, RATE_LOW, RATE_HIGH), scaled), (LATENCY_METRIC, ms[0]), (LATENCY_HIGH, ms[1])):
-            client.log_metric(run, key, value)
+        run = finished_evaluation(client, exp, parent, {
+            "top1": top1, "gflops": 0.002, "images_per_s": own, **dict(zip((SCALED_RATE, RATE_LOW, RATE_HIGH), scaled)),
+            LATENCY_METRIC: ms[0], LATENCY_HIGH: ms[1]}, checkpoint=f"/ckpt/{name}")
         client.set_tag(run, LATENCY_TABLE_TAG, file_sha256(table))
     args = ["select", "--experiment", "scaled", "--tracking-uri", uri]
     assert main([*args, "--min-images-per-s", "1800"]) == 0  # wide's 2000 may be 1700: only tight holds 1800
     out = capsys.readouterr().out
-    assert "model: /ckpt/tight" in out and "images_per_s: 1950.0 [1900.0, 2000.0] (cpu)" in out
+    assert "model: /ckpt/tight" in out
+    assert "images_per_s: 1950.0 [1900.0, 2000.0] (at least 90%, within this run) (cpu)" in out
     assert main([*args, "--min-images-per-s", "1600"]) == 0
     assert "model: /ckpt/wide" in capsys.readouterr().out
     assert main([*args, "--max-latency-ms", "3.5", "--table", str(table)]) == 0  # wide's 3.0 ms may be 3.6
@@ -306,3 +295,72 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
     rows_only = (tmp_path / "rows" / "report.md").read_text()
     assert rows_only.startswith("# Experiment run\n") and "## Base models" not in rows_only
     assert not (tmp_path / "rows" / REPORT_INPUTS).exists()  # nothing claims the run had no bases or targets
+
+
+def test_a_candidates_line_says_its_interval_is_chained_and_within_one_run():
+    """The interval of a candidate's images/s is a 95% interval chained with its reference's (at least 90%), and it
+    holds within the run that measured it; the line that an over-budget error quotes says both."""
+    from pipeline.select_model import Candidate
+
+    line = Candidate("/ckpt/m", "powerbert", "lam0.05", 70.0, 0.002, 2000.0, "cpu", images_per_s_low=1950.0,
+                     images_per_s_high=2050.0).line()
+    assert "2000 [1950, 2050] (at least 90%, within this run) img/s (cpu)" in line, line
+    assert "within this run" not in Candidate("/ckpt/m", "none", "full", 70.0, 0.002, 2000.0, "cpu").line()
+
+
+def test_the_select_stage_refuses_speeds_timed_on_different_clocks():
+    """One thread's CPU time and the wall clock (``experiment.eval.threads`` 1 and 2), or a record that did not say
+    its clock: ratios that do not compare, refused in one line that counts each clock; one clock passes."""
+    from pipeline.dag.select import check_one_clock
+    from pipeline.dag.types import EvalResult
+    from pipeline.errors import InputError
+
+    def evaluation(clock):
+        return EvalResult("r", "/ckpt", 70.0, 0.002, 2000.0, 10.0, 100, clock=clock)
+
+    check_one_clock({"a": evaluation("cpu"), "b": evaluation("cpu")})
+    with pytest.raises(InputError, match=r"^the evaluations' speeds were timed on different clocks \(cpu: 2 "
+                                         r"model\(s\), wall: 1 model\(s\)\), which do not compare: "
+                                         r".*--force evaluate`$"):
+        check_one_clock({"a": evaluation("cpu"), "b": evaluation("wall"), "c": evaluation("cpu")})
+    with pytest.raises(InputError, match=r"\(cuda: 1 model\(s\), not recorded: 1 model\(s\)\)"):
+        check_one_clock({"a": evaluation("cuda"), "b": evaluation(None)})
+
+
+@pytest.mark.parametrize("version", [None, 1])
+def test_select_refuses_a_store_of_another_identity_version_with_runs_line(tmp_path, capsys, version):
+    """A DAG parent recorded under identity version 1 (untagged: the only version before the tag, or tagged 1):
+    `pipeline select` refuses it in the very line `pipeline run` gives (``records.check_identity_version``), instead of
+    picking from stages whose ids this version does not share."""
+    from pipeline.dag.records import IDENTITY_TAG
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("old", artifact_location=(tmp_path / "a").as_uri())
+    parent = dag_parent(client, exp, "old", version=1)
+    if version is None:
+        client.delete_tag(parent, IDENTITY_TAG)
+    finished_evaluation(client, exp, parent, {"top1": 70.0, "gflops": 0.002, "images_per_s": 500.0})
+    assert main(["select", "--experiment", "old", "--tracking-uri", uri, "--max-gflops", "1"]) == 2
+    err = capsys.readouterr().err
+    from pipeline.config.identity import IDENTITY_VERSION
+    from pipeline.dag.records import check_identity_version
+
+    with pytest.raises(Exception) as run_says:
+        check_identity_version(client, exp, uri, "old")
+    assert str(run_says.value) in err and f"recorded under identity version 1; this pipeline's is {IDENTITY_VERSION}" \
+        in err, err
+
+
+def test_select_refuses_an_evaluation_the_select_stage_has_not_scaled(tmp_path, capsys):
+    """An evaluation without the select stage's images/s (a DAG stopped between its evaluate and select stages) is no
+    candidate to read a speed from (the evaluate stage's own figure is on no common scale): one line says what to
+    run."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())
+    run = finished_evaluation(client, exp, dag_parent(client, exp, "half"),
+                              {"top1": 70.0, "gflops": 0.002, "images_per_s": 500.0}, scaled=False)
+    assert main(["select", "--experiment", "half", "--tracking-uri", uri, "--max-gflops", "1"]) == 2
+    assert (f"experiment 'half': evaluation run {run} has no images/s on the select stage's scale "
+            "(images_per_s_scaled): the DAG's select stage has not finished") in capsys.readouterr().err

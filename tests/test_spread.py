@@ -28,7 +28,7 @@ from pipeline.spread import (
     spread_statistics,
     tie_margin,
 )
-from tests.conftest import one_evaluation_store
+from tests.conftest import HANG_S, LOOSE_TOLERANCE, one_evaluation_store
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "experiments" / "demo.yaml"
@@ -234,11 +234,14 @@ def test_doctor_speed_refuses_bad_flags_in_one_line(flags, message, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.speed
 def test_doctor_speed_runs_two_processes_through_the_cli(tmp_path):
     out = tmp_path / "speed.json"
     done = subprocess.run([sys.executable, "-m", "pipeline", "doctor", "--speed", "--processes", "2", "--over-s", "0",
-                           "--set", "experiment.eval.speed_cap_s=3", "--set", "experiment.eval.batch=8",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--set", f"experiment.eval.speed_cap_s={HANG_S}",
+                           "--set", f"experiment.eval.speed_tolerance={LOOSE_TOLERANCE}",
+                           "--set", "experiment.eval.batch=8",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=2 * HANG_S)
     assert done.returncode == 0, done.stderr
     assert "[speed] 2/2: " in done.stderr
     assert done.stdout.startswith("between processes: ratio ") and f"recorded in {out}" in done.stdout
@@ -250,18 +253,13 @@ def test_select_prints_the_timed_devices_spread_beside_the_interval(tmp_path, mo
     """``pipeline select`` names the record (runs/machine/ under the working folder) of the device the pick was
     timed on, by the name its evaluation logged, whichever machine runs select; without one its output is as
     before."""
-    from mlflow.tracking import MlflowClient
 
     from pipeline.dag.records import RATE_HIGH, RATE_LOW, SCALED_RATE
 
     monkeypatch.chdir(tmp_path)
     uri = one_evaluation_store(tmp_path, "x", "spread", "/ckpt/m", {
         "top1": 70.0, "gflops": 0.002, "images_per_s": 2000.0, SCALED_RATE: 2000.0, RATE_LOW: 1950.0,
-        RATE_HIGH: 2050.0})
-    client = MlflowClient(tracking_uri=uri)
-    (evaluation,) = client.search_runs([client.get_experiment_by_name("x").experiment_id],
-                                       filter_string="tags.`pipeline.stage` = 'evaluate'")
-    client.log_param(evaluation.info.run_id, "eval_device_name", "Another Node's CPU")
+        RATE_HIGH: 2050.0}, eval_device_name="Another Node's CPU")
     args = ["select", "--experiment", "spread", "--tracking-uri", uri, "--min-images-per-s", "1000"]
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
     from pipeline.bench.blocks import device_name

@@ -18,15 +18,15 @@ from pipeline.bench.blocks import (
     usable_cores,
 )
 from pipeline.bench.latency import run_check
-from pipeline.bench.paired import SpeedSettings
 from pipeline.bench.records import find_record
 from pipeline.cost import check_key
 from pipeline.errors import InputError
 from pipeline.runtime import KernelChoice
+from tests.test_latency_tables import QUICK
 from tests.test_latency_tables import settings as tiny_settings
 
 # Measurements set torch's threads (the table's setting); later tests get theirs back.
-pytestmark = pytest.mark.usefixtures("restore_threads")
+pytestmark = [pytest.mark.usefixtures("restore_threads"), pytest.mark.speed]
 
 
 def settings(method: str = "kmedoids", **more) -> BlocksSettings:
@@ -57,7 +57,7 @@ def test_a_table_keeps_its_kernel_choice_and_another_choice_is_refused_naming_it
     old = {k: v for k, v in table.key.items() if k != "kernel_choice"}  # a key from before the choice was recorded
     assert settings_from_key(old).kernels == KernelChoice()
     checked, rows = run_check(table, count=1, seed=0, levels=False, other_device=False,
-                              speed=SpeedSettings(cap_s=2.0, warmup=1), log=lambda _: None)  # its own kernels: measured
+                              speed=QUICK, log=lambda _: None)  # its own kernels: measured
     assert not checked.predicted and len(rows) == 1 and rows[0].measured > 0
     with pytest.raises(InputError, match=r"kernel_choice: \{.*'native': 'torch'.*\} != \{.*'native': 'auto'"):
         measure_table(settings(), out, log=lambda _: None)  # measuring into it with every kernel at auto

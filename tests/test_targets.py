@@ -29,6 +29,7 @@ from pipeline.targets import (
     target_cost,
     target_cost_model,
 )
+from tests.conftest import HANG_S, LOOSE_TOLERANCE
 from tests.reference import table_cost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -533,6 +534,7 @@ def test_targets_are_checked_when_loaded():
 
 
 @pytest.mark.slow
+@pytest.mark.speed
 def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(tmp_path):
     from dataclasses import replace
 
@@ -544,7 +546,8 @@ def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(t
     spec = ModelSpec("deit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2,
                      num_classes=4)
     settings = BlocksSettings(spec, "powerbert", method_spec("powerbert").resolve("powerbert", {}), batch=2, step=8,
-                              warmup=1, repeats=2, min_sample_s=0.0, threads=1, anchor_cap_s=2.0)
+                              warmup=1, repeats=2, min_sample_s=0.0, threads=1,
+                              anchor_tolerance=LOOSE_TOLERANCE, anchor_cap_s=HANG_S)
     table, _ = measure_table(settings, tmp_path / "table.json", log=lambda _: None)
     torch.set_num_threads(threads)
     ratio, status = measure_on_table(table, [8, 8], log=lambda _: None)

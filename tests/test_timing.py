@@ -179,3 +179,13 @@ def test_the_evaluate_stage_times_in_one_held_context(monkeypatch):
         model(torch.randn(1, 3, 224, 224))
     layers = sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in model.modules())
     assert seen == {"casts": _casts(fresh) - 2 * layers}
+
+
+def test_the_evaluations_clock_follows_its_device_and_threads():
+    """CUDA events on a GPU; on the CPU the thread's CPU time at one torch thread, the wall clock at more (whose work
+    the thread's clock would not count): the clock each evaluation logs (``eval_clock``)."""
+    from pipeline.evaluate import speed_clock
+
+    assert speed_clock(torch.device("cuda"), 1) == "cuda"
+    assert speed_clock(torch.device("cpu"), 1) == "cpu"
+    assert speed_clock(torch.device("cpu"), 2) == "wall"

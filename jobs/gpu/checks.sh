@@ -21,13 +21,14 @@
 #   latency   bench blocks: a latency table of DeiT-S (bf16, batch BATCH, compiled in COMPILE mode, the current
 #             kernels) for each of LATENCY_METHODS (wkmedoids) on a coarse grid (LATENCY_STEP 48, --no-fine: 23
 #             cells, each compiled shape costs seconds; the model and the halves at N to a +-1% interval, at
-#             most LATENCY_ANCHOR_CAP_S 20 s each), then bench latency-check of it on the paper's levels
-#             (LATENCY_LISTS 8 lists: levels 0-7);
+#             most LATENCY_ANCHOR_CAP_S 20 s each; LATENCY_ANCHOR_TOLERANCE 0.01), then bench latency-check of it on
+#             the paper's levels (LATENCY_LISTS 8 lists: levels 0-7; LATENCY_CHECK_TOLERANCE 0.02, LATENCY_CHECK_CAP_S
+#             30 s a list);
 #             OUT/latency-METHOD.{json,md,log} and OUT/latency-check-METHOD.{md,log}; LATENCY_ARGS replaces the
 #             model flags of bench blocks (the CPU test gives a tiny model and one thread; the check takes the table's)
 #   speed     benchmarks/paired_speed.py: DeiT-S level 3 (SPEED_METHODS: powerbert,wkmedoids) against the unmodified
 #             model, bf16, batch BATCH, compiled (COMPILE), with the evaluate stage's paired primitive (CUDA events,
-#             ABBA blocks, a 95% interval; SPEED_CAP_S 40 s a method)
+#             ABBA blocks, a 95% interval to SPEED_TOLERANCE 0.02; SPEED_CAP_S 40 s a method)
 #   pack      every output so far in one archive (below)
 # SPLIT=1 runs eager, compiled, train and fp32 once per method (OUT/PART-METHOD.*), each under the
 # part's limit, so that one method's slow compilation cannot take the later methods' results; each
@@ -138,13 +139,14 @@ for part in "$@"; do
                echo "== latency-$m ($(date +%T))"
                timeout "${LATENCY_S:-420}" python3 -m pipeline bench blocks --device "$device" --method "$m" \
                  --batch "$batch" --dtype bf16 --compile "$mode" --step "${LATENCY_STEP:-48}" --no-fine --repeats 7 \
-                 --anchor-cap-s "${LATENCY_ANCHOR_CAP_S:-20}" \
+                 --anchor-tolerance "${LATENCY_ANCHOR_TOLERANCE:-0.01}" --anchor-cap-s "${LATENCY_ANCHOR_CAP_S:-20}" \
                  ${LATENCY_ARGS:---model deit_small_patch16_224} --out "$out/latency-$m.json" \
                  > "$out/latency-$m.md" 2> "$out/latency-$m.log"
                echo "   exit $? ($(date +%T))"; cat "$out/latency-$m.md"
                fits "${LATENCY_CHECK_S:-300}" "latency-check-$m" || continue
                timeout "${LATENCY_CHECK_S:-300}" python3 -m pipeline bench latency-check "$out/latency-$m.json" \
-                 --lists "${LATENCY_LISTS:-8}" --cap-s "${LATENCY_CHECK_CAP_S:-30}" > "$out/latency-check-$m.md" \
+                 --lists "${LATENCY_LISTS:-8}" --tolerance "${LATENCY_CHECK_TOLERANCE:-0.02}" \
+                 --cap-s "${LATENCY_CHECK_CAP_S:-30}" > "$out/latency-check-$m.md" \
                  2> "$out/latency-check-$m.log"
                echo "   exit $? ($(date +%T))"; cat "$out/latency-check-$m.md"
              done ;;
@@ -153,7 +155,8 @@ for part in "$@"; do
            timeout "${SPEED_S:-240}" python3 benchmarks/paired_speed.py --device "$device" --level 3 \
              --model "${SPEED_MODEL:-deit_small_patch16_224}" \
              --methods "${SPEED_METHODS:-powerbert,wkmedoids}" --batch "$batch" --dtype bf16 --compile "$mode" \
-             --cap-s "${SPEED_CAP_S:-40}" > "$out/speed-$mode.md" 2> "$out/speed-$mode.log"
+             --tolerance "${SPEED_TOLERANCE:-0.02}" --cap-s "${SPEED_CAP_S:-40}" \
+             > "$out/speed-$mode.md" 2> "$out/speed-$mode.log"
            echo "   exit $? ($(date +%T))"; cat "$out/speed-$mode.md" ;;
     pack) tar czf "${PACK:-$out.tgz}" -C "$out" . && echo "== packed $out into ${PACK:-$out.tgz}" ;;
     *) echo "unknown part $part (doctor tests kernels eager compiled train fp32 loop pooling latency speed pack)"

@@ -53,14 +53,27 @@ class TimerError(InputError):
 
 @dataclass(frozen=True)
 class SpeedSettings:
-    """How a paired ratio is measured: the relative half-width it aims at, the time it may take, the warm-up."""
+    """How a paired ratio is measured: the relative half-width it aims at, the time it may take, the warm-up.
+    Refused in one line (InputError) where a value could not measure: a tolerance outside (0, 1), a cap that is not
+    a positive number of seconds, a pilot under ``MIN_BLOCKS``, fewer than ``FEWEST_BLOCKS`` blocks at most."""
 
     tolerance: float = 0.02  # the interval's relative half-width aimed at (of the median)
     cap_s: float = 20.0  # the most wall-clock seconds the pilot and the blocks may take (to within one block)
-    cap_key: str = "eval.speed_cap_s"  # where the user sets ``cap_s``, for the error that says to raise it
+    cap_key: str = "experiment.eval.speed_cap_s"  # where the user sets ``cap_s``, for the error that says to raise it
     pilot: int = MIN_BLOCKS
     warmup: int = 2  # calls of each function before the pilot (compiles, caches, first-call costs)
     max_blocks: int = 2000
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tolerance < 1:
+            raise InputError(f"a speed tolerance of {self.tolerance!r}: give the interval's relative half-width aimed "
+                             "at, between 0 and 1 (0.02 is 2% of the ratio)")
+        if not (math.isfinite(self.cap_s) and self.cap_s > 0):
+            raise InputError(f"{self.cap_key}={self.cap_s!r}: give the most seconds a measurement may take, above 0")
+        if self.pilot < MIN_BLOCKS or self.max_blocks < FEWEST_BLOCKS or self.warmup < 0:
+            raise InputError(f"a pilot of {self.pilot} blocks, at most {self.max_blocks} blocks and {self.warmup} "
+                             f"warm-up calls: give a pilot of at least {MIN_BLOCKS}, at least {FEWEST_BLOCKS} blocks "
+                             "and 0 or more warm-up calls")
 
 
 @dataclass(frozen=True)
@@ -125,11 +138,13 @@ def block_ratio(fn: Callable[[], object], reference: Callable[[], object], index
     seconds = {"A": 0.0, "B": 0.0}
     for who in order:
         sample = timer(reference if who == "A" else fn)
-        if not sample > 0:  # also NaN
+        if not 0 < sample < math.inf:  # also NaN
             what = getattr(timer, "describe", "the timer")
+            why = ("it cannot time a call this short (or its clock does not advance); time more calls a sample "
+                   "(calls) or use the wall clock") if not sample >= math.inf else \
+                "a sample must be a finite number of seconds; check the timer's clock"
             raise TimerError(f"{what} read {sample!r} s for one sample of the "
-                             f"{'reference' if who == 'A' else 'model'}: it cannot time a call this short (or its "
-                             "clock does not advance); time more calls a sample (calls) or use the wall clock")
+                             f"{'reference' if who == 'A' else 'model'}: {why}")
         seconds[who] += sample
     return seconds["B"] / seconds["A"]
 
@@ -195,8 +210,6 @@ def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, t
     before every block of the pilot and after it. The pilot sets how many blocks follow, and the result is theirs
     alone, unless the cap leaves fewer than ``FEWEST_BLOCKS`` after the pilot: then it is every block measured. A
     cap that leaves fewer than ``FEWEST_BLOCKS`` in all is an InputError that says what the cap would need."""
-    if settings.pilot < MIN_BLOCKS:
-        raise InputError(f"a paired ratio needs a pilot of at least {MIN_BLOCKS} blocks, got {settings.pilot}")
     for _ in range(settings.warmup):
         reference()
         fn()
@@ -236,8 +249,11 @@ def _measure(fn: Callable[[], object], reference: Callable[[], object], timer: C
     if len(blocks) < FEWEST_BLOCKS:
         blocks = pilot + blocks
     seconds = wall() - start
+    if not blocks:
+        raise InputError(f"{settings.cap_key}={settings.cap_s:g} s ran out before the first block of four timed "
+                         f"samples was measured ({seconds:.3g} s): raise {settings.cap_key}")
     if len(blocks) < FEWEST_BLOCKS:
-        pace = seconds / max(len(blocks), 1)
+        pace = seconds / len(blocks)
         raise InputError(f"{settings.cap_key}={settings.cap_s:g} s allowed {len(blocks)} block(s) of four timed "
                          f"samples ({pace:.3g} s a block); a {CONFIDENCE:.0%} interval needs {FEWEST_BLOCKS}: raise "
                          f"{settings.cap_key} to at least {math.ceil(pace * FEWEST_BLOCKS)} s (to "

@@ -71,8 +71,11 @@ def _pick(args: argparse.Namespace):
 
 
 def cmd_select(args: argparse.Namespace) -> int:
+    from pipeline.select_model import RATE_INTERVAL_SCOPE
+
     pick = _pick(args)
-    interval = "" if pick.images_per_s_low is None else f" [{pick.images_per_s_low:.1f}, {pick.images_per_s_high:.1f}]"
+    interval = "" if pick.images_per_s_low is None else \
+        f" [{pick.images_per_s_low:.1f}, {pick.images_per_s_high:.1f}] ({RATE_INTERVAL_SCOPE})"
     print(f"model: {pick.uri}\ntop1: {pick.top1:.2f}\ngflops: {pick.gflops:.4f}\n"
           f"images_per_s: {pick.images_per_s:.1f}{interval} ({pick.device})\n"
           f"method: {pick.method}\nlevel: {pick.level}")

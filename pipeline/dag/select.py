@@ -7,6 +7,7 @@ from typing import Any
 
 from pipeline.dag.plan import Stage, archs, table_path
 from pipeline.dag.types import EvalResult, TrainedResult
+from pipeline.errors import InputError
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 from pipeline.serving.server import DEFAULT_STORE
 from pipeline.spread import tie_margin
@@ -26,8 +27,24 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
                      "speed_ratio_low": measured.speed_ratio_low, "speed_ratio_high": measured.speed_ratio_high,
                      "speed_seconds": measured.speed_seconds, "speed_half_width": measured.speed_half_width,
                      "speed_blocks": measured.speed_blocks, "speed_stop": measured.speed_stop,
-                     "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile}"})
+                     "speed_setting": f"{measured.device} {measured.dtype} compile:{measured.compile} "
+                                      f"clock:{measured.clock}"})
     return rows
+
+
+def check_one_clock(evaluations: dict[str, EvalResult]) -> None:
+    """InputError where the evaluations' speeds were timed on different clocks (``evaluate.speed_clock``: a thread's
+    CPU time, the wall clock, CUDA events), or some on a clock they did not record: their ratios and images/s do not
+    compare, and a front drawn across them would rank the clocks, not the models."""
+    counts: dict[str, int] = {}
+    for evaluation in evaluations.values():
+        clock = evaluation.clock or "not recorded"
+        counts[clock] = counts.get(clock, 0) + 1
+    if len(counts) > 1:
+        found = ", ".join(f"{clock}: {n} model(s)" for clock, n in sorted(counts.items()))
+        raise InputError(f"the evaluations' speeds were timed on different clocks ({found}), which do not compare: "
+                         "time them all in one setting (experiment.eval.threads, experiment.eval.device) with "
+                         "`pipeline run CONFIG --force evaluate`")
 
 
 def measure_scale(ctx, rows: list[dict[str, Any]]):
@@ -247,6 +264,7 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     from pipeline.tracking import log_batch
 
     exp = ctx.config.experiment
+    check_one_clock(evaluations)
     rows = result_rows(ft_stages, ft_results, evaluations)
     scale = measure_scale(ctx, rows)
     rows = on_scale(rows, scale)

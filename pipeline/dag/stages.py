@@ -15,6 +15,7 @@ from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, TRAINED_RUN, find_do
 from pipeline.dag.types import EvalResult, StageSpec, Tracking, TrainedResult, from_record
 from pipeline.evaluate import evaluate_checkpoint
 from pipeline.methods import plugin_of
+from pipeline.pareto import relative_half_width
 from pipeline.runtime import KernelChoice, peak_memory_mb
 from pipeline.tracking import experiment_id, log_batch
 from pipeline.train import run_training
@@ -110,11 +111,13 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     choice = KernelChoice(**(spec.meta.kernels or {}))
     measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda, kernels=choice)
     setting = {"device": measured.device, "device_name": measured.device_name, "dtype": measured.dtype,
-               "compile": measured.compile, "threads": cfg.threads}
+               "compile": measured.compile, "threads": cfg.threads, "clock": measured.clock}
     kernels = {f"kernels.{key}": value for key, value in choice.as_dict().items()}
     kernels |= {f"kernels_run.{key}": value for key, value in measured.kernels.items()}
     speed = {key: getattr(measured, key) for key in ("speed_ratio", "speed_ratio_low", "speed_ratio_high",
                                                       "speed_blocks", "speed_seconds", "load_before", "load_after")}
+    speed["speed_half_width"] = relative_half_width(measured.speed_ratio, measured.speed_ratio_low,
+                                                    measured.speed_ratio_high)
     log_batch(client, run_id, metrics={"top1": measured.top1, "gflops": measured.gflops,
                                        "images_per_s": measured.images_per_s,
                                        "images_per_s_spread": measured.images_per_s_spread, **speed,

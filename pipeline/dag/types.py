@@ -104,6 +104,7 @@ class EvalResult:
     load_before: float | None = None
     load_after: float | None = None
     device_name: str | None = None  # the timed device's name (``bench.blocks.device_name``): its spread record
+    clock: str | None = None  # the clock the speed was timed on (``evaluate.speed_clock``)
 
     as_record = _record
 
