@@ -83,6 +83,19 @@ class Option:
             raise InputError(f"{where} is a finite number, got {value!r}")
         return value
 
+    def samples(self) -> tuple[Any, ...]:
+        """Two values it allows where it has a second (its default first; another choice, the other bool, or a number
+        at its minimum or 1 above), else its default alone: what ``models.probe`` runs the operator with."""
+        default = self.default
+        if self.choices is not None:
+            return (default, *[c for c in self.choices if c != default][:1])
+        if isinstance(default, bool):
+            return default, not default
+        if isinstance(default, (int, float)):
+            other = self.minimum if self.minimum is not None and self.minimum != default else default + 1
+            return default, type(default)(other)
+        return (default,)
+
     def describe(self) -> str:
         """``5 (>= 1)`` or ``'tokens' (tokens, metric; counted in GFLOPs)``: its default, what it allows and
         whether it changes the GFLOPs."""
@@ -196,6 +209,9 @@ SIGNIFICANCE = Option("eq4", choices=("eq4", "cls"),
                           "cls, the class token's attention alone (EViT; one query row, cheaper)")
 _SCORED = {"significance": SIGNIFICANCE}
 _CLUSTERED = {"iters": ITERS, "init": INIT, "cluster_on": CLUSTER_ON, **_SCORED}
+# K-Means' iterations multiply (each one's distances and means), so their number changes its count; K-Medoids'
+# Gram matrix is built once, and its iterations only compare and pick (tests/test_flops.py checks every flag on fvcore).
+_MEANS = {**_CLUSTERED, "iters": replace(ITERS, counted=True)}
 
 
 def _selects(n: int, k: int, width: int, options: Mapping[str, Any]) -> int:
@@ -215,9 +231,9 @@ _BUILTIN: dict[str, MethodSpec] = {
                          downsamples=False),
     # In this order, the swept ones are the default experiment.methods.
     "kmeans": MethodSpec(_F + "kmeans", "Token Pooling by K-Means (eq. 6-7), top-K initialisation",
-                         needs_scores=True, options=_CLUSTERED, takes_kernels=True),
+                         needs_scores=True, options=_MEANS, takes_kernels=True),
     "wkmeans": MethodSpec(_F + "wkmeans", "weighted K-Means (Appendix A), weights = significance",
-                          needs_scores=True, options=_CLUSTERED, takes_kernels=True),
+                          needs_scores=True, options=_MEANS, takes_kernels=True),
     "wkmedoids": MethodSpec(_F + "wkmedoids", "weighted K-Medoids (Appendix A), weights = significance",
                             needs_scores=True, options=_CLUSTERED, flops=_gram, takes_kernels=True, swept=True),
     "kmedoids": MethodSpec(_F + "kmedoids", "Token Pooling by K-Medoids (eq. 8), top-K initialisation",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.flops import count_flops
+from pipeline.methods import METHODS
 from pipeline.models import create_model
 from pipeline.sparsity import load_sparsity, sparsity_files
 
@@ -180,3 +181,31 @@ def test_importing_the_flop_counter_prints_no_deprecation_warning():
     done = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", "import pipeline.flops"],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _two_values(option) -> tuple:
+    """The option's default and one other value it allows (another choice, the other bool, a number 1 above or,
+    where it has a minimum, at it)."""
+    default = option.default
+    if option.choices is not None:
+        return default, next(c for c in option.choices if c != default)
+    if isinstance(default, bool):
+        return default, not default
+    if isinstance(default, (int, float)):
+        other = option.minimum if option.minimum is not None and option.minimum != default else default + 1
+        return default, type(default)(other)
+    raise AssertionError(f"no second value for an option of default {default!r}: extend _two_values")
+
+
+@pytest.mark.parametrize(("method", "name"), [(m, o) for m, spec in sorted(METHODS.items()) if not spec.learnable
+                                              for o in sorted(spec.options)])
+def test_an_options_counted_flag_is_what_fvcore_counts(method, name):
+    """Each option of each method at two values on a small pooling model: fvcore's count (the independent reference)
+    changes exactly where the method declares the option ``counted`` (``pipeline methods`` and the GFLOPs targets
+    read the flag). A keep list that pools in both blocks, 49 tokens to 20 to 9."""
+    spec = METHODS[method]
+    counts = [count_flops(create_model("deit_tiny_patch16_224", method=method, keep=[20, 9], img_size=28,
+                                       patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=4,
+                                       options=spec.resolve(method, {name: value}))).total
+              for value in _two_values(spec.options[name])]
+    assert (counts[0] != counts[1]) == spec.options[name].counted, (method, name, counts)

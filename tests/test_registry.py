@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
-from pipeline.methods import METHODS, MethodSpec, Plugin, PluginWarning, method_spec, plugin_of, register_method
+from pipeline.methods import (
+    METHODS,
+    MethodSpec,
+    Option,
+    Plugin,
+    PluginWarning,
+    method_spec,
+    plugin_of,
+    register_method,
+)
 from pipeline.pooling import PoolResult
 from tests.conftest import plugins_from, write_plugin
 
@@ -305,7 +314,10 @@ def test_a_spec_with_a_new_option_is_seen_by_the_config_the_gflops_the_identity_
     def passes_flops(n: int, k: int, width: int, options) -> int:
         return options["passes"] * n * n * width
 
-    spec = MethodSpec(firstk, "firstk that pays for its passes", options={
+    def passk(*, offset: int, passes: int):  # the operator takes every option its spec declares (models.probe)
+        return firstk(offset=offset)
+
+    spec = MethodSpec(passk, "firstk that pays for its passes", options={
         "offset": 0, "passes": Option(1, minimum=1, counted=True, doc="Gram passes it pays for")}, flops=passes_flops)
     register_method("passk", spec)
     try:
@@ -594,3 +606,26 @@ def test_the_built_in_steps_flops_are_the_gram_matrix_or_nothing():
     assert {name: method_spec(name).flops(7, 3, 5, {}) for name in ("powerbert", "random", "importance")} == {
         "powerbert": 0, "random": 0, "importance": 0}
     assert [name for name in ("kmeans", "wkmeans", "tome", "conv", "none") if method_spec(name).flops] == []
+
+
+@pytest.mark.parametrize("declared", [{"offset": 0, "stride": 2}, {"offset": Option(0.0, doc="a float offset")}])
+def test_a_spec_that_disagrees_with_its_operator_is_one_line_from_methods_and_run_plan(declared, capsys):
+    """An option the operator does not take (``stride``: ``build(**options)`` forwards it, and the factory refuses
+    it), or a value it cannot run (a float ``offset``, which indexes no tokens): `pipeline methods` and `run --plan`
+    each say so in one line before any work, instead of the first forward failing inside a Ray worker."""
+    from pipeline.cli import main
+
+    register_method("badk", MethodSpec(firstk, "firstk, declared wrong", options=declared))
+    try:
+        assert main(["methods"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "badk" in line]
+        assert len(err) == 1 and err[0].startswith("error: method 'badk': its operator fails with offset=") \
+            and "make the two agree" in err[0], err
+        demo = ROOT / "configs" / "experiments" / "demo.yaml"
+        plan = ["run", str(demo), "--plan", "--set", "experiment.methods=[badk]"]
+        assert main(plan) == 2
+        line = capsys.readouterr().err.strip()
+        assert "experiment.methods: method 'badk': its operator fails with offset=" in line and "\n" not in line, line
+    finally:
+        del METHODS["badk"]
+    assert main(["methods"]) == 0  # the built-in methods' specs and operators agree at every option's two values

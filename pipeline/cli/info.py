@@ -38,7 +38,9 @@ def methods_table() -> str:
 
 def cmd_methods(args: argparse.Namespace) -> int:
     """Every method, with the package and version of each plugin's (``--markdown``: docs/usage.md's table); exit 2
-    when a plugin was left out."""
+    when a plugin was left out, or a method's operator fails with one of its options (``models.probe``)."""
+    from pipeline.models.probe import probe_method
+
     with warnings.catch_warnings():  # the plugins left out are listed below as errors, not warned twice
         warnings.simplefilter("ignore", PipelineWarning)
         names = list(METHODS)
@@ -54,9 +56,15 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print(f"{name:11s} {spec.summary:30s} {kind:15s} needs: {needs:20s} {flops:22s} {source}")
         for key, option in spec.options.items():
             print(f"    pooling.options.{name}.{key} = {option.describe()}" + (f": {option.doc}" if option.doc else ""))
-    for problem in METHODS.problems.values():
+    problems = list(METHODS.problems.values())
+    for name in list(METHODS):
+        try:
+            probe_method(name)
+        except InputError as err:
+            problems.append(str(err))
+    for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
-    return 2 if METHODS.problems else 0
+    return 2 if problems else 0
 
 
 def parse_option(item: str) -> tuple[str, object]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from pipeline.config import Config, ConfigError, PrepareItem
 from pipeline.config.recipe import TYPICAL_LR
 from pipeline.dag.plan import Stage, archs, base_stage, check_targets, finetune_stage, found, ksearch_stages
-from pipeline.errors import MissingFileError, PipelineWarning
+from pipeline.errors import InputError, MissingFileError, PipelineWarning
 from pipeline.methods import KEEP_ALL
 from pipeline.spread import check_tie_margin
 from pipeline.train.launch import check_batch_fits, check_fits, connect_ray
@@ -29,17 +29,36 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     list left open)."""
     check_data_plan(config)
     stages = training_stages(config)
+    check_operators(config)
     check_targets(config)
     warn_learning_rates(config)
     check_cluster(config, stages, address)
     return stages
 
 
+def planned_methods(config: Config) -> list[str]:
+    """The methods an experiment finetunes: its methods, then those its K-search targets name."""
+    exp = config.experiment
+    return list(dict.fromkeys([*exp.methods, *(m for t in exp.ksearch_targets or [] for m in t.methods or [])]))
+
+
+def check_operators(config: Config) -> None:
+    """Each planned method's operator runs with the options the config gives it (``models.probe``), on a tiny model:
+    a spec that declares an option its operator does not take fails here, not at a Ray worker's first forward."""
+    from pipeline.models.probe import probe_method
+
+    for method in planned_methods(config):
+        try:
+            probe_method(method, config.pooling.method_options(method))
+        except InputError as err:
+            raise ConfigError(f"experiment.methods: {err}") from None
+
+
 def training_stages(config: Config) -> list[Stage]:
     """The base, K-search and finetune stages of every arch, each config validated (``plan._with``): a finetune per
     method, the baseline's too, with no keep list (a K search's list is known only once it ran)."""
     exp = config.experiment
-    methods = dict.fromkeys([*exp.methods, *(m for t in exp.ksearch_targets or [] for m in t.methods or [])])
+    methods = planned_methods(config)
     stages: list[Stage] = []
     for arch in archs(config):
         base = base_stage(config, arch)

@@ -102,7 +102,8 @@ def check_experiment(config: Config) -> None:
             for level, keep in paper_levels(config, arch).items():
                 for method in config.experiment.methods:
                     try:
-                        apply_downsampling(build_model(stage.config), method, keep)
+                        apply_downsampling(build_model(stage.config), method, keep,
+                                           **config.pooling.method_options(method))
                     except ValueError as err:
                         raise ConfigError(f"experiment: {arch.label} level {level} with {method}: {err}") from None
 
