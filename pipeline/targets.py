@@ -53,6 +53,18 @@ def method_options(pooling: PoolingConfig | None, method: str) -> dict[str, Any]
     return None if pooling is None else pooling.method_options(method)
 
 
+def option_differences(costs: CostModel, method: str, pooling: PoolingConfig | None) -> list[str]:
+    """``key=TABLE's != FINETUNE's`` for each option of ``method`` whose value differs between what the cost table was
+    measured with (its key's resolved options) and what the finetune runs (the config's, resolved); empty for a table
+    of another method, or one that times the finetune's options. ``iters`` and ``significance`` change latency even
+    where they do not change GFLOPs, so a table prices only the options it timed."""
+    if costs.key.get("method") != method:
+        return []
+    timed, run = costs.key["options"], method_spec(method).resolve(method, method_options(pooling, method) or {})
+    return [f"{key}={timed.get(key)!r} != {run.get(key)!r}" for key in sorted({*timed, *run})
+            if timed.get(key) != run.get(key)]
+
+
 def target_fraction(target: CostTarget, costs: CostModel) -> float:
     """The target as a fraction of the unmodified model's cost."""
     return target.fraction if target.fraction is not None else target.value / costs.unmodified()
@@ -287,10 +299,11 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
         return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
     costs = target_cost_model(target, model, pooling)
     limit = target_fraction(target, costs) * costs.unmodified()
-    table_method = costs.key.get("method")
-    if table_method not in (None, method):
-        return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None,
-                          f"predicted (the table times {table_method}, not {method})")
+    table_method, differences = costs.key.get("method"), option_differences(costs, method, pooling)
+    if table_method not in (None, method) or differences:
+        timed = f"{table_method}, not {method}" if not differences else f"other options: {'; '.join(differences)}"
+        return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None, f"predicted (the table times "
+                          f"{timed})")
     value, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)
     if value is None:
         return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None, status)

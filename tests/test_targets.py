@@ -795,3 +795,29 @@ def test_the_rounding_keeps_the_most_mass_whatever_the_tables_unit():
                 keep = round_keep(weights, costs, limit)
                 mass, _ = _brute_force(weights, costs, limit)
                 assert sum(float(w[:k].sum()) for w, k in zip(weights, keep)) == pytest.approx(mass, rel=1e-9)
+
+
+@pytest.mark.parametrize(("option", "value", "differs"), [("iters", 10, "iters=5 != 10"),
+                                                          ("significance", "cls", "significance='eq4' != 'cls'")])
+def test_run_plan_refuses_a_latency_target_priced_on_a_table_of_other_options(tmp_path, capsys, option, value, differs):
+    """The demo's table timed WK-Medoids at its defaults; a finetune with other options (``iters`` and ``significance``
+    change latency where they do not change GFLOPs) is not priced by it: `run --plan` refuses in one line naming the
+    option and the table, and the select stage's target row says it is only predicted."""
+    from pipeline.cli import main
+    from pipeline.config import load_config
+    from pipeline.cost import load_cost_model
+    from pipeline.targets import option_differences
+
+    table = ("configs/latency/amd-epyc/deit_tiny_patch16_224-m32-d4-28px-p4/"
+             "wkmedoids-b64-fp32-none-t1-cpuclock.json")
+    setting = f"pooling.options.wkmedoids.{option}={value}"
+    assert main(["run", "configs/experiments/demo.yaml", "--plan", "--set", setting,
+                 "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"the cost table {table} timed wkmedoids with other options than its finetunes run (table's != config's: " \
+           f"{differs})" in line, line
+    assert not (tmp_path / "m.db").exists()
+    pooling = load_config(ROOT / "configs" / "experiments" / "demo.yaml", [setting]).pooling
+    costs = load_cost_model(ROOT / table)
+    assert option_differences(costs, "wkmedoids", pooling) == [differs]
+    assert option_differences(costs, "wkmedoids", None) == [] and option_differences(costs, "powerbert", pooling) == []

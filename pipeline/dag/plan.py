@@ -182,7 +182,7 @@ def check_targets(config: Config) -> None:
     naming that fraction: at plan time, not when the K search rounds its list after a whole epoch."""
     import torch
 
-    from pipeline.targets import cheapest_fraction, target_cost_model, target_fraction
+    from pipeline.targets import cheapest_fraction, option_differences, target_cost_model, target_fraction
     from pipeline.train.build import build_model
 
     if not config.experiment.ksearch_targets:
@@ -195,6 +195,14 @@ def check_targets(config: Config) -> None:
             with torch.device("meta"):  # the shapes the cost model reads, without initialising any weight
                 model = build_model(stage.config)
             costs = target_cost_model(target, model, stage.config.pooling)
+            for method in target_methods(config.experiment, target.label) if target.cost == "latency" else []:
+                differences = option_differences(costs, method, config.pooling)
+                if differences:
+                    raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): the cost table "
+                                     f"{target.table} timed {method} with other options than its finetunes run "
+                                     f"(table's != config's: {'; '.join(differences)}); measure a table with the "
+                                     f"config's options (`pipeline bench blocks`), or set pooling.options.{method} "
+                                     "as the table's key has them")
             fraction, cheapest = target_fraction(target, costs), cheapest_fraction(costs)
             if fraction > 1:
                 raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): {target.value:g} is "
