@@ -188,14 +188,14 @@ def read_record(path: Path) -> SpreadRecord:
             from None
 
 
-def machine_record(name: str | None, threads: int, root: Path = MACHINE_DIR) -> SpreadRecord | None:
+def machine_record(name: str, threads: int, root: Path = MACHINE_DIR) -> SpreadRecord | None:
     """The record of the device called ``name`` (``bench.blocks.device_name``: where a model was timed, which may
-    be another node than this one) at ``threads``; None where there is none, or no name."""
-    path = None if name is None else record_path(name, threads, root)
-    return read_record(path) if path is not None and path.is_file() else None
+    be another node than this one) at ``threads``; None where there is none."""
+    path = record_path(name, threads, root)
+    return read_record(path) if path.is_file() else None
 
 
-def tie_margin(choice: str | float, names: Sequence[str | None], threads: int, root: Path = MACHINE_DIR
+def tie_margin(choice: str | float, names: Sequence[str], threads: int, root: Path = MACHINE_DIR
                ) -> tuple[float, SpreadRecord | None]:
     """``experiment.select.tie_margin`` as a relative margin for models timed on the devices called ``names``
     (``bench.blocks.device_name``, as their evaluations logged them), and the record shown beside their speeds: the
@@ -206,8 +206,8 @@ def tie_margin(choice: str | float, names: Sequence[str | None], threads: int, r
     widest = max((r for r in records.values() if r is not None), key=lambda r: r.between, default=None)
     if choice != "machine":
         return (0.0 if choice == "none" else float(choice)), widest
-    missing = [name or "a device its evaluations did not name (recorded before they did)"
-               for name, record in records.items() if record is None] or ([] if records else ["no evaluated device"])
+    missing = [name for name, record in records.items() if record is None] or ([] if records else
+                                                                               ["no evaluated device"])
     if missing:
         raise MissingFileError(f"experiment.select.tie_margin: machine, but no run-to-run spread is recorded for "
                                f"{'; '.join(missing)} at {threads} thread(s) under {root}; run `python -m pipeline "

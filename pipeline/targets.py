@@ -38,7 +38,11 @@ def target_cost_model(target: CostTarget, model: nn.Module, pooling: PoolingConf
                          "follows it")
     table = load_cost_model(target.table)
     n_tokens, depth = model.patch_embed.num_patches, len(list(model.blocks))
-    if table.key.get("embed_dim", model.embed_dim) != model.embed_dim:
+    missing = [field for field in TABLE_KEY_FIELDS if field not in table.key]
+    if missing:
+        raise InputError(f"the cost table {target.table} has no {', '.join(missing)} in its key, which a latency "
+                         "target reads; measure it with `pipeline bench blocks`, which records them")
+    if table.key["embed_dim"] != model.embed_dim:
         raise InputError(f"the cost table {target.table} times width {table.key['embed_dim']}; this model is "
                          f"{model.embed_dim} wide (give one table per width: {{arch}} in the path)")
     if (table.num_tokens, table.depth, table.prefix) != (n_tokens, depth, model.num_prefix_tokens):
@@ -53,12 +57,16 @@ def method_options(pooling: PoolingConfig | None, method: str) -> dict[str, Any]
     return None if pooling is None else pooling.method_options(method)
 
 
+# What a latency target reads of its table's key: the width it timed, and the method and options it timed them with.
+TABLE_KEY_FIELDS = ("embed_dim", "method", "options")
+
+
 def option_differences(costs: CostModel, method: str, pooling: PoolingConfig | None) -> list[str]:
     """``key=TABLE's != FINETUNE's`` for each option of ``method`` whose value differs between what the cost table was
     measured with (its key's resolved options) and what the finetune runs (the config's, resolved); empty for a table
     of another method, or one that times the finetune's options. ``iters`` and ``significance`` change latency even
     where they do not change GFLOPs, so a table prices only the options it timed."""
-    if costs.key.get("method") != method:
+    if costs.key["method"] != method:
         return []
     timed, run = costs.key["options"], method_spec(method).resolve(method, method_options(pooling, method) or {})
     return [f"{key}={timed.get(key)!r} != {run.get(key)!r}" for key in sorted({*timed, *run})
@@ -299,8 +307,8 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
         return TargetCost(target.label, "gflops", limit, predicted, gflops, "measured (fvcore count)")
     costs = target_cost_model(target, model, pooling)
     limit = target_fraction(target, costs) * costs.unmodified()
-    table_method, differences = costs.key.get("method"), option_differences(costs, method, pooling)
-    if table_method not in (None, method) or differences:
+    table_method, differences = costs.key["method"], option_differences(costs, method, pooling)
+    if table_method != method or differences:
         timed = f"{table_method}, not {method}" if not differences else f"other options: {'; '.join(differences)}"
         return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None, f"predicted (the table times "
                           f"{timed})")

@@ -163,20 +163,11 @@ def test_the_fixed_parts_cells_are_measured_to_an_interval_and_the_others_in_pai
     assert re.search(r"\(IQR [\d.]+\), about \d+ s left$", lines[1]), lines[1]
 
 
-def test_a_partial_file_with_its_anchor_cells_as_pairs_measures_them_again_and_the_key_says_how(tmp_path):
-    """A partial file from before the anchors were measured to an interval: its three anchor cells are measured
-    again (said in the resume line), the others kept; the table's key records the anchors' tolerance, cap and
-    each one's interval and stop, and a check of the key leaves those out."""
+def test_the_tables_key_records_its_anchors_interval_and_a_check_of_the_key_leaves_them_out(tmp_path):
+    """A table resumed from its partial file: the key records the anchors' tolerance, cap and each one's interval
+    and stop, and a check of the key leaves those out."""
     out, total, lines = stopped_before_the_last_cell(tmp_path)
-    partial = json.loads(partial_path(out).read_text())
-    for name in anchor_names(16):
-        partial["cells"][name] = {"ratio": 0.5, "iqr": 0.1, "base_ms": 1.0, "calls": 1}  # as pairs, no "blocks"
-    partial_path(out).write_text(json.dumps(partial))
-    again: list[str] = []
-    table, _ = measure_table(settings(), out, log=again.append)
-    assert again[0] == (f"[blocks] resuming {partial_path(out)}: {total - 4}/{total} cells measured (model, attn/16, "
-                        "mlp/16 measured again: the partial file has them as pairs, not to an interval)")
-    assert len([line for line in again if re.match(r"\[blocks\] \d+/", line)]) == 4  # the three and the last
+    table, _ = measure_table(settings(), out, log=lambda _: None)
     anchors = table.key["anchors"]
     assert set(anchors) == {"model", "attn/16", "mlp/16"} and table.key["anchor_cap_s"] == HANG_S
     assert all(a["low"] <= a["ratio"] <= a["high"] and a["stop"] in STOPS

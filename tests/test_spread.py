@@ -113,11 +113,11 @@ def test_the_tie_margin_comes_from_the_timed_devices_record(tmp_path):
     assert tie_margin("none", [here], 1, tmp_path) == (0.0, shown)  # shown beside the speeds without a margin too
     check_tie_margin(config, "cpu", True, tmp_path)
     assert machine_record(here, 2, tmp_path) is None  # another thread count: another record
-    assert machine_record("NVIDIA H200", 1, tmp_path) is None and machine_record(None, 1, tmp_path) is None
+    assert machine_record("NVIDIA H200", 1, tmp_path) is None
     with pytest.raises(MissingFileError, match="recorded for NVIDIA H200 at 1 thread"):
         tie_margin("machine", [here, "NVIDIA H200"], 1, tmp_path)  # every device the models were timed on
-    with pytest.raises(MissingFileError, match=r"recorded for a device its evaluations did not name"):
-        tie_margin("machine", [None], 1, tmp_path)  # evaluations recorded before they logged the name
+    with pytest.raises(MissingFileError, match=r"recorded for no evaluated device"):
+        tie_margin("machine", [], 1, tmp_path)
     wide = json.loads(out.read_text()) | {"device": "NVIDIA H200", "between": 0.05}
     record_path("NVIDIA H200", 1, tmp_path).write_text(json.dumps(wide))  # as doctor --speed wrote it on a GPU node
     margin, shown = tie_margin("machine", [here, "NVIDIA H200"], 1, tmp_path)

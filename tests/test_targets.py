@@ -422,6 +422,9 @@ def test_a_tighter_limit_that_no_list_fits_is_reported_and_the_list_kept():
     assert len(calls) == 1
 
 
+POWERBERT_KEY = {"embed_dim": 32, "method": "powerbert", "options": {"significance": "eq4"}}  # what a target reads
+
+
 def _latency_table(path: Path, key: dict) -> Path:
     """A hand-made table for the DEMO model (N = 49, 4 blocks, 1 prefix token), saved at ``path``."""
     from pipeline.cost import save_cost_model
@@ -435,7 +438,7 @@ def test_a_latency_targets_cost_model_is_its_table_checked_against_the_model_and
     from pipeline.cost import file_sha256, load_cost_model
 
     model = create_model("deit_tiny_patch16_224", **DEMO)
-    path = _latency_table(tmp_path / "t.json", {"embed_dim": 32, "method": "powerbert"})
+    path = _latency_table(tmp_path / "t.json", POWERBERT_KEY)
     target = CostTarget(cost="latency", fraction=0.5, table=str(path))
     assert target_cost_model(target, model) == load_cost_model(path)
     digest = file_sha256(path)
@@ -445,11 +448,13 @@ def test_a_latency_targets_cost_model_is_its_table_checked_against_the_model_and
                                          r"000000000000\.\.\.\); rerun `pipeline run` so that the stage's "
                                          r"identity follows it$"):
         target_cost_model(changed, model)
-    wide = _latency_table(tmp_path / "wide.json", {"embed_dim": 64})
+    wide = _latency_table(tmp_path / "wide.json", {**POWERBERT_KEY, "embed_dim": 64})
     with pytest.raises(InputError, match=rf"the cost table {wide} times width 64; this model is 32 wide"):
         target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(wide)), model)
-    unkeyed = _latency_table(tmp_path / "unkeyed.json", {})  # no width recorded: taken as the model's
-    assert target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(unkeyed)), model).key == {}
+    unkeyed = _latency_table(tmp_path / "unkeyed.json", {"method": "powerbert"})  # read strictly: no width, no options
+    with pytest.raises(InputError, match=rf"^the cost table {unkeyed} has no embed_dim, options in its key, which a "
+                                         r"latency target reads; measure it with `pipeline bench blocks`"):
+        target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(unkeyed)), model)
     for more, says in (({"depth": 3}, "depth 3"), ({"num_tokens": 48}, "N=48"), ({"prefix": 0}, "prefix 0")):
         other = tmp_path / "other.json"
         other.write_text(json.dumps({**json.loads(path.read_text()), **more}))
@@ -479,7 +484,7 @@ def test_a_search_built_from_a_target_takes_its_cost_model_fraction_and_rates(tm
     counted = count_flops(create_model("deit_tiny_patch16_224", method="kmedoids", keep=keep,
                                        options={"cluster_on": "metric"}, **DEMO)).total
     assert metric == pytest.approx(counted, rel=1e-12)
-    path = _latency_table(tmp_path / "t.json", {"embed_dim": 32})
+    path = _latency_table(tmp_path / "t.json", POWERBERT_KEY)
     latency = TargetSearch.build(CostTarget(cost="latency", value=6.0, table=str(path)), model)
     assert latency.costs.unit == "ms" and latency.fraction == pytest.approx(
         6.0 / table_cost(json.loads(path.read_text()), [49] * 4))
@@ -497,7 +502,7 @@ def test_a_finetunes_target_cost_is_predicted_for_its_own_method_and_measured_wh
     assert row.predicted == pytest.approx(counted, rel=1e-12)  # the finetune's own method's pooling step counted
     assert target_cost(target, model, "tome", keep, gflops=1.0).predicted is None  # no closed form for ToMe
 
-    table = json.loads(_latency_table(tmp_path / "t.json", {"embed_dim": 32, "method": "powerbert"}).read_text())
+    table = json.loads(_latency_table(tmp_path / "t.json", POWERBERT_KEY).read_text())
     latency = CostTarget(cost="latency", fraction=0.8, table=str(tmp_path / "t.json"), name="lat-pb")
     full, predicted = table_cost(table, [49] * 4), table_cost(table, keep)
     other = target_cost(latency, model, "kmedoids", keep, gflops=0.0, measure=_over(0.4, []))
@@ -514,9 +519,12 @@ def test_a_finetunes_target_cost_is_predicted_for_its_own_method_and_measured_wh
     assert full != pytest.approx(2.5) and (measured.speed_blocks, measured.speed_stop) == (8, "tolerance")
     elsewhere = target_cost(latency, model, "powerbert", keep, gflops=0.0, measure=lambda t, k: (None, "predicted"))
     assert (elsewhere.measured, elsewhere.status) == (None, "predicted")
-    any_method = CostTarget(cost="latency", fraction=0.8, table=str(_latency_table(tmp_path / "u.json", {})))
-    assert target_cost(any_method, model, "kmedoids", keep, gflops=0.0, measure=_over(0.5, [])).measured == (
-        pytest.approx(0.5 * 2.5))  # a table that names no method is measured for any
+    # a table of the finetune's method timed with other options prices it only as a prediction (run --plan refuses it)
+    cls = {**POWERBERT_KEY, "options": {"significance": "cls"}}
+    other = CostTarget(cost="latency", fraction=0.8, table=str(_latency_table(tmp_path / "cls.json", cls)))
+    row = target_cost(other, model, "powerbert", keep, gflops=0.0, measure=_over(0.5, []))
+    assert (row.measured, row.status) == (None, "predicted (the table times other options: significance='cls' != "
+                                                "'eq4')")
 
 
 def test_targets_are_checked_when_loaded():
@@ -721,7 +729,7 @@ def test_a_latency_targets_row_carries_the_measured_interval_and_the_measure_get
 
     model = create_model("deit_tiny_patch16_224", **DEMO)
     keep = [40, 20, 20, 0]
-    path = _latency_table(tmp_path / "t.json", {"embed_dim": 32, "method": "powerbert"})
+    path = _latency_table(tmp_path / "t.json", POWERBERT_KEY)
     table = json.loads(path.read_text())
     full = table_cost(table, [49] * 4)
     seen = []

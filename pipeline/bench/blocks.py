@@ -157,16 +157,15 @@ def table_key(s: BlocksSettings, model: nn.Module, device: torch.device) -> dict
 def spec_from_key(key: dict[str, Any]) -> ModelSpec:
     return ModelSpec(name=key["model"], img_size=key["img_size"], patch_size=key["patch_size"],
                      embed_dim=key["embed_dim"], depth=key["depth"], num_heads=key["num_heads"],
-                     num_classes=key["num_classes"], patch_embed=key.get("patch_embed", "conv"))
+                     num_classes=key["num_classes"], patch_embed=key["patch_embed"])
 
 
 def settings_from_key(key: dict[str, Any], **timing: Any) -> BlocksSettings:
-    """The setting a table was measured at (to validate it at the same one), its kernel choice included (a key
-    without one was measured with every kernel at ``auto``)."""
+    """The setting a table was measured at (to validate it at the same one), its kernel choice included."""
     return BlocksSettings(model=spec_from_key(key), method=key["method"], options=dict(key["options"]),
                           batch=key["batch"], dtype=key["dtype"], compile=key["compile"], threads=key["threads"],
-                          device=key["device_type"], clock=key.get("clock", "wall"),
-                          kernels=KernelChoice(**key.get("kernel_choice", {})), **timing)
+                          device=key["device_type"], clock=key["clock"], kernels=KernelChoice(**key["kernel_choice"]),
+                          **timing)
 
 
 def usable_cores() -> int:
@@ -191,7 +190,7 @@ def default_table_path(key: dict[str, Any]) -> Path:
     """``configs/latency/DEVICE/MODEL-mM-dL-IMGpx-pP/METHOD-bB-DTYPE-COMPILE-tT.json``."""
     device = re.sub(r"[^a-z0-9]+", "-", key["device"].lower()).strip("-")
     model = f"{key['model']}-m{key['embed_dim']}-d{key['depth']}-{key['img_size']}px-p{key['patch_size']}"
-    clock = "" if key.get("clock", "wall") == "wall" else f"-{key['clock']}clock"
+    clock = "" if key["clock"] == "wall" else f"-{key['clock']}clock"
     name = f"{key['method']}-b{key['batch']}-{key['dtype']}-{key['compile']}-t{key['threads']}{clock}.json"
     return TABLE_DIR / device / model / name
 
@@ -443,12 +442,10 @@ def setup(s: BlocksSettings) -> tuple[torch.device, nn.Module]:
 
 
 def measured_key(table: CostModel) -> dict[str, Any]:
-    """The key fields a measurement records itself (the table's key without its summary fields; a key from before
-    the kernel choice was recorded has every kernel at ``auto``)."""
-    key = {k: v for k, v in table.key.items() if k not in ("grid_step", "grid_fine", "reference_ms", "halves_closure",
-                                                       "median_relative_iqr", "anchor_tolerance", "anchor_cap_s",
-                                                       "anchors")}
-    return {**key, "kernel_choice": key.get("kernel_choice", KernelChoice().as_dict())}
+    """The key fields a measurement records itself (the table's key without its summary fields)."""
+    return {k: v for k, v in table.key.items() if k not in ("grid_step", "grid_fine", "reference_ms", "halves_closure",
+                                                         "median_relative_iqr", "anchor_tolerance", "anchor_cap_s",
+                                                         "anchors")}
 
 
 CLOSURE_TOLERANCE = 0.05  # how far the two halves at N may sum from the block they make up
@@ -496,13 +493,8 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
     cells = _load_partial(out, key)
     names = cell_names(model.patch_embed.num_patches, s.step, model.num_prefix_tokens, s.fine)
     anchors = anchor_names(model.patch_embed.num_patches)
-    older = [n for n in anchors if n in cells and "blocks" not in cells[n]]
-    for name in older:  # measured as pairs by an earlier release: measured again, to an interval
-        del cells[name]
     if cells:
-        log(f"[blocks] resuming {partial_path(out)}: {sum(n in cells for n in names)}/{len(names)} cells measured"
-            + (f" ({', '.join(older)} measured again: the partial file has them as pairs, not to an interval)"
-               if older else ""))
+        log(f"[blocks] resuming {partial_path(out)}: {sum(n in cells for n in names)}/{len(names)} cells measured")
     rig = Rig(s, model, device)
     todo = [n for n in names if n not in cells]
     spent: dict[bool, tuple[float, int]] = {True: (0.0, 0), False: (0.0, 0)}  # seconds, cells: anchors, others
