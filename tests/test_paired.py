@@ -368,18 +368,20 @@ def test_a_cpu_timer_fixes_glibcs_thresholds_so_a_block_comes_from_the_heap():
 
 class RhythmMachine(Machine):
     """A machine whose speed cycles with every four timed calls (a period of one block), ramping from 1 - d to
-    1 + d: ABBA and BAAB give each model the same positions of the ramp, AABB and AB give them different ones."""
+    1 + d, and whose first sample of a block is ``first`` slower still (the young collection before it, a cold cache):
+    ABBA and BAAB give each model the same positions of the ramp, and in turn the first sample; AABB and AB give them
+    different positions, and ABBA alone gives the reference every first sample."""
 
-    def __init__(self, rng: random.Random, depth: float = 0.2) -> None:
+    def __init__(self, rng: random.Random, depth: float = 0.2, first: float = 0.0) -> None:
         super().__init__(rng, drift=0.0, noise=0.02, penalty=1.0)
-        self.calls, self.depth = 0, depth
+        self.calls, self.depth, self.first = 0, depth, first
 
     def timer(self, f) -> float:
         begin = self.now
         f()
         position = self.calls % 4
         self.calls += 1
-        return (self.now - begin) * (1 + self.depth * (position - 1.5) / 1.5)
+        return (self.now - begin) * (1 + self.depth * (position - 1.5) / 1.5) * (1 + self.first * (position == 0))
 
 
 def _aabb(fn, reference, index, timer) -> float:
@@ -392,11 +394,19 @@ def _ab(fn, reference, index, timer) -> float:
     return timer(fn) / a
 
 
-def _rhythm_coverage(trials: int = 200) -> float:
+def _abba_only(fn, reference, index, timer) -> float:
+    """ABBA in every block: the alternation with BAAB lost."""
+    a = timer(reference)
+    b = timer(fn) + timer(fn)
+    return b / (a + timer(reference))
+
+
+def _rhythm_coverage(trials: int = 400) -> float:
+    """Coverage of the true ratio over ``trials`` seeded regimes, each with its own first-sample penalty (2-10%)."""
     rng = random.Random(13)
     covered = 0
     for _ in range(trials):
-        machine = RhythmMachine(rng)
+        machine = RhythmMachine(rng, first=rng.uniform(0.02, 0.1))
         result = paired_ratio(machine.model(RATIO * 0.1), machine.model(0.1), timer=machine.timer,
                               settings=SpeedSettings(tolerance=0.02, cap_s=1e9, warmup=0),
                               wall=lambda machine=machine: machine.now)
@@ -404,13 +414,14 @@ def _rhythm_coverage(trials: int = 200) -> float:
     return covered / trials
 
 
-@pytest.mark.parametrize("order", [None, _aabb, _ab], ids=["ABBA-BAAB", "AABB", "AB"])
+@pytest.mark.parametrize("order", [None, _aabb, _ab, _abba_only], ids=["ABBA-BAAB", "AABB", "AB", "ABBA-only"])
 def test_the_coverage_check_sees_a_lost_balance(order, monkeypatch):
-    """A drift in the rhythm of a block: the blocks as measured (ABBA, then BAAB) keep 95% coverage; blocks that lose
-    the balance (AABB, or one A and one B) put the same bias in every block, and the coverage check fails them."""
+    """A drift in the rhythm of a block and a slower first sample: the blocks as measured (ABBA, then BAAB) keep 93%
+    coverage; blocks that lose the balance (AABB, one A and one B, or ABBA alone, which gives the reference every
+    first sample) put the same bias in every block, and the coverage check fails them (under 50%)."""
     from pipeline.bench import paired
 
     if order is not None:
         monkeypatch.setattr(paired, "block_ratio", order)
     coverage = _rhythm_coverage()
-    assert (coverage >= 0.93) == (order is None), coverage
+    assert coverage >= 0.93 if order is None else coverage < 0.5, coverage
