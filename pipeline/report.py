@@ -196,6 +196,15 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def across_runs(row: dict[str, Any], spread: SpreadRecord | None) -> dict[str, str]:
+    """``{"images_per_s_across_runs": "[low, high]"}``: the row's images/s interval widened by the timed device's
+    run-to-run spread (``SpreadRecord.across_runs``), where there are both; else nothing."""
+    if spread is None or row.get("images_per_s_low") in EMPTY:
+        return {}
+    low, high = spread.across_runs(row["images_per_s"], row["images_per_s_low"], row["images_per_s_high"])
+    return {"images_per_s_across_runs": f"[{low:.0f}, {high:.0f}]"}
+
+
 def machine_lines(spread: SpreadRecord | None, tie_margin: float) -> list[str]:
     """The report's paragraph on the timed device's run-to-run spread and the tie margin, where there is either
     (none: the report as without them)."""
@@ -204,8 +213,9 @@ def machine_lines(spread: SpreadRecord | None, tie_margin: float) -> list[str]:
         lines.append(f"Run-to-run on the device the models were timed on ({spread.device}, {spread.threads} thread(s), "
                      f"`pipeline doctor --speed`: {spread.source()}): one pair's ratio in {spread.k} fresh processes "
                      f"spread {spread.between:.1%} (sd/mean; {min(spread.ratios):.3f} to {max(spread.ratios):.3f}) "
-                     f"against a median half-width of {spread.within:.1%} within a process: the intervals above hold "
-                     "within this run; between runs a ratio moves by about the spread.")
+                     f"against a median half-width of {spread.within:.1%} within a process ({spread.window()}): the "
+                     "intervals above hold within this run; between runs a ratio moves by about the spread. "
+                     "`images_per_s_across_runs` is each interval widened by it, each side apart.")
     if tie_margin > 0:
         lines.append(f"Tie margin {tie_margin:.1%} (`experiment.select.tie_margin`): models whose times differ by "
                      "less than it are ties and none leaves the front for another.")
@@ -244,21 +254,23 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
         "keep_plot": plot_keep_lists(rows, out_dir / "keep_lists.png"),
     }
     shown = ["arch", "level", "method", "gflops", "top1", "images_per_s"]
-    timed = [{**r, "speed": speed_text(r)} for r in speed_front]
+    timed = [{**r, "speed": speed_text(r), **across_runs(r, spread)} for r in speed_front]
     setting = sorted({r.get("speed_setting") or "" for r in rows} - {""})
     measured = f" (measured {', '.join(setting)})" if setting else ""
     text = [f"# {title}", "", "## Pareto front (GFLOPs lower, top-1 higher)", "", markdown_table(front, shown), "",
             f"## Pareto front by measured speed (images/s higher, top-1 higher){measured}", "",
             *([f"**Warning: {speed_warning}.**", ""] if speed_warning else []),
-            "Each model's time is a paired ratio to its architecture's unmodified model with a 95% interval "
+            "Each model's time is a paired ratio to its architecture's unmodified model with a 95% interval that holds "
+            "within this run (one process's blocks) "
             "(`speed`: ratio [low, high], then the blocks measured, why they stopped and the half-width reached: "
             "`tolerance` within the tolerance, `wider` not, `cap` or `max_blocks` stopped early); images/s are the "
-            "references' rates over it, on one scale for every width, with an interval of at least 90% (the model's "
-            "95% interval chained with its reference's). "
+            "references' rates over it, on one scale for every width, with an interval of at least 90% within this "
+            "run (the model's 95% interval chained with its reference's). "
             "A model is left out only where another is at least as accurate and faster beyond the intervals; "
             "`speed_ties` names the models of the front it cannot be told apart from (a less accurate tie stays: the "
             "measurement cannot say it is not the faster).", "", *machine_lines(spread, tie_margin),
-            markdown_table(timed, ["arch", "level", "method", "gflops", "top1", "images_per_s", "speed",
+            markdown_table(timed, ["arch", "level", "method", "gflops", "top1", "images_per_s",
+                                   *(["images_per_s_across_runs"] if spread is not None else []), "speed",
                                    "speed_ties"]), "",
             "## Best top-1 within a GFLOPs budget", "",
             markdown_table(table, ["budget_gflops", "top1", "method", "arch", "level", "gflops"]), "",

@@ -144,6 +144,17 @@ class SpreadRecord:
     def ratios(self) -> list[float]:
         return [p["ratio"] for p in self.processes]
 
+    def across_runs(self, value: float, low: float, high: float) -> tuple[float, float]:
+        """``[low, high]``, a 95% interval of ``value`` that holds within one run, widened into one that holds across
+        runs: each side apart (the interval is asymmetric), its distance from ``value`` and 1.96 times the spread
+        between processes at ``value`` added in quadrature."""
+        spread = statistics.NormalDist().inv_cdf(0.975) * self.between * value
+        return value - math.hypot(value - low, spread), value + math.hypot(high - value, spread)
+
+    def window(self) -> str:
+        """``8 processes over 3600 s, 2026-12-08``: what the spread was measured over."""
+        return f"{self.k} processes over {self.over_s:g} s, {self.date[:10]}"
+
     def source(self) -> str:
         """``runs/machine/speed-...json, 2026-12-08``: where the figure came from."""
         return f"{self.path}, {self.date[:10]}"

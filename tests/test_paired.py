@@ -425,3 +425,48 @@ def test_the_coverage_check_sees_a_lost_balance(order, monkeypatch):
         monkeypatch.setattr(paired, "block_ratio", order)
     coverage = _rhythm_coverage()
     assert coverage >= 0.93 if order is None else coverage < 0.5, coverage
+
+
+class HeavyTailedMachine(Machine):
+    """Each call's noise a Student t with 3 degrees of freedom (scaled to ``noise``) instead of a normal: rare calls
+    far slower or faster than the rest."""
+
+    def model(self, base: float):
+        def run() -> None:
+            chi2 = sum(self.rng.gauss(0, 1) ** 2 for _ in range(3)) / 3
+            self.now += base * math.exp(self.noise * self.rng.gauss(0, 1) / math.sqrt(chi2))
+        return run
+
+
+TIMERS = {"iid": lambda rng: Machine(rng, drift=0.0, penalty=1.0),
+          "heavy-tailed": lambda rng: HeavyTailedMachine(rng, drift=0.0, penalty=1.0),
+          "drifting": lambda rng: Machine(rng, drift=0.3, penalty=1.0)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(TIMERS))
+def test_the_within_run_interval_covers_its_process_and_the_widened_one_covers_across_processes(kind):
+    """1,000 seeded measurements, each in a "process" whose own ratio is the population's times a between-process
+    term (log-normal, 3%): the within-run interval covers its process's ratio at least 93% of the time under
+    independent, heavy-tailed and drifting timers, but not the population's (the scope it says: "within this run");
+    widened by a spread record of that 3% (``SpreadRecord.across_runs``), it covers the population's ratio 93%."""
+    from pipeline.spread import SpreadRecord
+
+    between, trials = 0.03, 1000
+    record = SpreadRecord(device="simulated", threads=1, setting="", torch="", timm="", date="2026-12-07", over_s=0.0,
+                          seconds=0.0, pair={}, processes=[], between=between, within=0.0, max_over_min=1.0)
+    rng = random.Random(2026)
+    within = own = across = 0
+    for _ in range(trials):
+        process_ratio = RATIO * math.exp(rng.gauss(0, between))
+        machine = TIMERS[kind](rng)
+        result = paired_ratio(machine.model(process_ratio * 0.1), machine.model(0.1), timer=machine.timer,
+                              settings=SpeedSettings(tolerance=0.02, cap_s=1e9, warmup=0),
+                              wall=lambda machine=machine: machine.now)
+        own += result.covers(process_ratio)
+        within += result.covers(RATIO)
+        low, high = record.across_runs(result.ratio, result.low, result.high)
+        across += low <= RATIO <= high
+    assert own / trials >= 0.93, (kind, own / trials)
+    assert within / trials < 0.9, (kind, within / trials)  # the within-run interval does not hold across processes
+    assert across / trials >= 0.93, (kind, across / trials)

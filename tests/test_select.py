@@ -276,6 +276,11 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
     for part in ("# Experiment demo", "## Base models", "## K-search targets", "Tie margin 2.1%",
                  "**Warning: the self-check excluded 1.**", "spread 2.1% (sd/mean; 0.640 to 0.660)"):
         assert part in written, part
+    # the intervals' scope, and the speed front's interval widened by the device's spread, each side apart: 1.96
+    # times 2.1% of 2000 img/s in quadrature with the 100 img/s on each side, written out
+    wide = (100.0 ** 2 + (1.959964 * 0.021 * 2000.0) ** 2) ** 0.5
+    assert "95% interval that holds within this run" in written and "(2 processes over 180 s, 2026-12-06)" in written
+    assert f"| 2000.00 | [{2000 - wide:.0f}, {2000 + wide:.0f}] | 0.500 [0.480, 0.520]" in written, written
     every = written.split("## All models", 1)[1]  # the speed of every model, not only the speed front's
     assert "| M32 | lam0.1 | powerbert | 0.0020 | 61.50 | 2000.00 | 0.500 [0.480, 0.520] (31 blocks, wider, +-4.0%) |" \
         in every, every
@@ -294,6 +299,7 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
         capsys.readouterr().err
     rows_only = (tmp_path / "rows" / "report.md").read_text()
     assert rows_only.startswith("# Experiment run\n") and "## Base models" not in rows_only
+    assert "images_per_s_across_runs" not in rows_only  # no spread record: no widened interval
     assert not (tmp_path / "rows" / REPORT_INPUTS).exists()  # nothing claims the run had no bases or targets
 
 

@@ -4,6 +4,7 @@ front by measured speed (``experiment.select.tie_margin``)."""
 from __future__ import annotations
 
 import json
+import statistics
 import re
 import subprocess
 import sys
@@ -271,9 +272,16 @@ def test_select_prints_the_timed_devices_spread_beside_the_interval(tmp_path, mo
     there = record_path("Another Node's CPU", 1)
     there.write_text(here.read_text())
     assert main(args) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("machine_spread: "))
+    out = capsys.readouterr().out.splitlines()
+    line = next(x for x in out if x.startswith("machine_spread: "))
     assert line.startswith("machine_spread: 2.2% between processes (sd/mean), median half-width 1.0% within one (")
     assert str(there) in line
+    # [1950, 2050] widened by 1.96 times the record's spread at 2000 img/s, each side apart (written out)
+    between = statistics.stdev([0.64, 0.66]) / 0.65
+    wide = (50.0 ** 2 + (1.959964 * between * 2000.0) ** 2) ** 0.5
+    across = next(x for x in out if x.startswith("images_per_s_across_runs: "))
+    assert across.startswith(f"images_per_s_across_runs: [{2000 - wide:.1f}, {2000 + wide:.1f}] (the interval "
+                             "widened by that spread, each side apart; measured with 2 processes over 0 s, "), across
 
 
 def test_the_tie_margin_leaves_the_experiments_id_alone():

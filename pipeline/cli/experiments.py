@@ -83,6 +83,9 @@ def cmd_select(args: argparse.Namespace) -> int:
     if spread is not None:  # the intervals hold within a run; this is how far a run moves on the timed device
         print(f"machine_spread: {spread.between:.1%} between processes (sd/mean), median half-width "
               f"{spread.within:.1%} within one ({spread.source()})")
+        low, high = spread.across_runs(pick.images_per_s, pick.images_per_s_low, pick.images_per_s_high)
+        print(f"images_per_s_across_runs: [{low:.1f}, {high:.1f}] (the interval widened by that spread, each side "
+              f"apart; measured with {spread.window()})")
     return 0
 
 
