@@ -247,7 +247,7 @@ _BUILTIN: dict[str, MethodSpec] = {
     # ToMe matches on the keys averaged over heads, as ToMe itself does, unless told otherwise.
     "tome": MethodSpec(_F + "tome", "ToMe bipartite soft matching, size-weighted merge",
                        options={"cluster_on": replace(CLUSTER_ON, default="metric")}, takes_kernels=True, swept=True),
-    "conv": MethodSpec("pipeline.pooling.conv:GridConvDownsample", "learnable 2x2 stride-2 convolution (Appendix E)",
+    "conv": MethodSpec("pipeline.pooling.conv:GridConvDownsample", "learnable 2x2 stride-2 convolution (Appendix D)",
                        learnable=True, reconstructs=False),
 }
 

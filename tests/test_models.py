@@ -198,7 +198,7 @@ def test_off_the_shelf(kind):
 
 def test_carry_equals_attention_over_duplicated_tokens():
     # Proportional attention (log size on the logits) is exactly attention over a set in which a
-    # token of size s appears s times: an independent reference for Appendix D.
+    # token of size s appears s times: an independent reference for Appendix E.
     attn = tiny().blocks[0].attn
     x = torch.randn(1, 5, 48)
     sizes = torch.tensor([[1.0, 3.0, 1.0, 2.0, 1.0]])

@@ -19,7 +19,7 @@ class PoolingConfig(Section):
     keep: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, description="K_1..K_L for finetuning (one per block, each >= 0); default: keep all")
     level: int | None = Field(None, ge=0, le=7, description="or the paper's sparsity level (configs/sparsity/)")
-    carry: bool = Field(False, description="carry cluster sizes, proportional attention (Appendix D)")
+    carry: bool = Field(False, description="carry cluster sizes, proportional attention (Appendix E)")
     qk_norm: Literal["fixed", "learned"] | None = Field(None, description="normalised queries/keys (Appendix F)")
     alpha: float = Field(1.0, gt=0, description="the (initial) alpha of qk_norm")
     options: dict[str, dict[str, Any]] = Field(

@@ -67,7 +67,7 @@ def attend(
         x: (B, T, M) normalised block input.
         num_prefix: number of prefix tokens at the front of x.
         log_sizes: (B, T) log of each token's size; added to the logits of every query
-            (proportional attention, Appendix D). Size 0 gives -inf: the token is ignored.
+            (proportional attention, Appendix E). Size 0 gives -inf: the token is ignored.
         qk_alpha: scalar tensor; if given, queries and keys are L2-normalised and the logits are
             ``alpha * q . k`` (Appendix F) instead of ``q . k / sqrt(d)``.
         scores: also return the significance scores of the non-prefix tokens.

@@ -278,7 +278,7 @@ def apply_downsampling(
             distillation tokens), trained or not.
         method: a name from ``pipeline.methods.METHODS``.
         keep: K_1..K_L, the most non-prefix tokens after each block; default: keep all.
-        carry: carry cluster sizes and use proportional attention (Appendix D).
+        carry: carry cluster sizes and use proportional attention (Appendix E).
         qk_norm: ``"fixed"`` or ``"learned"``: L2-normalised queries and keys with logits
             ``alpha * q . k`` (Appendix F); adds one ``qk_alpha`` parameter per block.
         alpha: the initial (or fixed) alpha.

@@ -374,7 +374,7 @@ def token_pool(
         init: ``"topk"`` (the K highest ``init_scores``) or ``"random"`` (uses ``generator``).
         init_scores: (B, N) scores for ``"topk"``; default ``weights``.
         iters: rounds of assignment and centre update (Algorithm 1's loop), at least 1.
-        sizes: (B, N) carried cluster sizes (Appendix D); they weight the means and add up.
+        sizes: (B, N) carried cluster sizes (Appendix E); they weight the means and add up.
         generator: random source for ``init="random"``.
         metric: (B, N, D) features to cluster on instead of ``tokens`` (for example the attention
             keys averaged over heads); the output still averages ``tokens``.

@@ -1,4 +1,4 @@
-"""Grid downsampling by a strided 2x2 convolution over the token grid (Appendix E, as in Swin and PiT).
+"""Grid downsampling by a strided 2x2 convolution over the token grid (Appendix D, as in Swin and PiT).
 
 The 2x2 neighbours of the grid are concatenated and mapped back to M features, so one layer turns an
 h x w grid into ceil(h/2) x ceil(w/2). An odd side is zero-padded; padding counts as size 0.
