@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.config import CostTarget, PoolingConfig
+from pipeline.config.train import AUTO_TABLE
 from pipeline.cost import CostModel, file_sha256, load_cost_model
 from pipeline.errors import InputError
 from pipeline.flops import gflops_cost_model
@@ -32,6 +33,10 @@ def target_cost_model(target: CostTarget, model: nn.Module, pooling: PoolingConf
     its method with the options ``pooling`` gives it (the config's pooling section; the method's defaults without)."""
     if target.cost == "gflops":
         return gflops_cost_model(model, target.method, options=method_options(pooling, target.method))
+    if target.table == AUTO_TABLE:
+        raise InputError("a latency target's table: auto is this machine's table, which `pipeline run` measures "
+                         "before the K search; give `pipeline train` a table's path (`pipeline bench blocks` "
+                         "measures one)")
     if target.table_sha256 is not None and file_sha256(target.table) != target.table_sha256:
         raise InputError(f"the cost table {target.table} changed since this K search was planned (sha256 "
                          f"{target.table_sha256[:12]}...); rerun `pipeline run` so that the stage's identity "

@@ -4,8 +4,8 @@ front by measured speed (``experiment.select.tie_margin``)."""
 from __future__ import annotations
 
 import json
-import statistics
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict

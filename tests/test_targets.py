@@ -808,9 +808,9 @@ def test_the_rounding_keeps_the_most_mass_whatever_the_tables_unit():
 @pytest.mark.parametrize(("option", "value", "differs"), [("iters", 10, "iters=5 != 10"),
                                                           ("significance", "cls", "significance='eq4' != 'cls'")])
 def test_run_plan_refuses_a_latency_target_priced_on_a_table_of_other_options(tmp_path, capsys, option, value, differs):
-    """The demo's table timed WK-Medoids at its defaults; a finetune with other options (``iters`` and ``significance``
+    """A shipped table timed WK-Medoids at its defaults; a finetune with other options (``iters`` and ``significance``
     change latency where they do not change GFLOPs) is not priced by it: `run --plan` refuses in one line naming the
-    option and the table, and the select stage's target row says it is only predicted."""
+    option and the table."""
     from pipeline.cli import main
     from pipeline.config import load_config
     from pipeline.cost import load_cost_model
@@ -819,7 +819,9 @@ def test_run_plan_refuses_a_latency_target_priced_on_a_table_of_other_options(tm
     table = ("configs/latency/amd-epyc/deit_tiny_patch16_224-m32-d4-28px-p4/"
              "wkmedoids-b64-fp32-none-t1-cpuclock.json")
     setting = f"pooling.options.wkmedoids.{option}={value}"
-    assert main(["run", "configs/experiments/demo.yaml", "--plan", "--set", setting,
+    shipped = (f"experiment.ksearch_targets=[{{cost: latency, fraction: 0.8, table: {table}, methods: [wkmedoids], "
+               "archs: [M32]}]")
+    assert main(["run", "configs/experiments/demo.yaml", "--plan", "--set", setting, "--set", shipped,
                  "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"the cost table {table} timed wkmedoids with other options than its finetunes run (table's != config's: " \
@@ -829,3 +831,49 @@ def test_run_plan_refuses_a_latency_target_priced_on_a_table_of_other_options(tm
     costs = load_cost_model(ROOT / table)
     assert option_differences(costs, "wkmedoids", pooling) == [differs]
     assert option_differences(costs, "wkmedoids", None) == [] and option_differences(costs, "powerbert", pooling) == []
+
+
+@pytest.mark.slow
+@pytest.mark.speed
+def test_a_latency_target_of_table_auto_measures_this_machines_table_before_the_k_search(tmp_path, restore_threads):
+    """``table: auto``: `run --plan` plans the K search without the table (no content for its id yet); `pipeline run`'s
+    prepare step measures this machine's table of the target's method in the evaluate stage's setting, under the runs
+    folder by its key, once; the K search's id then follows its content, and a keep list is measured on it (this
+    machine is its key), not only predicted."""
+    from pipeline.bench.blocks import device_name
+    from pipeline.config import load_config
+    from pipeline.cost import file_sha256, load_cost_model
+    from pipeline.dag.latency import measure_on_table, prepare_tables
+    from pipeline.dag.plan import archs, base_stage, ksearch_stages
+
+    tiny = ROOT / "configs" / "experiments" / "tiny.yaml"
+    auto = ["experiment.embed_dims=[16]", f"experiment.runs_dir={tmp_path}",
+            "experiment.ksearch_targets=[{cost: latency, fraction: 0.9, table: auto, methods: [powerbert]}]"]
+    config = load_config(tiny, auto)
+    arch = archs(config)[0]
+
+    def target():
+        return ksearch_stages(config, arch, base_stage(config, arch))[-1].config.train.ksearch_target
+
+    planned = target()
+    path = Path(planned.table)
+    assert planned.table_sha256 is None and path.parent == tmp_path / "latency-tables" and not path.exists()
+    assert path.name.startswith("M16-powerbert-")
+    lines: list[str] = []
+    prepare_tables(config, log=lines.append)
+    assert lines[0] == (f"[latency] lat0.9 (M16): measuring this machine's table of powerbert (table: auto) into "
+                        f"{path}") and any(line.startswith("[blocks] ") for line in lines)
+    table = load_cost_model(path)
+    key = table.key
+    assert (key["device"], key["method"], key["batch"], key["threads"], key["clock"], key["embed_dim"]) == (
+        device_name(torch.device("cpu")), "powerbert", 8, 1, "cpu", 16)  # tiny.yaml's evaluation setting
+    assert target().table_sha256 == file_sha256(path)
+    again: list[str] = []
+    prepare_tables(config, log=again.append)
+    assert again == []  # measured once, kept under its key
+    ratio, status = measure_on_table(table, [12, 8, 4])
+    assert ratio is not None and status.startswith("measured (paired"), status
+    with pytest.raises(InputError, match=r"lat0.9: table: auto measures one table, of the method its finetunes run; "
+                                         r"give methods: \[METHOD\]"):
+        ksearch_stages(load_config(tiny, [*auto[:2], "experiment.ksearch_targets=[{cost: latency, fraction: 0.9, "
+                                          "table: auto}]"]), arch, base_stage(config, arch))

@@ -11,6 +11,8 @@ from pipeline.console import redact
 from pipeline.errors import InputError
 from pipeline.kernel_choices import CompileMode
 
+AUTO_TABLE = "auto"  # a latency target's table: this machine's, measured by `pipeline run` before the K search
+
 
 class CostTarget(Section):
     """A K-search target: the cost of the searched keep list, in measured latency (a cost table of
@@ -22,7 +24,9 @@ class CostTarget(Section):
     value: float | None = Field(None, gt=0, description="or an absolute figure: ms (latency) or GFLOPs")
     table: str | None = Field(None, description="latency: the cost table (JSON of `pipeline bench blocks`); "
                               "{arch} in it stands for the width's label (M32) or the model's name, {embed_dim} "
-                              "for the width")
+                              "for the width; auto: this machine's table of the target's one method in the evaluate "
+                              "stage's setting, measured by `pipeline run` before the K search and kept under "
+                              "experiment.runs_dir by its key")
     table_sha256: str | None = Field(None, description="the table's content hash (the DAG sets it; a table that "
                                      "changed afterwards is refused)")
     method: MethodName = Field("powerbert", description="gflops: the method whose pooling step is counted")

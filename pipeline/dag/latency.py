@@ -101,3 +101,65 @@ def check_latency_targets(ctx, stages: list, results: dict) -> dict:
         ctx.log(f"[target] {stage.label}: {said}: {repair.status}")
         out[stage.id] = replace(result, keep=repair.keep)
     return out
+
+
+def auto_settings(config, arch, method: str):
+    """``bench.blocks.BlocksSettings`` of this machine's table for ``arch`` (``dag.plan.Arch``) and ``method`` in the
+    evaluate stage's setting (its device, dtype, compile mode, batch and threads, as a local run resolves them; the
+    thread's CPU clock at one thread; the cells the fixed part comes from to its speed tolerance, under its speed cap),
+    with the config's method options and kernel choice, on the grid the shipped tables use (multiples of 8 tokens and
+    the powers of two below)."""
+    from pipeline.bench.blocks import BlocksSettings, ModelSpec
+    from pipeline.dag.plan import base_stage
+    from pipeline.evaluate import resolve_setting
+
+    model, ev = base_stage(config, arch).config.model, config.experiment.eval
+    device, dtype, mode = resolve_setting(ev.device, ev.dtype, ev.compile, torch.cuda.is_available())
+    spec = ModelSpec(name=model.name, img_size=model.img_size, patch_size=model.patch_size, embed_dim=model.embed_dim,
+                     depth=model.depth, num_heads=model.num_heads, num_classes=config.data.num_classes,
+                     patch_embed=model.patch_embed)
+    return BlocksSettings(model=spec, method=method, options=config.pooling.method_options(method), batch=ev.batch,
+                          dtype=dtype, compile=mode, threads=ev.threads if device == "cpu" else None, device=device,
+                          step=8, anchor_tolerance=ev.speed_tolerance, anchor_cap_s=ev.speed_cap_s,
+                          clock="cpu" if device == "cpu" and ev.threads == 1 else "wall",
+                          kernels=config.kernels.choice())
+
+
+def auto_table(config, arch, method: str):
+    """(settings, path) of this machine's table for ``arch`` and ``method`` (``auto_settings``): under
+    ``experiment.runs_dir``/latency-tables, named by the arch, the method and a digest of the table's key (the device,
+    its setting, the versions and the kernels), so that another machine or setting measures a table of its own."""
+    import hashlib
+    from pathlib import Path
+
+    from pipeline.bench.blocks import setup, table_key
+
+    settings = auto_settings(config, arch, method)
+    threads = torch.get_num_threads()
+    try:
+        device, model = setup(settings)  # sets the table's threads, as its key records them
+        key = table_key(settings, model, device)
+    finally:
+        torch.set_num_threads(threads)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = f"{arch.label}-{method}-{digest}.json"
+    return settings, Path(config.experiment.runs_dir) / "latency-tables" / name
+
+
+def prepare_tables(config, log: Callable[[str], None] = print) -> None:
+    """Measures each ``table: auto`` table this machine lacks (``dag.plan.auto_tables``), before the K search reads
+    it: one line a table, then ``bench blocks``' progress; a table already measured under its key is kept."""
+    from pipeline.bench.blocks import measure_table
+    from pipeline.dag.plan import auto_method, auto_tables
+
+    for target, arch in auto_tables(config):
+        settings, path = auto_table(config, arch, auto_method(target))
+        if path.is_file():
+            continue
+        log(f"[latency] {target.label} ({arch.label}): measuring this machine's table of {settings.method} "
+            f"(table: auto) into {path}")
+        threads = torch.get_num_threads()
+        try:
+            measure_table(settings, path, log=log)
+        finally:
+            torch.set_num_threads(threads)

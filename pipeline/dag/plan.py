@@ -15,8 +15,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.config import Config, ConfigError, ExperimentConfig, StageRecipe, error_message
+from pipeline.config import Config, ConfigError, CostTarget, ExperimentConfig, StageRecipe, error_message
 from pipeline.config.identity import IDENTITY_VERSION, identity_content
+from pipeline.config.train import AUTO_TABLE
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
 from pipeline.methods import keeps_all
@@ -166,10 +167,13 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
     for target in exp.ksearch_targets or []:
         if target.archs is not None and arch.label not in target.archs:
             continue
+        table = None if target.table is None else target_table(config, target, arch)
+        # A table: auto not measured yet has no content to follow: `pipeline run` measures it before the K search
+        # (dag.latency.prepare_tables), and `run --plan` plans without it.
+        pending = target.table == AUTO_TABLE and not found(table)
         target = target.model_copy(update={"methods": None, "archs": None})  # the experiment's concern
-        if target.table is not None:  # the identity follows the table's content, not its path
-            table = table_path(target.table, arch)
-            target = target.model_copy(update={"table": table, "table_sha256": _table_hash(table)})
+        if table is not None:  # the identity follows the table's content, not its path
+            target = target.model_copy(update={"table": table, "table_sha256": None if pending else _table_hash(table)})
         cfg = _with(config, stage="ksearch", model=arch.overrides, recipe=exp.ksearch,
                     train={"mode": "ksearch", "ksearch_target": target, **trial_train(exp)})
         stages.append(Stage("ksearch", f"{exp.name}-ksearch-{arch.label}-{target.label}", cfg, [base.id],
@@ -190,7 +194,7 @@ def check_targets(config: Config) -> None:
     for arch in archs(config):
         for stage in ksearch_stages(config, arch, base_stage(config, arch)):
             target = stage.config.train.ksearch_target
-            if target is None:
+            if target is None or (target.cost == "latency" and not found(target.table)):  # a table: auto to measure
                 continue
             with torch.device("meta"):  # the shapes the cost model reads, without initialising any weight
                 model = build_model(stage.config)
@@ -238,6 +242,30 @@ def found(path: str, folder: bool = False) -> bool:
         return Path(path).is_dir() if folder else Path(path).is_file()
     except OSError:
         return False
+
+
+def target_table(config: Config, target: CostTarget, arch: Arch) -> str:
+    """The cost table a latency target reads for ``arch``: its path (``table_path``), or for ``table: auto`` this
+    machine's table of the target's one method in the evaluate stage's setting (``dag.latency.auto_table``)."""
+    if target.table != AUTO_TABLE:
+        return table_path(target.table, arch)
+    from pipeline.dag.latency import auto_table  # here: it imports torch
+
+    return str(auto_table(config, arch, auto_method(target))[1])
+
+
+def auto_method(target: CostTarget) -> str:
+    """The one method a ``table: auto`` target's table times: its ``methods``' only entry."""
+    if target.methods is None or len(target.methods) != 1:
+        raise InputError(f"experiment.ksearch_targets {target.label}: table: auto measures one table, of the method "
+                         f"its finetunes run; give methods: [METHOD] (got {target.methods})")
+    return target.methods[0]
+
+
+def auto_tables(config: Config) -> list[tuple[CostTarget, Arch]]:
+    """Every (target, arch) whose table is ``table: auto``."""
+    return [(target, arch) for target in config.experiment.ksearch_targets or [] if target.table == AUTO_TABLE
+            for arch in archs(config) if target.archs is None or arch.label in target.archs]
 
 
 def _table_hash(path: str) -> str:

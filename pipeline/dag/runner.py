@@ -12,13 +12,14 @@ from typing import Any
 from pipeline.config import Config, ConfigError
 from pipeline.dag.checks import plan_checks
 from pipeline.dag.hpo import chosen_config, run_base_sweep, trial_resources
-from pipeline.dag.latency import check_latency_targets
+from pipeline.dag.latency import check_latency_targets, prepare_tables
 from pipeline.dag.plan import (
     KINDS,
     Arch,
     Stage,
     archs,
     base_stage,
+    check_targets,
     count_plan,
     dag_id,
     evaluate_stage,
@@ -239,6 +240,8 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     check_tracking_uri(config.train.tracking_uri)  # creates nothing; preflight creates the store after its checks
     plan_checks(config, address)  # what `run --plan` refuses, before any data is written
     prepare_data(config, log)
+    prepare_tables(config, log)  # this machine's latency tables (table: auto), before the K search reads them
+    check_targets(config)  # again: a table: auto is there now
     check_experiment(config)
     counts = count_plan(config)
     log(f"[plan] {exp.name}: {counts.as_dict()}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from pipeline.dag.plan import Stage, archs, table_path
+from pipeline.dag.plan import Stage, archs, target_table
 from pipeline.dag.types import EvalResult, TrainedResult
 from pipeline.errors import InputError
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
@@ -144,7 +144,7 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
             continue
         if target.table is not None:
             arch = next(a for a in archs(config) if a.label == stage.arch)
-            target = target.model_copy(update={"table": table_path(target.table, arch)})
+            target = target.model_copy(update={"table": target_table(ctx.config, target, arch)})
         cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
                                   measure_on_table, pooling=config.pooling))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")

@@ -16,6 +16,7 @@ from typing import Any
 from pipeline import signals
 from pipeline.config import Config, ConfigError
 from pipeline.config.identity import identity_differences, run_identity
+from pipeline.config.train import AUTO_TABLE
 from pipeline.console import quiet_train_reports, quiet_worker_errors, say, verbose, worker_failure
 from pipeline.errors import JobError, MissingFileError
 from pipeline.methods import registered_in_code
@@ -51,7 +52,7 @@ def resolve_paths(config: Config) -> Config:
     data = config.data.model_copy(update={"train": _absolute(config.data.train), "val": _absolute(config.data.val)})
     model = config.model.model_copy(update={"weights": _absolute(config.model.weights)})
     target = config.train.ksearch_target
-    if target is not None:
+    if target is not None and target.table != AUTO_TABLE:
         target = target.model_copy(update={"table": _absolute(target.table)})
     train = config.train.model_copy(update={
         "init": _absolute(config.train.init), "storage_path": _absolute(config.train.storage_path),
@@ -59,7 +60,8 @@ def resolve_paths(config: Config) -> Config:
     experiment = config.experiment
     if experiment is not None and experiment.ksearch_targets:
         experiment = experiment.model_copy(update={"ksearch_targets": [
-            t.model_copy(update={"table": _absolute(t.table)}) for t in experiment.ksearch_targets]})
+            t if t.table == AUTO_TABLE else t.model_copy(update={"table": _absolute(t.table)})
+            for t in experiment.ksearch_targets]})
     return config.model_copy(update={"data": data, "model": model, "train": train, "experiment": experiment})
 
 
