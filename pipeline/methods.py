@@ -226,6 +226,7 @@ def _gram(n: int, k: int, width: int, options: Mapping[str, Any]) -> int:
 
 _F = "pipeline.pooling.factories:"
 KEEP_ALL = "none"  # the method that keeps every token: the unmodified model, and the baseline finetune
+GRID_CONV = "conv"  # grid downsampling: finetuned at its own placements (experiment.conv), not on searched keep lists
 _BUILTIN: dict[str, MethodSpec] = {
     KEEP_ALL: MethodSpec(_F + "keep_all", "keep every token", takes_kernels=True, reconstructs=False,
                          downsamples=False),
@@ -247,7 +248,7 @@ _BUILTIN: dict[str, MethodSpec] = {
     # ToMe matches on the keys averaged over heads, as ToMe itself does, unless told otherwise.
     "tome": MethodSpec(_F + "tome", "ToMe bipartite soft matching, size-weighted merge",
                        options={"cluster_on": replace(CLUSTER_ON, default="metric")}, takes_kernels=True, swept=True),
-    "conv": MethodSpec("pipeline.pooling.conv:GridConvDownsample", "learnable 2x2 stride-2 convolution (Appendix D)",
+    GRID_CONV: MethodSpec("pipeline.pooling.conv:GridConvDownsample", "learnable 2x2 stride-2 convolution (Appendix D)",
                        learnable=True, reconstructs=False),
 }
 

@@ -28,9 +28,10 @@ def data(synthetic_data) -> Path:
 
 def test_paper_config_expands_without_running():
     config = load_config(ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml")
-    # 4 DeiTs; 8 lambdas -> 8 levels; 8 methods per level, plus one no-downsampling finetune per DeiT.
-    assert count_plan(config).as_dict() == {"base": 4, "ksearch": 32, "finetune": 4 * (8 * 8 + 1),
-                                            "evaluate": 4 * (8 * 8 + 1)}
+    # 4 DeiTs; 8 lambdas -> 8 levels; 8 methods per level, plus one no-downsampling finetune per DeiT, plus DeiT-S's
+    # 91 conv placements (Appendix D; counted by hand in test_conv_placements_are_the_papers_constraints).
+    assert count_plan(config).as_dict() == {"base": 4, "ksearch": 32, "finetune": 4 * (8 * 8 + 1) + 91,
+                                            "evaluate": 4 * (8 * 8 + 1) + 91}
     from pipeline.dag.plan import archs, base_stage, finetune_stage, ksearch_stages
 
     stages = [base_stage(config, arch) for arch in archs(config)]
@@ -436,3 +437,58 @@ def test_rehearsal_settings_out_of_range_are_refused_in_one_line(bad):
                                          r"cpus > 0 and speed_cap_s > 0$"):
         RehearsalSettings(**bad)
     RehearsalSettings()  # the defaults are fine
+
+
+def _brute_force_placements(tokens: int, side: int, depth: int) -> set[tuple[int, ...]]:
+    """Every subset of the blocks 1 ... depth - 1 (written out as bit masks), kept where the paper's constraints hold:
+    1 to 3 layers, each quartering the grid (an odd side padded), while more than one token is left after the last;
+    three layers equally spaced."""
+    kept = set()
+    for mask in range(1, 2 ** (depth - 1)):
+        blocks = tuple(b for b in range(1, depth) if mask >> (b - 1) & 1)
+        h = side
+        for _ in blocks:
+            h = (h + 1) // 2
+        if len(blocks) > 3 or h * h <= 1:
+            continue
+        if len(blocks) == 3 and blocks[1] - blocks[0] != blocks[2] - blocks[1]:
+            continue
+        kept.add(blocks)
+    assert tokens == side * side
+    return kept
+
+
+@pytest.mark.parametrize(("side", "depth", "count"), [(14, 12, 91), (7, 4, 6)])
+def test_conv_placements_are_the_papers_constraints(side, depth, count):
+    """DeiT-S (14 x 14 tokens, 12 blocks): 11 single layers, C(11, 2) = 55 pairs and 9 + 7 + 5 + 3 + 1 = 25 equally
+    spaced triples, 91 placements; the demo's 7 x 7 grid in 4 blocks takes 2 layers (a third leaves one token): 3 + 3.
+    Against a brute-force enumeration of the constraints; each placement's keep list quarters the grid in the block
+    the layer follows."""
+    from pipeline.dag.plan import conv_layers_allowed, conv_placements, placement_keep
+
+    found = conv_placements((side, side), depth, [1, 2, 3])
+    assert len(found) == len(set(found)) == count
+    assert set(found) == _brute_force_placements(side * side, side, depth)
+    assert conv_layers_allowed((side, side)) == (3 if side == 14 else 2)
+    assert conv_placements((side, side), depth, [2]) == [p for p in found if len(p) == 2]
+    if side == 14:
+        assert placement_keep((14, 14), 12, (2, 5, 8)) == [196, 49, 49, 49, 16, 16, 16, 4, 4, 4, 4, 4]
+    else:
+        assert placement_keep((7, 7), 4, (1, 3)) == [16, 16, 4, 4]
+
+
+def test_conv_placements_are_planned_per_model_and_conv_on_searched_lists_is_refused(capsys):
+    """fmnist_full plans its 6 placements a width beside the K-search methods (`run --plan` names them); the demo with
+    conv among its methods, which K searches give keep lists, is refused in one line naming experiment.conv."""
+    from pipeline.cli import main
+
+    full = ROOT / "configs" / "experiments" / "fmnist_full.yaml"
+    assert count_plan(load_config(full)).finetune == 3 * (4 * 8 + 1 + 6)
+    assert main(["run", str(full), "--plan"]) == 0
+    err = capsys.readouterr().err
+    assert "[plan] experiment.conv: 6 placement(s) for M32 (conv1, conv2, conv3, conv1-2, conv1-3, conv2-3)" in err
+    assert main(["run", str(ROOT / "configs" / "experiments" / "demo.yaml"), "--plan",
+                 "--set", "experiment.methods=[conv]"]) == 2
+    err = capsys.readouterr().err
+    assert "experiment.methods: 'conv' downsamples on fixed grid placements, not on the keep lists a K search or a " \
+           "paper level gives; set experiment.conv: {layers: [1, 2, 3]}" in err

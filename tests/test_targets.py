@@ -858,7 +858,10 @@ def test_a_latency_target_of_table_auto_measures_this_machines_table_before_the_
     planned = target()
     path = Path(planned.table)
     assert planned.table_sha256 is None and path.parent == tmp_path / "latency-tables" and not path.exists()
-    assert path.name.startswith("M16-powerbert-")
+    assert path.name.startswith("M16-powerbert-") and path.is_absolute()  # Tune trials run in folders of their own
+    relative = load_config(tiny, [*auto[:1], "experiment.runs_dir=runs/x", auto[2]])
+    assert Path(ksearch_stages(relative, arch, base_stage(relative, arch))[-1].config.train.ksearch_target.table) \
+        .is_relative_to(Path.cwd() / "runs" / "x")
     lines: list[str] = []
     prepare_tables(config, log=lines.append)
     assert lines[0] == (f"[latency] lat0.9 (M16): measuring this machine's table of powerbert (table: auto) into "

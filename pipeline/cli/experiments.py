@@ -13,7 +13,7 @@ from pipeline.cli.common import add_config_args
 from pipeline.config import ConfigError, error_message, load_config
 from pipeline.config.serve import MAX_BODY_MB, MAX_IMAGES, MAX_PIXELS, ServeConfig
 from pipeline.dag.checks import plan_checks
-from pipeline.dag.plan import count_plan
+from pipeline.dag.plan import archs, conv_levels, count_plan
 from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 from pipeline.errors import InputError, MissingFileError
 from pipeline.report import rebuild_report
@@ -30,6 +30,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}: `pipeline run` needs an experiment section; see configs/experiments/")
     if args.plan:
         plan_checks(config, args.address)
+        for arch in archs(config) if config.experiment.conv is not None else []:
+            placements = conv_levels(config, arch)
+            print(f"[plan] experiment.conv: {len(placements)} placement(s) for {arch.label}"
+                  + (f" ({', '.join(placements)})" if len(placements) <= 12 else ""), file=sys.stderr)
         print(json.dumps(count_plan(config).as_dict()))
         return 0
     from pipeline.dag.runner import run_experiment  # here: --plan needs none of torch, Ray or MLflow's runner

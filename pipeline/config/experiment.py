@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from pipeline.config.base import MethodName, Section
 from pipeline.config.train import CostTarget
 from pipeline.errors import InputError
-from pipeline.methods import keeps_all, swept_methods
+from pipeline.methods import GRID_CONV, keeps_all, swept_methods
 
 
 class ParamRange(Section):
@@ -150,6 +150,18 @@ class SelectConfig(Section):
         "machine's recorded run-to-run spread (`pipeline doctor --speed`); or a number (0.02: 2%)")
 
 
+class ConvConfig(Section):
+    """``experiment.conv``: grid downsampling by 2x2 stride-2 convolutions, as in Swin and PiT (the paper's Figure 3a
+    baseline and Appendix D): every placement of ``layers`` such layers after blocks 1 ... L-1 that each model's token
+    grid allows (``dag.plan.conv_placements``), each a fixed keep list finetuned like any other method."""
+
+    layers: list[Annotated[int, Field(ge=1, le=3)]] = Field(
+        default_factory=lambda: [1, 2, 3], min_length=1,
+        description="how many layers a placement has (1 to 3; three are equally spaced, as in the paper)")
+    archs: list[str] | None = Field(None, min_length=1, description="the widths (M32) or models with conv placements; "
+                                    "default all")
+
+
 class ExperimentConfig(Section):
     """``pipeline run``: the stage DAG (base -> ksearch -> finetune sweep -> evaluate -> select)."""
 
@@ -167,6 +179,8 @@ class ExperimentConfig(Section):
     methods: list[MethodName] = Field(default_factory=swept_methods,
                                       description="finetuned at every level; default: the registry's swept methods")
     baseline: bool = Field(True, description="also finetune each base without downsampling (DeiT-2x control)")
+    conv: ConvConfig | None = Field(None, description="also finetune conv downsampling at every placement the grid "
+                                    "allows (Appendix D)")
     base: StageRecipe = Field(default_factory=StageRecipe)
     ksearch: StageRecipe = Field(default_factory=lambda: StageRecipe(epochs=1, warmup_epochs=0))
     finetune: StageRecipe = Field(default_factory=StageRecipe)
@@ -204,6 +218,14 @@ class ExperimentConfig(Section):
                              "is the baseline, lam<strength> a lambda level, L<n> a paper level); pick another")
         if not self.methods and not self.baseline:
             raise InputError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
+        labels = [f"M{dim}" for dim in self.embed_dims or []] + list(self.models or [])
+        unknown = sorted(set(self.conv.archs or []) - set(labels)) if self.conv is not None else []
+        if unknown:
+            raise InputError(f"experiment.conv.archs: {unknown} are not among the experiment's {labels}")
+        if GRID_CONV in self.methods or any(GRID_CONV in (t.methods or []) for t in self.ksearch_targets or []):
+            raise InputError(f"experiment.methods: {GRID_CONV!r} downsamples on fixed grid placements, not on the "
+                             "keep lists a K search or a paper level gives; set experiment.conv: {layers: [1, 2, 3]} "
+                             "to finetune it at every placement the grid allows")
         baseline = [name for name in self.methods if keeps_all(name)]
         if baseline:
             raise InputError(f"experiment.methods: {baseline[0]!r} keeps every token, which is the baseline; set "

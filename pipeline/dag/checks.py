@@ -18,7 +18,7 @@ from pipeline.config import Config, ConfigError, PrepareItem
 from pipeline.config.recipe import TYPICAL_LR
 from pipeline.dag.plan import Stage, archs, base_stage, check_targets, finetune_stage, found, ksearch_stages
 from pipeline.errors import InputError, MissingFileError, PipelineWarning
-from pipeline.methods import KEEP_ALL
+from pipeline.methods import GRID_CONV, KEEP_ALL
 from pipeline.spread import check_tie_margin
 from pipeline.train.launch import check_batch_fits, check_fits, connect_ray
 
@@ -39,7 +39,8 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
 def planned_methods(config: Config) -> list[str]:
     """The methods an experiment finetunes: its methods, then those its K-search targets name."""
     exp = config.experiment
-    return list(dict.fromkeys([*exp.methods, *(m for t in exp.ksearch_targets or [] for m in t.methods or [])]))
+    conv = [GRID_CONV] if exp.conv is not None else []
+    return list(dict.fromkeys([*exp.methods, *(m for t in exp.ksearch_targets or [] for m in t.methods or []), *conv]))
 
 
 def check_operators(config: Config) -> None:

@@ -143,7 +143,8 @@ def auto_table(config, arch, method: str):
         torch.set_num_threads(threads)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = f"{arch.label}-{method}-{digest}.json"
-    return settings, Path(config.experiment.runs_dir) / "latency-tables" / name
+    # absolute: the K search's Tune trials read it from working folders of their own
+    return settings, Path(config.experiment.runs_dir).absolute() / "latency-tables" / name
 
 
 def prepare_tables(config, log: Callable[[str], None] = print) -> None:

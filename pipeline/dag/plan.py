@@ -7,6 +7,7 @@ ids of the stages it reads from, so any change upstream changes every id downstr
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -64,11 +65,18 @@ def dag_id(config: Config) -> str:
     kernel choices of its evaluations. Two sweeps that differ only in ``pooling.carry`` or
     ``pooling.options.wkmedoids.iters`` are two experiments, and ``--force`` on one must not retire the other's
     runs. ``experiment.select.tie_margin`` is left out: it is how the select stage (never cached) reads the same
-    measurements, so another margin selects again under the same parent run."""
-    meta = {"experiment": config.experiment.model_dump(mode="json", exclude={"select": {"tie_margin"}}),
+    measurements, so another margin selects again under the same parent run. A setting that is off
+    (``experiment.conv`` unset) leaves the id as it was before the setting existed."""
+    unset = {name for name in UNSET_IS_ABSENT if getattr(config.experiment, name) is None}
+    meta = {"experiment": config.experiment.model_dump(mode="json", exclude={"select": {"tie_margin"}, **{
+        name: True for name in unset}}),
             "pooling": config.pooling.model_dump(mode="json", exclude={"method", "keep", "level"}),
             "kernels": chosen_kernels(config)}
     return stage_id("dag", config, [], meta)
+
+
+# Experiment settings that enter the DAG's id only when set, so that a stored DAG's id stays.
+UNSET_IS_ABSENT = ("conv",)
 
 
 def chosen_kernels(config: Config) -> dict[str, str]:
@@ -311,6 +319,54 @@ def paper_levels(config: Config, arch: Arch) -> dict[str, list[int]]:
     return {f"L{level}": level_keep(name, level) for level in config.experiment.levels or []}
 
 
+def conv_layers_allowed(grid: tuple[int, int]) -> int:
+    """How many 2x2 stride-2 layers an (h, w) token grid takes while more than one token is left (an odd side padded,
+    ``pooling.conv.pooled_count``): 3 for DeiT-S's 14 x 14 (7, 4, 2 a side), 2 for the demo's 7 x 7 (4, 2)."""
+    h, w = grid
+    layers = 0
+    while math.ceil(h / 2) * math.ceil(w / 2) > 1:
+        h, w, layers = math.ceil(h / 2), math.ceil(w / 2), layers + 1
+    return layers
+
+
+def conv_placements(grid: tuple[int, int], depth: int, layers: list[int]) -> list[tuple[int, ...]]:
+    """Every placement of c layers (c in ``layers``, at most ``conv_layers_allowed``) in a ``depth``-block model, as
+    the blocks they follow (1-based, increasing, among 1 ... depth - 1), three layers equally spaced (the paper's
+    Appendix D: l2 - l1 = l3 - l2); by number of layers, then in order."""
+    most = conv_layers_allowed(grid)
+    return [placement for c in sorted(set(layers)) if c <= most
+            for placement in itertools.combinations(range(1, depth), c)
+            if c < 3 or placement[1] - placement[0] == placement[2] - placement[1]]
+
+
+def placement_keep(grid: tuple[int, int], depth: int, placement: tuple[int, ...]) -> list[int]:
+    """The keep list of a placement: each block's tokens out, each layer quartering the grid (an odd side padded) in
+    the block it follows (the model's downsampling step sits in that block, after its attention)."""
+    (h, w), keep = grid, []
+    for block in range(1, depth + 1):
+        if block in placement:
+            h, w = math.ceil(h / 2), math.ceil(w / 2)
+        keep.append(h * w)
+    return keep
+
+
+def conv_levels(config: Config, arch: Arch) -> dict[str, list[int]]:
+    """``{"conv3-6-9": keep}``: ``experiment.conv``'s placements for ``arch``'s token grid and depth (the model built
+    on the meta device: its shapes only), each a fixed keep list; empty without ``experiment.conv``."""
+    conv = config.experiment.conv
+    if conv is None or (conv.archs is not None and arch.label not in conv.archs):
+        return {}
+    import torch
+
+    from pipeline.train.build import build_model
+
+    with torch.device("meta"):
+        model = build_model(base_stage(config, arch).config)
+    grid, depth = tuple(model.patch_embed.grid_size), len(model.blocks)
+    return {"conv" + "-".join(map(str, placement)): placement_keep(grid, depth, placement)
+            for placement in conv_placements(grid, depth, config.experiment.conv.layers)}
+
+
 @dataclass
 class PlanCounts:
     base: int
@@ -332,5 +388,6 @@ def count_plan(config: Config) -> PlanCounts:
     trained = sum(1 for arch in archs(config) if arch.label not in exp.base_checkpoints)
     finetune = n_arch * (levels * len(exp.methods) + int(exp.baseline))
     finetune += sum(searched * len(target_methods(exp, t.label)) for t, searched in targets)
+    finetune += sum(len(conv_levels(config, arch)) for arch in archs(config))
     searches = n_arch * len(exp.lambdas or []) + sum(searched for _, searched in targets)
     return PlanCounts(base=trained, ksearch=searches, finetune=finetune, evaluate=finetune)

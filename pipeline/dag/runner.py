@@ -20,6 +20,7 @@ from pipeline.dag.plan import (
     archs,
     base_stage,
     check_targets,
+    conv_levels,
     count_plan,
     dag_id,
     evaluate_stage,
@@ -34,7 +35,7 @@ from pipeline.dag.stages import eval_task, run_evaluation_spec, run_training_spe
 from pipeline.dag.sweep import one_line, run_sweep
 from pipeline.dag.types import EvalResult, Tracking, TrainedResult, from_record
 from pipeline.errors import JobError
-from pipeline.methods import KEEP_ALL
+from pipeline.methods import GRID_CONV, KEEP_ALL
 from pipeline.tracking import check_tracking_uri
 from pipeline.train.launch import TIMING, check_reaches_workers, connect_ray, preflight, resolve_paths
 
@@ -107,6 +108,11 @@ def check_experiment(config: Config) -> None:
                                            **config.pooling.method_options(method))
                     except ValueError as err:
                         raise ConfigError(f"experiment: {arch.label} level {level} with {method}: {err}") from None
+        for level, keep in conv_levels(config, arch).items():  # each placement's layers fit the grid they meet
+            try:
+                apply_downsampling(build_model(stage.config), GRID_CONV, keep)
+            except ValueError as err:
+                raise ConfigError(f"experiment.conv: {arch.label} placement {level}: {err}") from None
 
 
 def force_kinds(force: str | None) -> list[str]:
@@ -272,6 +278,8 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
         for level, (keep, upstream) in sparsity_levels(ctx, arch, ks_results, ks_stages[arch.label]).items():
             ft_stages += [finetune_stage(downstream[arch.label], arch, base, m, level, keep, upstream)
                           for m in target_methods(exp, level)]
+        ft_stages += [finetune_stage(downstream[arch.label], arch, base, GRID_CONV, level, keep, [])
+                      for level, keep in conv_levels(downstream[arch.label], arch).items()]
         if exp.baseline:
             ft_stages.append(finetune_stage(downstream[arch.label], arch, base, KEEP_ALL, "full", None, []))
     if "finetune" in kinds:
