@@ -350,3 +350,30 @@ def test_keep_zero_against_the_head(kwargs, refused):
         features = pooled.forward_head(pooled.forward_features(images()), pre_logits=True)
     assert torch.isfinite(features).all()
     assert not torch.allclose(features[0], features[1]), "what the head sees depends on the image"
+
+
+def test_a_conv_placements_checkpoint_gives_its_evaluation_a_reference_without_its_layers(tmp_path):
+    """The evaluate stage times a model against the same weights without downsampling (``plain=True``); a conv
+    placement's checkpoint holds its layers' own weights (``blocks.N.downsample``), which that reference leaves out
+    instead of refusing them, and every weight they share is the checkpoint's."""
+    from pathlib import Path
+
+    from pipeline.config import load_config
+    from pipeline.train.build import build_model
+    from pipeline.train.checkpoint import model_from_checkpoint, save_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(root / "configs" / "experiments" / "demo.yaml",
+                         ["train.mode=finetune", "pooling.method=conv", "pooling.keep=[16, 4, 4, 4]",
+                          "model.embed_dim=32"])
+    torch.manual_seed(0)
+    trained = build_model(config)
+    save_checkpoint(tmp_path, {"model": trained.state_dict(), "config": config.model_dump(mode="json")}, {})
+    own = {k for k in trained.state_dict() if ".downsample." in k}
+    assert own == {f"blocks.{b}.downsample.conv.{p}" for b in (0, 1) for p in ("weight", "bias")}
+    reference, _, _ = model_from_checkpoint(tmp_path, plain=True)
+    shared = reference.state_dict()
+    assert set(shared) == set(trained.state_dict()) - own
+    assert all(torch.equal(shared[k], trained.state_dict()[k]) for k in shared)
+    model, _, _ = model_from_checkpoint(tmp_path)  # and the model itself keeps them
+    assert all(torch.equal(model.state_dict()[k], trained.state_dict()[k]) for k in own)
