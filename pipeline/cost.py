@@ -276,6 +276,22 @@ def load_cost_model(path: str | Path) -> CostModel:
     return CostModel.from_json(data, where=str(path))
 
 
+# What a latency table's key holds for the setting it was measured at to be read back
+# (``bench.blocks.settings_from_key``) and for a latency target to price a finetune by it (``targets``): every table
+# `pipeline bench blocks` writes has them.
+TABLE_KEY_FIELDS = ("model", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "num_classes", "patch_embed",
+                    "method", "options", "batch", "dtype", "compile", "threads", "device_type", "clock",
+                    "kernel_choice")
+
+
+def check_table_key(key: dict[str, Any], where: str) -> None:
+    """InputError naming the ``TABLE_KEY_FIELDS`` the key of the table at ``where`` lacks."""
+    missing = [field for field in TABLE_KEY_FIELDS if field not in key]
+    if missing:
+        raise InputError(f"the cost table {where} has no {', '.join(missing)} in its key; measure it with `pipeline "
+                         "bench blocks`, which records them")
+
+
 def key_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``NAME: RECORDED != CURRENT`` for every key field whose values differ (a field only one side has too)."""
     names = sorted(recorded.keys() | current.keys())

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from pipeline.config import CostTarget, PoolingConfig
 from pipeline.config.train import AUTO_TABLE
-from pipeline.cost import CostModel, file_sha256, load_cost_model
+from pipeline.cost import CostModel, check_table_key, file_sha256, load_cost_model
 from pipeline.errors import InputError
 from pipeline.flops import gflops_cost_model
 from pipeline.methods import method_spec
@@ -43,10 +43,7 @@ def target_cost_model(target: CostTarget, model: nn.Module, pooling: PoolingConf
                          "follows it")
     table = load_cost_model(target.table)
     n_tokens, depth = model.patch_embed.num_patches, len(list(model.blocks))
-    missing = [field for field in TABLE_KEY_FIELDS if field not in table.key]
-    if missing:
-        raise InputError(f"the cost table {target.table} has no {', '.join(missing)} in its key, which a latency "
-                         "target reads; measure it with `pipeline bench blocks`, which records them")
+    check_table_key(table.key, target.table)
     if table.key["embed_dim"] != model.embed_dim:
         raise InputError(f"the cost table {target.table} times width {table.key['embed_dim']}; this model is "
                          f"{model.embed_dim} wide (give one table per width: {{arch}} in the path)")
@@ -60,10 +57,6 @@ def target_cost_model(target: CostTarget, model: nn.Module, pooling: PoolingConf
 def method_options(pooling: PoolingConfig | None, method: str) -> dict[str, Any] | None:
     """``method``'s options from the config's pooling section, or None (its defaults) without one."""
     return None if pooling is None else pooling.method_options(method)
-
-
-# What a latency target reads of its table's key: the width it timed, and the method and options it timed them with.
-TABLE_KEY_FIELDS = ("embed_dim", "method", "options")
 
 
 def option_differences(costs: CostModel, method: str, pooling: PoolingConfig | None) -> list[str]:

@@ -297,20 +297,25 @@ def test_the_projected_gpu_hours_are_the_cluster_budgets():
     methods and epochs, is the cluster budget's "DeiT-S alone" row (docs/cluster.md), written out from the
     protocol: the base's 300 epochs, 8 K searches of 30, 8 levels of each method's 300-epoch finetune at its
     measured speed-up, and the baseline's 300, over ImageNet's images at the records' H200 step rate and loop
-    efficiency. The high end takes each width at DeiT-S's cost; the low end scales it by fvcore's GFLOPs count over
-    the budget's DeiT-S figure, which agree to 1e-4."""
+    efficiency; with its 91 conv placements, 91 finetunes of 300 epochs more at no speed-up. The high end takes each
+    width at DeiT-S's cost; the low end scales it by fvcore's GFLOPs count over the budget's DeiT-S figure, which
+    agree to 1e-4."""
     from pipeline.bench.gpu_budget import IMAGENET_TRAIN, loop_input, step_inputs
     from pipeline.bench.records import MEASURED
     from pipeline.dag.projection import projected_gpu_hours
 
     paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
-    projection = projected_gpu_hours(load_config(paper, ["experiment.models=[deit_small_patch16_224]"]))
+    alone = ["experiment.models=[deit_small_patch16_224]"]
     rate, speedups = step_inputs(MEASURED, "H200")
     methods = ("kmeans", "kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance", "tome")
     epochs = 300 + 8 * 30 + 8 * 300 * sum(1 / speedups[m].value for m in methods) + 300
-    hours = epochs * IMAGENET_TRAIN / (rate.value * loop_input(MEASURED, "H200").value) / 3600
-    assert projection.high == pytest.approx(hours, rel=1e-9) and projection.low == pytest.approx(hours, rel=1e-4)
-    assert "speed-ups assumed for" in projection.note  # the note names what was assumed
+    epoch_h = IMAGENET_TRAIN / (rate.value * loop_input(MEASURED, "H200").value) / 3600
+    for conv, more in (("experiment.conv=null", 0), ("experiment.conv={layers: [1, 2, 3]}", 91 * 300)):
+        projection = projected_gpu_hours(load_config(paper, [*alone, conv]))
+        hours = (epochs + more) * epoch_h
+        assert projection.high == pytest.approx(hours, rel=1e-9) and projection.low == pytest.approx(hours, rel=1e-4)
+        assert "speed-ups assumed for" in projection.note  # the note names what was assumed
+        assert ("conv placements 27,300 epochs more" in projection.note) == bool(more)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from pipeline.bench.paired import SpeedRatio
+from pipeline.bench.paired import SpeedRatio, SpeedSettings
 from pipeline.config import CostTarget
 from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
@@ -33,6 +33,8 @@ from tests.conftest import HANG_S, LOOSE_TOLERANCE
 from tests.reference import table_cost
 
 ROOT = Path(__file__).resolve().parents[1]
+# A keep list measured on a table: what it records, not how fast the machine is (docs/testing.md).
+LOOSE = SpeedSettings(tolerance=LOOSE_TOLERANCE, cap_s=HANG_S)
 DEMO = {"img_size": 28, "patch_size": 4, "depth": 4, "num_heads": 2, "num_classes": 10, "embed_dim": 32}
 
 
@@ -422,7 +424,11 @@ def test_a_tighter_limit_that_no_list_fits_is_reported_and_the_list_kept():
     assert len(calls) == 1
 
 
-POWERBERT_KEY = {"embed_dim": 32, "method": "powerbert", "options": {"significance": "eq4"}}  # what a target reads
+# A key as `pipeline bench blocks` writes it (cost.TABLE_KEY_FIELDS), of PoWER-BERT on the DEMO model.
+POWERBERT_KEY = {"model": "deit_tiny_patch16_224", "img_size": 28, "patch_size": 4, "embed_dim": 32, "depth": 4,
+                 "num_heads": 2, "num_classes": 10, "patch_embed": "conv", "method": "powerbert",
+                 "options": {"significance": "eq4"}, "batch": 1, "dtype": "fp32", "compile": "none", "threads": 1,
+                 "device_type": "cpu", "clock": "cpu", "kernel_choice": {}}
 
 
 def _latency_table(path: Path, key: dict) -> Path:
@@ -451,9 +457,9 @@ def test_a_latency_targets_cost_model_is_its_table_checked_against_the_model_and
     wide = _latency_table(tmp_path / "wide.json", {**POWERBERT_KEY, "embed_dim": 64})
     with pytest.raises(InputError, match=rf"the cost table {wide} times width 64; this model is 32 wide"):
         target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(wide)), model)
-    unkeyed = _latency_table(tmp_path / "unkeyed.json", {"method": "powerbert"})  # read strictly: no width, no options
-    with pytest.raises(InputError, match=rf"^the cost table {unkeyed} has no embed_dim, options in its key, which a "
-                                         r"latency target reads; measure it with `pipeline bench blocks`"):
+    unkeyed = _latency_table(tmp_path / "unkeyed.json", {k: v for k, v in POWERBERT_KEY.items() if k != "embed_dim"})
+    with pytest.raises(InputError, match=rf"^the cost table {unkeyed} has no embed_dim in its key; measure it with "
+                                         r"`pipeline bench blocks`"):
         target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(unkeyed)), model)
     for more, says in (({"depth": 3}, "depth 3"), ({"num_tokens": 48}, "N=48"), ({"prefix": 0}, "prefix 0")):
         other = tmp_path / "other.json"
@@ -558,7 +564,7 @@ def test_a_latency_target_is_measured_only_where_the_machine_is_the_tables_key(t
                               anchor_tolerance=LOOSE_TOLERANCE, anchor_cap_s=HANG_S)
     table, _ = measure_table(settings, tmp_path / "table.json", log=lambda _: None)
     torch.set_num_threads(threads)
-    ratio, status = measure_on_table(table, [8, 8], log=lambda _: None)
+    ratio, status = measure_on_table(table, [8, 8], log=lambda _: None, speed=LOOSE)
     assert ratio is not None and 0 < ratio.low <= ratio.ratio <= ratio.high and status.startswith("measured (paired")
     assert ratio.blocks >= 8 and f"{ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}]" in status
     assert torch.get_num_threads() == threads  # the table's threads for the measurement only
@@ -874,8 +880,14 @@ def test_a_latency_target_of_table_auto_measures_this_machines_table_before_the_
     again: list[str] = []
     prepare_tables(config, log=again.append)
     assert again == []  # measured once, kept under its key
-    ratio, status = measure_on_table(table, [12, 8, 4])
+    ratio, status = measure_on_table(table, [12, 8, 4], speed=LOOSE)
     assert ratio is not None and status.startswith("measured (paired"), status
+    from pipeline.dag.checks import check_auto_tables
+
+    with pytest.raises(InputError, match=r"^experiment.ksearch_targets lat0.9: table: auto measures the driver's own "
+                                         r"device, but this run uses the Ray cluster at ray://head:10001"):
+        check_auto_tables(config, "ray://head:10001")
+    check_auto_tables(config, None)
     with pytest.raises(InputError, match=r"lat0.9: table: auto measures one table, of the method its finetunes run; "
                                          r"give methods: \[METHOD\]"):
         ksearch_stages(load_config(tiny, [*auto[:2], "experiment.ksearch_targets=[{cost: latency, fraction: 0.9, "

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from pipeline.bench.paired import SpeedSettings, paired_ratio, sample_timer
 from pipeline.bench.timing import median_iqr, time_paired, timed
-from pipeline.cost import CostModel, Curve, PoolSurface, check_key, load_cost_model, save_cost_model
+from pipeline.cost import CostModel, Curve, PoolSurface, check_key, check_table_key, load_cost_model, save_cost_model
 from pipeline.errors import InputError, JobError
 from pipeline.methods import METHODS
 from pipeline.models import create_model
@@ -98,6 +98,7 @@ class BlocksSettings:
     min_sample_s: float = 0.005  # a timed sample queues calls until it lasts about this long
     anchor_tolerance: float = 0.01  # the anchor cells' 95% interval half-width aimed at (``anchor_cell``)
     anchor_cap_s: float = 30.0  # the most wall-clock seconds each anchor cell's pilot and blocks may take
+    anchor_cap_key: str = "anchor_cap_s (--anchor-cap-s)"  # where the user sets it, for the error that says to raise it
     clock: str = "wall"  # or "cpu": the timing thread's CPU time (one thread on the CPU; see CLOCKS)
     kernels: KernelChoice = field(default_factory=KernelChoice)  # the config's ``kernels`` section
 
@@ -161,7 +162,9 @@ def spec_from_key(key: dict[str, Any]) -> ModelSpec:
 
 
 def settings_from_key(key: dict[str, Any], **timing: Any) -> BlocksSettings:
-    """The setting a table was measured at (to validate it at the same one), its kernel choice included."""
+    """The setting a table was measured at (to validate it at the same one), its kernel choice included;
+    InputError naming the fields a key lacks (``cost.check_table_key``)."""
+    check_table_key(key, f"of {key.get('method')!r} on {key.get('device')!r}")
     return BlocksSettings(model=spec_from_key(key), method=key["method"], options=dict(key["options"]),
                           batch=key["batch"], dtype=key["dtype"], compile=key["compile"], threads=key["threads"],
                           device=key["device_type"], clock=key["clock"], kernels=KernelChoice(**key["kernel_choice"]),
@@ -303,7 +306,7 @@ def anchor_cell(fn: Callable[[], object], base: Callable[[], object], s: BlocksS
     calls = _calls(fn, base, device, s.min_sample_s, clock)
     timer = sample_timer(device, calls=calls, clock=s.clock)
     found = paired_ratio(fn, base, timer=timer, settings=SpeedSettings(
-        tolerance=s.anchor_tolerance, cap_s=s.anchor_cap_s, warmup=0, cap_key="anchor_cap_s (--anchor-cap-s)"))
+        tolerance=s.anchor_tolerance, cap_s=s.anchor_cap_s, warmup=0, cap_key=s.anchor_cap_key))
     return {"ratio": found.ratio, "iqr": found.high - found.low, "base_ms": found.reference_s * 1e3,
             "calls": calls, "blocks": found.blocks, "low": found.low, "high": found.high, "stop": found.stop}
 

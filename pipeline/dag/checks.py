@@ -30,6 +30,7 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     check_data_plan(config)
     stages = training_stages(config)
     check_operators(config)
+    check_auto_tables(config, address)
     check_targets(config)
     warn_learning_rates(config)
     check_cluster(config, stages, address)
@@ -53,6 +54,20 @@ def check_operators(config: Config) -> None:
             probe_method(method, config.pooling.method_options(method))
         except InputError as err:
             raise ConfigError(f"experiment.methods: {err}") from None
+
+
+def check_auto_tables(config: Config, address: str | None) -> None:
+    """A ``table: auto`` target on a cluster is refused: its table is this machine's (the driver's device, under its
+    runs folder), while the K search's trials, the check and the evaluations run on the cluster's nodes."""
+    from pipeline.dag.plan import auto_tables
+
+    address = address or config.train.address or os.environ.get("RAY_ADDRESS")
+    found = auto_tables(config)
+    if found and address is not None:
+        raise InputError(f"experiment.ksearch_targets {found[0][0].label}: table: auto measures the driver's own "
+                         f"device, but this run uses the Ray cluster at {address}, whose nodes train and evaluate; "
+                         "measure a table on an evaluation node (`pipeline bench blocks`, on shared storage) and give "
+                         "its path")
 
 
 def training_stages(config: Config) -> list[Stage]:

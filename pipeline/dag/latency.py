@@ -15,11 +15,13 @@ from pipeline.errors import InputError
 from pipeline.train.checkpoint import load_checkpoint
 
 
-def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], None] = print):
+def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], None] = print,
+                     speed: SpeedSettings | None = None):
     """The table's model and method at ``keep`` timed against the unmodified model, paired at the table's setting
     (``bench.latency.measure_lists``: a ``bench.paired.SpeedRatio``, the ratio with its 95% interval), and how it
     was measured; None and why when this process is not what the table's key says (device, threads against the
-    usable cores, versions, kernels): the figure would not be comparable."""
+    usable cores, versions, kernels): the figure would not be comparable. ``speed``: how the pair is measured
+    (default ``CHECK_SPEED``)."""
     from pipeline.bench.blocks import check_threads, measured_key, settings_from_key, table_key
     from pipeline.bench.latency import measure_lists
 
@@ -40,8 +42,7 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
         differences = key_differences(measured_key(table), table_key(settings, base, device))
         if differences:
             return None, f"predicted (this machine is not the table's key: {'; '.join(differences)})"
-        (row,) = measure_lists(settings, [("target", keep)], table, base, device, log,
-                               SpeedSettings(cap_s=CHECK_CAP_S, cap_key="the K-search check's cap (CHECK_CAP_S)"))
+        (row,) = measure_lists(settings, [("target", keep)], table, base, device, log, speed or CHECK_SPEED)
     finally:
         torch.set_num_threads(threads)
     ratio = row.speed
@@ -49,7 +50,9 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
                    f"{ratio.high:.3f}], {ratio.label()}; the unmodified model {ratio.reference_s * 1e3:.3f} ms)")
 
 
-CHECK_CAP_S = 60.0  # the most seconds a keep list's check may spend on its pilot and blocks
+# A keep list's check: to a 2% interval, within 60 s of pilot and blocks (a constant: the check and the select stage's
+# target rows time tables' models of milliseconds, which reach the interval in seconds).
+CHECK_SPEED = SpeedSettings(cap_s=60.0, cap_key="the K-search check's 60 s cap (dag.latency.CHECK_SPEED)")
 
 
 REPAIR_TAG = "pipeline.target_check"  # on a latency K search's run: the check's Repair as JSON
@@ -107,8 +110,8 @@ def auto_settings(config, arch, method: str):
     """``bench.blocks.BlocksSettings`` of this machine's table for ``arch`` (``dag.plan.Arch``) and ``method`` in the
     evaluate stage's setting (its device, dtype, compile mode, batch and threads, as a local run resolves them; the
     thread's CPU clock at one thread; the cells the fixed part comes from to its speed tolerance, under its speed cap),
-    with the config's method options and kernel choice, on the grid the shipped tables use (multiples of 8 tokens and
-    the powers of two below)."""
+    with the config's method options and kernel choice. The grid: multiples of 8 tokens (and the powers of two below)
+    up to 64 tokens, as the demo's shipped tables; multiples of 32 above (DeiT-S's 196: 8 points, not 26)."""
     from pipeline.bench.blocks import BlocksSettings, ModelSpec
     from pipeline.dag.plan import base_stage
     from pipeline.evaluate import resolve_setting
@@ -118,9 +121,12 @@ def auto_settings(config, arch, method: str):
     spec = ModelSpec(name=model.name, img_size=model.img_size, patch_size=model.patch_size, embed_dim=model.embed_dim,
                      depth=model.depth, num_heads=model.num_heads, num_classes=config.data.num_classes,
                      patch_embed=model.patch_embed)
+    with torch.device("meta"):  # its shapes only
+        tokens = spec.build().patch_embed.num_patches
     return BlocksSettings(model=spec, method=method, options=config.pooling.method_options(method), batch=ev.batch,
                           dtype=dtype, compile=mode, threads=ev.threads if device == "cpu" else None, device=device,
-                          step=8, anchor_tolerance=ev.speed_tolerance, anchor_cap_s=ev.speed_cap_s,
+                          step=8 if tokens <= 64 else 32, anchor_tolerance=ev.speed_tolerance,
+                          anchor_cap_s=ev.speed_cap_s, anchor_cap_key="experiment.eval.speed_cap_s",
                           clock="cpu" if device == "cpu" and ev.threads == 1 else "wall",
                           kernels=config.kernels.choice())
 
@@ -128,17 +134,22 @@ def auto_settings(config, arch, method: str):
 def auto_table(config, arch, method: str):
     """(settings, path) of this machine's table for ``arch`` and ``method`` (``auto_settings``): under
     ``experiment.runs_dir``/latency-tables, named by the arch, the method and a digest of the table's key (the device,
-    its setting, the versions and the kernels), so that another machine or setting measures a table of its own."""
+    its setting, the versions and the kernels), so that another machine or setting measures a table of its own. The
+    key is read off the model built on the meta device (its shapes), at the table's threads."""
     import hashlib
     from pathlib import Path
 
-    from pipeline.bench.blocks import setup, table_key
+    from pipeline.bench.blocks import check_threads, table_key
 
     settings = auto_settings(config, arch, method)
+    check_threads(settings.threads, "experiment.eval.threads")
     threads = torch.get_num_threads()
     try:
-        device, model = setup(settings)  # sets the table's threads, as its key records them
-        key = table_key(settings, model, device)
+        if settings.threads is not None:  # the key records the threads torch runs, as measure_table sets them
+            torch.set_num_threads(settings.threads)
+        with torch.device("meta"):
+            model = settings.model.build(kernels=settings.kernels)
+        key = table_key(settings, model, torch.device(settings.device))
     finally:
         torch.set_num_threads(threads)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pipeline.bench import gpu_budget
 from pipeline.bench.records import MEASURED
 from pipeline.config import Config
-from pipeline.dag.plan import archs, base_stage
+from pipeline.dag.plan import archs, base_stage, conv_levels
 from pipeline.errors import InputError
 from pipeline.train.build import build_model
 
@@ -84,11 +84,15 @@ def projected_gpu_hours(config: Config) -> Projection:
     epoch_h = images / (rate.value * loop.value) / 3600
     reference = gpu_budget.GFLOPS["deit_small"]
     gflops = _arch_gflops(config)
-    low = sum(epochs * epoch_h * g / reference for g in gflops)
-    high = epochs * epoch_h * len(gflops)
+    # experiment.conv: each placement a finetune of the width that has it, at no speed-up (assumed: its own layers'
+    # cost is not measured on the GPU)
+    conv = [len(conv_levels(config, arch)) * (exp.finetune.epochs or config.recipe.epochs) for arch in archs(config)]
+    low = sum((epochs + c) * epoch_h * g / reference for c, g in zip(conv, gflops))
+    high = sum((epochs + c) * epoch_h for c in conv)
     assumed = sorted(m for m in exp.methods if m not in speedup_inputs
                      or speedup_inputs[m].status.startswith("assumed"))
-    return Projection(low, high, f"{epochs:,.0f} epochs a width at DeiT-S's cost; {images:,} images an epoch "
+    placed = f"; conv placements {sum(conv):,.0f} epochs more, at no speed-up" if sum(conv) else ""
+    return Projection(low, high, f"{epochs:,.0f} epochs a width at DeiT-S's cost{placed}; {images:,} images an epoch "
                       f"({source}); {rate.value:,.0f} images/s x {loop.value:.2f} ({loop.status}) on an {GPU}; "
                       f"speed-ups assumed for {', '.join(assumed) or 'none'}; low end: widths in proportion to "
                       "GFLOPs, high end: each like DeiT-S (docs/cluster.md)")
