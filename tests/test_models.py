@@ -11,6 +11,7 @@ import torch
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
+from pipeline.errors import InputError
 from pipeline.methods import METHODS
 from pipeline.models import apply_downsampling, attend, create_model, effective_keep, parse_keep
 
@@ -377,3 +378,17 @@ def test_a_conv_placements_checkpoint_gives_its_evaluation_a_reference_without_i
     assert all(torch.equal(shared[k], trained.state_dict()[k]) for k in shared)
     model, _, _ = model_from_checkpoint(tmp_path)  # and the model itself keeps them
     assert all(torch.equal(model.state_dict()[k], trained.state_dict()[k]) for k in own)
+
+
+def test_a_conv_placements_layers_are_refused_by_another_placement():
+    """The layers of a conv placement load without complaint only into a model with no layers of its own; a model
+    with its own (another placement) that finds them in the wrong blocks is told so."""
+    from pipeline.models.weights import load_state
+
+    placed = create_model("deit_tiny_patch16_224", img_size=16, patch_size=4, depth=2, method="conv", keep=[4, 4])
+    other = create_model("deit_tiny_patch16_224", img_size=16, patch_size=4, depth=2, method="conv", keep=[16, 4])
+    plain = create_model("deit_tiny_patch16_224", img_size=16, patch_size=4, depth=2)
+    load_state(plain, placed.state_dict(), "placed")
+    with pytest.raises(InputError, match=r"^placed: state dict does not match the model: missing \[\], unexpected "
+                                         r"\['blocks.0.downsample.conv.weight', 'blocks.0.downsample.conv.bias'\]"):
+        load_state(other, placed.state_dict(), "placed")

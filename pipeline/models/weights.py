@@ -28,11 +28,14 @@ def load_state(model: nn.Module, state: dict[str, Any], source: str | Path) -> N
     """``load_state_dict`` that tolerates only the parameters downsampling adds or drops.
 
     A new variant's per-block alpha, conv layers and retention weights may be absent; a K-search
-    state dict's retention weights may be extra. Anything else raises ValueError naming ``source``.
+    state dict's retention weights may be extra, and so may a conv placement's layers where the model has no
+    layers of its own (the same weights without downsampling: an evaluation's reference, an analysis applying
+    another method). Anything else raises ValueError naming ``source``.
     """
+    own_layers = any(".downsample." in k for k in model.state_dict())
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
-    unexpected = [k for k in unexpected if not k.endswith("retention")]
+    unexpected = [k for k in unexpected if not k.endswith("retention") and (own_layers or ".downsample." not in k)]
     if missing or unexpected:
         raise InputError(f"{source}: state dict does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")

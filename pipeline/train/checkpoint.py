@@ -116,8 +116,8 @@ def model_from_checkpoint(path: str | Path, *, plain: bool = False):
     """Rebuilds the network a checkpoint was trained as, from its own config, with its weights.
 
     ``plain=True`` builds it without its downsampling (its method and keep list stay in the
-    returned config), for the analyses that apply methods off the shelf and the evaluations' reference: a
-    learnable method's own modules (a conv placement's ``blocks.N.downsample``) are left out of its weights.
+    returned config), for the analyses that apply methods off the shelf and the evaluations' reference (a conv
+    placement's own layers are left out: ``models.weights.load_state``).
 
     Returns:
         (the model in eval mode, its Config, the checkpoint's state dict).
@@ -129,10 +129,9 @@ def model_from_checkpoint(path: str | Path, *, plain: bool = False):
         config = Config.model_validate({k: v for k, v in state["config"].items() if k in _MODEL_SECTIONS})
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{path}: not a `pipeline train` checkpoint (no usable config: {err})") from None
-    built, weights = config, state
+    built = config
     if plain:
         built = config.model_copy(update={"train": config.train.model_copy(update={"mode": "base"})})
-        weights = {**state, "model": {k: v for k, v in state["model"].items() if ".downsample." not in k}}
     model = build_model(built)
-    load_model_weights(model, weights, path)
+    load_model_weights(model, state, path)
     return model.eval(), config, state
