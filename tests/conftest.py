@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A speed measurement in a test runs on the real clock only to check *what* it records, never how fast the machine
 # is (docs/testing.md, "Wall-clock limits inside tests"): its cap is one only a hang reaches, and its tolerance is loose
 # enough that the pilot's 8 blocks plan the fewest blocks after them (8, unless the block ratios spread by over a
-# third; 20 at a spread of 0.85), so a paired ratio stops on its own after about 16 blocks however loaded the machine.
+# third; 23 at a spread of 0.85), so a paired ratio stops on its own after about 16 blocks however loaded the machine.
 # The cap itself is tested on a scripted clock (tests/test_paired.py).
 HANG_S = 300.0
 LOOSE_TOLERANCE = 0.5

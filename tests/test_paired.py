@@ -133,7 +133,7 @@ def test_the_result_is_the_blocks_after_the_pilot_and_the_cap_bounds_them():
                           settings=SpeedSettings(tolerance=0.001, cap_s=4.0), wall=lambda: machine.now)
     block = 2 * 0.06 + 2 * 0.1  # the cap counts the pilot: 8 blocks of it, then fewer than 6 more, so all 13 count
     assert capped.stop == "cap" and capped.seconds <= 4.0 + 1.1 * block and capped.blocks == 13
-    with pytest.raises(InputError, match="pilot of at least 8"):
+    with pytest.raises(InputError, match="a pilot of 4 blocks"):
         paired_ratio(model, reference, timer=machine.timer, settings=SpeedSettings(pilot=4))
 
 
@@ -255,7 +255,8 @@ def test_a_sample_that_is_not_a_finite_number_of_seconds_is_refused(samples):
     from pipeline.bench.paired import TimerError
 
     read = iter(samples * 100)
-    with pytest.raises(TimerError, match=r"^the timer read (inf|nan) s for one sample of the (reference|model): "):
+    with pytest.raises(TimerError, match=r"^the timer read (inf|nan) s for one sample of the (reference|model): a "
+                                         r"sample must be a finite number of seconds; check the timer's clock$"):
         paired_ratio(lambda: None, lambda: None, timer=lambda f: next(read), wall=lambda: 0.0,
                      settings=SpeedSettings(warmup=0, cap_s=1e9))
 
@@ -267,8 +268,9 @@ def test_a_sample_that_is_not_a_finite_number_of_seconds_is_refused(samples):
     ({"cap_s": 0.0}, r"^experiment.eval.speed_cap_s=0.0: give the most seconds a measurement may take, above 0$"),
     ({"cap_s": -3.0, "cap_key": "--cap-s"}, r"^--cap-s=-3.0: "),
     ({"cap_s": math.nan}, r"^experiment.eval.speed_cap_s=nan: "),
-    ({"pilot": 4}, r"^a pilot of 4 blocks, at most 2000 blocks and 2 warm-up calls: give a pilot of at least 8"),
-    ({"max_blocks": 5}, r"at least 6 blocks"),
+    ({"pilot": 4}, r"^a pilot of 4 blocks, at most 2000 blocks and 2 warm-up calls: give a pilot of at least 8 "
+                   r"blocks, allow at least as many"),
+    ({"max_blocks": 7}, r"at most 7 blocks"),
     ({"warmup": -1}, r"-1 warm-up calls"),
 ])
 def test_speed_settings_that_cannot_measure_are_refused_in_one_line(settings, message):

@@ -70,9 +70,9 @@ class SpeedSettings:
                              "at, between 0 and 1 (0.02 is 2% of the ratio)")
         if not (math.isfinite(self.cap_s) and self.cap_s > 0):
             raise InputError(f"{self.cap_key}={self.cap_s!r}: give the most seconds a measurement may take, above 0")
-        if self.pilot < MIN_BLOCKS or self.max_blocks < FEWEST_BLOCKS or self.warmup < 0:
+        if self.pilot < MIN_BLOCKS or self.max_blocks < MIN_BLOCKS or self.warmup < 0:
             raise InputError(f"a pilot of {self.pilot} blocks, at most {self.max_blocks} blocks and {self.warmup} "
-                             f"warm-up calls: give a pilot of at least {MIN_BLOCKS}, at least {FEWEST_BLOCKS} blocks "
+                             f"warm-up calls: give a pilot of at least {MIN_BLOCKS} blocks, allow at least as many, "
                              "and 0 or more warm-up calls")
 
 
@@ -140,9 +140,10 @@ def block_ratio(fn: Callable[[], object], reference: Callable[[], object], index
         sample = timer(reference if who == "A" else fn)
         if not 0 < sample < math.inf:  # also NaN
             what = getattr(timer, "describe", "the timer")
-            why = ("it cannot time a call this short (or its clock does not advance); time more calls a sample "
-                   "(calls) or use the wall clock") if not sample >= math.inf else \
-                "a sample must be a finite number of seconds; check the timer's clock"
+            why = "a sample must be a finite number of seconds; check the timer's clock" \
+                if math.isnan(sample) or sample == math.inf else ("it cannot time a call this short (or its clock "
+                                                                 "does not advance); time more calls a sample "
+                                                                 "(calls) or use the wall clock")
             raise TimerError(f"{what} read {sample!r} s for one sample of the "
                              f"{'reference' if who == 'A' else 'model'}: {why}")
         seconds[who] += sample

@@ -124,9 +124,9 @@ class EvalConfig(Section):
     warmup: int = Field(2, ge=0, description="calls of the model and its reference before they are timed")
     speed_tolerance: float = Field(0.02, gt=0, lt=1, description="the speed ratio's 95% interval aimed at, as a "
                                    "half-width relative to the ratio: an 8-block pilot's spread sets the blocks")
-    speed_cap_s: float = Field(20.0, gt=0, description="the most wall-clock seconds a model's measurement (its "
-                               "pilot and blocks) may take, to within one block; a result that hit it says so "
-                               "(speed_stop: cap)")
+    speed_cap_s: float = Field(20.0, gt=0, allow_inf_nan=False, description="the most wall-clock seconds a "
+                               "model's measurement (its pilot and blocks) may take, to within one block; a result "
+                               "that hit it says so (speed_stop: cap)")
     threads: int = Field(1, ge=1, description="CPU timing threads: 1 times the timing thread's CPU clock, as the "
                          "latency tables do; more time wall clock")
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -212,10 +212,11 @@ class ExperimentConfig(Section):
             raise InputError(f"experiment.ksearch_targets: level names {labels} give the same registry alias once "
                              "'.' becomes '_' (target-<level>); rename one")
         taken = [t.name for t in self.ksearch_targets or [] if t.name is not None
-                 and (t.name == "full" or re.fullmatch(r"lam.*|L\d+", t.name))]
+                 and (t.name == "full" or re.fullmatch(r"lam.*|L\d+|conv[\d-]+", t.name))]
         if taken:
             raise InputError(f"experiment.ksearch_targets: name {taken[0]!r} looks like another kind of level ('full' "
-                             "is the baseline, lam<strength> a lambda level, L<n> a paper level); pick another")
+                             "is the baseline, lam<strength> a lambda level, L<n> a paper level, conv<blocks> a conv "
+                             "placement); pick another")
         if not self.methods and not self.baseline:
             raise InputError("experiment.methods is empty and baseline is off: the sweep would have zero trials")
         labels = [f"M{dim}" for dim in self.embed_dims or []] + list(self.models or [])
