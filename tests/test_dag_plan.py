@@ -420,8 +420,8 @@ def test_a_rehearsal_copy_that_does_not_validate_is_one_config_error(tmp_path, m
 
 @pytest.mark.parametrize(("configured", "rehearsed"), [(None, 60.0), (300.0, 300.0)])
 def test_the_rehearsal_keeps_a_speed_cap_the_config_raised(configured, rehearsed, tmp_path):
-    """``--rehearse`` caps each evaluation's speed at its own 60 s, or at the config's ``eval.speed_cap_s`` where that
-    is larger: on a machine too slow for 60 s, the capped measurement's error says to raise ``eval.speed_cap_s``, and
+    """``--rehearse`` caps each evaluation's speed at its own 60 s, or at the config's ``experiment.eval.speed_cap_s``
+    where that is larger: on a machine too slow for 60 s, the capped measurement's error says to raise it, and
     an override of it must reach the rehearsal (the paper config's own cap, 20 s, is below 60)."""
     from pipeline.dag import rehearse
 

@@ -352,7 +352,9 @@ def test_select_refuses_a_store_of_another_identity_version_with_runs_line(tmp_p
     from pipeline.config.identity import IDENTITY_VERSION
     from pipeline.dag.records import check_identity_version
 
-    with pytest.raises(Exception) as run_says:
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError) as run_says:
         check_identity_version(client, exp, uri, "old")
     assert str(run_says.value) in err and f"recorded under identity version 1; this pipeline's is {IDENTITY_VERSION}" \
         in err, err

@@ -30,10 +30,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}: `pipeline run` needs an experiment section; see configs/experiments/")
     if args.plan:
         plan_checks(config, args.address)
-        for arch in archs(config) if config.experiment.conv is not None else []:
-            placements = conv_levels(config, arch)
+        conv = config.experiment.conv
+        for arch in [a for a in archs(config) if conv is not None and (conv.archs is None or a.label in conv.archs)]:
+            placements = conv_levels(config, arch)  # 0 said too: a grid too small for every layer count asked for
             print(f"[plan] experiment.conv: {len(placements)} placement(s) for {arch.label}"
-                  + (f" ({', '.join(placements)})" if len(placements) <= 12 else ""), file=sys.stderr)
+                  + (f" ({', '.join(placements)})" if 0 < len(placements) <= 12 else ""), file=sys.stderr)
         print(json.dumps(count_plan(config).as_dict()))
         return 0
     from pipeline.dag.runner import run_experiment  # here: --plan needs none of torch, Ray or MLflow's runner

@@ -49,7 +49,7 @@ class RehearsalSettings:
     workers: int = 1  # Ray Train workers a training job (0 stays 0: in-process training)
     cpus: float = 1.0  # CPUs a worker, a trial and an evaluation task
     # Each evaluation's paired speed at a 5% tolerance, within this many seconds, or the config's
-    # eval.speed_cap_s where that is larger (what a capped measurement's error says to raise): 60 s holds the
+    # experiment.eval.speed_cap_s where that is larger (what a capped measurement's error says to raise): 60 s holds the
     # pilot's blocks (``bench.paired.MIN_BLOCKS``) of the paper's largest model at ``batch`` on one idle CPU
     # thread (DeiT-S: 2.3 s a block on a 2-core Xeon, 18 s a pilot); small models stop at the tolerance.
     speed_cap_s: float = 60.0
