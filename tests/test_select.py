@@ -351,7 +351,6 @@ def test_select_refuses_a_store_of_another_identity_version_with_runs_line(tmp_p
     err = capsys.readouterr().err
     from pipeline.config.identity import IDENTITY_VERSION
     from pipeline.dag.records import check_identity_version
-
     from pipeline.errors import InputError
 
     with pytest.raises(InputError) as run_says:
