@@ -16,7 +16,16 @@ from pathlib import Path
 
 from pipeline.config import Config, ConfigError, PrepareItem
 from pipeline.config.recipe import TYPICAL_LR
-from pipeline.dag.plan import Stage, archs, base_stage, check_targets, finetune_stage, found, ksearch_stages
+from pipeline.dag.plan import (
+    Stage,
+    archs,
+    auto_tables,
+    base_stage,
+    check_targets,
+    finetune_stage,
+    found,
+    ksearch_stages,
+)
 from pipeline.errors import InputError, MissingFileError, PipelineWarning
 from pipeline.methods import GRID_CONV, KEEP_ALL
 from pipeline.spread import check_tie_margin
@@ -59,8 +68,6 @@ def check_operators(config: Config) -> None:
 def check_auto_tables(config: Config, address: str | None) -> None:
     """A ``table: auto`` target on a cluster is refused: its table is this machine's (the driver's device, under its
     runs folder), while the K search's trials, the check and the evaluations run on the cluster's nodes."""
-    from pipeline.dag.plan import auto_tables
-
     address = address or config.train.address or os.environ.get("RAY_ADDRESS")
     found = auto_tables(config)
     if found and address is not None:

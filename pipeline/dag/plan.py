@@ -254,10 +254,10 @@ def found(path: str, folder: bool = False) -> bool:
 
 def target_table(config: Config, target: CostTarget, arch: Arch) -> str:
     """The cost table a latency target reads for ``arch``: its path (``table_path``), or for ``table: auto`` this
-    machine's table of the target's one method in the evaluate stage's setting (``dag.latency.auto_table``)."""
+    machine's table of the target's one method in the evaluate stage's setting (``dag.tables.auto_table``)."""
     if target.table != AUTO_TABLE:
         return table_path(target.table, arch)
-    from pipeline.dag.latency import auto_table  # here: it imports torch
+    from pipeline.dag.tables import auto_table  # here: it imports torch
 
     return str(auto_table(config, arch, auto_method(target))[1])
 

@@ -12,6 +12,7 @@ import torch
 
 from pipeline.errors import InputError
 from pipeline.methods import method_spec
+from pipeline.models.factory import create_model
 
 # A 2-block ViT of 4 x 4 patches on 8 px: 4 tokens, pooled to 2, then to 1 (a 2 x 2 grid halves once for conv).
 _TINY = {"img_size": 8, "patch_size": 4, "embed_dim": 8, "depth": 2, "num_heads": 2, "num_classes": 2}
@@ -35,8 +36,6 @@ def probe_method(name: str, options: Mapping[str, Any] | None = None) -> None:
 
 
 def _forward(name: str, options: dict[str, Any]) -> None:
-    from pipeline.models import create_model
-
     spec = method_spec(name)
     torch.manual_seed(0)
     try:
