@@ -55,7 +55,8 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # and every mutant of the registry's lookups would run them all before the unit tests that kill it, hours in all.
 INTEGRATION = ("test_a_registered_method_trains", "test_a_plugins_entry_point_registers_its_method",
                "test_a_broken_plugin_is_named_in_one_line", "test_the_moved_build_downsampler_still_imports",
-               "test_a_registered_method_counts_flops_and_benchmarks", "test_a_step_written_without_the_kernels_arg")
+               "test_a_registered_method_counts_flops_and_benchmarks", "test_a_step_written_without_the_kernels_arg",
+               "test_a_spec_that_disagrees_with_its_operator")
 
 
 @dataclass(frozen=True)
