@@ -229,3 +229,104 @@ def test_bad_inputs_are_refused_with_a_clear_message(tiny_checkpoint, tmp_path, 
         read_images([tmp_path / "fake.png"], 16)
     with pytest.raises(AnalysisError, match="exactly one"):
         load_subject()
+
+
+# ---- results without finetuning (`pipeline evaluate`, Appendix E) ----------------------------------------------------
+
+def test_no_finetuning_at_every_token_is_the_unmodified_model():
+    """K = N in every block with carry off gives the unmodified model's logits exactly (torch.equal) for every method
+    the paper inserts; with carry on, every size is 1 and the logits agree to rounding."""
+    from pipeline.analysis.offshelf import check_requests
+    from pipeline.models import create_model
+
+    torch.manual_seed(0)
+    net = create_model("deit_tiny_patch16_224", img_size=16, patch_size=4, depth=2, embed_dim=16, num_heads=2,
+                       num_classes=4).eval()
+    subject = _subject(net, net.state_dict(), "tiny")
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        base = subject.model(x)
+        for method in ("kmeans", "wkmeans", "kmedoids", "wkmedoids", "powerbert"):
+            check_requests(subject, [method], [[16, 16]])
+            assert torch.equal(with_method(subject, method, [16, 16], variant={"carry": False})(x), base), method
+            carried = with_method(subject, method, [16, 16], variant={"carry": True})(x)
+            assert torch.allclose(carried, base, atol=1e-5), method
+
+
+def test_a_timm_model_with_a_local_weights_file_loads_its_weights(tmp_path):
+    """``--model NAME --weights PATH``: timm's model of that name with the file's state dict, no hub access; its
+    logits equal the model whose weights were written."""
+    from pipeline.analysis import load_subject
+    from pipeline.models import create_model
+
+    torch.manual_seed(1)
+    written = create_model("deit_tiny_patch16_224").eval()
+    torch.save(written.state_dict(), tmp_path / "deit_tiny.pth")
+    subject = load_subject(model="deit_tiny_patch16_224", weights=tmp_path / "deit_tiny.pth")
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.equal(subject.model(x), written(x))
+
+
+@pytest.mark.beton
+@pytest.mark.slow
+def test_evaluate_cli_gives_each_method_keep_list_and_carry_without_training(tiny_checkpoint, tmp_path, capsys):
+    """One command on a trained checkpoint: top-1, top-5 and GFLOPs for each method, keep list and carry setting, as
+    a table, a CSV, a plot and MLflow runs tagged as not finetuned; at every token each method is the unmodified
+    model (the same top-1), and with pooling it costs fewer GFLOPs."""
+    from mlflow.tracking import MlflowClient
+
+    directory, _ = tiny_checkpoint
+    _, root = tiny_checkpoint
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli(capsys, "evaluate", "--checkpoint", str(directory), "--data", str(root / "val.beton"),
+                   "--keep", "16,16,16", "--keep", "12,6,3", "--method", "kmedoids,powerbert", "--out",
+                   str(tmp_path / "out"), "--tracking-uri", uri, "--batch-size", "16")
+    assert proc.returncode == 0, proc.stderr
+    with (tmp_path / "out" / "offshelf.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 1 + 2 * 2 * 2 and rows[0]["method"] == "none" and rows[0]["keep"] == ""
+    assert all(r["images"] == "40" for r in rows)
+    full = [r for r in rows if r["keep"] == "16,16,16"]
+    assert {r["top1"] for r in full} == {rows[0]["top1"]} and {r["gflops"] for r in full} == {rows[0]["gflops"]}
+    pooled = [r for r in rows if r["keep"] == "12,6,3"]
+    assert all(float(r["gflops"]) < float(rows[0]["gflops"]) for r in pooled)
+    assert all(0 <= float(r["top1"]) <= float(r["top5"]) <= 100 for r in rows)
+    assert "| kmedoids | 12,6,3 | yes |" in proc.stdout and "| none | every token | no |" in proc.stdout
+    assert_picture(tmp_path / "out" / "offshelf.png")
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("offshelf").experiment_id])
+    assert len(runs) == 9 and {r.data.tags["pipeline.finetuned"] for r in runs} == {"false"}
+
+
+@pytest.mark.beton
+@pytest.mark.parametrize(("args", "message"), [
+    (["--keep", "16,16,16", "--method", "conv"], "--method conv: a learnable method's layers are random without "
+                                                 "training"),
+    (["--keep", "16,16,16,16"], "--keep 16,16,16,16: give 3 counts (one a block) between 0 and the model's 16 tokens"),
+    (["--level", "3"], "--level: no sparsity levels for"),
+    ([], "give --keep K_1,...,K_L (repeatable) or --level N (the paper's models), exactly one"),
+])
+def test_evaluate_refuses_what_it_cannot_evaluate_in_one_line(tiny_checkpoint, tmp_path, capsys, args, message):
+    """Nothing written: a learnable method, a keep list of another depth, a level of a model the paper gives none,
+    no keep list; a missing weights file and weights of another architecture are refused where they load."""
+    directory, root = tiny_checkpoint
+    proc = run_cli(capsys, "evaluate", "--checkpoint", str(directory), "--data", str(root / "val.beton"),
+                   "--out", str(tmp_path / "out"), *args)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_refuses_missing_and_mismatched_weights_in_one_line(tmp_path, capsys):
+    from pipeline.models import create_model
+
+    torch.save(create_model("deit_tiny_patch16_224", embed_dim=96, num_heads=3).state_dict(), tmp_path / "other.pth")
+    for weights, message in ((tmp_path / "none.pth", "weights file not found"),
+                             (tmp_path / "other.pth", "other.pth: weights of another architecture (size mismatch for "
+                                                      "cls_token: copying a param with shape torch.Size([1, 1, 96])")):
+        proc = run_cli(capsys, "evaluate", "--model", "deit_tiny_patch16_224", "--weights", str(weights),
+                       "--data", str(tmp_path / "x.beton"), "--keep", ",".join(["196"] * 12), "--out",
+                       str(tmp_path / "out"))
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert not (tmp_path / "out").exists()

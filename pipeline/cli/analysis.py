@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,66 @@ def cmd_analyze_reconstruction(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """``pipeline evaluate``: a trained model with each method inserted at each keep list, no training (Appendix E)."""
+    from pipeline.analysis.offshelf import COLUMNS, offshelf_rows, plot_offshelf
+    from pipeline.bench.paired import SpeedSettings
+    from pipeline.models import parse_keep
+    from pipeline.plots import write_csv
+    from pipeline.sparsity import level_keep
+
+    if (args.keep is None) == (args.level is None):
+        raise InputError("give --keep K_1,...,K_L (repeatable) or --level N (the paper's models), exactly one")
+    subject = _subject(args)
+    if args.level is not None:
+        name = args.model or subject.label
+        try:
+            keeps = [level_keep(name, level) for level in args.level]
+        except ValueError as err:
+            raise InputError(f"--level: {err}; give --keep K_1,...,K_L for {name}") from None
+    else:
+        keeps = [parse_keep(keep) for keep in args.keep]
+    methods = [m for m in args.method.split(",") if m]
+    carries = {"off": [False], "on": [True], "both": [False, True]}[args.carry]
+    speed = SpeedSettings(cap_s=args.speed_cap_s, cap_key="--speed-cap-s") if args.speed else None
+    rows = offshelf_rows(subject, args.data, methods, keeps, carries, batch=args.batch_size, speed=speed, log=log)
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv = write_csv(rows, args.out / "offshelf.csv", COLUMNS)
+    plot = plot_offshelf(rows, args.out / "offshelf.png", title=f"{subject.label}: no finetuning")
+    if args.tracking_uri:
+        _record_offshelf(rows, subject.label, args)
+    print(markdown_rows(rows))
+    print(f"wrote {csv}, {plot}", file=sys.stderr)
+    return 0
+
+
+def markdown_rows(rows) -> str:
+    from pipeline.report import markdown_table
+
+    shown = [{**r, "carry": "yes" if r["carry"] else "no", "keep": r["keep"] or "every token"} for r in rows]
+    speed = ["speed_ratio", "speed_ratio_low", "speed_ratio_high"] if "speed_ratio" in rows[0] else []
+    return markdown_table(shown, ["method", "keep", "carry", "top1", "top5", "gflops", *speed])
+
+
+def _record_offshelf(rows, label: str, args: argparse.Namespace) -> None:
+    """Each evaluation as an MLflow run of ``--experiment``, tagged as not finetuned (``pipeline.finetuned``)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import experiment_id, log_batch
+
+    client = MlflowClient(tracking_uri=args.tracking_uri)
+    exp = experiment_id(client, args.experiment, None)
+    for row in rows:
+        run = client.create_run(exp, run_name=f"{label}-{row['method']}-{row['keep'] or 'all'}"
+                                f"{'-carry' if row['carry'] else ''}",
+                                tags={"pipeline.stage": "offshelf", "pipeline.finetuned": "false"}).info.run_id
+        log_batch(client, run, params={"model": label, "method": row["method"], "keep": row["keep"] or "none",
+                                       "carry": str(row["carry"]), "data": str(args.data)},
+                  metrics={k: float(row[k]) for k in ("top1", "top5", "gflops", "images", "speed_ratio",
+                                                      "speed_ratio_low", "speed_ratio_high") if k in row})
+        client.set_terminated(run, "FINISHED")
+
+
 def _add_subject_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, help="a `pipeline train` checkpoint (directory or .pt)")
     parser.add_argument("--model", default=None, help="or a timm model name (random weights unless --weights)")
@@ -112,3 +173,23 @@ def add_commands(commands) -> None:
                                      "keep list, else N/4)")
     reconstruction.add_argument("--method", default=None, help="methods, comma-separated (default: all but conv)")
     reconstruction.set_defaults(func=cmd_analyze_reconstruction)
+
+    evaluate = commands.add_parser("evaluate", help="top-1, top-5 and GFLOPs of a trained model with each method "
+                                   "inserted at each keep list, no finetuning (the paper's Appendix E)")
+    _add_subject_args(evaluate)
+    evaluate.add_argument("--data", required=True, help="a .beton: every image is classified")
+    evaluate.add_argument("--method", default="kmeans,wkmeans,kmedoids,wkmedoids",
+                          help="methods, comma-separated (default the paper's four clustering methods)")
+    evaluate.add_argument("--keep", action="append", default=None, metavar="K_1,...,K_L",
+                          help="a keep list, one count a block (repeatable)")
+    evaluate.add_argument("--level", action="append", type=int, default=None,
+                          help="or the paper's sparsity level of a paper model (repeatable)")
+    evaluate.add_argument("--carry", choices=["off", "on", "both"], default="both",
+                          help="carry cluster sizes into the next blocks' softmax (default both)")
+    evaluate.add_argument("--batch-size", type=int, default=64)
+    evaluate.add_argument("--speed", action="store_true",
+                          help="also each model's paired time against the unmodified model (one CPU thread)")
+    evaluate.add_argument("--speed-cap-s", type=float, default=60.0, help="the most seconds each speed may take")
+    evaluate.add_argument("--tracking-uri", default=None, help="record each evaluation in this MLflow store")
+    evaluate.add_argument("--experiment", default="offshelf", help="the MLflow experiment (with --tracking-uri)")
+    evaluate.set_defaults(func=cmd_evaluate)

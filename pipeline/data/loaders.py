@@ -234,12 +234,19 @@ def ffcv_loader(spec: LoaderSpec, indices: np.ndarray | None = None):
 def read_pixels(beton: str | Path, res: int, crop_pct: float, count: int, batch: int = 64) -> Iterator[np.ndarray]:
     """The first ``count`` images of a ``.beton`` as uint8 ``(B, res, res, 3)`` batches, in file order: the
     pixels the validation loader sees (centre crop of ``crop_pct``, resized), before normalisation."""
+    for images, _ in read_labelled(beton, res, crop_pct, count, batch):
+        yield images
+
+
+def read_labelled(beton: str | Path, res: int, crop_pct: float, count: int, batch: int = 64
+                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``read_pixels``' batches with their labels: (uint8 (B, res, res, 3), int64 (B,))."""
     spec = LoaderSpec(str(beton), train=False, batch_size=batch, res=res, mean=(0.0,) * 3, std=(1.0 / 255,) * 3,
                       workers=1, flip=False, crop_pct=crop_pct)
     # Only the wanted indices: the iterator then runs to its end (an abandoned FFCV iterator can abort at exit).
-    for images, _ in ffcv_loader(spec, indices=np.arange(count)):
-        yield images.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
-
+    for images, labels in ffcv_loader(spec, indices=np.arange(count)):
+        yield (images.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy(),
+               labels.reshape(-1).to(torch.int64).numpy())
 
 def set_resolution(loader, res: int) -> None:
     """Progressive resizing (ffcv-imagenet): changes the random-resized-crop output size for the next epoch."""

@@ -33,7 +33,12 @@ def load_state(model: nn.Module, state: dict[str, Any], source: str | Path) -> N
     another method). Anything else raises ValueError naming ``source``.
     """
     own_layers = any(".downsample." in k for k in model.state_dict())
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a parameter of another shape: weights of another architecture
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+        raise InputError(f"{source}: weights of another architecture ({first}); give weights of this model") \
+            from None
     missing = [k for k in missing if not k.endswith(("qk_alpha", "retention")) and ".downsample." not in k]
     unexpected = [k for k in unexpected if not k.endswith("retention") and (own_layers or ".downsample." not in k)]
     if missing or unexpected:
