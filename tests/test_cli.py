@@ -44,7 +44,7 @@ def test_help_lists_only_working_commands(capsys):
     out = run("--help").stdout  # once as a user runs it
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
     assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "serve",
-                      "viz", "analyze", "doctor"}
+                      "viz", "analyze", "evaluate", "doctor"}
     subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels", "serve", "blocks", "latency-check"},
                    "analyze": {"redundancy", "reconstruction"}, "viz": {"clusters"},
                    "data": {"write", "folder", "check"}, "config": {"show"}}
