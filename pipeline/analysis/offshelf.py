@@ -103,7 +103,8 @@ def plot_offshelf(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> 
                             if r["keep"] and r["method"] == method and r["carry"] == with_carry)
             if points:
                 ax.plot([g for g, _ in points], [t for _, t in points], marker=plots.style(index)[0],
-                        color=f"C{index}", linestyle="--" if with_carry else "-", label=f"{method}{', carry' if with_carry else ''}")
+                        color=f"C{index}", linestyle="--" if with_carry else "-",
+                        label=f"{method}{', carry' if with_carry else ''}")
     base = next(r for r in rows if not r["keep"])
     ax.plot([base["gflops"]], [base["top1"]], "k*", markersize=10, label="unmodified")
     return plots.save(fig, path, legend_ax=ax)
