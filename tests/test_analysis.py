@@ -26,6 +26,7 @@ from pipeline.analysis import (
 from pipeline.analysis.probe import _subject, normalise
 from pipeline.analysis.reconstruction import default_methods
 from pipeline.methods import build_downsampler
+from tests import reference as ref
 from tests.conftest import write_synthetic_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -330,3 +331,52 @@ def test_evaluate_refuses_missing_and_mismatched_weights_in_one_line(tmp_path, c
                        str(tmp_path / "out"))
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert not (tmp_path / "out").exists()
+
+
+# ---- clustering convergence (`pipeline analyze convergence`, the paper's "less than 5 iterations") ------------------
+
+def test_the_convergence_iteration_of_a_planted_case_is_known_by_construction():
+    """Four 1-D tokens 0, 1, 10 and 11, K = 2, the two most significant (0 and 1) as the first medoids: iteration 1
+    puts 1, 10 and 11 together, iteration 2 moves the medoid to 10 and splits {0, 1} from {10, 11}, and nothing moves
+    after it, so the assignments stop changing at iteration 2, as the brute-force K-Medoids of tests/reference.py
+    says too. An image still changing at the last iteration gets the iterations run + 1."""
+    from pipeline.analysis.convergence import converged_at, objective
+    from pipeline.methods import build_downsampler
+
+    x = torch.tensor([[[0.0], [1.0], [10.0], [11.0]]])
+    scores = torch.tensor([[1.0, 0.9, 0.1, 0.05]])
+    results = [build_downsampler("kmedoids", iters=t)(x, 2, scores=scores) for t in range(1, 6)]
+    assert [r.assign.tolist() for r in results[:2]] == [[[0, 1, 1, 1]], [[0, 0, 1, 1]]]
+    for t, result in enumerate(results, 1):
+        assert result.assign[0].tolist() == ref.kmedoids(x[0].double().numpy(), np.ones(4), [0, 1], t)[1]
+    assert converged_at([r.assign for r in results]).tolist() == [2]
+    a, b = torch.tensor([[0, 1]]), torch.tensor([[1, 1]])
+    assert converged_at([a, b, b]).tolist() == [2] and converged_at([a, a, a]).tolist() == [1]
+    assert converged_at([a, a, b]).tolist() == [4]  # changed at the last of 3: still changing
+    # the objective: each token's squared distance to its cluster's output token, written out
+    centres = torch.tensor([[[0.5], [10.5]]])
+    assert objective(x, torch.tensor([[0, 0, 1, 1]]), centres, None).tolist() == [4 * 0.25]
+    assert objective(x, torch.tensor([[0, 0, 1, 1]]), centres, scores).tolist() == pytest.approx(
+        [0.25 * (1.0 + 0.9 + 0.1 + 0.05)])
+
+
+@pytest.mark.beton
+def test_analyze_convergence_cli_prints_each_blocks_iteration_beside_the_papers_claim(tiny_checkpoint, tmp_path,
+                                                                                      capsys):
+    directory, root = tiny_checkpoint
+    proc = run_cli(capsys, "analyze", "convergence", "--checkpoint", str(directory), "--data", str(root / "val.beton"),
+                   "--k", "4", "--method", "kmedoids", "--iters", "6", "--batches", "1", "--batch-size", "8",
+                   "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "kmedoids" in line]
+    assert len(table) == 3  # one row a block of the tiny model
+    assert "the paper: K-Medoids requires less than 5 iterations to converge (Section 4)" in proc.stdout
+    with (tmp_path / "convergence.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 3 * 6 and all(1 <= float(r["median_converged_at"]) <= 7 for r in rows)
+    assert all(float(r["relative_objective"]) == 1.0 for r in rows if r["iteration"] == "1")  # relative to its first
+    assert all(0 <= float(r["converged"]) <= 1 for r in rows)
+    assert_picture(tmp_path / "convergence.png")
+    bad = run_cli(capsys, "analyze", "convergence", "--checkpoint", str(directory), "--data", str(root / "val.beton"),
+                  "--method", "powerbert", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "--method powerbert: it has no iterations" in bad.stderr

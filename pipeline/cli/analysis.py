@@ -72,6 +72,33 @@ def cmd_analyze_reconstruction(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze_convergence(args: argparse.Namespace) -> int:
+    """Per block and method: the clustering objective after each iteration and the iteration at which the
+    assignments stop changing, beside the paper's claim."""
+    from pipeline.analysis.convergence import CLAIM, convergence_rows, plot_convergence, summary_rows
+    from pipeline.analysis.probe import first_batches
+    from pipeline.plots import write_csv
+    from pipeline.report import markdown_table
+
+    subject = _subject(args)
+    ks = int_list(args.k, "--k")
+    if ks is None and subject.keep is None:
+        ks = [max(1, subject.num_tokens // 4)]
+    data = first_batches(args.data, subject, batches=args.batches, batch=args.batch_size)
+    rows = convergence_rows(subject, data, methods=[m for m in args.method.split(",") if m], ks=ks,
+                            keep=subject.keep if ks is None else None, iters=args.iters, log=log)
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv = write_csv(rows, args.out / "convergence.csv", list(rows[0]))
+    plot = plot_convergence(rows, args.out / "convergence.png", title=f"{subject.label}: clustering convergence")
+    summary = summary_rows(rows)
+    print(markdown_table(summary, list(summary[0])))
+    slowest = max(r["max_converged_at"] for r in summary)
+    print(f"the paper: {CLAIM}; here the largest converged-at iteration is {slowest} (above {args.iters}: an image "
+          "still changing at the last)")
+    print(f"wrote {csv}, {plot}", file=sys.stderr)
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """``pipeline evaluate``: a trained model with each method inserted at each keep list, no training (Appendix E)."""
     from pipeline.analysis.offshelf import COLUMNS, offshelf_rows, plot_offshelf
@@ -160,7 +187,9 @@ def add_commands(commands) -> None:
     redundancy = analyze_commands.add_parser("redundancy", help="cosine similarity and clusters for 90%%/99%% of "
                                              "the variance, before and after attention")
     reconstruction = analyze_commands.add_parser("reconstruction", help="eq. 2 error of each method per block")
-    for parser in (redundancy, reconstruction):
+    convergence = analyze_commands.add_parser("convergence", help="the clustering objective per iteration and the "
+                                              "iteration its assignments stop changing, per block and method")
+    for parser in (redundancy, reconstruction, convergence):
         _add_subject_args(parser)
         parser.add_argument("--data", required=True, help="a .beton (its first images are used)")
         parser.add_argument("--batches", type=int, default=4, help="batches to average over (default 4)")
@@ -173,6 +202,12 @@ def add_commands(commands) -> None:
                                      "keep list, else N/4)")
     reconstruction.add_argument("--method", default=None, help="methods, comma-separated (default: all but conv)")
     reconstruction.set_defaults(func=cmd_analyze_reconstruction)
+    convergence.add_argument("--k", default=None, help="K at every block (default: the checkpoint's keep list, else "
+                             "N/4)")
+    convergence.add_argument("--method", default="kmedoids,wkmedoids,kmeans,wkmeans",
+                             help="clustering methods, comma-separated")
+    convergence.add_argument("--iters", type=int, default=10, help="iterations to run (default 10)")
+    convergence.set_defaults(func=cmd_analyze_convergence)
 
     evaluate = commands.add_parser("evaluate", help="top-1, top-5 and GFLOPs of a trained model with each method "
                                    "inserted at each keep list, no finetuning (the paper's Appendix E)")
