@@ -196,6 +196,20 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def deit_2x_rows(bases: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per base with a baseline finetune: the base's top-1 on ``data.val`` (``test_top1`` where a held-out split
+    ranked it, else ``val_top1``), the baseline's (DeiT-2x: as many epochs again, no downsampling) and the gain."""
+    full = {r["arch"]: r for r in rows if keeps_all(r["method"])}
+    out = []
+    for base in bases:
+        own = base.get("test_top1") if base.get("test_top1") not in EMPTY else base.get("val_top1")
+        if base["arch"] in full and own not in EMPTY:
+            twice = float(full[base["arch"]]["top1"])
+            out.append({"arch": base["arch"], "base_top1": float(own), "deit_2x_top1": twice,
+                        "gain": twice - float(own)})
+    return out
+
+
 def across_runs(row: dict[str, Any], spread: SpreadRecord | None) -> dict[str, str]:
     """``{"images_per_s_across_runs": "[low, high]"}``: the row's images/s interval widened by the timed device's
     run-to-run spread (``SpreadRecord.across_runs``), where there are both; else nothing."""
@@ -284,6 +298,13 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
         text += ["## Base models", "", "`val_top1` ranks (the held-out split when `data.holdout` > 0); `test_top1` "
                  "is `data.val`, measured once after the last epoch (empty without a held-out split).", "",
                  markdown_table(list(bases), ["arch", "val_top1", "test_top1", "run_id"]), ""]
+        doubled = deit_2x_rows(bases, ordered)
+        if doubled:
+            text += ["## DeiT against DeiT-2x (Appendix C)", "",
+                     "The paper compares every method with its DeiT finetuned for as many epochs again without "
+                     "downsampling (DeiT-2x), so that a method's gain is not the extra training: each base on "
+                     "`data.val` beside its baseline finetune (`none`, level `full`), the reference of the fronts "
+                     "above.", "", markdown_table(doubled, ["arch", "base_top1", "deit_2x_top1", "gain"]), ""]
     analysed = [r for r in ordered if r.get("analysis")]
     if analysed:
         text += ["## Analysis artifacts", "",

@@ -273,6 +273,7 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
                  "test_top1": None, "run_id": "b1"}], targets=[target], speed_warning="the self-check excluded 1",
                  tie_margin=0.021, spread=spread)
     written = (first / "report.md").read_text()
+    assert "## DeiT against DeiT-2x" not in written  # the run has no baseline finetune to compare the base with
     for part in ("# Experiment demo", "## Base models", "## K-search targets", "Tie margin 2.1%",
                  "**Warning: the self-check excluded 1.**", "spread 2.1% (sd/mean; 0.640 to 0.660)"):
         assert part in written, part
@@ -371,3 +372,18 @@ def test_select_refuses_an_evaluation_the_select_stage_has_not_scaled(tmp_path, 
     assert main(["select", "--experiment", "half", "--tracking-uri", uri, "--max-gflops", "1"]) == 2
     assert (f"experiment 'half': evaluation run {run} has no images/s on the select stage's scale "
             "(images_per_s_scaled): the DAG's select stage has not finished") in capsys.readouterr().err
+
+
+def test_the_report_sets_each_base_beside_its_deit_2x_baseline():
+    """Appendix C's comparison: each base's top-1 on data.val (test_top1 where a held-out split ranked it, else
+    val_top1) beside its baseline finetune's (as many epochs again, no downsampling), and the difference, written
+    out; a base without a baseline row has none."""
+    from pipeline.report import deit_2x_rows
+
+    bases = [{"arch": "M32", "val_top1": 69.65, "test_top1": None},
+             {"arch": "M64", "val_top1": 70.0, "test_top1": 71.7}, {"arch": "M48", "val_top1": 1.0}]
+    rows = [{"arch": "M32", "method": "none", "top1": 71.25}, {"arch": "M64", "method": "none", "top1": 74.3},
+            {"arch": "M32", "method": "kmedoids", "top1": 99.0}]
+    assert deit_2x_rows(bases, rows) == [
+        {"arch": "M32", "base_top1": 69.65, "deit_2x_top1": 71.25, "gain": pytest.approx(1.6)},
+        {"arch": "M64", "base_top1": 71.7, "deit_2x_top1": 74.3, "gain": pytest.approx(2.6)}]
