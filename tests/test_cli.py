@@ -46,7 +46,7 @@ def test_help_lists_only_working_commands(capsys):
     assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "serve",
                       "viz", "analyze", "evaluate", "doctor"}
     subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels", "serve", "blocks", "latency-check"},
-                   "analyze": {"redundancy", "reconstruction"}, "viz": {"clusters"},
+                   "analyze": {"redundancy", "reconstruction", "convergence"}, "viz": {"clusters"},
                    "data": {"write", "folder", "check"}, "config": {"show"}}
     for command, expected in subcommands.items():
         assert set(re.findall(r"^    ([\w-]+)\s", parser_help(capsys, command), flags=re.M)) == expected, command

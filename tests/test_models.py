@@ -151,7 +151,7 @@ def test_load_weights_errors(tmp_path):
         load_weights(tiny(), tmp_path / "nope.pth")
     path = tmp_path / "other.pth"
     torch.save(tiny(embed_dim=24).state_dict(), path)
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    with pytest.raises(InputError, match=r"other.pth: weights of another architecture \(size mismatch for cls_token"):
         load_weights(tiny(), path)
 
 

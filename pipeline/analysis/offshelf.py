@@ -18,7 +18,8 @@ from torch import nn
 from pipeline import plots
 from pipeline.analysis.probe import AnalysisError, Subject, normalise, with_method
 from pipeline.bench.paired import SpeedSettings
-from pipeline.data.loaders import check_dataset, read_labelled
+from pipeline.data.loaders import check_dataset, read_labelled, read_metadata
+from pipeline.evaluate import speed
 from pipeline.flops import count_flops
 from pipeline.methods import KEEP_ALL, method_spec
 
@@ -42,8 +43,6 @@ def check_requests(subject: Subject, methods: Sequence[str], keeps: Sequence[Seq
 def top_k(net: nn.Module, subject: Subject, beton: str | Path, *, batch: int = 64) -> tuple[float, float, int]:
     """Top-1 and top-5 (%) of ``net`` over every image of ``beton`` (the validation pipeline at the subject's
     resolution and normalisation), and the number of images."""
-    from pipeline.data.loaders import read_metadata
-
     total = int(read_metadata(beton)["num_images"])
     right1 = right5 = seen = 0
     with torch.no_grad():
@@ -88,8 +87,6 @@ def _timed_batch(subject: Subject, beton: str | Path, batch: int) -> torch.Tenso
 
 
 def _speed(net: nn.Module, reference: nn.Module, images: torch.Tensor, settings: SpeedSettings) -> dict[str, float]:
-    from pipeline.evaluate import speed
-
     ratio = speed(net, reference, images, device=torch.device("cpu"), dtype="fp32", threads=1, settings=settings)
     return {"speed_ratio": ratio.ratio, "speed_ratio_low": ratio.low, "speed_ratio_high": ratio.high}
 

@@ -10,6 +10,9 @@ import numpy as np
 
 from pipeline.cli.common import int_list, log
 from pipeline.errors import InputError
+from pipeline.plots import write_csv
+from pipeline.report import markdown_table
+from pipeline.sparsity import level_keep
 
 
 def _subject(args: argparse.Namespace):
@@ -77,8 +80,6 @@ def cmd_analyze_convergence(args: argparse.Namespace) -> int:
     assignments stop changing, beside the paper's claim."""
     from pipeline.analysis.convergence import CLAIM, convergence_rows, plot_convergence, summary_rows
     from pipeline.analysis.probe import first_batches
-    from pipeline.plots import write_csv
-    from pipeline.report import markdown_table
 
     subject = _subject(args)
     ks = int_list(args.k, "--k")
@@ -104,8 +105,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from pipeline.analysis.offshelf import COLUMNS, offshelf_rows, plot_offshelf
     from pipeline.bench.paired import SpeedSettings
     from pipeline.models import parse_keep
-    from pipeline.plots import write_csv
-    from pipeline.sparsity import level_keep
 
     if (args.keep is None) == (args.level is None):
         raise InputError("give --keep K_1,...,K_L (repeatable) or --level N (the paper's models), exactly one")
@@ -133,7 +132,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def markdown_rows(rows) -> str:
-    from pipeline.report import markdown_table
 
     shown = [{**r, "carry": "yes" if r["carry"] else "no", "keep": r["keep"] or "every token"} for r in rows]
     speed = ["speed_ratio", "speed_ratio_low", "speed_ratio_high"] if "speed_ratio" in rows[0] else []
