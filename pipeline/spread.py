@@ -145,9 +145,10 @@ class SpreadRecord:
         return [p["ratio"] for p in self.processes]
 
     def across_runs(self, value: float, low: float, high: float) -> tuple[float, float]:
-        """``[low, high]``, a 95% interval of ``value`` that holds within one run, widened into one that holds across
-        runs: each side apart (the interval is asymmetric), its distance from ``value`` and 1.96 times the spread
-        between processes at ``value`` added in quadrature."""
+        """``[low, high]``, an interval of ``value`` that holds within one run (a ratio's 95%, or the select stage's
+        chained images/s, at least 90%), widened by the spread between processes: each side apart (the interval is
+        asymmetric), its distance from ``value`` and 1.96 times the spread at ``value`` added in quadrature. The
+        spread is a ratio's, applied to images/s as a relative figure, as the two move together."""
         spread = statistics.NormalDist().inv_cdf(0.975) * self.between * value
         return value - math.hypot(value - low, spread), value + math.hypot(high - value, spread)
 
