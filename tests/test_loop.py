@@ -143,7 +143,12 @@ def test_a_latency_target_search_reads_the_device_as_the_lambda_search_does(monk
     from pipeline.train.build import build_model
 
     searched = config(data, tmp_path, "train.mode=ksearch")
-    table = replace(gflops_cost_model(build_model(searched), "powerbert", step=4), unit="ms")  # a table's shape
+    table = gflops_cost_model(build_model(searched), "powerbert", step=4)
+    # a table's shape, and a key with every field `pipeline bench blocks` records (cost.TABLE_KEY_FIELDS)
+    table = replace(table, unit="ms", key={**table.key, "img_size": 16, "patch_size": 4, "depth": 3, "num_heads": 2,
+                                           "num_classes": 4, "patch_embed": "conv", "batch": 1, "dtype": "fp32",
+                                           "compile": "none", "threads": 1, "device_type": "cpu", "clock": "cpu",
+                                           "kernel_choice": {}})
     path = save_cost_model(table, tmp_path / "table.json")
     cfg = config(data, tmp_path, "train.mode=ksearch", "train.log_every=5",
                  f"train.ksearch_target={{cost: latency, fraction: 0.6, table: {path}}}")

@@ -608,14 +608,27 @@ def test_the_built_in_steps_flops_are_the_gram_matrix_or_nothing():
     assert [name for name in ("kmeans", "wkmeans", "tome", "conv", "none") if method_spec(name).flops] == []
 
 
-@pytest.mark.parametrize("declared", [{"offset": 0, "stride": 2}, {"offset": Option(0.0, doc="a float offset")}])
-def test_a_spec_that_disagrees_with_its_operator_is_one_line_from_methods_and_run_plan(declared, capsys):
-    """An option the operator does not take (``stride``: ``build(**options)`` forwards it, and the factory refuses
-    it), or a value it cannot run (a float ``offset``, which indexes no tokens): `pipeline methods` and `run --plan`
-    each say so in one line before any work, instead of the first forward failing inside a Ray worker."""
-    from pipeline.cli import main
+def modes(*, offset: int, mode: str):
+    """firstk whose ``mode`` knows one value: a spec may declare another its operator cannot run."""
+    if mode != "first":
+        raise ValueError(f"unknown mode {mode!r}")
+    return firstk(offset=offset)
 
-    register_method("badk", MethodSpec(firstk, "firstk, declared wrong", options=declared))
+
+@pytest.mark.parametrize(("build", "declared"), [
+    (firstk, {"offset": 0, "stride": 2}),
+    (modes, {"offset": 0, "mode": Option("first", choices=("first", "last"))}),
+])
+def test_a_spec_that_disagrees_with_its_operator_is_one_line_from_methods_and_run_plan(build, declared, capsys):
+    """An option the operator does not take (``stride``: ``build(**options)`` forwards it, and the factory refuses
+    it), or a value it cannot run (``mode: last``, declared as a choice): `pipeline methods` and `run --plan` each
+    say so in one line before any work, instead of the first forward failing inside a Ray worker. An operator that
+    fails at its own defaults is no disagreement with its spec: the probe leaves it to its stages (a rehearsal names
+    it per stage)."""
+    from pipeline.cli import main
+    from pipeline.models.probe import probe_method
+
+    register_method("badk", MethodSpec(build, "firstk, declared wrong", options=declared))
     try:
         assert main(["methods"]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "badk" in line]
@@ -623,9 +636,26 @@ def test_a_spec_that_disagrees_with_its_operator_is_one_line_from_methods_and_ru
             and "make the two agree" in err[0], err
         demo = ROOT / "configs" / "experiments" / "demo.yaml"
         plan = ["run", str(demo), "--plan", "--set", "experiment.methods=[badk]"]
+        if "mode" in declared:  # the config's own value: run --plan probes what the finetunes will run
+            assert main(plan) == 0
+            capsys.readouterr()
+            plan += ["--set", "pooling.options.badk.mode=last"]
         assert main(plan) == 2
         line = capsys.readouterr().err.strip()
         assert "experiment.methods: method 'badk': its operator fails with offset=" in line and "\n" not in line, line
+        if "mode" in declared:
+            probe_method("badk", {"mode": "first"})  # the value it runs passes
     finally:
         del METHODS["badk"]
+
+    def broken(*, offset: int):
+        def step(tokens, k, **_):
+            raise RuntimeError("a fault of the operator itself")
+        return step
+
+    register_method("brokenk", MethodSpec(broken, "fails at its defaults", options={"offset": 0}))
+    try:
+        probe_method("brokenk")  # its own fault, for its stages to report, not the probe's
+    finally:
+        del METHODS["brokenk"]
     assert main(["methods"]) == 0  # the built-in methods' specs and operators agree at every option's two values

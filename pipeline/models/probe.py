@@ -1,7 +1,11 @@
 """A method's declared options against its operator, on a tiny model: where a ``MethodSpec`` declares an option its
 operator does not take (``build(**options)`` forwards every option), or a value it cannot run, the first forward
 fails, possibly inside a Ray worker hours into a run. ``probe_method`` finds that before any work, in one line, for
-``pipeline methods`` (every option at two values) and ``run --plan`` (the config's options)."""
+``pipeline methods`` (every option at two values) and ``run --plan`` (the config's options).
+
+It checks the spec against the operator, not the operator itself: an operator that fails at its own defaults has a
+fault of its own, which its stages report as they run (a rehearsal names it per stage); the probe says nothing then.
+"""
 
 from __future__ import annotations
 
@@ -21,21 +25,46 @@ _LEARNABLE_KEEP = [1, 1]
 
 
 def probe_method(name: str, options: Mapping[str, Any] | None = None) -> None:
-    """Runs method ``name``'s operator in a tiny model's forward: with ``options`` (resolved by its spec) where given,
-    else once at its defaults and once more for each option's second value (``Option.samples``). InputError naming
-    the method, the options and what the operator said, where a forward fails."""
+    """Builds method ``name``'s operator and runs it in a tiny model's forward: with ``options`` (resolved by its
+    spec) where given, else at its defaults and with each option's second value (``Option.samples``). InputError
+    naming the method, the options and what the operator said where building fails, or where a forward fails with
+    options while it passes at the defaults."""
     spec = method_spec(name)
-    if options is not None:
-        settings = [spec.resolve(name, options)]
-    else:
-        defaults = spec.defaults()
-        settings = [defaults, *({**defaults, key: value} for key, option in spec.options.items()
-                                for value in option.samples()[1:])]
+    defaults = spec.defaults()
+    settings = [spec.resolve(name, options)] if options is not None else [
+        defaults, *({**defaults, key: value} for key, option in spec.options.items() for value in option.samples()[1:])]
     for resolved in settings:
-        _forward(name, resolved)
+        _refuse(name, resolved, _build_error(name, resolved))
+    if _forward_error(name, defaults) is not None:
+        return  # the operator's own fault at its defaults: not a disagreement with its spec
+    for resolved in settings:
+        _refuse(name, resolved, _forward_error(name, resolved))
 
 
-def _forward(name: str, options: dict[str, Any]) -> None:
+def _refuse(name: str, options: dict[str, Any], err: Exception | None) -> None:
+    if err is None:
+        return
+    shown = ", ".join(f"{key}={value!r}" for key, value in options.items()) or "no options"
+    what = " ".join(str(err).split()) or type(err).__name__
+    raise InputError(f"method {name!r}: its operator fails with {shown} ({type(err).__name__}: {what}); its "
+                     "MethodSpec declares an option the operator does not take, or a value it cannot run: make the "
+                     "two agree")
+
+
+def _build_error(name: str, options: dict[str, Any]) -> Exception | None:
+    """What building the operator with ``options`` raised (a learnable method is built per block, in the forward)."""
+    spec = method_spec(name)
+    if spec.learnable:
+        return None
+    try:
+        spec.factory()(**options)
+    except Exception as err:  # whatever the factory raises: the spec's options are not the operator's
+        return err
+    return None
+
+
+def _forward_error(name: str, options: dict[str, Any]) -> Exception | None:
+    """What a tiny model's forward with the method at ``options`` raised, or None."""
     spec = method_spec(name)
     torch.manual_seed(0)
     try:
@@ -43,9 +72,6 @@ def _forward(name: str, options: dict[str, Any]) -> None:
                              options=options, **_TINY)
         with torch.no_grad():
             model(torch.randn(2, 3, _TINY["img_size"], _TINY["img_size"]))
-    except Exception as err:  # whatever the operator raises: a spec that disagrees with it, in one line
-        shown = ", ".join(f"{key}={value!r}" for key, value in options.items()) or "no options"
-        what = " ".join(str(err).split()) or type(err).__name__
-        raise InputError(f"method {name!r}: its operator fails with {shown} ({type(err).__name__}: {what}); its "
-                         "MethodSpec declares an option the operator does not take, or a value it cannot run: make "
-                         "the two agree") from None
+    except Exception as err:  # whatever the operator raises, in one line
+        return err
+    return None
