@@ -306,9 +306,11 @@ def test_a_plugin_method_runs_through_the_dag_on_ray_workers(synthetic_data, tmp
     proc = subprocess.CompletedProcess(command, driver.returncode, stdout, stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     built = [line.split(" ", 1) for line in builds.read_text().splitlines()]
-    assert built and {options for _, options in built} == {"offset=3 iters=1"}, built
-    # built in Ray's worker processes; the driver builds it once more, for `run --plan`'s check of its operator
-    assert {pid for pid, _ in built} - {str(driver.pid)} and str(driver.pid) in {pid for pid, _ in built}
+    # built with the config's options in Ray's worker processes; the driver builds it too, for `run --plan`'s check
+    # of its operator (at the config's options and at its defaults: offset 1)
+    workers = {options for pid, options in built if pid != str(driver.pid)}
+    assert workers == {"offset=3 iters=1"}, built
+    assert {options for pid, options in built if pid == str(driver.pid)} == {"offset=3 iters=1", "offset=1 iters=1"}
     # Quiet by default: the stage, per-epoch progress, sweep counters, evaluations and the Pareto table, not
     # Ray Train's per-report and per-checkpoint lines nor numba's finalizer tracebacks.
     output = proc.stdout + proc.stderr
