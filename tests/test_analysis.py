@@ -307,6 +307,7 @@ def test_evaluate_cli_gives_each_method_keep_list_and_carry_without_training(tin
     (["--keep", "16,16,16,16"], "--keep 16,16,16,16: give 3 counts (one a block) between 0 and the model's 16 tokens"),
     (["--level", "3"], "--level: no sparsity levels for"),
     ([], "give --keep K_1,...,K_L (repeatable) or --level N (the paper's models), exactly one"),
+    (["--keep", "16,16,16", "--batch-size", "0"], "--batch-size 0: give at least 1 image a batch"),
 ])
 def test_evaluate_refuses_what_it_cannot_evaluate_in_one_line(tiny_checkpoint, tmp_path, capsys, args, message):
     """Nothing written: a learnable method, a keep list of another depth, a level of a model the paper gives none,

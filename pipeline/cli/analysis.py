@@ -106,6 +106,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from pipeline.bench.paired import SpeedSettings
     from pipeline.models import parse_keep
 
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size {args.batch_size}: give at least 1 image a batch")
     if (args.keep is None) == (args.level is None):
         raise InputError("give --keep K_1,...,K_L (repeatable) or --level N (the paper's models), exactly one")
     subject = _subject(args)
