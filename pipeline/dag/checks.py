@@ -65,10 +65,15 @@ def check_operators(config: Config) -> None:
             raise ConfigError(f"experiment.methods: {err}") from None
 
 
+def cluster_address(config: Config, address: str | None) -> str | None:
+    """The Ray cluster a run uses: ``--address``, else ``train.address``, else ``RAY_ADDRESS``; None for a local Ray."""
+    return address or config.train.address or os.environ.get("RAY_ADDRESS")
+
+
 def check_auto_tables(config: Config, address: str | None) -> None:
     """A ``table: auto`` target on a cluster is refused: its table is this machine's (the driver's device, under its
     runs folder), while the K search's trials, the check and the evaluations run on the cluster's nodes."""
-    address = address or config.train.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(config, address)
     found = auto_tables(config)
     if found and address is not None:
         raise InputError(f"experiment.ksearch_targets {found[0][0].label}: table: auto measures the driver's own "
@@ -167,7 +172,7 @@ def local_resources(gpus: bool) -> dict[str, float]:
 def check_cluster(config: Config, stages: list[Stage], address: str | None) -> None:
     """Each training's workers, each sweep trial and each evaluation fit the cluster the run would use: the one
     at ``address`` (or ``train.address``, ``RAY_ADDRESS``), connected to, else this machine as a local Ray."""
-    address = address or config.train.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(config, address)
     exp = config.experiment
     if address is not None:
         import ray
