@@ -130,16 +130,18 @@ def speed_settings(cfg: EvalConfig) -> SpeedSettings:
 
 
 def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
-                        kernels: KernelChoice | None = None) -> Evaluation:
+                        kernels: KernelChoice | None = None, model_config: Config | None = None) -> Evaluation:
     """Everything the select stage needs about one trained model, measured in ``cfg``'s setting with
     ``kernels`` (default all ``auto``; each fused kernel is checked on the device first at the model's shapes);
-    ``kernels`` of the result is what the dispatches of its top-1 and timed calls ran."""
+    ``kernels`` of the result is what the dispatches of its top-1 and timed calls ran. ``model_config``: evaluate the
+    network it defines, on the checkpoint's weights, instead of the checkpoint's own (a method inserted into a base
+    with no training, ``model_from_checkpoint``)."""
     from pipeline.bench.blocks import device_name
     from pipeline.flops import count_flops
     from pipeline.models import set_kernels
     from pipeline.models.selfcheck import check_model, kernels_ran
 
-    model, config, _ = model_from_checkpoint(path)
+    model, config, _ = model_from_checkpoint(path, built=model_config)
     reference, _, _ = model_from_checkpoint(path, plain=True)  # the same weights, no downsampling
     flops = count_flops(model).total
     device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,

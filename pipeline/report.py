@@ -31,6 +31,10 @@ TARGET_COLUMNS = ["arch", "level", "method", "target_unit", "target_cost", "sear
                   "measured", "speed_blocks", "speed_stop", "speed_half_width", "cost_status", "gflops", "top1"]
 
 
+# The models evaluated without finetuning (``experiment.no_finetune``): no_finetune.csv and the report's section.
+NO_FINETUNE_COLUMNS = ["arch", "level", "method", "carry", "keep", "gflops", "top1", "speed_ratio", "speed_ratio_low",
+                       "speed_ratio_high", "speed_blocks", "speed_stop", "speed_half_width", "run_id"]
+
 # Beside results.csv: what else a report was written from (its title, budgets, bases, targets, the speed warning,
 # the tie margin and the machine's spread), so that ``rebuild_report`` writes the same report again.
 REPORT_INPUTS = "report.json"
@@ -196,6 +200,43 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def plot_no_finetune(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
+    """Top-1 against GFLOPs of one model without finetuning (the paper's Appendix E figure), one line per method, dashed
+    with carry; the unmodified model (``keep`` empty) as a star. ``rows``: ``NO_FINETUNE_COLUMNS``."""
+    fig, ax = plots.chart(title, "GFLOPs per image", "top-1 (%)")
+    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows if r["keep"])):
+        for with_carry in (False, True):
+            points = sorted((r["gflops"], r["top1"]) for r in rows
+                            if r["keep"] and r["method"] == method and r["carry"] == with_carry)
+            if points:
+                ax.plot([g for g, _ in points], [t for _, t in points], marker=plots.style(index)[0],
+                        color=f"C{index}", linestyle="--" if with_carry else "-",
+                        label=f"{method}{', carry' if with_carry else ''}")
+    base = next(r for r in rows if not r["keep"])
+    ax.plot([base["gflops"]], [base["top1"]], "k*", markersize=10, label="unmodified")
+    return plots.save(fig, path, legend_ax=ax)
+
+
+def no_finetune_section(rows: Sequence[dict[str, Any]], out_dir: Path, files: dict[str, Path]) -> list[str]:
+    """The report's section of the models evaluated without finetuning: no_finetune.csv and one figure per architecture
+    (added to ``files``), and the section's lines."""
+    ordered = sorted(rows, key=lambda r: (r["arch"], bool(r["keep"]), r["method"], r["carry"], -r["gflops"]))
+    files["no_finetune"] = write_csv(ordered, out_dir / "no_finetune.csv", NO_FINETUNE_COLUMNS)
+    text = ["## Without finetuning (Appendix E)", "",
+            "Each base with a method inserted at each level's keep list and no training, with and without `carry` "
+            "(cluster sizes carried into the next blocks' softmax); `none` at `full` is the base itself. A measurement "
+            "of the reconstruction argument, not a pick: these models are in no front, budget table or registry alias "
+            "above. `speed`: as above, against the same base.", ""]
+    for arch in dict.fromkeys(r["arch"] for r in ordered):
+        mine = [r for r in ordered if r["arch"] == arch]
+        name = f"no_finetune_plot_{arch}"
+        files[name] = plot_no_finetune(mine, out_dir / f"no_finetune_{arch}.png", title=f"{arch}: no finetuning")
+        text += [f"![{arch} without finetuning]({files[name].name})", ""]
+    text += [markdown_table([{**r, "speed": speed_text(r)} for r in ordered],
+                            ["arch", "level", "method", "carry", "gflops", "top1", "speed", "keep"]), ""]
+    return text
+
+
 def deit_2x_rows(bases: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per base with a baseline finetune: the base's top-1 on ``data.val`` (``test_top1`` where a held-out split
     ranked it, else ``val_top1``), the baseline's (DeiT-2x: as many epochs again, no downsampling) and the gain."""
@@ -240,7 +281,7 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
                  title: str = "Experiment report", bases: Sequence[dict[str, Any]] = (),
                  targets: Sequence[dict[str, Any]] = (), speed_warning: str | None = None,
                  tie_margin: float = 0.0, spread: SpreadRecord | None = None,
-                 record_inputs: bool = True) -> dict[str, Path]:
+                 no_finetune: Sequence[dict[str, Any]] = (), record_inputs: bool = True) -> dict[str, Path]:
     """Writes results.csv, pareto.csv, budgets.csv, three plots, report.md and (``record_inputs``) report.json, the
     other arguments, for ``rebuild_report``, into ``out_dir``.
 
@@ -250,6 +291,8 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
     doubt (the unmodified model against itself excluded 1), printed above the speed front. ``tie_margin``: the
     relative margin under which the speed front's models are ties (``experiment.select.tie_margin``); ``spread``:
     the run-to-run spread of the device the speeds were measured on (``pipeline doctor --speed``), shown with them.
+    ``no_finetune``: each base's models with a method inserted and no training (``NO_FINETUNE_COLUMNS``, the paper's
+    Appendix E), as no_finetune.csv, a figure per architecture and a section; never in the fronts.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: (r["arch"], r["method"], -r["gflops"]))
@@ -322,9 +365,12 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: Path, budgets: Sequenc
                  "prediction at the model's keep list for its method, and `spent`, that prediction over the target "
                  "(a list predicted more than 3% under it is flagged UNDER in `cost_status`); and the measured cost "
                  "where there is one (`cost_status` says which).", "", markdown_table(list(targets), columns), ""]
+    if no_finetune:
+        text += no_finetune_section(no_finetune, out_dir, files)
     if record_inputs:
         inputs = {"title": title, "budgets": budgets, "bases": list(bases), "targets": list(targets),
-                  "speed_warning": speed_warning, "tie_margin": tie_margin, "spread": spread and asdict(spread)}
+                  "speed_warning": speed_warning, "tie_margin": tie_margin, "spread": spread and asdict(spread),
+                  "no_finetune": list(no_finetune)}
         files["inputs"] = out_dir / REPORT_INPUTS
         files["inputs"].write_text(json.dumps(inputs, indent=1, default=_plain))
     files["report"] = out_dir / "report.md"

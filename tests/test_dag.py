@@ -262,6 +262,52 @@ def test_registered_best_model_loads_in_a_fresh_process_and_names_classes(root, 
 
 
 @pytest.mark.ray
+@pytest.mark.beton
+def test_models_without_finetuning_are_evaluated_beside_the_finetunes_and_kept_out_of_the_fronts(root, data):
+    """experiment.no_finetune on the killed-driver DAG's stores (one width, one lambda): only the new evaluations run
+    (every trained stage is found done). Each evaluates the base's weights with K-Medoids inserted at the level's keep
+    list, with and without carry, as `pipeline evaluate` does off the shelf (an independent path: the analysis
+    loader and classifier); they are in MLflow tagged not finetuned, in the report's own section, table and figure,
+    and in no front."""
+    from pipeline.analysis.offshelf import offshelf_rows
+    from pipeline.analysis.probe import load_subject
+    from pipeline.dag.records import FINETUNED, TRAINED_RUN
+
+    lines: list[str] = []
+    overrides = [*tiny_overrides(root, data), "experiment.embed_dims=[16]", "experiment.lambdas=[0.05]",
+                 "experiment.register_models=false", "experiment.name=tiny-noft",
+                 "experiment.no_finetune={methods: [kmedoids], carry: [false, true]}"]
+    summary = run_experiment(load_config(TINY, overrides), log=lines.append)
+    assert not [line for line in lines if line.startswith(("[sweep]", "[run]"))], lines  # nothing trained
+    assert "[evaluate] 3 model(s) without finetuning: top-1, GFLOPs, images/s at batch 8" in lines
+    rows = summary["no_finetune"]
+    assert [(r["method"], r["level"], r["carry"]) for r in rows] == [
+        ("none", "full", False), ("kmedoids", "lam0.05", False), ("kmedoids", "lam0.05", True)]
+    untrained = {r["run_id"] for r in rows}
+    assert not untrained & {r["run_id"] for r in summary["rows"]}  # no front, budget table or registry pick
+    assert len(summary["rows"]) == 3  # the level's two finetunes and the baseline, as before
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = {run_id: client.get_run(run_id).data for run_id in untrained}
+    assert {run.tags[FINETUNED] for run in runs.values()} == {"false"}
+    (checkpoint,) = {run.params["checkpoint"] for run in runs.values()}  # the base's, for all three
+    (base_run,) = {run.tags[TRAINED_RUN] for run in runs.values()}
+    assert client.get_run(base_run).data.tags[STAGE_KIND] == "base"
+    keep = [int(k) for k in rows[1]["keep"].split(",")]
+    offshelf = offshelf_rows(load_subject(checkpoint), data / "val.beton", ["kmedoids"], [keep], [False, True],
+                             log=lambda _: None)
+    for row, reference in zip(rows, offshelf):
+        assert (row["method"], row["carry"]) == (reference["method"], reference["carry"])
+        assert row["top1"] == pytest.approx(reference["top1"], abs=1e-9), (row, reference)
+        assert row["gflops"] == pytest.approx(reference["gflops"], rel=1e-9)
+    out = root / "experiments" / "tiny-noft"
+    report = (out / "report.md").read_text()
+    assert "## Without finetuning (Appendix E)" in report and "![M16 without finetuning](no_finetune_M16.png)" in report
+    assert [(r["method"], r["carry"]) for r in csv.DictReader((out / "no_finetune.csv").open())] == [
+        ("none", "False"), ("kmedoids", "False"), ("kmedoids", "True")]
+    assert (out / "no_finetune_M16.png").stat().st_size > 0
+
+
+@pytest.mark.ray
 def test_sweep_progress_counts_finished_trials_and_gives_a_failed_trials_error_file():
     from types import SimpleNamespace
 

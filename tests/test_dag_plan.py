@@ -29,9 +29,11 @@ def data(synthetic_data) -> Path:
 def test_paper_config_expands_without_running():
     config = load_config(ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml")
     # 4 DeiTs; 8 lambdas -> 8 levels; 8 methods per level, plus one no-downsampling finetune per DeiT, plus DeiT-S's
-    # 91 conv placements (Appendix D; counted by hand in test_conv_placements_are_the_papers_constraints).
+    # 91 conv placements (Appendix D; counted by hand in test_conv_placements_are_the_papers_constraints); evaluated,
+    # and beside them each DeiT unmodified and the 4 clustering methods at the 8 levels with and without carry,
+    # untrained (Appendix E).
     assert count_plan(config).as_dict() == {"base": 4, "ksearch": 32, "finetune": 4 * (8 * 8 + 1) + 91,
-                                            "evaluate": 4 * (8 * 8 + 1) + 91}
+                                            "evaluate": 4 * (8 * 8 + 1) + 91 + 4 * (1 + 8 * 4 * 2)}
     from pipeline.dag.plan import archs, base_stage, finetune_stage, ksearch_stages
 
     stages = [base_stage(config, arch) for arch in archs(config)]
@@ -497,3 +499,64 @@ def test_conv_placements_are_planned_per_model_and_conv_on_searched_lists_is_ref
     err = capsys.readouterr().err
     assert "experiment.methods: 'conv' downsamples on fixed grid placements, not on the keep lists a K search or a " \
            "paper level gives; set experiment.conv: {layers: [1, 2, 3]}" in err
+
+
+def test_evaluations_without_finetuning_are_planned_from_the_bases_levels(capsys):
+    """experiment.no_finetune: each base unmodified, then each method at each level and carry setting, each a model
+    built on the base's weights (train.mode finetune, the method at the level's keep list), its id apart from every
+    other; the finetunes' ids and (unset) the experiment's id are what they were without it."""
+    from pipeline.cli import main
+    from pipeline.dag.plan import archs, base_stage, dag_id, finetune_stage, no_finetune_stages, paper_levels
+
+    paper = ROOT / "configs" / "experiments" / "paper_deit_imagenet.yaml"
+    small = ["experiment.models=[deit_small_patch16_224]", "experiment.lambdas=null", "experiment.levels=[2, 6]",
+             "experiment.conv=null", "experiment.methods=[kmedoids]"]
+    off = load_config(paper, [*small, "experiment.no_finetune=null"])
+    on = load_config(paper, [*small, "experiment.no_finetune={methods: [kmedoids, wkmeans], carry: [false, true]}"])
+    arch = archs(on)[0]
+    base = base_stage(on, arch)
+    levels = {name: (keep, []) for name, keep in paper_levels(on, arch).items()}
+    stages = no_finetune_stages(on, arch, base, levels)
+    assert no_finetune_stages(off, arch, base, levels) == []
+    assert [s.label.split("noft-deit_small_patch16_224-")[1] for s in stages] == [
+        "full-none", "L2-kmedoids", "L2-kmedoids-carry", "L2-wkmeans", "L2-wkmeans-carry", "L6-kmedoids",
+        "L6-kmedoids-carry", "L6-wkmeans", "L6-wkmeans-carry"]
+    assert count_plan(on).evaluate - count_plan(on).finetune == len(stages)
+    assert len({s.id for s in stages}) == len(stages) and all(s.kind == "evaluate" for s in stages)
+    assert all(s.upstream == [base.id] and not s.meta.finetuned for s in stages)
+    assert stages[0].config.train.mode == "base"
+    for stage in stages[1:]:
+        pool = stage.config.pooling
+        assert stage.config.train.mode == "finetune" and pool.method == stage.meta.method
+        assert pool.keep == levels[stage.meta.level][0] and pool.carry == stage.meta.carry
+    finetune = finetune_stage(on, arch, base, "kmedoids", "L2", levels["L2"][0], [])
+    assert finetune.id == finetune_stage(off, arch, base, "kmedoids", "L2", levels["L2"][0], []).id
+    assert finetune.id not in {s.id for s in stages}
+    assert dag_id(off) != dag_id(on)  # unset, it leaves the id as it was (the pinned ids above)
+    # `run --plan` names them: the demo's 2 widths unmodified, and at its 5 levels (2 lambdas a width, 1 target)
+    # K-Medoids and WK-Means with and without carry
+    demo = str(ROOT / "configs" / "experiments" / "demo.yaml")
+    assert main(["run", demo, "--plan", "--set", "experiment.no_finetune={methods: [kmedoids, wkmeans], "
+                 "carry: [false, true]}"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["evaluate"] == 27 + 2 + 5 * 2 * 2
+    assert "[plan] experiment.no_finetune: 22 evaluation(s) without training (each base unmodified, then kmedoids, " \
+           "wkmeans at each level, carry off/on); in the report, in no front" in err
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("{methods: [conv]}", "experiment.no_finetune: methods: 'conv' learns its own layers, which are random without "
+                          "training; finetune it (experiment.conv or experiment.methods) instead"),
+    ("{methods: [none]}", "experiment.no_finetune: methods: 'none' keeps every token; each base's unmodified model is "
+                          "evaluated anyway"),
+    ("{methods: [kmeans, kmeans]}", "experiment.no_finetune: methods: ['kmeans', 'kmeans'] lists a value twice"),
+    ("{methods: [kmeans], carry: [true, true]}", "experiment.no_finetune: carry: [True, True] lists a value twice"),
+    ("{methods: []}", "experiment.no_finetune.methods: List should have at least 1 item"),
+])
+def test_an_impossible_no_finetune_setting_is_refused_in_one_line(capsys, setting, message):
+    from pipeline.cli import main
+
+    demo = str(ROOT / "configs" / "experiments" / "demo.yaml")
+    assert main(["run", demo, "--plan", "--set", f"experiment.no_finetune={setting}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid config:\n") and message in err and len(err.strip().splitlines()) == 2, err

@@ -268,14 +268,19 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
     spread = SpreadRecord(device="Test CPU", threads=1, setting="cpu fp32", torch="t", timm="m", date="2026-12-06",
                           over_s=180.0, seconds=190.0, pair={}, processes=[{"ratio": 0.64}, {"ratio": 0.66}],
                           between=0.021, within=0.017, max_over_min=1.03, path="runs/machine/x.json")
+    untrained = {"arch": "M32", "level": "lam0.1", "method": "kmedoids", "carry": True, "keep": "8,6", "gflops": 0.0021,
+                 "top1": 40.25, "speed_ratio": None, "speed_ratio_low": None, "speed_ratio_high": None,
+                 "speed_blocks": 0, "speed_stop": None, "speed_half_width": None, "run_id": "n1"}
     first = tmp_path / "run"
     write_report([row], first, [0.003], title="Experiment demo", bases=[{"arch": "M32", "val_top1": 70.0,
                  "test_top1": None, "run_id": "b1"}], targets=[target], speed_warning="the self-check excluded 1",
-                 tie_margin=0.021, spread=spread)
+                 tie_margin=0.021, spread=spread,
+                 no_finetune=[untrained | {"method": "none", "keep": "", "level": "full"}, untrained])
     written = (first / "report.md").read_text()
     assert "## DeiT against DeiT-2x" not in written  # the run has no baseline finetune to compare the base with
     for part in ("# Experiment demo", "## Base models", "## K-search targets", "Tie margin 2.1%",
-                 "**Warning: the self-check excluded 1.**", "spread 2.1% (sd/mean; 0.640 to 0.660)"):
+                 "**Warning: the self-check excluded 1.**", "spread 2.1% (sd/mean; 0.640 to 0.660)",
+                 "## Without finetuning (Appendix E)", "| M32 | lam0.1 | kmedoids | True | 0.0021 | 40.25 |"):
         assert part in written, part
     # the intervals' scope, and the speed front's interval widened by the device's spread, each side apart: 1.96
     # times 2.1% of 2000 img/s in quadrature with the 100 img/s on each side, written out
@@ -287,6 +292,8 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
         in every, every
     assert main(["report", str(first), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "report.md").read_text() == written
+    assert (tmp_path / "again" / "no_finetune_M32.png").is_file()
+    assert (tmp_path / "again" / "no_finetune.csv").read_text() == (first / "no_finetune.csv").read_text()
     (first / REPORT_INPUTS).write_text('{"title": "x"}')
     assert main(["report", str(first), "--out", str(tmp_path / "bad")]) == 2
     assert f"{first / REPORT_INPUTS}: not what `pipeline run` writes (KeyError" in capsys.readouterr().err

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline import plots
 from pipeline.analysis.probe import AnalysisError, Subject, normalise, with_method
 from pipeline.bench.paired import SpeedSettings
 from pipeline.data.loaders import check_dataset, read_labelled, read_metadata
@@ -89,19 +88,3 @@ def _timed_batch(subject: Subject, beton: str | Path, batch: int) -> torch.Tenso
 def _speed(net: nn.Module, reference: nn.Module, images: torch.Tensor, settings: SpeedSettings) -> dict[str, float]:
     ratio = speed(net, reference, images, device=torch.device("cpu"), dtype="fp32", threads=1, settings=settings)
     return {"speed_ratio": ratio.ratio, "speed_ratio_low": ratio.low, "speed_ratio_high": ratio.high}
-
-
-def plot_offshelf(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
-    """Top-1 against GFLOPs, one line per method, dashed with carry; the unmodified model as a star."""
-    fig, ax = plots.chart(title, "GFLOPs per image", "top-1 (%)")
-    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows if r["keep"])):
-        for with_carry in (False, True):
-            points = sorted((r["gflops"], r["top1"]) for r in rows
-                            if r["keep"] and r["method"] == method and r["carry"] == with_carry)
-            if points:
-                ax.plot([g for g, _ in points], [t for _, t in points], marker=plots.style(index)[0],
-                        color=f"C{index}", linestyle="--" if with_carry else "-",
-                        label=f"{method}{', carry' if with_carry else ''}")
-    base = next(r for r in rows if not r["keep"])
-    ax.plot([base["gflops"]], [base["top1"]], "k*", markersize=10, label="unmodified")
-    return plots.save(fig, path, legend_ax=ax)

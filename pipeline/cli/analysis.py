@@ -102,9 +102,10 @@ def cmd_analyze_convergence(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """``pipeline evaluate``: a trained model with each method inserted at each keep list, no training (Appendix E)."""
-    from pipeline.analysis.offshelf import COLUMNS, offshelf_rows, plot_offshelf
+    from pipeline.analysis.offshelf import COLUMNS, offshelf_rows
     from pipeline.bench.paired import SpeedSettings
     from pipeline.models import parse_keep
+    from pipeline.report import plot_no_finetune
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size {args.batch_size}: give at least 1 image a batch")
@@ -125,7 +126,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     rows = offshelf_rows(subject, args.data, methods, keeps, carries, batch=args.batch_size, speed=speed, log=log)
     args.out.mkdir(parents=True, exist_ok=True)
     csv = write_csv(rows, args.out / "offshelf.csv", COLUMNS)
-    plot = plot_offshelf(rows, args.out / "offshelf.png", title=f"{subject.label}: no finetuning")
+    plot = plot_no_finetune(rows, args.out / "offshelf.png", title=f"{subject.label}: no finetuning")
     if args.tracking_uri:
         _record_offshelf(rows, subject.label, args)
     print(markdown_rows(rows))

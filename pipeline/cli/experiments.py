@@ -35,7 +35,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             placements = conv_levels(config, arch)  # 0 said too: a grid too small for every layer count asked for
             print(f"[plan] experiment.conv: {len(placements)} placement(s) for {arch.label}"
                   + (f" ({', '.join(placements)})" if 0 < len(placements) <= 12 else ""), file=sys.stderr)
-        print(json.dumps(count_plan(config).as_dict()))
+        counts = count_plan(config)
+        untrained = config.experiment.no_finetune
+        if untrained is not None:
+            print(f"[plan] experiment.no_finetune: {counts.evaluate - counts.finetune} evaluation(s) without training "
+                  f"(each base unmodified, then {', '.join(untrained.methods)} at each level, carry "
+                  f"{'/'.join('on' if c else 'off' for c in untrained.carry)}); in the report, in no front",
+                  file=sys.stderr)
+        print(json.dumps(counts.as_dict()))
         return 0
     from pipeline.dag.runner import run_experiment  # here: --plan needs none of torch, Ray or MLflow's runner
 

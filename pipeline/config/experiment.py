@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from pipeline.config.base import MethodName, Section
 from pipeline.config.train import CostTarget
 from pipeline.errors import InputError
-from pipeline.methods import GRID_CONV, keeps_all, swept_methods
+from pipeline.methods import GRID_CONV, keeps_all, method_spec, swept_methods
 
 
 class ParamRange(Section):
@@ -162,6 +162,30 @@ class ConvConfig(Section):
                                     "default all")
 
 
+class NoFinetuneConfig(Section):
+    """``experiment.no_finetune``: each base with a method inserted at each of the experiment's keep lists (its levels
+    or K-search lists) and no training, evaluated like the finetuned models (the paper's Appendix E), with and without
+    ``carry``. A measurement beside the fronts, never a pick: kept out of the fronts, the registry and ``@best``."""
+
+    methods: list[MethodName] = Field(min_length=1, description="methods inserted without training (not learnable)")
+    carry: list[bool] = Field(default_factory=lambda: [False], min_length=1,
+                              description="pooling.carry settings, each evaluated (cluster sizes carried, Appendix E)")
+
+    @model_validator(mode="after")
+    def _untrained_methods(self) -> NoFinetuneConfig:
+        for name in self.methods:
+            if method_spec(name).learnable:
+                raise InputError(f"methods: {name!r} learns its own layers, which are random "
+                                 "without training; finetune it (experiment.conv or experiment.methods) instead")
+            if keeps_all(name):
+                raise InputError(f"methods: {name!r} keeps every token; each base's unmodified "
+                                 "model is evaluated anyway, as the table's reference")
+        for key, values in (("methods", self.methods), ("carry", self.carry)):
+            if len(set(values)) != len(values):
+                raise InputError(f"{key}: {values} lists a value twice")
+        return self
+
+
 class ExperimentConfig(Section):
     """``pipeline run``: the stage DAG (base -> ksearch -> finetune sweep -> evaluate -> select)."""
 
@@ -181,6 +205,8 @@ class ExperimentConfig(Section):
     baseline: bool = Field(True, description="also finetune each base without downsampling (DeiT-2x control)")
     conv: ConvConfig | None = Field(None, description="also finetune conv downsampling at every placement the grid "
                                     "allows (Appendix D)")
+    no_finetune: NoFinetuneConfig | None = Field(None, description="also evaluate methods inserted into each base "
+                                                 "at every level, without training (Appendix E)")
     base: StageRecipe = Field(default_factory=StageRecipe)
     ksearch: StageRecipe = Field(default_factory=lambda: StageRecipe(epochs=1, warmup_epochs=0))
     finetune: StageRecipe = Field(default_factory=StageRecipe)

@@ -21,7 +21,7 @@ from pipeline.config.identity import IDENTITY_VERSION, identity_content
 from pipeline.config.train import AUTO_TABLE
 from pipeline.dag.types import StageMeta
 from pipeline.errors import InputError
-from pipeline.methods import keeps_all
+from pipeline.methods import KEEP_ALL, keeps_all
 from pipeline.sparsity import level_keep
 
 KINDS = ("base", "ksearch", "finetune", "evaluate", "select")
@@ -76,7 +76,7 @@ def dag_id(config: Config) -> str:
 
 
 # Experiment settings that enter the DAG's id only when set, so that a stored DAG's id stays.
-UNSET_IS_ABSENT = ("conv",)
+UNSET_IS_ABSENT = ("conv", "no_finetune")
 
 
 def chosen_kernels(config: Config) -> dict[str, str]:
@@ -309,6 +309,29 @@ def evaluate_stage(config: Config, model_stage: Stage) -> Stage:
                  meta)
 
 
+def no_finetune_stages(config: Config, arch: Arch, base: Stage, levels: dict[str, tuple[list[int], list[str]]]
+                       ) -> list[Stage]:
+    """``experiment.no_finetune``'s evaluations of ``arch``'s base (the paper's Appendix E): its unmodified model, then
+    each method at each level (``{level: (keep, upstream ids)}``, the finetunes' levels) and carry setting, inserted
+    with no training. Each stage's config is the model it evaluates (``train.mode`` finetune: the method at its keep
+    list, built on the base's weights); empty without ``experiment.no_finetune``."""
+    exp = config.experiment
+    if exp.no_finetune is None:
+        return []
+    meta = {"eval": exp.eval, "kernels": chosen_kernels(config)}
+    unmodified = _with(config, stage="no_finetune", model=arch.overrides, recipe=StageRecipe(), train={"mode": "base"})
+    stages = [Stage("evaluate", f"{exp.name}-noft-{arch.label}-full-{KEEP_ALL}", unmodified, [base.id], arch.label,
+                    StageMeta(method=KEEP_ALL, level="full", carry=False, **meta))]
+    for (level, (keep, upstream)), method, carry in itertools.product(levels.items(), exp.no_finetune.methods,
+                                                                      exp.no_finetune.carry):
+        cfg = _with(config, stage="no_finetune", model=arch.overrides, recipe=StageRecipe(), train={"mode": "finetune"},
+                    pooling={"method": method, "keep": keep, "level": None, "carry": carry})
+        label = f"{exp.name}-noft-{arch.label}-{level}-{method}" + ("-carry" if carry else "")
+        stages.append(Stage("evaluate", label, cfg, [base.id, *upstream], arch.label,
+                            StageMeta(method=method, level=level, carry=carry, **meta)))
+    return stages
+
+
 def paper_levels(config: Config, arch: Arch) -> dict[str, list[int]]:
     """``{"L3": keep}`` for the pinned levels of ``arch`` (configs/sparsity/)."""
 
@@ -390,4 +413,8 @@ def count_plan(config: Config) -> PlanCounts:
     finetune += sum(searched * len(target_methods(exp, t.label)) for t, searched in targets)
     finetune += sum(len(conv_levels(config, arch)) for arch in archs(config))
     searches = n_arch * len(exp.lambdas or []) + sum(searched for _, searched in targets)
-    return PlanCounts(base=trained, ksearch=searches, finetune=finetune, evaluate=finetune)
+    untrained = 0
+    if exp.no_finetune is not None:  # each base's unmodified model, and each method and carry at each of its levels
+        arch_levels = n_arch * levels + sum(searched for _, searched in targets)
+        untrained = n_arch + arch_levels * len(exp.no_finetune.methods) * len(exp.no_finetune.carry)
+    return PlanCounts(base=trained, ksearch=searches, finetune=finetune, evaluate=finetune + untrained)

@@ -26,7 +26,8 @@ DAG = "pipeline.dag"
 IDENTITY_TAG = "pipeline.identity_version"  # on a DAG's parent run and its stage runs: ``IDENTITY_VERSION``
 # On a DAG's parent run: experiment.select.tie_margin as configured, and the relative margin the speed front used.
 TIE_MARGIN_CHOICE, TIE_MARGIN = "pipeline.tie_margin_choice", "pipeline.tie_margin"
-TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of its model
+TRAINED_RUN = "pipeline.trained_run"  # on an evaluate run: the finetune run of its model (or the base's, below)
+FINETUNED = "pipeline.finetuned"  # "false" on an evaluate run of a base with a method inserted (no_finetune)
 # On an evaluate run: the model's latency measured against a table (the select stage, K-search targets), and the
 # table's sha256.
 LATENCY_METRIC, LATENCY_TABLE_TAG = "latency_ms", "pipeline.latency_table"

@@ -223,10 +223,11 @@ def rehearsal_config(config: Config, settings: RehearsalSettings, train: Path, v
 # ---- the slice ----
 
 def variant(stage: Stage) -> Any:
-    """What the rehearsal covers of a kind besides the architecture: a finetune's or evaluation's method,
-    else which stage settings are set (a K search over lambda, or a kind added later with its own)."""
+    """What the rehearsal covers of a kind besides the architecture: a finetune's or evaluation's method (and an
+    evaluation without finetuning's carry setting), else which stage settings are set (a K search over lambda, or a
+    kind added later with its own)."""
     if stage.meta.method is not None:
-        return stage.meta.method
+        return stage.meta.method, stage.meta.carry
     return tuple(sorted(key for key in stage.meta.identity() if key not in ("given", "sweep")))
 
 
@@ -276,9 +277,9 @@ class RehearsalSlicer:
             self.log(f"[rehearse] {stage.label}: a failure is planted at its first step")
         pooling = {}
         keep = stage.config.pooling.keep
-        if stage.kind == "finetune" and keep is not None and min(keep) >= self.patch_tokens(stage):
-            pooling["keep"] = ramp_keep(self.patch_tokens(stage), len(keep))
-            self.log(f"[rehearse] {stage.label}: the K search kept every token in its few steps; the finetune "
+        if stage.config.train.mode == "finetune" and keep is not None and min(keep) >= self.patch_tokens(stage):
+            pooling["keep"] = ramp_keep(self.patch_tokens(stage), len(keep))  # a finetune, or one without training
+            self.log(f"[rehearse] {stage.label}: the K search kept every token in its few steps; the model "
                      f"pools to {pooling['keep']} instead, so that the method runs")
         if not train and not pooling:
             return stage

@@ -26,6 +26,7 @@ from pipeline.dag.plan import (
     evaluate_stage,
     finetune_stage,
     ksearch_stages,
+    no_finetune_stages,
     paper_levels,
     target_methods,
 )
@@ -273,11 +274,14 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     ks_results = check_latency_targets(ctx, [s for stages in ks_stages.values() for s in stages if s.id in ks_results],
                                        ks_results)
     ft_stages: list[Stage] = []
+    untrained: list[Stage] = []  # experiment.no_finetune's evaluations
     for arch in arch_list:
         base = bases[arch.label][0]
-        for level, (keep, upstream) in sparsity_levels(ctx, arch, ks_results, ks_stages[arch.label]).items():
+        levels = sparsity_levels(ctx, arch, ks_results, ks_stages[arch.label])
+        for level, (keep, upstream) in levels.items():
             ft_stages += [finetune_stage(downstream[arch.label], arch, base, m, level, keep, upstream)
                           for m in target_methods(exp, level)]
+        untrained += no_finetune_stages(downstream[arch.label], arch, base, levels)
         ft_stages += [finetune_stage(downstream[arch.label], arch, base, GRID_CONV, level, keep, [])
                       for level, keep in conv_levels(downstream[arch.label], arch).items()]
         if exp.baseline:
@@ -287,6 +291,7 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     ft_results = sweep(ctx, ft_stages, lambda s: bases[s.arch][1].checkpoint, f"{exp.name}-finetune")
     ft_stages = [s for s in ctx.planned if s.kind == "finetune" and s.id in ft_results]
     evaluations = run_evaluations(ctx, ft_stages, ft_results)
+    not_finetuned = run_no_finetune(ctx, untrained, {a: r for a, (_, r) in bases.items()})
     ft_stages = [s for s in ft_stages if s.id in evaluations]
     summary: dict[str, Any] = {}
     if not evaluations:  # every finetune or evaluation failed (keep-going), or none was planned
@@ -294,7 +299,8 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
         log(f"[select] {exp.name}: not run, no model was evaluated ({why})")
     else:
         try:
-            summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()})
+            summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()},
+                                 not_finetuned)
         except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
             ctx.failed(f"{exp.name}-select", err)
     client.set_terminated(parent, "FAILED" if ctx.failures else "FINISHED")
@@ -325,31 +331,50 @@ def check_timing(log: Callable[[str], None] = print) -> None:
 
 def run_evaluations(ctx: Context, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                     ) -> dict[str, EvalResult]:
-    """One Ray task per finetuned model; each takes ``eval.cpus`` so timings do not share cores."""
+    """One Ray task per finetuned model; returns each model's evaluation by its finetune's id."""
+    chosen = {stage.upstream[0]: stage for stage in ctx.plan([evaluate_stage(ctx.config, s) for s in ft_stages])}
+    jobs = [(chosen[source.id], ft_results[source.id]) for source in ft_stages if source.id in chosen]
+    results = evaluate(ctx, jobs)
+    return {stage.upstream[0]: results[stage.id] for stage, _ in jobs if stage.id in results}
+
+
+def run_no_finetune(ctx: Context, stages: list[Stage], bases: dict[str, TrainedResult]
+                    ) -> list[tuple[Stage, EvalResult]]:
+    """``experiment.no_finetune``'s evaluations: each base's model with a method inserted and no training, as Ray tasks
+    beside the finetunes' (``plan.no_finetune_stages``); returns the stages that finished with their results."""
+    if not stages:
+        return []
+    jobs = [(stage, bases[stage.arch]) for stage in ctx.plan(stages)]
+    results = evaluate(ctx, jobs, "without finetuning")
+    return [(stage, results[stage.id]) for stage, _ in jobs if stage.id in results]
+
+
+def evaluate(ctx: Context, jobs: list[tuple[Stage, TrainedResult]], what: str = "") -> dict[str, EvalResult]:
+    """One Ray task per (evaluate stage, the trained model it measures); each takes ``eval.cpus`` so timings do not
+    share cores. Returns the results by stage id (a failed one recorded with keep-going)."""
     import ray
 
     config = ctx.config
     tracking = Tracking(uri=config.train.tracking_uri, experiment=config.train.experiment,
                         artifact_root=config.train.artifact_root, parent=ctx.parent, dag=ctx.dag)
     task, cuda = eval_task(config, run_evaluation_spec)
-    chosen = {stage.upstream[0]: stage for stage in ctx.plan([evaluate_stage(config, s) for s in ft_stages])}
-    stages = {source.id: chosen[source.id] for source in ft_stages if source.id in chosen}
-    done = recorded(ctx, list(stages.values()), f"{config.experiment.name}-evaluate")
-    results = {source_id: done[stage.id] for source_id, stage in stages.items() if stage.id in done}
-    todo = {source_id: stage for source_id, stage in stages.items() if stage.id not in done}
+    stages = {stage.id: stage for stage, _ in jobs}
+    name = f"{config.experiment.name}-evaluate" + (f" ({what})" if what else "")
+    results = recorded(ctx, list(stages.values()), name)
+    todo = [(stage, trained) for stage, trained in jobs if stage.id not in results]
     if todo:
-        ctx.log(f"[evaluate] {len(todo)} model(s): top-1, GFLOPs, images/s at batch {config.experiment.eval.batch}")
+        ctx.log(f"[evaluate] {len(todo)} model(s){' ' + what if what else ''}: top-1, GFLOPs, images/s at batch "
+                f"{config.experiment.eval.batch}")
     futures = {}
-    for source_id, stage in todo.items():
+    for stage, trained in todo:
         spec = stage_spec(stage, init=None, parent_id=ctx.parent, dag=ctx.dag)
-        trained = ft_results[source_id]
-        futures[source_id] = task.remote(spec, trained.checkpoint, tracking, cuda, trained.run_id)
-    for index, (source_id, future) in enumerate(futures.items(), 1):
+        futures[stage.id] = task.remote(spec, trained.checkpoint, tracking, cuda, trained.run_id)
+    for index, (stage_id, future) in enumerate(futures.items(), 1):
         try:
-            result = results[source_id] = ray.get(future)
+            result = results[stage_id] = ray.get(future)
         except Exception as err:  # noqa: BLE001 - keep-going records any stage's failure
-            ctx.failed(stages[source_id].label, err)
+            ctx.failed(stages[stage_id].label, err)
             continue
         ctx.log(f"[evaluate] {index}/{len(futures)} {result.top1:.2f}% {result.gflops:.4f} GFLOPs, "
                 f"{speed_line(result)} ({result.device}, {result.dtype}, compile {result.compile})")
-    return {source.id: results[source.id] for source in ft_stages if source.id in results}
+    return results

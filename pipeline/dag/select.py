@@ -32,6 +32,21 @@ def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
     return rows
 
 
+def no_finetune_rows(evaluated: list[tuple[Stage, EvalResult]]) -> list[dict[str, Any]]:
+    """One row per model evaluated without finetuning (``report.NO_FINETUNE_COLUMNS``): ``keep`` empty for a base's
+    unmodified model."""
+    rows = []
+    for stage, measured in evaluated:
+        keep = stage.config.pooling.keep if stage.config.train.mode == "finetune" else None
+        rows.append({"arch": stage.arch, "level": stage.meta.level, "method": stage.meta.method,
+                     "carry": stage.meta.carry, "keep": ",".join(map(str, keep or [])), "gflops": measured.gflops,
+                     "top1": measured.top1, "speed_ratio": measured.speed_ratio,
+                     "speed_ratio_low": measured.speed_ratio_low, "speed_ratio_high": measured.speed_ratio_high,
+                     "speed_blocks": measured.speed_blocks, "speed_stop": measured.speed_stop,
+                     "speed_half_width": measured.speed_half_width, "run_id": measured.run_id})
+    return rows
+
+
 def check_one_clock(evaluations: dict[str, EvalResult]) -> None:
     """InputError where the evaluations' speeds were timed on different clocks (``evaluate.speed_clock``: a thread's
     CPU time, the wall clock, CUDA events), or some on a clock they did not record: their ratios and images/s do not
@@ -259,7 +274,10 @@ def _store_flag(tracking_uri: str) -> str:
 
 
 def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
-               evaluations: dict[str, EvalResult], bases: dict[str, TrainedResult] | None = None) -> dict[str, Any]:
+               evaluations: dict[str, EvalResult], bases: dict[str, TrainedResult] | None = None,
+               not_finetuned: list[tuple[Stage, EvalResult]] = ()) -> dict[str, Any]:
+    """The fronts, the report and the registry from the finetuned models' evaluations; ``not_finetuned``
+    (``experiment.no_finetune``) goes into the report's own section, never into a front or the registry."""
     from pipeline.dag.records import TIE_MARGIN, TIE_MARGIN_CHOICE
     from pipeline.tracking import log_batch
 
@@ -280,8 +298,10 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     margin, spread = tie_margin(exp.select.tie_margin, timed_on, exp.eval.threads)
     if spread is not None:
         ctx.log(f"[select] the run-to-run spread of {spread.device} ({spread.source()}): {spread.summary()}")
+    untrained = no_finetune_rows(list(not_finetuned))
     files = write_report(rows, ctx.out_dir, exp.budgets, title=f"Experiment {exp.name}", bases=base_rows,
-                         targets=targeted, speed_warning=warning, tie_margin=margin, spread=spread)
+                         targets=targeted, speed_warning=warning, tie_margin=margin, spread=spread,
+                         no_finetune=untrained)
     for path in files.values():
         ctx.client.log_artifact(ctx.parent, str(path), artifact_path="report")
     # after the report it describes: a rerun with another margin (not part of the DAG's id) retags the same parent
@@ -308,5 +328,9 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
         ctx.log(f"registry: {', '.join(aliases)} (image classifiers; serve one with `python -m pipeline serve "
                 f"{aliases[0]}{_store_flag(ctx.config.train.tracking_uri)}`; pickled modules: load them only from a "
                 "store you trust)")
-    return {"rows": rows, "front": front, "targets": targeted, "files": {k: str(v) for k, v in files.items()},
+    if untrained:
+        ctx.log("\nWithout finetuning (Appendix E; in no front):\n"
+                + markdown_table(untrained, ["arch", "level", "method", "carry", "gflops", "top1"]))
+    return {"rows": rows, "front": front, "targets": targeted, "no_finetune": untrained,
+            "files": {k: str(v) for k, v in files.items()},
             "aliases": aliases, "parent_run_id": ctx.parent, "speed_warning": warning}

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import Config
 from pipeline.dag.plan import Stage
-from pipeline.dag.records import DAG, STAGE_ID, STAGE_KIND, TRAINED_RUN, find_done, mark_done, open_child
+from pipeline.dag.records import DAG, FINETUNED, STAGE_ID, STAGE_KIND, TRAINED_RUN, find_done, mark_done, open_child
 from pipeline.dag.types import EvalResult, StageSpec, Tracking, TrainedResult, from_record
 from pipeline.evaluate import evaluate_checkpoint
 from pipeline.methods import plugin_of
@@ -90,7 +90,9 @@ def log_analysis(client: MlflowClient, run_id: str, checkpoint: str, cfg) -> str
 
 def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cuda: bool = False,
                         trained_run: str | None = None) -> EvalResult:
-    """Top-1, GFLOPs and images/s of a finetuned model, recorded as a child run of the DAG.
+    """Top-1, GFLOPs and images/s of a finetuned model, or of a base with a method inserted and no training (the
+    stage's config is that model: ``experiment.no_finetune``, tagged ``pipeline.finetuned=false``), recorded as a
+    child run of the DAG.
 
     ``cuda``: the task was given a GPU (``eval.device`` auto resolves to it). ``trained_run``: the
     finetune run that produced the model (tag ``pipeline.trained_run``, what ``pipeline select`` follows).
@@ -108,8 +110,11 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     tags = ({} if trained_run is None else {TRAINED_RUN: trained_run}) | ({} if plugin is None else plugin.tags())
     if tags:
         log_batch(client, run_id, tags=tags)
+    if not spec.meta.finetuned:  # a base with a method inserted (experiment.no_finetune): its config is the model
+        log_batch(client, run_id, tags={FINETUNED: "false"}, params={"carry": spec.meta.carry})
     choice = KernelChoice(**(spec.meta.kernels or {}))
-    measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda, kernels=choice)
+    measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda, kernels=choice,
+                                   model_config=None if spec.meta.finetuned else spec.config)
     setting = {"device": measured.device, "device_name": measured.device_name, "dtype": measured.dtype,
                "compile": measured.compile, "threads": cfg.threads, "clock": measured.clock}
     kernels = {f"kernels.{key}": value for key, value in choice.as_dict().items()}
@@ -125,7 +130,7 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
               params={"checkpoint": checkpoint, "method": spec.meta.method, "level": spec.meta.level,
                       "speed_stop": measured.speed_stop, **{f"eval_{key}": value for key, value in setting.items()},
                       **kernels})
-    analysis = log_analysis(client, run_id, checkpoint, cfg)
+    analysis = log_analysis(client, run_id, checkpoint, cfg) if spec.meta.finetuned else None  # a base's are its own
     result = EvalResult(run_id=run_id, checkpoint=checkpoint, analysis=analysis, **measured.as_dict())
     mark_done(client, run_id, stage_id=spec.id, kind="evaluate", result=result.as_record())
     client.set_terminated(run_id, "FINISHED")

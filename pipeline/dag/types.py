@@ -27,6 +27,12 @@ class StageMeta:
     eval: EvalConfig | None = None  # evaluations: how the model is measured
     sweep: dict[str, Any] | None = None  # bases: the hyperparameter search (SweepConfig as JSON)
     kernels: dict[str, str] | None = None  # evaluations: the config's kernel choices
+    carry: bool | None = None  # evaluations without finetuning: pooling.carry of the inserted method
+
+    @property
+    def finetuned(self) -> bool:
+        """False for an evaluation of a base with a method inserted and no training (``experiment.no_finetune``)."""
+        return self.carry is None
 
     def identity(self) -> dict[str, Any]:
         """The JSON-able content that enters the stage id (unset fields left out)."""
@@ -41,6 +47,8 @@ class StageMeta:
             out["sweep"] = self.sweep
         if self.kernels is not None:
             out["kernels"] = self.kernels
+        if self.carry is not None:
+            out["carry"] = self.carry
         return out
 
 

@@ -112,12 +112,14 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
 _MODEL_SECTIONS = ("seed", "pooling", "model", "data", "recipe", "train")
 
 
-def model_from_checkpoint(path: str | Path, *, plain: bool = False):
+def model_from_checkpoint(path: str | Path, *, plain: bool = False, built: Config | None = None):
     """Rebuilds the network a checkpoint was trained as, from its own config, with its weights.
 
     ``plain=True`` builds it without its downsampling (its method and keep list stay in the
     returned config), for the analyses that apply methods off the shelf and the evaluations' reference (a conv
-    placement's own layers are left out: ``models.weights.load_state``).
+    placement's own layers are left out: ``models.weights.load_state``). ``built``: the network this config defines
+    instead, on the checkpoint's weights (a method inserted into a base with no training); an architecture the weights
+    do not fit is refused as for any checkpoint.
 
     Returns:
         (the model in eval mode, its Config, the checkpoint's state dict).
@@ -129,9 +131,10 @@ def model_from_checkpoint(path: str | Path, *, plain: bool = False):
         config = Config.model_validate({k: v for k, v in state["config"].items() if k in _MODEL_SECTIONS})
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{path}: not a `pipeline train` checkpoint (no usable config: {err})") from None
-    built = config
     if plain:
         built = config.model_copy(update={"train": config.train.model_copy(update={"mode": "base"})})
+    elif built is None:
+        built = config
     model = build_model(built)
     load_model_weights(model, state, path)
     return model.eval(), config, state
