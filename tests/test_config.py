@@ -56,7 +56,7 @@ def test_unknown_key_names_key_file_and_allowed(tmp_path: Path):
         load_config(path)
     message = str(err.value)
     assert str(path) in message and "pooling.iter" in message
-    assert "allowed keys here: alpha, carry, keep, level, method, options, qk_norm" in message
+    assert "allowed keys here: carry, keep, level, method, options" in message
 
 
 def test_unknown_section(tmp_path: Path):
@@ -270,8 +270,8 @@ def test_merge_keys_may_be_overridden_and_repeated_overrides_keep_the_later():
 
     assert parse_yaml("a: &x {k: 1, j: 2}\nb:\n  <<: *x\n  k: 3\n", "t") == {"a": {"k": 1, "j": 2},
                                                                            "b": {"k": 3, "j": 2}}
-    assert load_config(None, ["seed=1", "pooling.alpha=2", "seed=4", "pooling.alpha=3"]).seed == 4
-    assert load_config(None, ["pooling.alpha=2", "pooling.alpha=3"]).pooling.alpha == 3
+    assert load_config(None, ["seed=1", "model.drop_path=0.2", "seed=4", "model.drop_path=0.3"]).seed == 4
+    assert load_config(None, ["model.drop_path=0.2", "model.drop_path=0.3"]).model.drop_path == 0.3
     with pytest.raises(ConfigError, match=r"--set 'bench.keep=\{a: 1, a: 2\}': line 1: the key 'a' is given twice"):
         load_config(None, ["bench.keep={a: 1, a: 2}"])
 
@@ -285,3 +285,22 @@ def test_every_yaml_under_configs_loads_with_the_one_loader(path: Path):
     loaded = load_sparsity(path) if path.parent.name == "sparsity" else load_config(path)
     raw = parse_yaml(path.read_text(), str(path))
     assert raw and set(raw) <= loaded.model_fields_set
+
+
+def test_normalised_queries_and_keys_are_the_models_setting_and_old_checkpoints_read_as_todays():
+    """model.qk_norm / model.alpha; the pooling section's old keys get one line naming the new ones, and a checkpoint
+    whose stored config has them in pooling (every one written before the move) reads with them in the model."""
+    from pipeline.config import Config
+    from pipeline.train.checkpoint import stored_sections
+
+    for key, value in (("qk_norm", "learned"), ("alpha", "2")):
+        with pytest.raises(ConfigError, match=rf"pooling.{key} is now model.{key}: the model's setting, honoured by "
+                                              r"every stage \(the base and the K search too\); set it there"):
+            load_config(None, [f"pooling.{key}={value}"])
+    with pytest.raises(ConfigError, match="model.alpha=2 scales normalised queries and keys: set model.qk_norm"):
+        load_config(None, ["model.alpha=2"])
+    stored = Config().model_dump(mode="json")
+    for qk_norm, alpha in (("learned", 2.0), (None, 1.0)):
+        stored["pooling"] |= {"qk_norm": qk_norm, "alpha": alpha}
+        config = Config.model_validate(stored_sections(stored))
+        assert (config.model.qk_norm, config.model.alpha) == (qk_norm, alpha)

@@ -193,7 +193,8 @@ def test_the_shared_pooling_settings_are_part_of_the_experiment():
         assert dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) == default, extra
     other = [["pooling.options.powerbert.significance=cls"], ["pooling.carry=true"],
              ["pooling.options.wkmedoids.iters=3"], ["pooling.options.wkmedoids.init=random"],
-             ["pooling.options.wkmedoids.cluster_on=metric"], ["pooling.qk_norm=fixed"], ["pooling.alpha=2.0"],
+             ["pooling.options.wkmedoids.cluster_on=metric"], ["model.qk_norm=fixed"],
+             ["model.qk_norm=fixed", "model.alpha=2.0"],
              ["kernels.kmedoids=torch"]]
     ids = {dag_id(load_config(paper, ["experiment.methods=[wkmedoids, powerbert]", *extra])) for extra in other}
     assert len(ids) == len(other) and default not in ids
@@ -540,6 +541,10 @@ def test_evaluations_without_finetuning_are_planned_from_the_bases_levels(capsys
                  "carry: [false, true]}"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["evaluate"] == 27 + 2 + 5 * 2 * 2
+    assert "model.qk_norm" not in err
+    assert main(["run", demo, "--plan", "--set", "model.qk_norm=learned", "--set", "model.alpha=8"]) == 0
+    assert "[plan] model.qk_norm: learned (alpha 8) in every stage: the bases, K searches, finetunes and " \
+           "evaluations (Appendix F)" in capsys.readouterr().err
     assert "[plan] experiment.no_finetune: 22 evaluation(s) without training (each base unmodified, then kmedoids, " \
            "wkmeans at each level, carry off/on); in the report, in no front" in err
 

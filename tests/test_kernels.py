@@ -176,6 +176,25 @@ def test_under_the_interpreter_the_record_says_where_the_one_pass_attention_fell
     assert proc.stdout.splitlines()[-2:] == ["96 torch (T=577)", "56 triton-one-pass (T=197)"], proc.stdout
 
 
+@pytest.mark.slow
+def test_the_doctor_checks_the_one_pass_attention_on_normalised_queries_and_keys():
+    """model.qk_norm (Appendix F): the doctor checks the attention kernels on queries and keys as the model gives them
+    (normalised, the queries times alpha, scale 1), here under Triton's interpreter, and says the CPU runs the torch
+    path for them."""
+    pytest.importorskip("triton")
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "doctor", "--device", "cpu", *TINY_MODEL, "--set",
+                           "model.qk_norm=learned", "--set", "model.alpha=4"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attention T=17, 13, 9 with 3 heads of 64, normalised queries and keys (alpha 4)" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| attention |")]
+    assert [row.split(" | ")[4] for row in rows] == [f"B=2 H=3 T={t} D=64 qk-norm" for t in (17, 13, 9)], rows
+    assert all(row.endswith("| ok |") for row in rows)
+    assert "skipped: merge, attention: no fused kernel runs on the CPU (the torch path does), normalised queries and " \
+           "keys included" in proc.stdout
+
+
 def test_the_self_check_passes_on_the_cpu_and_is_cached(fresh_checks, monkeypatch):
     """At the model's shapes: each block that pools, 16 tokens to 8, then 8 to 4, at its width 32."""
     model = tiny()

@@ -233,6 +233,42 @@ def test_baseline_finetunes_without_downsampling(base, data, runs):
 
 @pytest.mark.ray
 @pytest.mark.beton
+def test_a_base_with_learned_alpha_learns_one_a_block_and_its_finetunes_start_from_them(base, data, runs):
+    """model.qk_norm in the base stage (Appendix F): the base trains one alpha a block, which moves; a finetune that
+    asks for the same normalisation starts from those alphas; a checkpoint and a stage that disagree are refused
+    before any compute, both ways round."""
+    from pipeline.models import DownsamplingBlocks
+    from pipeline.train.build import build_model
+
+    normed = run_training(tiny(data, runs, "train.name=base_qk", "model.qk_norm=learned", "model.alpha=4.0",
+                               "train.workers=0", "recipe.epochs=1", folders=True))
+    alphas = {k: float(v) for k, v in load_checkpoint(normed.checkpoint)["model"].items() if k.endswith("qk_alpha")}
+    assert sorted(alphas) == [f"blocks.{i}.qk_alpha" for i in range(3)]
+    assert all(abs(a - 4.0) > 1e-6 for a in alphas.values()), alphas  # learned: the optimiser moved each
+    finetune = tiny(data, runs, "train.mode=finetune", f"train.init={normed.checkpoint}", "model.qk_norm=learned",
+                    "model.alpha=4.0", "pooling.method=kmedoids", "pooling.keep=[12, 8, 4]")
+    model = build_model(finetune)
+    loop.init_from(finetune, model)
+    assert {f"blocks.{i}.qk_alpha": float(b.qk_alpha) for i, b in enumerate(model.blocks)} == alphas
+    assert not isinstance(build_model(tiny(data, runs)).blocks, DownsamplingBlocks)  # unset: timm's own attention
+    with pytest.raises(CheckpointError, match="different architecture.*qk_norm: checkpoint None vs config learned"):
+        run_training(tiny(data, runs, "train.mode=finetune", f"train.init={base.checkpoint}", "model.qk_norm=learned",
+                          "pooling.keep=[12, 8, 4]"))
+    with pytest.raises(CheckpointError, match="different architecture.*qk_norm: checkpoint learned vs config None"):
+        run_training(tiny(data, runs, "train.mode=ksearch", f"train.init={normed.checkpoint}"))
+    # `run --plan`'s check of a given base: the tiny DAG's 24-wide base, asked for with normalised queries and keys
+    from pipeline.dag.checks import check_given_bases
+
+    dag = ROOT / "configs" / "experiments" / "tiny.yaml"
+    given = [f"experiment.base_checkpoints={{M24: {base.checkpoint}}}", "experiment.embed_dims=[24]"]
+    check_given_bases(load_config(dag, given))
+    with pytest.raises(ConfigError, match=r"^experiment.base_checkpoints.M24: .* was trained for a different "
+                                          "architecture \\(qk_norm: checkpoint None vs config fixed\\)"):
+        check_given_bases(load_config(dag, [*given, "model.qk_norm=fixed"]))
+
+
+@pytest.mark.ray
+@pytest.mark.beton
 def test_bad_inputs_fail_before_any_compute(base, data, runs, tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset not found"):
         run_training(tiny(data, runs, f"data.train={tmp_path / 'nope.beton'}"))

@@ -100,12 +100,14 @@ def _checkpoint_subject(path: Path) -> Subject:
         net, config, state = model_from_checkpoint(path, plain=True)
     except CheckpointError as err:
         raise AnalysisError(str(err)) from None
-    mode = config.train.mode
+    mode, model = config.train.mode, config.model
     extra: dict[str, Any] = {}
+    if model.qk_norm is not None:
+        extra["variant"] = {"qk_norm": model.qk_norm, "alpha": model.alpha}
     if mode == "finetune":
         pool = config.pooling
         extra = {"method": pool.method, "keep": state.get("keep"),
-                 "variant": {"carry": pool.carry, "qk_norm": pool.qk_norm, "alpha": pool.alpha},
+                 "variant": {"carry": pool.carry, "qk_norm": model.qk_norm, "alpha": model.alpha},
                  "options": pool.method_options()}
     return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", val=config.data.val, **extra)
 
@@ -119,6 +121,8 @@ def with_method(subject: Subject, method: str, keep: Sequence[int] | None, *,
     """
 
     net = copy.deepcopy(subject.model)
+    if isinstance(net.blocks, DownsamplingBlocks):  # a model with normalised q/k and no pooling: its plain blocks
+        net.blocks = nn.Sequential(*net.blocks)
     variant = subject.variant if variant is None else variant
     if not options and method == subject.method:
         options = dict(subject.options)

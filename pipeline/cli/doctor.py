@@ -70,7 +70,8 @@ def config_shapes(config):
         keep = finetune_keep(config)
     except ConfigError:  # no keep list in the config
         keep = [max(1, round(tokens * (depth - layer) / (depth + 1))) for layer in range(depth)]
-    return model_shapes(create_model(config.model.name, **args, method="kmedoids", keep=keep))
+    return model_shapes(create_model(config.model.name, **args, method="kmedoids", keep=keep,
+                                     qk_norm=config.model.qk_norm, alpha=config.model.alpha))
 
 
 def add_commands(commands) -> None:

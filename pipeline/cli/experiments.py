@@ -36,6 +36,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"[plan] experiment.conv: {len(placements)} placement(s) for {arch.label}"
                   + (f" ({', '.join(placements)})" if 0 < len(placements) <= 12 else ""), file=sys.stderr)
         counts = count_plan(config)
+        if config.model.qk_norm is not None:
+            print(f"[plan] model.qk_norm: {config.model.qk_norm} (alpha {config.model.alpha:g}) in every stage: the "
+                  "bases, K searches, finetunes and evaluations (Appendix F)", file=sys.stderr)
         untrained = config.experiment.no_finetune
         if untrained is not None:
             print(f"[plan] experiment.no_finetune: {counts.evaluate - counts.finetune} evaluation(s) without training "

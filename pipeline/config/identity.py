@@ -33,13 +33,19 @@ def identity_content(config: Config) -> dict[str, Any]:
     # the torch path), so training identities leave it out; an evaluation's identity names it (``dag.plan``).
     for section in ("experiment", "bench", "bench_throughput", "bench_loop", "kernels"):
         content.pop(section, None)
+    if config.model.qk_norm is None:  # unset, the model's normalisation leaves every id as it was before it existed
+        for key in ("qk_norm", "alpha"):
+            content["model"].pop(key)
     target = content.get("train", {}).get("ksearch_target")
     if target and target.get("table_sha256"):  # a table enters by its content, not its path
         target.pop("table")
     pool = config.pooling
     if config.train.mode == "finetune":
+        # qk_norm and alpha were the pooling section's before they were the model's: named here still, so that a
+        # finetune's id stays what it was
         content["pooling"] = {"method": pool.method, "keep": pool.keep, "level": pool.level, "carry": pool.carry,
-                              "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.method_options()}
+                              "qk_norm": config.model.qk_norm, "alpha": config.model.alpha,
+                              "options": pool.method_options()}
         plugin = plugin_of(pool.method)
         if plugin is not None:  # another release of the plugin is another result; the pipeline's own is not
             content["pooling"]["plugin"] = {"distribution": plugin.distribution, "version": plugin.version}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -25,6 +25,10 @@ class ModelConfig(Section):
     mean: tuple[float, float, float] | None = Field(None, description="overrides the model's data config")
     std: tuple[float, float, float] | None = Field(None, description="overrides the model's data config")
     crop_pct: float | None = Field(None, gt=0, le=1, description="overrides the model's data config")
+    qk_norm: Literal["fixed", "learned"] | None = Field(
+        None, description="L2-normalised queries and keys with logits alpha * q.k (Appendix F), in every stage: fixed "
+        "alpha, or one alpha a block learned")
+    alpha: float = Field(1.0, gt=0, allow_inf_nan=False, description="qk_norm's alpha (learned: its initial value)")
     patch_embed: PatchEmbed = Field(
         "conv", description="the patch embedding as timm's convolution, or as the same function in one matmul "
         "(much faster on CUDA; same parameters)")
@@ -38,4 +42,7 @@ class ModelConfig(Section):
     def _heads_divide(self) -> ModelConfig:
         if self.embed_dim is not None and self.num_heads is not None and self.embed_dim % self.num_heads:
             raise InputError(f"embed_dim {self.embed_dim} does not split into {self.num_heads} heads")
+        if self.qk_norm is None and self.alpha != 1.0:
+            raise InputError(f"model.alpha={self.alpha:g} scales normalised queries and keys: set model.qk_norm "
+                             "(fixed or learned) too, or leave model.alpha out")
         return self

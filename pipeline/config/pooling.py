@@ -3,13 +3,16 @@ method's own options under ``pooling.options.<method>`` (declared by its ``Metho
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import MethodName, Section
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, method_spec
+
+# Keys that were the pooling section's and are the model's now (normalised queries and keys, Appendix F).
+MOVED_TO_MODEL = ("qk_norm", "alpha")
 
 
 class PoolingConfig(Section):
@@ -20,8 +23,6 @@ class PoolingConfig(Section):
         None, min_length=1, description="K_1..K_L for finetuning (one per block, each >= 0); default: keep all")
     level: int | None = Field(None, ge=0, le=7, description="or the paper's sparsity level (configs/sparsity/)")
     carry: bool = Field(False, description="carry cluster sizes, proportional attention (Appendix E)")
-    qk_norm: Literal["fixed", "learned"] | None = Field(None, description="normalised queries/keys (Appendix F)")
-    alpha: float = Field(1.0, gt=0, description="the (initial) alpha of qk_norm")
     options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="each method's own options, by method: {wkmedoids: {iters: 3}, "
         "tome: {cluster_on: tokens}}; an option not set takes the method's default (`pipeline methods` lists them)")
@@ -32,6 +33,10 @@ class PoolingConfig(Section):
         """A method's option set as a key of ``pooling`` itself: one line naming where it goes."""
         if not isinstance(data, dict):
             return data
+        moved = sorted(set(data) & set(MOVED_TO_MODEL))
+        if moved:
+            raise InputError(f"pooling.{moved[0]} is now model.{moved[0]}: the model's setting, honoured by every "
+                             "stage (the base and the K search too); set it there")
         method = data.get("method", cls.model_fields["method"].default)
         for key in set(data) - set(cls.model_fields):
             takers = [name for name, spec in METHODS.items() if key in spec.options]

@@ -38,12 +38,34 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     list left open)."""
     check_data_plan(config)
     stages = training_stages(config)
+    check_given_bases(config)
     check_operators(config)
     check_auto_tables(config, address)
     check_targets(config)
     warn_learning_rates(config)
     check_cluster(config, stages, address)
     return stages
+
+
+def check_given_bases(config: Config) -> None:
+    """Each ``experiment.base_checkpoints`` entry was trained as its base stage's model (``train.build.arch_signature``:
+    normalised queries and keys, widths, depth, heads, patches, classes), which its K search and finetunes continue;
+    refused in one line naming the entry, before anything runs."""
+    import torch
+
+    from pipeline.train.build import arch_signature, build_model
+    from pipeline.train.checkpoint import CheckpointError, check_architecture, load_init
+
+    for arch in archs(config):
+        path = config.experiment.base_checkpoints.get(arch.label)
+        if path is None:
+            continue
+        with torch.device("meta"):  # the shapes and settings only
+            model = build_model(base_stage(config, arch).config)
+        try:
+            check_architecture(load_init(path), arch_signature(model), path)
+        except CheckpointError as err:
+            raise ConfigError(f"experiment.base_checkpoints.{arch.label}: {err}") from None
 
 
 def planned_methods(config: Config) -> list[str]:

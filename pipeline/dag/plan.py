@@ -70,7 +70,9 @@ def dag_id(config: Config) -> str:
     unset = {name for name in UNSET_IS_ABSENT if getattr(config.experiment, name) is None}
     meta = {"experiment": config.experiment.model_dump(mode="json", exclude={"select": {"tie_margin"}, **{
         name: True for name in unset}}),
-            "pooling": config.pooling.model_dump(mode="json", exclude={"method", "keep", "level"}),
+            # model.qk_norm and model.alpha were pooling's: named there still, so that a stored DAG's id stays
+            "pooling": config.pooling.model_dump(mode="json", exclude={"method", "keep", "level"})
+            | {"qk_norm": config.model.qk_norm, "alpha": config.model.alpha},
             "kernels": chosen_kernels(config)}
     return stage_id("dag", config, [], meta)
 

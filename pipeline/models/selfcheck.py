@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import PipelineError
@@ -96,18 +97,21 @@ class _Check:
 @dataclass(frozen=True)
 class CheckShapes:
     """The shapes a model's fused steps run at: (N, K) of each block that pools (its tokens in and out, prefix
-    excluded), the token width M, and each block's attention: its tokens T (prefix included), heads and head dim."""
+    excluded), the token width M, and each block's attention: its tokens T (prefix included), heads and head dim, and
+    ``qk_alpha``, the alpha of normalised queries and keys where the model has them (``model.qk_norm``)."""
 
     pools: tuple[tuple[int, int], ...]
     width: int
     tokens: tuple[int, ...]
     heads: int
     head_dim: int
+    qk_alpha: float | None = None
 
     def describe(self) -> str:
         pools = ", ".join(f"{n}->{k}" for n, k in self.pools) or "none"
+        normalised = "" if self.qk_alpha is None else f", normalised queries and keys (alpha {self.qk_alpha:g})"
         return (f"pooling N->K {pools} at M={self.width}; attention T={', '.join(map(str, self.tokens))} with "
-                f"{self.heads} heads of {self.head_dim}")
+                f"{self.heads} heads of {self.head_dim}{normalised}")
 
 
 # The shapes without a model (``run_checks``' default): a DeiT-S level's N at a tenth of its width, so a check
@@ -130,9 +134,10 @@ def model_shapes(model: nn.Module) -> CheckShapes | None:
         if 0 < k < n:
             pools.append((n, k))
         n = min(n, k)
-    attn = blocks[0].attn
+    attn, alpha = blocks[0].attn, getattr(blocks[0], "qk_alpha", None)
     return CheckShapes(pools=tuple(dict.fromkeys(pools)), width=int(blocks[0].norm1.normalized_shape[0]),
-                       tokens=tuple(dict.fromkeys(tokens)), heads=int(attn.num_heads), head_dim=int(attn.head_dim))
+                       tokens=tuple(dict.fromkeys(tokens)), heads=int(attn.num_heads), head_dim=int(attn.head_dim),
+                       qk_alpha=None if alpha is None else float(alpha))
 
 
 def triton_version() -> str:
@@ -270,23 +275,27 @@ def _clustering_shape(choice: KernelChoice, device: torch.device, interpret: boo
 def _attention_check(choice: KernelChoice, device: torch.device, dtype: torch.dtype, interpret: bool,
                      shapes: CheckShapes) -> list[_Check]:
     """The one-pass attention with eq. 4 against its torch implementation: (2, H, T, D) q, k, v in ``dtype`` at
-    each T of ``shapes`` that the one-pass kernel takes (beyond it the torch implementation runs)."""
+    each T of ``shapes`` that the one-pass kernel takes (beyond it the torch implementation runs); with ``qk_alpha``,
+    on normalised queries and keys as the model gives them (``models.attention.attend``: q^ alpha and k^, scale 1)."""
     plan = _cuda_plan(choice) if interpret else kernels_planned(choice, device)
     if plan["attention"] != "triton-one-pass":
         return []
     g = torch.Generator().manual_seed(1)
     fused = significance._joint_cuda if interpret else significance.attention_and_significance
-    scale = shapes.head_dim ** -0.5
+    scale = shapes.head_dim ** -0.5 if shapes.qk_alpha is None else 1.0
     checks = []
     for t in shapes.tokens:
         q, k, v = (torch.randn(2, shapes.heads, t, shapes.head_dim, generator=g).to(device, dtype) for _ in range(3))
+        if shapes.qk_alpha is not None:
+            q, k = F.normalize(q, dim=-1) * shapes.qk_alpha, F.normalize(k, dim=-1)
         if not one_pass_fits(q):
             continue
         checks.append(_Check("attention", plan["attention"], dtype,
                              lambda q=q, k=k, v=v: fused(q, k, v, None, scale),
                              lambda q=q, k=k, v=v: attention_and_significance_torch(q, k, v, None, scale),
                              _float_error, TOLERANCE[str(dtype).removeprefix("torch.")],
-                             f"B=2 H={shapes.heads} T={t} D={shapes.head_dim}"))
+                             f"B=2 H={shapes.heads} T={t} D={shapes.head_dim}"
+                             + ("" if shapes.qk_alpha is None else " qk-norm")))
     return checks
 
 
@@ -391,13 +400,18 @@ def _skipped(choice: KernelChoice, device: torch.device, interpret: bool, result
         if not any(impl == "native-c" for _, impl in checked):
             lines.append("native C kernels: none at hand (kernels.native: torch, or no C compiler); the torch "
                          "iterations run")
-        lines.append("merge, attention: no fused kernel runs on the CPU (the torch path does)")
+        lines.append("merge, attention: no fused kernel runs on the CPU (the torch path does)"
+                     + (", normalised queries and keys included" if shapes.qk_alpha is not None else ""))
         if not interpret:
             lines.append("Triton kernels (kmedoids fused and tiled, kmeans, merge, one-pass attention): they need "
                          "CUDA; `TRITON_INTERPRET=1 python -m pipeline doctor` runs their code under Triton's "
                          "interpreter")
     elif device.type == "cuda" and triton is None:
         lines.append("Triton kernels: Triton is not installed; the torch path runs")
+    if device.type == "cuda" and shapes.qk_alpha is not None:
+        lines.append("attention's eq. 4 beside cuDNN or flash attention: normalised queries and keys are not laid "
+                     "out as those kernels take them, so SDPA and the torch scores run for them (the one-pass kernel "
+                     "takes them: checked above where it runs)")
     return lines
 
 

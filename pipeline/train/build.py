@@ -41,18 +41,19 @@ def build_model(config: Config) -> nn.Module:
     """The network of ``config.train.mode``.
 
     base and baseline: no downsampling; ksearch: PoWER-BERT soft-extract layers; finetune:
-    ``pooling.method`` with its keep list. Invalid names, widths and keep lists raise here, before
-    any training starts.
+    ``pooling.method`` with its keep list; in every mode ``model.qk_norm`` (one ``qk_alpha`` a block). Invalid names,
+    widths and keep lists raise here, before any training starts.
     """
     mode, pool = config.train.mode, config.pooling
-    downsampling: dict[str, Any] = {}
+    # the model's normalised queries and keys, in every mode (absent: the unmodified timm attention)
+    downsampling: dict[str, Any] = {"qk_norm": config.model.qk_norm, "alpha": config.model.alpha}
     if mode == "ksearch":
-        downsampling = {"soft_extract": True}
+        downsampling["soft_extract"] = True
     elif mode == "finetune":
         if not downsamples(pool.method):
             raise ConfigError("train.mode=finetune with pooling.method=none is the baseline; use train.mode=baseline")
-        downsampling = {"method": pool.method, "keep": finetune_keep(config), "carry": pool.carry,
-                        "qk_norm": pool.qk_norm, "alpha": pool.alpha, "options": pool.method_options()}
+        downsampling |= {"method": pool.method, "keep": finetune_keep(config), "carry": pool.carry,
+                         "options": pool.method_options()}
     try:
         return create_model(config.model.name, **model_args(config), **downsampling,
                             kernels=config.kernels.choice())
@@ -61,8 +62,11 @@ def build_model(config: Config) -> nn.Module:
 
 
 def arch_signature(model: nn.Module) -> dict[str, Any]:
-    """What must agree for a checkpoint to load: widths, depth, heads, patches, classes."""
+    """What must agree for a checkpoint to load: normalised queries and keys (``model.qk_norm``), widths, depth,
+    heads, patches, classes."""
+    alpha = getattr(model.blocks[0], "qk_alpha", None)
     return {
+        "qk_norm": None if alpha is None else "learned" if alpha.requires_grad else "fixed",
         "embed_dim": int(model.embed_dim),
         "depth": len(model.blocks),
         "num_heads": int(model.blocks[0].attn.num_heads),
