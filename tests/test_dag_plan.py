@@ -565,3 +565,26 @@ def test_an_impossible_no_finetune_setting_is_refused_in_one_line(capsys, settin
     assert main(["run", demo, "--plan", "--set", f"experiment.no_finetune={setting}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: invalid config:\n") and message in err and len(err.strip().splitlines()) == 2, err
+
+
+def test_a_finetune_seed_reruns_the_finetunes_alone():
+    """experiment.finetune.seed: the finetunes (and the baseline) train again with that seed from the same bases and K
+    searches, whose ids stay; the evaluations follow their finetunes. A base or K-search seed is refused in one line."""
+    from pipeline.dag.plan import archs, base_stage, evaluate_stage, finetune_stage, ksearch_stages
+
+    def ids(config):
+        arch = archs(config)[0]
+        base = base_stage(config, arch)
+        ks = ksearch_stages(config, arch, base)
+        ft = finetune_stage(config, arch, base, "kmedoids", "lam0.05", [12, 8, 4], [ks[0].id])
+        full = finetune_stage(config, arch, base, "none", "full", None, [])
+        return [base.id, ks[0].id], [ft.id, full.id, evaluate_stage(config, ft).id], ft.config.seed
+
+    same, first, seed = ids(load_config(TINY))
+    again, second, reseeded = ids(load_config(TINY, ["experiment.finetune.seed=1"]))
+    assert (same, seed, reseeded) == (again, 0, 1)
+    assert not set(first) & set(second)
+    for stage in ("base", "ksearch"):
+        with pytest.raises(ConfigError, match=r"experiment.base.seed / experiment.ksearch.seed: set the config's "
+                                              "`seed` for the bases and K searches"):
+            load_config(TINY, [f"experiment.{stage}.seed=1"])

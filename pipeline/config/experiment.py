@@ -91,6 +91,9 @@ class StageRecipe(Section):
     lr: float | None = Field(None, gt=0)
     warmup_epochs: float | None = Field(None, ge=0)
     sweep: SweepConfig | None = Field(None, description="base stage only: a hyperparameter search (Ray Tune)")
+    seed: int | None = Field(None, ge=0, lt=2**32 // 1000 - 1, description="the stage's seed (default the config's "
+                             "`seed`): finetunes again from the same bases and keep lists with another seed, to see "
+                             "the run-to-run noise")
 
 
 class PrepareItem(Section):
@@ -259,6 +262,9 @@ class ExperimentConfig(Section):
                              "experiment.baseline: true instead")
         if self.search.algorithm == "grid" and self.search.num_samples != 1:
             raise InputError("experiment.search.num_samples applies to algorithm: random")
+        if self.base.seed is not None or self.ksearch.seed is not None:
+            raise InputError("experiment.base.seed / experiment.ksearch.seed: set the config's `seed` for the bases "
+                             "and K searches; experiment.finetune.seed reruns the finetunes alone with another")
         for stage in ("ksearch", "finetune"):
             if getattr(self, stage).sweep is not None:
                 raise InputError(f"experiment.{stage}.sweep: hyperparameter sweeps run on the base stage; the K "

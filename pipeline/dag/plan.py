@@ -67,9 +67,15 @@ def dag_id(config: Config) -> str:
     runs. ``experiment.select.tie_margin`` is left out: it is how the select stage (never cached) reads the same
     measurements, so another margin selects again under the same parent run. A setting that is off
     (``experiment.conv`` unset) leaves the id as it was before the setting existed."""
-    unset = {name for name in UNSET_IS_ABSENT if getattr(config.experiment, name) is None}
-    meta = {"experiment": config.experiment.model_dump(mode="json", exclude={"select": {"tie_margin"}, **{
-        name: True for name in unset}}),
+    exp = config.experiment
+    exclude: dict[str, Any] = {"select": {"tie_margin"}}
+    for name in UNSET_IS_ABSENT:
+        section, _, key = name.partition(".")
+        if key and getattr(getattr(exp, section), key) is None:
+            exclude[section] = {key}
+        elif not key and getattr(exp, section) is None:
+            exclude[section] = True
+    meta = {"experiment": exp.model_dump(mode="json", exclude=exclude),
             # model.qk_norm and model.alpha were pooling's: named there still, so that a stored DAG's id stays
             "pooling": config.pooling.model_dump(mode="json", exclude={"method", "keep", "level"})
             | {"qk_norm": config.model.qk_norm, "alpha": config.model.alpha},
@@ -78,7 +84,7 @@ def dag_id(config: Config) -> str:
 
 
 # Experiment settings that enter the DAG's id only when set, so that a stored DAG's id stays.
-UNSET_IS_ABSENT = ("conv", "no_finetune")
+UNSET_IS_ABSENT = ("conv", "no_finetune", "base.seed", "ksearch.seed", "finetune.seed")
 
 
 def chosen_kernels(config: Config) -> dict[str, str]:
@@ -130,9 +136,10 @@ def _with(config: Config, *, stage: str, model: dict[str, Any], recipe: StageRec
           pooling: dict[str, Any] | None = None) -> Config:
     """``config`` with section updates (typed copies), validated again: a bad width or keep list fails here, as a
     ConfigError naming the experiment-level key it came from (``stage``: the experiment's recipe section)."""
-    stage_recipe = {k: v for k, v in recipe.model_dump(exclude={"sweep"}).items() if v is not None}
+    stage_recipe = {k: v for k, v in recipe.model_dump(exclude={"sweep", "seed"}).items() if v is not None}
     updates = {"model": model, "recipe": stage_recipe, "train": train, "pooling": pooling or {}}
     updated = config.model_copy(update={
+        "seed": config.seed if recipe.seed is None else recipe.seed,
         "model": config.model.model_copy(update=model),
         "recipe": config.recipe.model_copy(update=stage_recipe),
         "train": config.train.model_copy(update=train),
