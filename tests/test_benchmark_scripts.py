@@ -29,6 +29,7 @@ IDLE = ROOT / "docs" / "data" / "cpu" / "2026-12-02_latency-check-idle"
 SMOKE: dict[str, tuple[list[str], str | None]] = {
     "attention_with_scores_cpu.py": (["--smoke"], "joint_chunked"),
     "cluster_budget.py": ([], "GPU-hours"),
+    "clustering_parts.py": (["--smoke"], "| whole step (the downsampler) |"),
     "eager_launches.py": (["--smoke"], "kmedoids "),
     "gpu_ceiling.py": (["--smoke"], "eager sig:"),
     "kmeans_gram_form.py": (["--smoke"], "same assignments True"),

@@ -3,6 +3,7 @@ references and the torch iterations, and their build, cache and fallback."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import subprocess
 
@@ -199,3 +200,62 @@ def test_a_bad_native_choice_is_refused_with_the_values_it_takes(fresh):
     with pytest.raises(InputError, match=r"kernels.native must be one of auto, torch, got '0'"):
         KernelChoice(native="0")
     assert list(fresh.iterdir()) == []  # nothing built
+
+
+def _lib_built_with(flags: tuple[str, ...], path) -> ctypes.CDLL:
+    proc = subprocess.run(["cc", *flags, str(native.SOURCE), "-o", str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lib = ctypes.CDLL(str(path))
+    for name, args in native._SIGNATURES.items():
+        for suffix in native._SUFFIX.values():
+            getattr(lib, name + suffix).argtypes = args
+            getattr(lib, name + suffix).restype = ctypes.c_int
+    return lib
+
+
+@pytest.mark.skipif(native.built_for() == "baseline", reason="the x86-64 clones exist on x86-64 alone")
+def test_every_instruction_sets_code_gives_the_same_bits(lib, tmp_path):
+    """The library's clones (the one this CPU runs), the baseline alone (-DPIPELINE_NO_CLONES) and the AVX2 level
+    built for by hand (-march=x86-64-v3): the same medoids, assignments and K-Means assignments, bit for bit (no
+    contraction, no reordered sum), on the cases above."""
+    others = {"baseline": _lib_built_with((*native.FLAGS, native.NO_CLONES), tmp_path / "baseline.so"),
+              "x86-64-v3": _lib_built_with((*native.FLAGS, native.NO_CLONES, "-march=x86-64-v3"), tmp_path / "v3.so")}
+    for (b, n, m, k), weighted, iters, kind in CASES:
+        x, w, start = _case(b, n, m, k, kind, seed=n)
+        w = w if weighted else None
+        want = native.kmedoids(lib, sq_dists(x), w, start, iters, SWAP_RTOL), native.kmeans_gram(lib, _gram(x), w,
+                                                                                               start, iters)
+        for name, other in others.items():
+            med, assign = native.kmedoids(other, sq_dists(x), w, start, iters, SWAP_RTOL)
+            got = native.kmeans_gram(other, _gram(x), w, start, iters)
+            assert torch.equal(med, want[0][0]) and torch.equal(assign, want[0][1]), (name, n, k)
+            assert torch.equal(got, want[1]), (name, n, k)
+
+
+def test_the_cache_is_keyed_by_the_instruction_sets_and_a_library_that_says_otherwise_never_loads(
+        fresh, monkeypatch, caplog, tmp_path_factory):
+    """The library's name holds the instruction sets it was built for, a baseline build (PIPELINE_NATIVE_CLONES=0) is
+    another file; a baseline library put in under the clones' name is refused (the torch iterations run) with a line
+    saying what it holds and what to do."""
+    clones = native.library_path()
+    assert native.library() is not None and clones.exists()
+    assert native.instruction_set() in {"x86-64-v4", "x86-64-v3", "x86-64", "baseline"}
+    assert f"clustering_cpu-{native.built_for().replace(',', '+')}-" in clones.name
+    if native.built_for() == "baseline":
+        return
+    monkeypatch.setenv("PIPELINE_NATIVE_CLONES", "0")
+    native.library.cache_clear()
+    baseline = native.library_path()
+    assert baseline != clones and baseline.name.startswith("clustering_cpu-x86-64-")
+    assert native.library() is not None and native.instruction_set() == "x86-64"
+    monkeypatch.delenv("PIPELINE_NATIVE_CLONES")
+    other = tmp_path_factory.mktemp("other")  # a folder of its own: a path loaded before would be the loaded library
+    monkeypatch.setenv("PIPELINE_NATIVE_CACHE", str(other))
+    clones = native.library_path()
+    clones.write_bytes(baseline.read_bytes())  # another build under the clones' name
+    native.library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.pooling.native"):
+        assert native.library() is None
+    assert f"{clones.name} holds kernels for x86-64, not the x86-64-v4,x86-64-v3,x86-64 its name says; delete it " \
+           "to rebuild it" in caplog.text

@@ -25,6 +25,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
 
     from pipeline.models.selfcheck import doctor, doctor_table, kernels_planned, mismatch_message
+    from pipeline.pooling import native
 
     config = load_config(args.config, args.overrides)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,6 +35,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     # for this process, not a kernel choice.
     results, skipped = doctor(choice, device, interpret=os.environ.get("TRITON_INTERPRET") == "1", shapes=shapes)
     print(doctor_table(results, skipped, kernels_planned(choice, device), shapes))
+    print(f"native C kernels: {native.describe()}")
     failed = [r for r in results if not r.ok]
     for result in failed:
         print(f"error: {mismatch_message(result)}", file=sys.stderr)

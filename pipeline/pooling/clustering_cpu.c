@@ -13,6 +13,14 @@
  *
  * Both return 0, or -1 when the workspace could not be allocated.
  *
+ * Instruction sets: on x86-64 each exported kernel is built three times, for the x86-64 psABI levels v4 (AVX-512),
+ * v3 (AVX2, FMA) and the baseline, and the loader picks the one the CPU runs (GCC's and Clang's target_clones); one
+ * library serves every x86-64 CPU, so a cache or an image built elsewhere loads anywhere. -DPIPELINE_NO_CLONES
+ * builds the baseline alone. clustering_isa() names the level the kernels run at here, clustering_built() the
+ * levels the library holds (native.py keys its cache by it and refuses a library that says otherwise).
+ * -ffp-contract=off holds in every clone: a wider vector changes no rounding, and no sum is reordered (the C
+ * compiler reassociates no floating-point addition without -ffast-math), so every clone gives the same bits.
+ *
  * K-Medoids (kmedoids_f32 / _f64). Semantics are those of clustering._kmedoids and of the brute-force
  * reference in tests/, with the same floating-point operations as the torch iterations, so that the
  * results are the same bits:
@@ -35,6 +43,31 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__x86_64__) && !defined(PIPELINE_NO_CLONES)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define BUILT "x86-64-v4,x86-64-v3,x86-64"
+#else
+#define CLONES
+#if defined(__x86_64__)
+#define BUILT "x86-64"
+#else
+#define BUILT "baseline"
+#endif
+#endif
+
+/* the levels this library holds a clone for, highest first */
+const char *clustering_built(void) { return BUILT; }
+
+/* the level the kernels run at on this CPU: the highest clone it supports */
+const char *clustering_isa(void) {
+#if defined(__x86_64__) && !defined(PIPELINE_NO_CLONES)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4";
+    if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3";
+#endif
+    return BUILT;
+}
 
 /* members of each cluster in increasing token order: members[start[c] .. start[c + 1]) */
 static void cluster_members(const int64_t *assign, int64_t *start, int64_t *members, int64_t n, int64_t k) {
@@ -98,8 +131,8 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                \
     }                                                                                                    \
                                                                                                          \
-    int NAME(const REAL *d, const REAL *w, const int64_t *med_in, int64_t *med_out, int64_t *assign,     \
-             int64_t b, int64_t n, int64_t k, int64_t iters, double keep) {                              \
+    CLONES int NAME(const REAL *d, const REAL *w, const int64_t *med_in, int64_t *med_out, int64_t *assign, \
+                    int64_t b, int64_t n, int64_t k, int64_t iters, double keep) {                       \
         int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                      \
         int64_t *members = malloc((size_t)n * sizeof(int64_t));                                          \
         REAL *cost = malloc((size_t)n * sizeof(REAL));                                                   \
@@ -138,8 +171,8 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                \
     }                                                                                                    \
                                                                                                          \
-    int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b, int64_t n, \
-             int64_t k, int64_t iters) {                                                                 \
+    CLONES int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b,      \
+                    int64_t n, int64_t k, int64_t iters) {                                               \
         REAL *proj = malloc((size_t)(k * n) * sizeof(REAL));                                             \
         REAL *csq = malloc((size_t)k * sizeof(REAL));                                                    \
         REAL *best = malloc((size_t)n * sizeof(REAL));                                                   \

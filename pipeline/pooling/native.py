@@ -6,14 +6,18 @@ at hand.
 
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
-machine, so an edit rebuilds it and a second process (a Ray worker, a test) loads it, with or without a
-compiler. Without a compiler ``library()`` returns None and the caller runs the torch iterations (same
+machine and names the instruction sets it holds (``built_for``: on x86-64 a clone of each kernel for the psABI
+levels v4, v3 and the baseline, the CPU's picked when it loads), so an edit rebuilds it and a second process (a Ray
+worker, a test) loads it, with or without a compiler. A library that holds other instruction sets than its name
+says is never loaded (the torch iterations run, and a warning says to delete it); ``instruction_set()`` names the
+level the kernels run at. Without a compiler ``library()`` returns None and the caller runs the torch iterations (same
 results, slower); a failed build says why, once. The config's ``kernels.native: torch`` turns them off
 (``for_tensor(t, enabled=False)``).
 
 Environment (where the library is built and kept, not whether it runs):
     PIPELINE_NATIVE_CACHE: the cache folder (default ``$XDG_CACHE_HOME/pipeline-native``, else
         ``~/.cache/pipeline-native``).
+    PIPELINE_NATIVE_CLONES: ``0`` builds the baseline instruction set alone (no AVX2 or AVX-512 clone).
     CC: the C compiler (default ``cc``).
 """
 
@@ -37,8 +41,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("clustering_cpu.c")
 # -ffp-contract=off: every product is rounded before it is added, as in the torch paths, so the costs
-# are the same bits; no -march=native: a cache on shared storage may serve other CPUs.
+# are the same bits; no -march=native: a cache on shared storage may serve other CPUs (the source's
+# target_clones give each kernel a clone per x86-64 level instead, picked where it loads).
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off")
+NO_CLONES = "-DPIPELINE_NO_CLONES"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name -> argument types (pointers, sizes), for float32 ("_f32") and float64 ("_f64")
     "kmedoids": (_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_double),
@@ -59,13 +65,27 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler flags: ``FLAGS``, and ``NO_CLONES`` where ``PIPELINE_NATIVE_CLONES`` is 0."""
+    return FLAGS + ((NO_CLONES,) if os.environ.get("PIPELINE_NATIVE_CLONES") == "0" else ())
+
+
+def built_for() -> str:
+    """The instruction sets a build holds, as the library's ``clustering_built()`` names them: the x86-64 levels
+    of its clones (``x86-64-v4,x86-64-v3,x86-64``), or the baseline alone."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return "baseline"
+    return "x86-64" if NO_CLONES in flags() else "x86-64-v4,x86-64-v3,x86-64"
+
+
 def library_path() -> Path:
-    """The cached library for this source, these flags and this machine (a library built elsewhere, in a
-    Docker image's build stage, loads where there is no compiler)."""
+    """The cached library for this source, these flags and this machine, named by the instruction sets it holds (a
+    library built elsewhere, in a Docker image's build stage, loads where there is no compiler)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags()).encode(), platform.machine().encode()):
         key.update(part)
-    return cache_dir() / f"clustering_cpu-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"clustering_cpu-{built_for().replace(',', '+')}-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str, target: Path) -> None:
@@ -75,7 +95,7 @@ def build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *flags(), str(SOURCE), "-o", tmp], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise OSError(f"{compiler} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -98,7 +118,7 @@ def library() -> ctypes.CDLL | None:
                             os.environ.get("CC", "cc"))
                 return None
             build(compiler, target)
-        lib = ctypes.CDLL(str(target))
+        lib = _checked(ctypes.CDLL(str(target)), target)
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("could not build the clustering CPU kernels into %s (%s): the torch iterations run instead "
                     "(same results, slower); set PIPELINE_NATIVE_CACHE to a writable folder or CC to a working "
@@ -109,6 +129,37 @@ def library() -> ctypes.CDLL | None:
             getattr(lib, name + suffix).argtypes = args
             getattr(lib, name + suffix).restype = ctypes.c_int
     return lib
+
+
+def _checked(lib: ctypes.CDLL, target: Path) -> ctypes.CDLL:
+    """``lib`` where it holds the instruction sets its name says (``built_for``); else OSError (a library copied in
+    under another's name, or from another build): the torch iterations run, and deleting the file rebuilds it."""
+    for name in ("clustering_built", "clustering_isa"):
+        getattr(lib, name).restype = ctypes.c_char_p
+    held = lib.clustering_built().decode()
+    if held != built_for():
+        raise OSError(f"{target.name} holds kernels for {held}, not the {built_for()} its name says; delete it to "
+                      "rebuild it")
+    return lib
+
+
+ISA_NAMES = {"x86-64-v4": "AVX-512", "x86-64-v3": "AVX2 and FMA", "x86-64": "the x86-64 baseline"}
+
+
+def instruction_set() -> str:
+    """The instruction set the native kernels run at here: ``x86-64-v4`` (AVX-512), ``x86-64-v3`` (AVX2 and FMA),
+    ``x86-64`` (the baseline), ``baseline`` (another machine's), or ``none`` where the library is not at hand."""
+    lib = library()
+    return "none" if lib is None else lib.clustering_isa().decode()
+
+
+def describe() -> str:
+    """One line for ``pipeline doctor``: the instruction set the kernels run at, the sets the library holds, where."""
+    isa = instruction_set()
+    if isa == "none":
+        return "none at hand: the torch iterations run (kernels.native: torch, no C compiler, or a failed build)"
+    name = f" ({ISA_NAMES[isa]})" if isa in ISA_NAMES else ""
+    return f"running the {isa}{name} code of a library built for {built_for()}: {library_path()}"
 
 
 def for_tensor(t: Tensor, enabled: bool = True) -> ctypes.CDLL | None:
