@@ -1,6 +1,7 @@
-"""Paired timing, CPU: K-Medoids' iterations in torch ops (``kmedoids_dense``: what runs without the native
-kernel, with ``kernels.native: torch`` or no C compiler) against the native kernel that the CPU path runs
-(``native.kmedoids``, ``pipeline/pooling/clustering_cpu.c``), on the same distances.
+"""Paired timing, CPU: K-Medoids' iterations in torch ops (``kmedoids_dense`` on ``dists_from_gram``: what runs
+without the native kernel, with ``kernels.native: torch`` or no C compiler) against the native kernel that the CPU
+path runs (``native.kmedoids``, ``pipeline/pooling/clustering_cpu.c``, which derives the distances itself), on the
+same Gram matrices.
 
     python benchmarks/native_kmedoids.py [--smoke]
 
@@ -35,9 +36,9 @@ def main() -> None:
         gen = torch.Generator().manual_seed(k)
         x, scores = torch.randn(batch, n, dim, generator=gen), torch.rand(batch, n, generator=gen)
         w = clustering.effective_weights(x, scores, None)
-        start, d = scores.topk(k, dim=-1).indices, clustering.dists_from_gram(clustering.gram(x))
-        torch_ops = partial(clustering.kmedoids_dense, d, w, start, 5)
-        kernel = partial(native.kmedoids, lib, d, w, start, 5, clustering.SWAP_RTOL)
+        start, g = scores.topk(k, dim=-1).indices, clustering.gram(x)
+        torch_ops = partial(lambda g: clustering.kmedoids_dense(clustering.dists_from_gram(g), w, start, 5), g)
+        kernel = partial(native.kmedoids, lib, g, w, start, 5, clustering.SWAP_RTOL)
         (med_t, assign_t), (med_n, assign_n) = torch_ops(), kernel()
         same = torch.equal(med_t, med_n) and torch.equal(assign_t, assign_n)
         olds, news = time_paired(kernel, torch_ops, warmup=1, repeats=repeats, device=torch.device("cpu"))

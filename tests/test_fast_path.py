@@ -508,7 +508,7 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     start, d = w.topk(k, dim=-1).indices, sq_dists(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     med, assign = kmedoids_triton(d, w, start, iters, SWAP_RTOL)
-    on_cpu = native.kmedoids(lib, d, w, start, iters, SWAP_RTOL)
+    on_cpu = native.kmedoids(lib, gram(x), w, start, iters, SWAP_RTOL)
     for other in (kmedoids_dense(d, w, start, iters), on_cpu, kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL),
                   kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL, tile=16),
                   kmedoids_fused_triton(gram(x), w, start, iters, SWAP_RTOL, gram=True)):  # distances on load

@@ -65,7 +65,7 @@ def test_native_kmedoids_matches_the_reference_and_the_torch_iterations(lib, sha
     x, w, start = _case(b, n, m, k, kind, seed=n + k)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     d = sq_dists(x)
-    med, assign = native.kmedoids(lib, d, w, start, iters, SWAP_RTOL)
+    med, assign = native.kmedoids(lib, _gram(x), w, start, iters, SWAP_RTOL)
     torch_med, torch_assign = kmedoids_dense(d, w, start, iters)
     assert torch.equal(med, torch_med) and torch.equal(assign, torch_assign)  # the same bits
     if kind == "negative":  # float64 has no such rounding: the reference breaks these ties differently
@@ -107,7 +107,7 @@ def test_the_float64_kernels_match_the_references(lib, weighted):
     x, w, start = _case(3, 40, 6, 9, "random", seed=5)
     x = x.double()
     w = w.double() / w.amax() if weighted else None
-    med, assign = native.kmedoids(lib, sq_dists(x), w, start, 4, SWAP_RTOL)
+    med, assign = native.kmedoids(lib, _gram(x), w, start, 4, SWAP_RTOL)
     means = native.kmeans_gram(lib, _gram(x), w, start, 4)
     for s in range(3):
         ws = w[s].numpy() if weighted else np.ones(40)
@@ -130,7 +130,8 @@ def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, mo
     assert calls == ["kmedoids", "kmeans_gram"]
     # one iteration: the medoids are the starting ones, in a tensor of the op's own
     assert torch.equal(med, start) and med.data_ptr() != start.data_ptr()
-    assert native.kmedoids(lib, sq_dists(x)[:0], None, start[:0], 3, SWAP_RTOL)[0].shape == (0, 7)
+    med, assign = native.kmedoids(lib, _gram(x)[:0], None, start[:0], 3, SWAP_RTOL)
+    assert med.shape == (0, 7) and assign.shape == (0, 30)
     assert native.kmeans_gram(lib, _gram(x)[:0], None, start[:0], 3).shape == (0, 30)
 
 
@@ -224,10 +225,10 @@ def test_every_instruction_sets_code_gives_the_same_bits(lib, tmp_path):
     for (b, n, m, k), weighted, iters, kind in CASES:
         x, w, start = _case(b, n, m, k, kind, seed=n)
         w = w if weighted else None
-        want = native.kmedoids(lib, sq_dists(x), w, start, iters, SWAP_RTOL), native.kmeans_gram(lib, _gram(x), w,
-                                                                                               start, iters)
+        want = native.kmedoids(lib, _gram(x), w, start, iters, SWAP_RTOL), native.kmeans_gram(lib, _gram(x), w, start,
+                                                                                             iters)
         for name, other in others.items():
-            med, assign = native.kmedoids(other, sq_dists(x), w, start, iters, SWAP_RTOL)
+            med, assign = native.kmedoids(other, _gram(x), w, start, iters, SWAP_RTOL)
             got = native.kmeans_gram(other, _gram(x), w, start, iters)
             assert torch.equal(med, want[0][0]) and torch.equal(assign, want[0][1]), (name, n, k)
             assert torch.equal(got, want[1]), (name, n, k)
@@ -259,3 +260,19 @@ def test_the_cache_is_keyed_by_the_instruction_sets_and_a_library_that_says_othe
         assert native.library() is None
     assert f"{clones.name} holds kernels for x86-64, not the x86-64-v4,x86-64-v3,x86-64 its name says; delete it " \
            "to rebuild it" in caplog.text
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_images_split_over_threads_give_the_bits_of_one_thread(lib, threads, monkeypatch):
+    """The native kernels run a batch's images in ranges, one a thread (``native.in_threads``): on one thread or
+    split over three (5 images: ranges of 1, 2 and 2) the medoids and assignments are those of the torch iterations
+    on the torch path's distances, and K-Means' those of its torch iterations."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    for (b, n, m, k), weighted, iters, kind in CASES:
+        x, w, start = _case(b + 3, n, m, k, kind, seed=7 * n)
+        w = w if weighted else None
+        med, assign = native.kmedoids(lib, _gram(x), w, start, iters, SWAP_RTOL)
+        want_med, want_assign = kmedoids_dense(sq_dists(x), w, start, iters)
+        assert torch.equal(med, want_med) and torch.equal(assign, want_assign), (n, k, kind)
+        assert torch.equal(native.kmeans_gram(lib, _gram(x), w, start, iters),
+                           kmeans_gram_iterations(_gram(x), w, start, iters)), (n, k, kind)

@@ -313,12 +313,11 @@ def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, ker
 @_kmedoids_op.register_kernel("cpu")
 def _kmedoids_cpu(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
                   use_native: bool = True) -> tuple[Tensor, Tensor]:
-    d = dists_from_gram(g)
-    lib = native.for_tensor(d, use_native and kernel != "torch")
+    lib = native.for_tensor(g, use_native and kernel != "torch")
     note_dispatch("kmedoids", "torch" if lib is None else "native-c", g.shape[1])
     if lib is None:
-        return _kmedoids_dense_owned(d, w, medoids, iters)
-    return native.kmedoids(lib, d, w, medoids, iters, SWAP_RTOL)
+        return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
+    return native.kmedoids(lib, g, w, medoids, iters, SWAP_RTOL)  # the distances derived inside, an image at a time
 
 
 def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:

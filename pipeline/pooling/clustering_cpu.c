@@ -1,5 +1,5 @@
 /* The clustering iterations on the CPU, one call for all of them on a batch of small problems: K-Medoids
- * on a precomputed (B, N, N) distance matrix, and K-Means on the (B, N, N) Gram matrix of the tokens.
+ * and K-Means, both on the (B, N, N) Gram matrices of the tokens.
  *
  * Built and loaded by native.py (plain C, no Python or torch headers: it compiles in about a second),
  * called through ctypes as the CPU kernels of the custom ops tokenpool::kmedoids and
@@ -31,7 +31,9 @@
  *     each cluster's cheapest member (lowest token index on ties) replaces the medoid when its cost is
  *     below keep * the medoid's cost.
  * The update visits only the members of each cluster (sum over clusters of size^2 additions, where the
- * torch path reads all N^2 distances).
+ * torch path reads all N^2 distances). Each image's distances are derived from its Gram matrix as
+ * clustering.dists_from_gram derives them, into a workspace of one image that stays in cache for its
+ * iterations: the (B, N, N) distances are never written to memory and read back.
  *
  * K-Means (kmeans_gram_f32 / _f64), the Gram form of clustering._kmeans_gram: every centre is kept as
  * its coefficients over the tokens, so with G = X X^T, proj[c, n] = c . x_n = sum_{j in c} a_j G[j, n]
@@ -131,27 +133,44 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                \
     }                                                                                                    \
                                                                                                          \
-    CLONES int NAME(const REAL *d, const REAL *w, const int64_t *med_in, int64_t *med_out, int64_t *assign, \
+    /* the iterations on one image's distances d (n, n) */                                                 \
+    static void NAME##_one(const REAL *d, const REAL *w, int64_t *med, int64_t *assign, int64_t *start,        \
+                           int64_t *members, REAL *cost, int64_t n, int64_t k, int64_t iters, REAL keep) {     \
+        NAME##_assign(d, med, assign, n, k);                                                                 \
+        for (int64_t it = 1; it < iters; ++it) {                                                             \
+            NAME##_update(d, w, med, assign, start, members, cost, n, k, keep);                              \
+            NAME##_assign(d, med, assign, n, k);                                                             \
+        }                                                                                                    \
+    }                                                                                                        \
+                                                                                                             \
+    /* on the Gram matrices g (b, n, n): each image's distances (g_ii + g_jj) - 2 g_ij, rounded as            \
+       clustering.dists_from_gram rounds them (2 g_ij is exact), into a workspace that stays in cache        \
+       for its iterations, instead of a (b, n, n) tensor written and read back */                            \
+    CLONES int NAME(const REAL *g, const REAL *w, const int64_t *med_in, int64_t *med_out, int64_t *assign, \
                     int64_t b, int64_t n, int64_t k, int64_t iters, double keep) {                       \
-        int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                      \
-        int64_t *members = malloc((size_t)n * sizeof(int64_t));                                          \
-        REAL *cost = malloc((size_t)n * sizeof(REAL));                                                   \
-        if (!start || !members || !cost) {                                                               \
-            free(start); free(members); free(cost);                                                      \
-            return -1;                                                                                   \
-        }                                                                                                \
-        memcpy(med_out, med_in, (size_t)(b * k) * sizeof(int64_t));                                      \
-        for (int64_t s = 0; s < b; ++s) {                                                                \
-            const REAL *ds = d + s * n * n, *ws = w ? w + s * n : NULL;                                   \
-            int64_t *ms = med_out + s * k, *as = assign + s * n;                                         \
-            NAME##_assign(ds, ms, as, n, k);                                                             \
-            for (int64_t it = 1; it < iters; ++it) {                                                     \
-                NAME##_update(ds, ws, ms, as, start, members, cost, n, k, (REAL)keep);                   \
-                NAME##_assign(ds, ms, as, n, k);                                                         \
-            }                                                                                            \
-        }                                                                                                \
-        free(start); free(members); free(cost);                                                          \
-        return 0;                                                                                        \
+        int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                          \
+        int64_t *members = malloc((size_t)n * sizeof(int64_t));                                              \
+        REAL *cost = malloc((size_t)n * sizeof(REAL));                                                       \
+        REAL *diag = malloc((size_t)n * sizeof(REAL));                                                       \
+        REAL *d = malloc((size_t)(n * n) * sizeof(REAL));                                                    \
+        if (!start || !members || !cost || !diag || !d) {                                                    \
+            free(start); free(members); free(cost); free(diag); free(d);                                     \
+            return -1;                                                                                       \
+        }                                                                                                    \
+        memcpy(med_out, med_in, (size_t)(b * k) * sizeof(int64_t));                                          \
+        for (int64_t s = 0; s < b; ++s) {                                                                    \
+            const REAL *gs = g + s * n * n;                                                                  \
+            for (int64_t i = 0; i < n; ++i) diag[i] = gs[i * n + i];                                         \
+            for (int64_t i = 0; i < n; ++i) {                                                                \
+                const REAL *grow = gs + i * n;                                                               \
+                REAL *drow = d + i * n;                                                                      \
+                for (int64_t j = 0; j < n; ++j) drow[j] = (diag[i] + diag[j]) - (REAL)2 * grow[j];           \
+            }                                                                                                \
+            NAME##_one(d, w ? w + s * n : NULL, med_out + s * k, assign + s * n, start, members, cost, n, k,  \
+                       iters, (REAL)keep);                                                                   \
+        }                                                                                                    \
+        free(start); free(members); free(cost); free(diag); free(d);                                         \
+        return 0;                                                                                            \
     }
 
 #define DEFINE_KMEANS(NAME, REAL)                                                                        \

@@ -1,8 +1,8 @@
 """The clustering iterations on the CPU as native code (``clustering_cpu.c``), built on first use and cached.
 
-K-Medoids' iterations (``kmedoids``) and K-Means' in the Gram form (``kmeans_gram``), each one call for a
-batch; ``clustering`` calls them through custom ops, whose torch kernels run where the library is not
-at hand.
+K-Medoids' iterations (``kmedoids``) and K-Means' (``kmeans_gram``), both on the Gram matrices, each a call for a
+range of a batch's images, the ranges on as many threads as torch uses (``in_threads``); ``clustering`` calls them
+through custom ops, whose torch kernels run where the library is not at hand.
 
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
@@ -32,6 +32,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -177,18 +179,47 @@ def _call(lib: ctypes.CDLL, name: str, *args: Tensor | float | None) -> None:
         raise MemoryError(f"the clustering CPU kernel {name} could not allocate its workspace")
 
 
-def kmedoids(lib: ctypes.CDLL, d: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float
+def kmedoids(lib: ctypes.CDLL, g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float
              ) -> tuple[Tensor, Tensor]:
-    """K-Medoids iterations: d (B, N, N) distances (float32 or float64, CPU), w (B, N) or None, medoids
-    (B, K) starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64).
-    Semantics: ``clustering._kmedoids``; ``rtol`` is the swap margin."""
-    b, n, _ = d.shape
+    """K-Medoids iterations: g (B, N, N) Gram matrices (``clustering.gram``; float32 or float64, CPU), w (B, N) or
+    None, medoids (B, K) starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64). Semantics:
+    ``clustering._kmedoids`` on ``clustering.dists_from_gram(g)``, whose rounding each image's distances follow
+    (derived inside, in a workspace that stays in cache: the (B, N, N) distances are never written and read back);
+    ``rtol`` is the swap margin. The images split over ``torch.get_num_threads()`` threads (``in_threads``)."""
+    b, n, _ = g.shape
     k = medoids.shape[1]
     med = torch.empty(b, k, dtype=torch.int64)
     assign = torch.empty(b, n, dtype=torch.int64)
-    if b:
-        _call(lib, "kmedoids", d, _weights(w, d), medoids.long(), med, assign, b, n, k, iters, 1.0 - rtol)
+    g, medoids, w = g.contiguous(), medoids.long().contiguous(), _weights(w, g)
+
+    def run(lo: int, hi: int) -> None:  # views of the outputs: each call writes its images' rows in place
+        _call(lib, "kmedoids", g[lo:hi], None if w is None else w[lo:hi], medoids[lo:hi], med[lo:hi],
+              assign[lo:hi], hi - lo, n, k, iters, 1.0 - rtol)
+
+    in_threads(run, b)
     return med, assign
+
+
+def in_threads(run: Callable[[int, int], None], b: int) -> None:
+    """``run(lo, hi)`` on each of up to ``torch.get_num_threads()`` contiguous ranges of a batch's ``b`` images, at
+    once: a ctypes call lets go of the GIL, so the ranges run on as many cores as torch's own ops would use (one
+    range, in this thread, at one torch thread: the latency tables' setting)."""
+    parts = max(1, min(torch.get_num_threads(), b))
+    bounds = [b * i // parts for i in range(parts + 1)]
+    ranges = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    futures = [_pool().submit(run, lo, hi) for lo, hi in ranges[1:]]
+    if ranges:
+        run(*ranges[0])
+    for future in futures:
+        future.result()
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="pipeline-native")
+
+
+os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child (a loader, a Ray worker) has no such threads
 
 
 def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
@@ -196,8 +227,13 @@ def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor,
     None, start (B, K) starting tokens -> last assignment (B, N) int64. Semantics: ``clustering._kmeans_gram``."""
     b, n, _ = gram.shape
     assign = torch.empty(b, n, dtype=torch.int64)
-    if b:
-        _call(lib, "kmeans_gram", gram, _weights(w, gram), start.long(), assign, b, n, start.shape[1], iters)
+    gram, start, w = gram.contiguous(), start.long().contiguous(), _weights(w, gram)
+
+    def run(lo: int, hi: int) -> None:
+        _call(lib, "kmeans_gram", gram[lo:hi], None if w is None else w[lo:hi], start[lo:hi], assign[lo:hi], hi - lo,
+              n, start.shape[1], iters)
+
+    in_threads(run, b)
     return assign
 
 
