@@ -21,6 +21,11 @@ from pipeline.bench.timing import time_paired
 from pipeline.pooling import clustering, native
 
 
+def dense(g: torch.Tensor, w: torch.Tensor | None, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path: the distances from the Gram matrices, then the dense iterations."""
+    return clustering.kmedoids_dense(clustering.dists_from_gram(g), w, start, 5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="2 images of 24 tokens, one pair: checks that it runs")
@@ -37,7 +42,7 @@ def main() -> None:
         x, scores = torch.randn(batch, n, dim, generator=gen), torch.rand(batch, n, generator=gen)
         w = clustering.effective_weights(x, scores, None)
         start, g = scores.topk(k, dim=-1).indices, clustering.gram(x)
-        torch_ops = partial(lambda g: clustering.kmedoids_dense(clustering.dists_from_gram(g), w, start, 5), g)
+        torch_ops = partial(dense, g, w, start)
         kernel = partial(native.kmedoids, lib, g, w, start, 5, clustering.SWAP_RTOL)
         (med_t, assign_t), (med_n, assign_n) = torch_ops(), kernel()
         same = torch.equal(med_t, med_n) and torch.equal(assign_t, assign_n)
