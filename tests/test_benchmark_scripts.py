@@ -30,6 +30,11 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
     "attention_with_scores_cpu.py": (["--smoke"], "joint_chunked"),
     "cluster_budget.py": ([], "GPU-hours"),
     "clustering_parts.py": (["--smoke"], "| whole step (the downsampler) |"),
+    # a loose tolerance under a cap only a hang reaches (docs/testing.md): the smoke checks that it runs
+    "native_clones.py": (["--smoke", "--old-source", str(ROOT / "docs/data/cpu/2026-12-07_native-clones"
+                                                          "/clustering_cpu_db5a098.c"),
+                          "--tolerance", str(LOOSE_TOLERANCE), "--cap-s", str(HANG_S)],
+                         "| 2 | baseline alone |"),
     "eager_launches.py": (["--smoke"], "kmedoids "),
     "gpu_ceiling.py": (["--smoke"], "eager sig:"),
     "kmeans_gram_form.py": (["--smoke"], "same assignments True"),
@@ -95,7 +100,8 @@ def isolated(monkeypatch):
 # The scripts that time or search for tens of seconds here are left out of `make check` (docs/testing.md); the
 # scripts that time on the real clock run in `make test-under-load` too.
 SLOW_SCRIPTS = {"latency_budgets.py", "latency_targets.py", "paired_speed.py"}
-SPEED_SCRIPTS = {"clock_compare.py", "latency_budgets.py", "latency_targets.py", "paired_speed.py", "selfcheck_cost.py"}
+SPEED_SCRIPTS = {"clock_compare.py", "latency_budgets.py", "latency_targets.py", "native_clones.py", "paired_speed.py",
+                 "selfcheck_cost.py"}
 
 
 def script_marks(name: str) -> list[pytest.MarkDecorator]:
@@ -116,7 +122,8 @@ def test_a_benchmark_script_runs(name, isolated, capsys, tmp_path):
     assert out.strip(), f"{name} printed nothing"
     if expected is not None:
         assert expected in out, out
-    if name in ("native_kmeans.py", "native_kmedoids.py", "kmeans_gram_form.py", "torch_loader_resume.py"):
+    if name in ("native_kmeans.py", "native_kmedoids.py", "native_clones.py", "kmeans_gram_form.py",
+                "torch_loader_resume.py"):
         assert "False" not in out, out  # every row: the two forms gave the same clusters, the loaders the same epochs
     if name == "speed_repeat.py":  # c ties b on run 1's front; in run 2, b is as accurate and faster beyond them
         assert "only in run 1: [('M32', 'c', 'tome')]; only in run 2: []; each of those marked as a tie in its run: " \

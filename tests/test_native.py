@@ -207,12 +207,7 @@ def _lib_built_with(flags: tuple[str, ...], path) -> ctypes.CDLL:
     proc = subprocess.run(["cc", *flags, str(native.SOURCE), "-o", str(path)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    lib = ctypes.CDLL(str(path))
-    for name, args in native._SIGNATURES.items():
-        for suffix in native._SUFFIX.values():
-            getattr(lib, name + suffix).argtypes = args
-            getattr(lib, name + suffix).restype = ctypes.c_int
-    return lib
+    return native.load(path)
 
 
 @pytest.mark.skipif(native.built_for() == "baseline", reason="the x86-64 clones exist on x86-64 alone")
@@ -268,6 +263,14 @@ def test_the_images_split_over_threads_give_the_bits_of_one_thread(lib, threads,
     split over three (5 images: ranges of 1, 2 and 2) the medoids and assignments are those of the torch iterations
     on the torch path's distances, and K-Means' those of its torch iterations."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(native, "MIN_SPLIT", 0)  # split these small batches too
+    real, sizes = native._call, []
+
+    def call(lib, name, first, *args):
+        sizes.append(first.shape[0])
+        return real(lib, name, first, *args)
+
+    monkeypatch.setattr(native, "_call", call)
     for (b, n, m, k), weighted, iters, kind in CASES:
         x, w, start = _case(b + 3, n, m, k, kind, seed=7 * n)
         w = w if weighted else None
@@ -276,3 +279,11 @@ def test_the_images_split_over_threads_give_the_bits_of_one_thread(lib, threads,
         assert torch.equal(med, want_med) and torch.equal(assign, want_assign), (n, k, kind)
         assert torch.equal(native.kmeans_gram(lib, _gram(x), w, start, iters),
                            kmeans_gram_iterations(_gram(x), w, start, iters)), (n, k, kind)
+    # the first case's two calls (K-Medoids, K-Means), each in ranges of the batch, in whichever order the threads ran
+    first = [sizes[:1], sizes[1:2]] if threads == 1 else [sorted(sizes[:3]), sorted(sizes[3:6])]
+    assert first == ([[5], [5]] if threads == 1 else [[1, 2, 2], [1, 2, 2]]), sizes
+    monkeypatch.setattr(native, "MIN_SPLIT", 5 * 12 * 12 + 1)  # a batch under the threshold stays on one thread
+    sizes.clear()
+    x, w, start = _case(5, 12, 4, 3, "random", seed=1)
+    native.kmeans_gram(lib, _gram(x), w, start, 2)
+    assert sizes == [5]

@@ -120,24 +120,30 @@ def library() -> ctypes.CDLL | None:
                             os.environ.get("CC", "cc"))
                 return None
             build(compiler, target)
-        lib = _checked(ctypes.CDLL(str(target)), target)
+        lib = _checked(load(target), target)
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("could not build the clustering CPU kernels into %s (%s): the torch iterations run instead "
                     "(same results, slower); set PIPELINE_NATIVE_CACHE to a writable folder or CC to a working "
                     "compiler", target.parent, err)
         return None
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with its kernels' signatures set (``_SIGNATURES``, each dtype's)."""
+    lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         for suffix in _SUFFIX.values():
             getattr(lib, name + suffix).argtypes = args
             getattr(lib, name + suffix).restype = ctypes.c_int
+    for name in ("clustering_built", "clustering_isa"):
+        getattr(lib, name).restype = ctypes.c_char_p
     return lib
 
 
 def _checked(lib: ctypes.CDLL, target: Path) -> ctypes.CDLL:
     """``lib`` where it holds the instruction sets its name says (``built_for``); else OSError (a library copied in
     under another's name, or from another build): the torch iterations run, and deleting the file rebuilds it."""
-    for name in ("clustering_built", "clustering_isa"):
-        getattr(lib, name).restype = ctypes.c_char_p
     held = lib.clustering_built().decode()
     if held != built_for():
         raise OSError(f"{target.name} holds kernels for {held}, not the {built_for()} its name says; delete it to "
@@ -196,15 +202,20 @@ def kmedoids(lib: ctypes.CDLL, g: Tensor, w: Tensor | None, medoids: Tensor, ite
         _call(lib, "kmedoids", g[lo:hi], None if w is None else w[lo:hi], medoids[lo:hi], med[lo:hi],
               assign[lo:hi], hi - lo, n, k, iters, 1.0 - rtol)
 
-    in_threads(run, b)
+    in_threads(run, b, n)
     return med, assign
 
 
-def in_threads(run: Callable[[int, int], None], b: int) -> None:
-    """``run(lo, hi)`` on each of up to ``torch.get_num_threads()`` contiguous ranges of a batch's ``b`` images, at
-    once: a ctypes call lets go of the GIL, so the ranges run on as many cores as torch's own ops would use (one
-    range, in this thread, at one torch thread: the latency tables' setting)."""
-    parts = max(1, min(torch.get_num_threads(), b))
+# The fewest Gram-matrix elements (B x N x N) whose iterations are split over threads: below it a thread's start
+# (tens of microseconds) costs more than it saves (the demo's 64 images of 49 tokens stay on one).
+MIN_SPLIT = 1 << 18
+
+
+def in_threads(run: Callable[[int, int], None], b: int, n: int) -> None:
+    """``run(lo, hi)`` on each of up to ``torch.get_num_threads()`` contiguous ranges of a batch's ``b`` images of
+    ``n`` tokens, at once: a ctypes call lets go of the GIL, so the ranges run on as many cores as torch's own ops
+    would use. One range, in this thread, at one torch thread (the latency tables' setting) or below ``MIN_SPLIT``."""
+    parts = max(1, min(torch.get_num_threads(), b)) if b * n * n >= MIN_SPLIT else 1
     bounds = [b * i // parts for i in range(parts + 1)]
     ranges = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
     futures = [_pool().submit(run, lo, hi) for lo, hi in ranges[1:]]
@@ -233,7 +244,7 @@ def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor,
         _call(lib, "kmeans_gram", gram[lo:hi], None if w is None else w[lo:hi], start[lo:hi], assign[lo:hi], hi - lo,
               n, start.shape[1], iters)
 
-    in_threads(run, b)
+    in_threads(run, b, n)
     return assign
 
 

@@ -1,0 +1,189 @@
+/* The clustering iterations on the CPU, one call for all of them on a batch of small problems: K-Medoids
+ * on a precomputed (B, N, N) distance matrix, and K-Means on the (B, N, N) Gram matrix of the tokens.
+ *
+ * Built and loaded by native.py (plain C, no Python or torch headers: it compiles in about a second),
+ * called through ctypes as the CPU kernels of the custom ops tokenpool::kmedoids and
+ * tokenpool::kmeans_gram.
+ *
+ * Why our own kernels: torch's CPU index reductions (argmin, min with indices) ran 10x slower than the
+ * plain minimum here, the torch iterations took as long as the distance matrix itself at DeiT-S size,
+ * and K-Means' torch iterations work on dense (B, K, N) tensors where each token belongs to one
+ * cluster (docs/benchmarks.md). No library runs these iterations, with these tie, swap and
+ * empty-cluster rules, on a batch of small problems.
+ *
+ * Both return 0, or -1 when the workspace could not be allocated.
+ *
+ * K-Medoids (kmedoids_f32 / _f64). Semantics are those of clustering._kmedoids and of the brute-force
+ * reference in tests/, with the same floating-point operations as the torch iterations, so that the
+ * results are the same bits:
+ *   - assignment: each token joins the medoid nearest to it, d[n, med[c]], ties to the lowest cluster
+ *     index; then every medoid joins its own cluster;
+ *   - update: the cost of token n as the medoid of its own cluster c is sum_{j in c} w_j d[j, n], added
+ *     in increasing j from 0 (each product rounded before the add: build with -ffp-contract=off);
+ *     each cluster's cheapest member (lowest token index on ties) replaces the medoid when its cost is
+ *     below keep * the medoid's cost.
+ * The update visits only the members of each cluster (sum over clusters of size^2 additions, where the
+ * torch path reads all N^2 distances).
+ *
+ * K-Means (kmeans_gram_f32 / _f64), the Gram form of clustering._kmeans_gram: every centre is kept as
+ * its coefficients over the tokens, so with G = X X^T, proj[c, n] = c . x_n = sum_{j in c} a_j G[j, n]
+ * (a_j = w_j / sum_{j' in c} w_j') and ||c||^2 = sum_{j in c} a_j proj[c, j]. Centres start at the
+ * tokens start[c]; each token joins the centre minimising ||c||^2 - 2 proj[c, n] (ties to the lowest
+ * index); an empty cluster keeps its centre. An update costs N^2 multiply-adds an image (each token
+ * is in one cluster), where the dense product with the (K, N) coefficients costs K N^2.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* members of each cluster in increasing token order: members[start[c] .. start[c + 1]) */
+static void cluster_members(const int64_t *assign, int64_t *start, int64_t *members, int64_t n, int64_t k) {
+    memset(start, 0, (size_t)(k + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < n; ++i) ++start[assign[i] + 1];
+    for (int64_t c = 0; c < k; ++c) start[c + 1] += start[c];
+    for (int64_t i = 0; i < n; ++i) members[start[assign[i]]++] = i;
+    for (int64_t c = k; c > 0; --c) start[c] = start[c - 1]; /* the fill moved each start to the end */
+    start[0] = 0;
+}
+
+#define DEFINE_KMEDOIDS(NAME, REAL)                                                                      \
+    /* nearest medoid of every token (4 rows at a time: independent comparison chains), then each       \
+       medoid into its own cluster */                                                                    \
+    static void NAME##_assign(const REAL *d, const int64_t *med, int64_t *assign, int64_t n, int64_t k) { \
+        int64_t i = 0;                                                                                   \
+        for (; i + 4 <= n; i += 4) {                                                                     \
+            const REAL *r0 = d + i * n, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;                        \
+            REAL v0 = r0[med[0]], v1 = r1[med[0]], v2 = r2[med[0]], v3 = r3[med[0]];                     \
+            int64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                      \
+            for (int64_t c = 1; c < k; ++c) {                                                            \
+                const int64_t m = med[c];                                                                \
+                if (r0[m] < v0) { v0 = r0[m]; a0 = c; }                                                  \
+                if (r1[m] < v1) { v1 = r1[m]; a1 = c; }                                                  \
+                if (r2[m] < v2) { v2 = r2[m]; a2 = c; }                                                  \
+                if (r3[m] < v3) { v3 = r3[m]; a3 = c; }                                                  \
+            }                                                                                            \
+            assign[i] = a0; assign[i + 1] = a1; assign[i + 2] = a2; assign[i + 3] = a3;                  \
+        }                                                                                                \
+        for (; i < n; ++i) {                                                                             \
+            const REAL *row = d + i * n;                                                                 \
+            REAL v = row[med[0]];                                                                        \
+            int64_t a = 0;                                                                               \
+            for (int64_t c = 1; c < k; ++c)                                                              \
+                if (row[med[c]] < v) { v = row[med[c]]; a = c; }                                         \
+            assign[i] = a;                                                                               \
+        }                                                                                                \
+        for (int64_t c = 0; c < k; ++c) assign[med[c]] = c;                                              \
+    }                                                                                                    \
+                                                                                                         \
+    /* the swap rule of every cluster, from the costs of its members */                                  \
+    static void NAME##_update(const REAL *d, const REAL *w, int64_t *med, const int64_t *assign,         \
+                              int64_t *start, int64_t *members, REAL *cost, int64_t n, int64_t k,        \
+                              REAL keep) {                                                               \
+        cluster_members(assign, start, members, n, k);                                                   \
+        for (int64_t c = 0; c < k; ++c) {                                                                \
+            const int64_t *first = members + start[c], *last = members + start[c + 1];                   \
+            REAL best_cost = 0;                                                                          \
+            int64_t best = -1;                                                                           \
+            for (const int64_t *p = first; p < last; ++p) {                                              \
+                REAL acc = 0;                                                                            \
+                if (w)                                                                                   \
+                    for (const int64_t *q = first; q < last; ++q) acc += d[*q * n + *p] * w[*q];          \
+                else                                                                                     \
+                    for (const int64_t *q = first; q < last; ++q) acc += d[*q * n + *p];                 \
+                cost[*p] = acc;                                                                          \
+                if (best < 0 || acc < best_cost) { best_cost = acc; best = *p; }                         \
+            }                                                                                            \
+            const REAL current = cost[med[c]] * keep; /* the medoid is a member of its own cluster */    \
+            if (best_cost < current) med[c] = best;                                                      \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    int NAME(const REAL *d, const REAL *w, const int64_t *med_in, int64_t *med_out, int64_t *assign,     \
+             int64_t b, int64_t n, int64_t k, int64_t iters, double keep) {                              \
+        int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                      \
+        int64_t *members = malloc((size_t)n * sizeof(int64_t));                                          \
+        REAL *cost = malloc((size_t)n * sizeof(REAL));                                                   \
+        if (!start || !members || !cost) {                                                               \
+            free(start); free(members); free(cost);                                                      \
+            return -1;                                                                                   \
+        }                                                                                                \
+        memcpy(med_out, med_in, (size_t)(b * k) * sizeof(int64_t));                                      \
+        for (int64_t s = 0; s < b; ++s) {                                                                \
+            const REAL *ds = d + s * n * n, *ws = w ? w + s * n : NULL;                                   \
+            int64_t *ms = med_out + s * k, *as = assign + s * n;                                         \
+            NAME##_assign(ds, ms, as, n, k);                                                             \
+            for (int64_t it = 1; it < iters; ++it) {                                                     \
+                NAME##_update(ds, ws, ms, as, start, members, cost, n, k, (REAL)keep);                   \
+                NAME##_assign(ds, ms, as, n, k);                                                         \
+            }                                                                                            \
+        }                                                                                                \
+        free(start); free(members); free(cost);                                                          \
+        return 0;                                                                                        \
+    }
+
+#define DEFINE_KMEANS(NAME, REAL)                                                                        \
+    /* each token's nearest centre: the clusters in the outer loop, so the inner loop runs over tokens */ \
+    static void NAME##_assign(const REAL *proj, const REAL *csq, REAL *best, int64_t *assign, int64_t n,   \
+                              int64_t k) {                                                               \
+        for (int64_t i = 0; i < n; ++i) {                                                                \
+            best[i] = csq[0] - 2 * proj[i];                                                              \
+            assign[i] = 0;                                                                               \
+        }                                                                                                \
+        for (int64_t c = 1; c < k; ++c) {                                                                \
+            const REAL *row = proj + c * n;                                                              \
+            for (int64_t i = 0; i < n; ++i) {                                                            \
+                const REAL v = csq[c] - 2 * row[i];                                                      \
+                if (v < best[i]) { best[i] = v; assign[i] = c; }                                         \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b, int64_t n, \
+             int64_t k, int64_t iters) {                                                                 \
+        REAL *proj = malloc((size_t)(k * n) * sizeof(REAL));                                             \
+        REAL *csq = malloc((size_t)k * sizeof(REAL));                                                    \
+        REAL *best = malloc((size_t)n * sizeof(REAL));                                                   \
+        int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                     \
+        int64_t *members = malloc((size_t)n * sizeof(int64_t));                                          \
+        if (!proj || !csq || !best || !start || !members) {                                              \
+            free(proj); free(csq); free(best); free(start); free(members);                               \
+            return -1;                                                                                   \
+        }                                                                                                \
+        for (int64_t s = 0; s < b; ++s) {                                                                \
+            const REAL *gs = g + s * n * n, *ws = w ? w + s * n : NULL;                                   \
+            const int64_t *first = start_in + s * k;                                                     \
+            int64_t *as = assign + s * n;                                                                \
+            for (int64_t c = 0; c < k; ++c) {                                                            \
+                memcpy(proj + c * n, gs + first[c] * n, (size_t)n * sizeof(REAL));                       \
+                csq[c] = gs[first[c] * n + first[c]];                                                    \
+            }                                                                                            \
+            NAME##_assign(proj, csq, best, as, n, k);                                                    \
+            for (int64_t it = 1; it < iters; ++it) {                                                     \
+                cluster_members(as, start, members, n, k);                                               \
+                for (int64_t c = 0; c < k; ++c) {                                                        \
+                    const int64_t *p0 = members + start[c], *p1 = members + start[c + 1];                \
+                    if (p0 == p1) continue; /* an empty cluster keeps its centre */                      \
+                    REAL total = 0;                                                                      \
+                    for (const int64_t *p = p0; p < p1; ++p) total += ws ? ws[*p] : 1;                   \
+                    REAL *row = proj + c * n;                                                            \
+                    memset(row, 0, (size_t)n * sizeof(REAL));                                            \
+                    for (const int64_t *p = p0; p < p1; ++p) {                                           \
+                        const REAL a = (ws ? ws[*p] : 1) / total;                                        \
+                        const REAL *grow = gs + *p * n;                                                  \
+                        for (int64_t i = 0; i < n; ++i) row[i] += a * grow[i];                           \
+                    }                                                                                    \
+                    REAL sq = 0;                                                                         \
+                    for (const int64_t *p = p0; p < p1; ++p) sq += (ws ? ws[*p] : 1) / total * row[*p];  \
+                    csq[c] = sq;                                                                         \
+                }                                                                                        \
+                NAME##_assign(proj, csq, best, as, n, k);                                                \
+            }                                                                                            \
+        }                                                                                                \
+        free(proj); free(csq); free(best); free(start); free(members);                                   \
+        return 0;                                                                                        \
+    }
+
+DEFINE_KMEDOIDS(kmedoids_f32, float)
+DEFINE_KMEDOIDS(kmedoids_f64, double)
+DEFINE_KMEANS(kmeans_gram_f32, float)
+DEFINE_KMEANS(kmeans_gram_f64, double)
