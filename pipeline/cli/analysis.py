@@ -11,7 +11,7 @@ import numpy as np
 from pipeline.cli.common import int_list, log
 from pipeline.errors import InputError
 from pipeline.plots import write_csv
-from pipeline.report import markdown_table
+from pipeline.report import markdown_table, plot_no_finetune
 from pipeline.sparsity import level_keep
 
 
@@ -105,7 +105,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from pipeline.analysis.offshelf import COLUMNS, offshelf_rows
     from pipeline.bench.paired import SpeedSettings
     from pipeline.models import parse_keep
-    from pipeline.report import plot_no_finetune
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size {args.batch_size}: give at least 1 image a batch")
