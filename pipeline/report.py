@@ -202,7 +202,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
 
 def plot_no_finetune(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Top-1 against GFLOPs of one model without finetuning (the paper's Appendix E figure), one line per method, dashed
-    with carry; the unmodified model (``keep`` empty) as a star. ``rows``: ``NO_FINETUNE_COLUMNS``."""
+    with carry; the unmodified model (``keep`` empty) as a star where ``rows`` hold it. ``rows``:
+    ``NO_FINETUNE_COLUMNS``."""
     fig, ax = plots.chart(title, "GFLOPs per image", "top-1 (%)")
     for index, method in enumerate(dict.fromkeys(r["method"] for r in rows if r["keep"])):
         for with_carry in (False, True):
@@ -212,8 +213,8 @@ def plot_no_finetune(rows: Sequence[dict[str, Any]], path: Path, *, title: str) 
                 ax.plot([g for g, _ in points], [t for _, t in points], marker=plots.style(index)[0],
                         color=f"C{index}", linestyle="--" if with_carry else "-",
                         label=f"{method}{', carry' if with_carry else ''}")
-    base = next(r for r in rows if not r["keep"])
-    ax.plot([base["gflops"]], [base["top1"]], "k*", markersize=10, label="unmodified")
+    for base in [r for r in rows if not r["keep"]][:1]:  # none where its evaluation failed, or was not rehearsed
+        ax.plot([base["gflops"]], [base["top1"]], "k*", markersize=10, label="unmodified")
     return plots.save(fig, path, legend_ax=ax)
 
 

@@ -294,6 +294,10 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
     assert (tmp_path / "again" / "report.md").read_text() == written
     assert (tmp_path / "again" / "no_finetune_M32.png").is_file()
     assert (tmp_path / "again" / "no_finetune.csv").read_text() == (first / "no_finetune.csv").read_text()
+    # a model whose unmodified evaluation is missing (it failed with keep-going, or a rehearsal left it out) is
+    # plotted without its star
+    write_report([row], tmp_path / "partial", no_finetune=[untrained, untrained | {"arch": "M64"}])
+    assert (tmp_path / "partial" / "no_finetune_M64.png").is_file()
     (first / REPORT_INPUTS).write_text('{"title": "x"}')
     assert main(["report", str(first), "--out", str(tmp_path / "bad")]) == 2
     assert f"{first / REPORT_INPUTS}: not what `pipeline run` writes (KeyError" in capsys.readouterr().err
