@@ -5,11 +5,12 @@ part, each part timed paired against the DeiT-S block it would follow (as ``pipe
 
 The parts are those of ``clustering.token_pool``, called as it calls them on the block's own tokens and scores:
 the weights (``effective_weights``), the initial centres (top-K by significance), the Gram matrix (one ``bmm``), the
-distances from it (K-Medoids), the iterations (the native kernel: ``iters=1`` is the first assignment alone, the
-difference to ``iters`` is the rest, per iteration), and the merge (``pool_segments``: the gather and the weighted
-means). The whole step (the method's downsampler) is the last row of each method; the parts add up to about it.
-Medians of ``--repeats`` pairs; "% of block" is the median of the per-pair ratios. ``--smoke``: a 2-image, 24-token
-problem and one pair, to check that the script runs (its figures then mean nothing).
+iterations (the native kernel on the Gram matrices, K-Medoids deriving the distances inside: ``iters=1`` is that
+and the first assignment alone, the difference to ``iters`` the rest), and the merge (``pool_segments``: the gather
+and the weighted means). First the script checks that the native iterations give the torch path's medoids and
+assignments (``same as the torch path``). The whole step (the method's downsampler) is the last row of each method;
+the parts add up to about it. Medians of ``--repeats`` pairs; "% of block" is the median of the per-pair ratios.
+``--smoke``: a 2-image, 24-token problem and one pair, to check that the script runs (its figures then mean nothing).
 """
 
 import argparse
@@ -39,15 +40,16 @@ def parts(method: str, tokens: torch.Tensor, scores: torch.Tensor, k: int, iters
                                                                            tokens=x, generator=None)),
             ("Gram matrix (bmm)", lambda: clustering.gram(x))]
     if method == "kmedoids":
-        d = clustering.dists_from_gram(g)
-        _, assign = native.kmedoids(lib, d, w, start, iters, clustering.SWAP_RTOL)
-        rows += [("distances from the Gram matrix", lambda: clustering.dists_from_gram(g)),
-                 ("iterations x1 (the first assignment)",
-                  lambda: native.kmedoids(lib, d, w, start, 1, clustering.SWAP_RTOL)),
-                 (f"iterations x{iters}", lambda: native.kmedoids(lib, d, w, start, iters, clustering.SWAP_RTOL))]
+        med, assign = native.kmedoids(lib, g, w, start, iters, clustering.SWAP_RTOL)
+        want = clustering.kmedoids_dense(clustering.dists_from_gram(g), w, start, iters)
+        print(f"same as the torch path: {torch.equal(med, want[0]) and torch.equal(assign, want[1])}")
+        rows += [("distances and the first assignment (iterations x1)",
+                  lambda: native.kmedoids(lib, g, w, start, 1, clustering.SWAP_RTOL)),
+                 (f"iterations x{iters}", lambda: native.kmedoids(lib, g, w, start, iters, clustering.SWAP_RTOL))]
         merge_start = None
     else:
         assign = native.kmeans_gram(lib, g, w, start, iters)
+        print(f"same as the torch path: {torch.equal(assign, clustering.kmeans_gram_iterations(g, w, start, iters))}")
         rows += [("iterations x1 (the first assignment)", lambda: native.kmeans_gram(lib, g, w, start, 1)),
                  (f"iterations x{iters}", lambda: native.kmeans_gram(lib, g, w, start, iters))]
         merge_start = start

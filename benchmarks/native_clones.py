@@ -1,15 +1,15 @@
-"""Paired timing, CPU: the native K-Medoids of an earlier commit against today's, in one process, interleaved.
+"""Paired timing, CPU: the native K-Medoids and K-Means of an earlier commit against today's, in one process.
 
     python benchmarks/native_clones.py --old-source docs/data/cpu/2026-12-07_native-clones/clustering_cpu_db5a098.c \
         [--threads 1,2] [--tolerance 0.01] [--smoke]
 
 The earlier commit's ``clustering_cpu.c`` (``--old-source``: db5a098's, kept beside the figures by ``git show
-db5a098:pipeline/pooling/clustering_cpu.c``) is built with its flags and called as its
-``native.kmedoids`` was: on the distances ``clustering.dists_from_gram`` writes, one call for the batch. Today's
-runs on the Gram matrices (the distances derived inside), its images split over torch's threads, as two builds:
-the clones (the CPU's level: AVX-512 here) and the baseline alone (``-DPIPELINE_NO_CLONES``, no AVX2 or AVX-512
-code). Each row is today's time over the earlier one's, paired block by block (``bench.paired``: the median of the
-blocks' ratios with its 95% interval), on the same Gram matrices and weights (B = 64, N = 196, M = 384, K = 98, 5
+db5a098:pipeline/pooling/clustering_cpu.c``) is built with its flags and called as its ``native.kmedoids`` was: on
+the distances ``clustering.dists_from_gram`` writes, one call for the batch; its K-Means as today's, on the Gram
+matrices. Today's K-Medoids runs on the Gram matrices (the distances derived inside), as two builds: the clones (the
+CPU's level: AVX-512 here) and the baseline alone (``-DPIPELINE_NO_CLONES``, no AVX2 or AVX-512 code). Each row
+is today's time over the earlier one's, paired block by block (``bench.paired``: the median of the blocks' ratios
+with its 95% interval), on the same Gram matrices and weights (B = 64, N = 196, M = 384, K = 98, 5
 iterations, weighted: DeiT-S's first pooling block at batch 64), and says whether the medoids and assignments are
 the same bits. ``--smoke``: a 2-image, 24-token problem, to check that it runs; its figures then mean nothing.
 """
@@ -32,6 +32,7 @@ SOURCE = "pipeline/pooling/clustering_cpu.c"
 # the swap margin's complement.
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 OLD_ARGS = (_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_double)
+OLD_KMEANS_ARGS = (_P, _P, _P, _P, _I, _I, _I, _I)  # Gram matrices, weights, starts, assignment out, b, n, k, iters
 
 
 def build(source: str, flags: tuple[str, ...], out: Path) -> Path:
@@ -42,12 +43,18 @@ def build(source: str, flags: tuple[str, ...], out: Path) -> Path:
     return out
 
 
-def today(lib: ctypes.CDLL, g, w, start, iters):
+def today(method: str, lib: ctypes.CDLL, g, w, start, iters):
+    if method == "kmeans":
+        return lambda: native.kmeans_gram(lib, g, w, start, iters)
     return lambda: native.kmedoids(lib, g, w, start, iters, clustering.SWAP_RTOL)
 
 
-def earlier(lib: ctypes.CDLL, g, w, start, iters):
-    """The earlier commit's CPU path: the (B, N, N) distances in torch, then one kernel call for the batch."""
+def earlier(method: str, lib: ctypes.CDLL, g, w, start, iters):
+    """The earlier commit's CPU path: K-Medoids' (B, N, N) distances in torch, then one kernel call for the batch;
+    K-Means' kernel on the Gram matrices, as today."""
+    if method == "kmeans":
+        lib.kmeans_gram_f32.argtypes, lib.kmeans_gram_f32.restype = OLD_KMEANS_ARGS, ctypes.c_int
+        return today(method, lib, g, w, start, iters)
     fn = lib.kmedoids_f32
     fn.argtypes, fn.restype = OLD_ARGS, ctypes.c_int
     b, n, _ = g.shape
@@ -86,21 +93,23 @@ def main() -> None:
         print(f"machine: {platform.processor() or platform.machine()}; torch {torch.__version__}; the earlier kernel: "
               f"{which}; today's clones run at {native.instruction_set()}")
         print(f"B = {b}, N = {n}, M = {m}, K = {k}, {iters} iterations, weighted; paired blocks, 95% intervals")
-        print("| threads | today's build | time over the earlier | interval | blocks | same bits |")
-        print("|---:|---|---:|---|---:|---|")
-        for threads in [int(t) for t in args.threads.split(",")]:
-            torch.set_num_threads(threads)
-            reference = earlier(old, g, w, start, iters)
-            want = reference()
-            timer = sample_timer(torch.device("cpu"), clock="cpu" if threads == 1 else "wall")
-            for name, lib in (("clones", clones), ("baseline alone", baseline)):
-                fn = today(lib, g, w, start, iters)
-                got = fn()
-                same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-                settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
-                ratio = paired_ratio(fn, reference, timer=timer, settings=settings)
-                print(f"| {threads} | {name} | {ratio.ratio:.3f} | [{ratio.low:.3f}, {ratio.high:.3f}] | "
-                      f"{ratio.blocks} ({ratio.stop}) | {same} |")
+        print("| method | threads | today's build | time over the earlier | interval | blocks | same bits |")
+        print("|---|---:|---|---:|---|---:|---|")
+        for method in ("kmedoids", "kmeans"):
+            for threads in [int(t) for t in args.threads.split(",")]:
+                torch.set_num_threads(threads)
+                reference = earlier(method, old, g, w, start, iters)
+                want = reference()
+                timer = sample_timer(torch.device("cpu"), clock="cpu" if threads == 1 else "wall")
+                for name, lib in (("clones", clones), ("baseline alone", baseline)):
+                    fn = today(method, lib, g, w, start, iters)
+                    got = fn()
+                    same = all(torch.equal(a, b) for a, b in zip(got, want)) if method == "kmedoids" else \
+                        torch.equal(got, want)
+                    settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
+                    ratio = paired_ratio(fn, reference, timer=timer, settings=settings)
+                    print(f"| {method} | {threads} | {name} | {ratio.ratio:.3f} | [{ratio.low:.3f}, {ratio.high:.3f}] "
+                          f"| {ratio.blocks} ({ratio.stop}) | {same} |")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.dag.records import (
     DONE,
+    FINETUNED,
     LATENCY_HIGH,
     LATENCY_METRIC,
     LATENCY_TABLE_TAG,
@@ -118,6 +119,8 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
     registered = registered_versions(client, experiment)
     out = []
     for run in evaluations:
+        if run.data.tags.get(FINETUNED) == "false":  # experiment.no_finetune's: a measurement, never a pick
+            continue
         trained = run.data.tags.get(TRAINED_RUN)
         uri = registered.get(trained) or (f"runs:/{trained}/checkpoint" if trained else run.data.params["checkpoint"])
         metrics, params = run.data.metrics, run.data.params

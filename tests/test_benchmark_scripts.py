@@ -34,7 +34,7 @@ SMOKE: dict[str, tuple[list[str], str | None]] = {
     "native_clones.py": (["--smoke", "--old-source", str(ROOT / "docs/data/cpu/2026-12-07_native-clones"
                                                           "/clustering_cpu_db5a098.c"),
                           "--tolerance", str(LOOSE_TOLERANCE), "--cap-s", str(HANG_S)],
-                         "| 2 | baseline alone |"),
+                         "| kmeans | 2 | baseline alone |"),
     "eager_launches.py": (["--smoke"], "kmedoids "),
     "gpu_ceiling.py": (["--smoke"], "eager sig:"),
     "kmeans_gram_form.py": (["--smoke"], "same assignments True"),
@@ -122,8 +122,8 @@ def test_a_benchmark_script_runs(name, isolated, capsys, tmp_path):
     assert out.strip(), f"{name} printed nothing"
     if expected is not None:
         assert expected in out, out
-    if name in ("native_kmeans.py", "native_kmedoids.py", "native_clones.py", "kmeans_gram_form.py",
-                "torch_loader_resume.py"):
+    if name in ("native_kmeans.py", "native_kmedoids.py", "native_clones.py", "clustering_parts.py",
+                "kmeans_gram_form.py", "torch_loader_resume.py"):
         assert "False" not in out, out  # every row: the two forms gave the same clusters, the loaders the same epochs
     if name == "speed_repeat.py":  # c ties b on run 1's front; in run 2, b is as accurate and faster beyond them
         assert "only in run 1: [('M32', 'c', 'tome')]; only in run 2: []; each of those marked as a tie in its run: " \

@@ -283,9 +283,11 @@ def test_models_without_finetuning_are_evaluated_beside_the_finetunes_and_kept_o
     rows = summary["no_finetune"]
     assert [(r["method"], r["level"], r["carry"]) for r in rows] == [
         ("none", "full", False), ("kmedoids", "lam0.05", False), ("kmedoids", "lam0.05", True)]
-    untrained = {r["run_id"] for r in rows}
-    assert not untrained & {r["run_id"] for r in summary["rows"]}  # no front, budget table or registry pick
-    assert len(summary["rows"]) == 3  # the level's two finetunes and the baseline, as before
+    untrained = {r["run_id"] for r in rows}  # their evaluation runs
+    # every row of the report's fronts is a finetuned model (the level's two finetunes and the baseline, as before)
+    assert sorted((r["method"], r["level"]) for r in summary["rows"]) == [
+        ("none", "full"), ("powerbert", "lam0.05"), ("wkmedoids", "lam0.05")]
+    assert all(r["train_top1"] is not None for r in summary["front"])
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     runs = {run_id: client.get_run(run_id).data for run_id in untrained}
     assert {run.tags[FINETUNED] for run in runs.values()} == {"false"}
@@ -462,7 +464,7 @@ def test_a_second_rehearsal_into_the_same_folder_runs_todays_code(root, data, tm
     select, register = rows["tiny-rehearsal-select"], rows["token-pooling-tiny-rehearsal"]  # not a select failure
     assert (select[2], select[6].rstrip(" |")) == ("skipped", "no evaluated model"), select
     assert (register[2], register[6].rstrip(" |")) == ("skipped", "select did not run"), register
-    assert "[select] tiny-rehearsal: not run, no model was evaluated" in output
+    assert "[select] tiny-rehearsal: not run, no finetuned model was evaluated" in output
     assert {cells[0]: cells[2] for cells in rows.values() if cells[0] in ("| base", "| ksearch")} == {
         "| base": "pass", "| ksearch": "pass"}  # they ran again: nothing is reused
     assert "reused" not in {cells[2] for cells in rows.values()} and "[skip]" not in output

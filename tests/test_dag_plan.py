@@ -542,9 +542,15 @@ def test_evaluations_without_finetuning_are_planned_from_the_bases_levels(capsys
     out, err = capsys.readouterr()
     assert json.loads(out)["evaluate"] == 27 + 2 + 5 * 2 * 2
     assert "model.qk_norm" not in err
-    assert main(["run", demo, "--plan", "--set", "model.qk_norm=learned", "--set", "model.alpha=8"]) == 0
+    qk = ["--set", "model.qk_norm=learned", "--set", "model.alpha=8"]
+    assert main(["run", demo, "--plan", *qk, "--set", "experiment.ksearch_targets=null"]) == 0
     assert "[plan] model.qk_norm: learned (alpha 8) in every stage: the bases, K searches, finetunes and " \
            "evaluations (Appendix F)" in capsys.readouterr().err
+    # the demo's latency target reads a table timed with timm's attention: refused in one line
+    assert main(["run", demo, "--plan", *qk]) == 2
+    assert capsys.readouterr().err.strip() == "error: experiment.ksearch_targets lat0.8: cost: latency reads a table " \
+        "of blocks timed with timm's attention, and model.qk_norm is learned; give the target cost: gflops, or leave " \
+        "model.qk_norm unset"
     assert "[plan] experiment.no_finetune: 22 evaluation(s) without training (each base unmodified, then kmedoids, " \
            "wkmeans at each level, carry off/on); in the report, in no front" in err
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlflow
@@ -38,6 +39,9 @@ def store(tmp_path_factory) -> tuple[str, dict[str, str]]:
                             tags={"pipeline.trained_run": finetune}, method=method, level=level, eval_device=device)
     unfinished = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate"})
     client.log_metric(unfinished.info.run_id, "top1", 99.0)  # not done: never a candidate
+    # a base with K-Medoids inserted, untrained (experiment.no_finetune): a measurement on no scale, never a candidate
+    finished_evaluation(client, exp, parent, {"top1": 99.0, "gflops": 0.5, "images_per_s": 9000.0}, scaled=False,
+                        tags={"pipeline.finetuned": "false"}, method="kmedoids", level="L3")
     # The wkmedoids model (timed on the GPU) is registered as an MLflow model.
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)  # the registry looks the logged model up through the global tracking URI
@@ -99,7 +103,7 @@ def test_unknown_experiment_store_or_device_is_refused(store, capsys, tmp_path):
     from pipeline.select_model import best_under_budget, candidates
 
     models = candidates(MlflowClient(tracking_uri=uri), "hand")
-    assert len(models) == len(MODELS)  # the unfinished evaluation is not a candidate
+    assert len(models) == len(MODELS)  # the unfinished evaluation and the untrained one are not candidates
     with pytest.raises(ValueError, match="no model of this experiment was timed on 'cuda'"):
         best_under_budget([m for m in models if m.device == "cpu"], max_gflops=9, device="cuda")
 
@@ -298,6 +302,10 @@ def test_pipeline_report_rebuilds_the_report_the_select_stage_wrote(tmp_path, ca
     # plotted without its star
     write_report([row], tmp_path / "partial", no_finetune=[untrained, untrained | {"arch": "M64"}])
     assert (tmp_path / "partial" / "no_finetune_M64.png").is_file()
+    inputs = json.loads((first / REPORT_INPUTS).read_text())  # one written before experiment.no_finetune existed
+    (first / REPORT_INPUTS).write_text(json.dumps({k: v for k, v in inputs.items() if k != "no_finetune"}))
+    assert main(["report", str(first), "--out", str(tmp_path / "older")]) == 0
+    assert "## Without finetuning" not in (tmp_path / "older" / "report.md").read_text()
     (first / REPORT_INPUTS).write_text('{"title": "x"}')
     assert main(["report", str(first), "--out", str(tmp_path / "bad")]) == 2
     assert f"{first / REPORT_INPUTS}: not what `pipeline run` writes (KeyError" in capsys.readouterr().err

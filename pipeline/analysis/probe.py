@@ -39,7 +39,8 @@ class Subject:
     Attributes:
         model: the plain timm ViT in eval mode (never modified; ``with_method`` copies it).
         state: its state dict, reloaded after a method adds parameters (alpha, conv weights).
-        variant: ``carry``, ``qk_norm`` and ``alpha`` it was trained with (empty for a base model).
+        variant: ``carry``, ``qk_norm`` and ``alpha`` it was trained with (a base model: its ``qk_norm`` and
+            ``alpha`` where it has them, else empty).
         options: its method's options as trained (``cluster_on``, ``iters``, ...), empty for a base model.
         method, keep: the downsampling it was finetuned with, or ``None`` for a base model.
         res, mean, std, crop_pct: the input size, normalisation and validation crop (timm's data config).

@@ -35,7 +35,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     # for this process, not a kernel choice.
     results, skipped = doctor(choice, device, interpret=os.environ.get("TRITON_INTERPRET") == "1", shapes=shapes)
     print(doctor_table(results, skipped, kernels_planned(choice, device), shapes))
-    print(f"native C kernels: {native.describe()}")
+    print(f"native C kernels: {native.describe(choice.native != 'torch')}")
     failed = [r for r in results if not r.ok]
     for result in failed:
         print(f"error: {mismatch_message(result)}", file=sys.stderr)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from pipeline.errors import PipelineError
 from pipeline.methods import method_spec
@@ -21,6 +21,8 @@ def _known_method(name: str) -> str:
 # A registered downsampling method (pipeline.methods.METHODS, read when a config is validated).
 MethodName = Annotated[str, AfterValidator(_known_method)]
 PatchEmbed = Literal["conv", "matmul"]  # models.patch_embed: timm's convolution, or the same function as a matmul
+# A run's seed: each rank seeds NumPy with seed * 1000 + rank, and NumPy takes 32-bit seeds.
+Seed = Annotated[int, Field(ge=0, lt=2**32 // 1000 - 1)]
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config.base import MethodName, Section
+from pipeline.config.base import MethodName, Section, Seed
 from pipeline.config.train import CostTarget
 from pipeline.errors import InputError
 from pipeline.methods import GRID_CONV, keeps_all, method_spec, swept_methods
@@ -91,7 +91,7 @@ class StageRecipe(Section):
     lr: float | None = Field(None, gt=0)
     warmup_epochs: float | None = Field(None, ge=0)
     sweep: SweepConfig | None = Field(None, description="base stage only: a hyperparameter search (Ray Tune)")
-    seed: int | None = Field(None, ge=0, lt=2**32 // 1000 - 1, description="the stage's seed (default the config's "
+    seed: Seed | None = Field(None, description="the stage's seed (default the config's "
                              "`seed`): finetunes again from the same bases and keep lists with another seed, to see "
                              "the run-to-run noise")
 

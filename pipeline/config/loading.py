@@ -78,7 +78,8 @@ def parse_yaml(text: str, source: str) -> Any:
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"a.b=3"`` -> (["a", "b"], 3); the value is read as YAML, so types come out right."""
     if "=" not in item:
-        raise ConfigError(f"--set {redact(item)!r}: expected KEY=VALUE with a dotted key, for example pooling.alpha=2")
+        raise ConfigError(f"--set {redact(item)!r}: expected KEY=VALUE with a dotted key, for example "
+                          "model.drop_path=0.1")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from pipeline.config.base import ConfigError, Section, error_message
+from pipeline.config.base import ConfigError, Section, Seed, error_message
 from pipeline.config.bench import BenchLoopConfig, BenchOpsConfig, BenchThroughputConfig
 from pipeline.config.data import DataConfig
 from pipeline.config.experiment import ExperimentConfig
@@ -21,8 +21,7 @@ from pipeline.errors import InputError
 class Config(Section):
     """The whole config: every command reads the sections it needs (``pipeline config show`` prints them)."""
 
-    # Each rank seeds NumPy with seed * 1000 + rank, and NumPy takes 32-bit seeds.
-    seed: int = Field(0, ge=0, lt=2**32 // 1000 - 1, description="the run's seed (>= 0)")
+    seed: Seed = Field(0, description="the run's seed (>= 0)")
     pooling: PoolingConfig = Field(default_factory=PoolingConfig)
     bench: BenchOpsConfig = Field(default_factory=BenchOpsConfig)
     bench_throughput: BenchThroughputConfig = Field(default_factory=BenchThroughputConfig)

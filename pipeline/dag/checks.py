@@ -39,6 +39,7 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     check_data_plan(config)
     stages = training_stages(config)
     check_given_bases(config)
+    check_latency_with_qk_norm(config)
     check_operators(config)
     check_auto_tables(config, address)
     check_targets(config)
@@ -51,21 +52,34 @@ def check_given_bases(config: Config) -> None:
     """Each ``experiment.base_checkpoints`` entry was trained as its base stage's model (``train.build.arch_signature``:
     normalised queries and keys, widths, depth, heads, patches, classes), which its K search and finetunes continue;
     refused in one line naming the entry, before anything runs."""
-    import torch
+    given = [(arch, config.experiment.base_checkpoints[arch.label]) for arch in archs(config)
+             if arch.label in config.experiment.base_checkpoints]
+    if not given:
+        return
+    import torch  # here: `run --plan` imports torch only to read a given checkpoint
 
     from pipeline.train.build import arch_signature, build_model
     from pipeline.train.checkpoint import CheckpointError, check_architecture, load_init
 
-    for arch in archs(config):
-        path = config.experiment.base_checkpoints.get(arch.label)
-        if path is None:
-            continue
+    for arch, path in given:
         with torch.device("meta"):  # the shapes and settings only
             model = build_model(base_stage(config, arch).config)
         try:
             check_architecture(load_init(path), arch_signature(model), path)
         except CheckpointError as err:
             raise ConfigError(f"experiment.base_checkpoints.{arch.label}: {err}") from None
+
+
+def check_latency_with_qk_norm(config: Config) -> None:
+    """A latency target with ``model.qk_norm`` is refused in one line: the latency tables (``pipeline bench blocks``,
+    ``table: auto``) time blocks with timm's own attention, not normalised queries and keys."""
+    if config.model.qk_norm is None:
+        return
+    for target in config.experiment.ksearch_targets or []:
+        if target.cost == "latency":
+            raise ConfigError(f"experiment.ksearch_targets {target.label}: cost: latency reads a table of blocks timed "
+                              f"with timm's attention, and model.qk_norm is {config.model.qk_norm}; give the target "
+                              "cost: gflops, or leave model.qk_norm unset")
 
 
 def planned_methods(config: Config) -> list[str]:

@@ -68,7 +68,7 @@ def dag_id(config: Config) -> str:
     measurements, so another margin selects again under the same parent run. A setting that is off
     (``experiment.conv`` unset) leaves the id as it was before the setting existed."""
     exp = config.experiment
-    exclude: dict[str, Any] = {"select": {"tie_margin"}}
+    exclude: dict[str, Any] = {"select": {"tie_margin"}, "base": {"seed"}, "ksearch": {"seed"}}  # refused if set
     for name in UNSET_IS_ABSENT:
         section, _, key = name.partition(".")
         if key and getattr(getattr(exp, section), key) is None:
@@ -84,7 +84,7 @@ def dag_id(config: Config) -> str:
 
 
 # Experiment settings that enter the DAG's id only when set, so that a stored DAG's id stays.
-UNSET_IS_ABSENT = ("conv", "no_finetune", "base.seed", "ksearch.seed", "finetune.seed")
+UNSET_IS_ABSENT = ("conv", "no_finetune", "finetune.seed")
 
 
 def chosen_kernels(config: Config) -> dict[str, str]:

@@ -31,12 +31,13 @@ from pipeline.dag.plan import (
     target_methods,
 )
 from pipeline.dag.records import find_done, open_parent, supersede
-from pipeline.dag.select import run_select
+from pipeline.dag.select import no_finetune_rows, run_select
 from pipeline.dag.stages import eval_task, run_evaluation_spec, run_training_spec, stage_spec, trained_done
 from pipeline.dag.sweep import one_line, run_sweep
 from pipeline.dag.types import EvalResult, Tracking, TrainedResult, from_record
 from pipeline.errors import JobError
 from pipeline.methods import GRID_CONV, KEEP_ALL
+from pipeline.report import markdown_table
 from pipeline.tracking import check_tracking_uri
 from pipeline.train.launch import TIMING, check_reaches_workers, connect_ray, preflight, resolve_paths
 
@@ -102,8 +103,9 @@ def check_experiment(config: Config) -> None:
         preflight(stage.config)
         ksearch_stages(config, arch, stage)  # a target's missing cost table is refused here, before any training
         if config.experiment.levels is not None:
+            untrained = config.experiment.no_finetune.methods if config.experiment.no_finetune is not None else []
             for level, keep in paper_levels(config, arch).items():
-                for method in config.experiment.methods:
+                for method in dict.fromkeys([*config.experiment.methods, *untrained]):  # finetuned or not
                     try:
                         apply_downsampling(build_model(stage.config), method, keep,
                                            **config.pooling.method_options(method))
@@ -296,7 +298,11 @@ def run_experiment(config: Config, *, force: str | None = None, address: str | N
     summary: dict[str, Any] = {}
     if not evaluations:  # every finetune or evaluation failed (keep-going), or none was planned
         why = "the failures above say why" if ctx.failures else "no finetune stage was planned"
-        log(f"[select] {exp.name}: not run, no model was evaluated ({why})")
+        log(f"[select] {exp.name}: not run, no finetuned model was evaluated ({why})")
+        if not_finetuned:  # what was measured without finetuning is not lost with the report
+            log("\nWithout finetuning (Appendix E):\n" + markdown_table(no_finetune_rows(not_finetuned),
+                                                                          ["arch", "level", "method", "carry", "gflops",
+                                                                           "top1"]))
     else:
         try:
             summary = run_select(ctx, ft_stages, ft_results, evaluations, {a: r for a, (_, r) in bases.items()},

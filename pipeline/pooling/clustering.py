@@ -242,7 +242,8 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernels:
     ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op on the Gram matrix,
     ``tokenpool::kmedoids``: on CUDA one Triton kernel that derives the distances as it reads them
     (``kmedoids_fused_triton``; ``kernels.kmedoids: tiled``: two launches an iteration), native code on the
-    CPU (``native.kmedoids``, one call for all of them, unless ``kernels.native`` is ``torch``), and the torch
+    CPU (``native.kmedoids``, one call for all of them, which also derives the distances an image at a time, unless
+    ``kernels.native`` is ``torch``), and the torch
     iterations (``kmedoids_dense``) where neither is at hand or ``kernels.kmedoids`` is ``torch``.
     """
     return _kmedoids_op(gram(x), w, medoids, iters, kernels.kmedoids, kernels.native != "torch")

@@ -1,5 +1,5 @@
-/* The clustering iterations on the CPU, one call for all of them on a batch of small problems: K-Medoids
- * and K-Means, both on the (B, N, N) Gram matrices of the tokens.
+/* The clustering iterations on the CPU, one call for all of them on a batch of small problems: K-Medoids and
+ * K-Means, both on the (B, N, N) Gram matrices of the tokens.
  *
  * Built and loaded by native.py (plain C, no Python or torch headers: it compiles in about a second),
  * called through ctypes as the CPU kernels of the custom ops tokenpool::kmedoids and
@@ -47,6 +47,9 @@
 #include <string.h>
 
 #if defined(__x86_64__) && !defined(PIPELINE_NO_CLONES)
+#if !((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12))
+#error "a clone per x86-64 level needs GCC 12 or Clang 14 (native.py then builds with -DPIPELINE_NO_CLONES)"
+#endif
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define BUILT "x86-64-v4,x86-64-v3,x86-64"
 #else

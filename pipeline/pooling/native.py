@@ -1,8 +1,9 @@
 """The clustering iterations on the CPU as native code (``clustering_cpu.c``), built on first use and cached.
 
-K-Medoids' iterations (``kmedoids``) and K-Means' (``kmeans_gram``), both on the Gram matrices, each a call for a
-range of a batch's images, the ranges on as many threads as torch uses (``in_threads``); ``clustering`` calls them
-through custom ops, whose torch kernels run where the library is not at hand.
+K-Medoids' iterations (``kmedoids``) and K-Means' (``kmeans_gram``), both on the Gram matrices, each one call for
+a batch; ``clustering`` calls them through custom ops, whose torch kernels run where the library is not at hand.
+They run on the calling thread: split over two threads they were no faster in whole steps, where torch's OpenMP
+threads keep the cores after its matmul (docs/history.md), and K-Means' step was slower.
 
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
@@ -32,8 +33,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -67,37 +66,42 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def flags() -> tuple[str, ...]:
-    """The compiler flags: ``FLAGS``, and ``NO_CLONES`` where ``PIPELINE_NATIVE_CLONES`` is 0."""
-    return FLAGS + ((NO_CLONES,) if os.environ.get("PIPELINE_NATIVE_CLONES") == "0" else ())
+def clones_wanted() -> bool:
+    """Whether builds hold a clone per x86-64 level: on x86-64, unless ``PIPELINE_NATIVE_CLONES`` is 0."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("PIPELINE_NATIVE_CLONES") != "0"
 
 
-def built_for() -> str:
+def flags(clones: bool | None = None) -> tuple[str, ...]:
+    """The compiler flags: ``FLAGS``, and ``NO_CLONES`` for a build of the baseline alone (default: unless
+    ``clones_wanted``)."""
+    return FLAGS + (() if (clones_wanted() if clones is None else clones) else (NO_CLONES,))
+
+
+def built_for(clones: bool | None = None) -> str:
     """The instruction sets a build holds, as the library's ``clustering_built()`` names them: the x86-64 levels
-    of its clones (``x86-64-v4,x86-64-v3,x86-64``), or the baseline alone."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
+    of its clones (``x86-64-v4,x86-64-v3,x86-64``), the x86-64 baseline alone, or another machine's baseline."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
         return "baseline"
-    return "x86-64" if NO_CLONES in flags() else "x86-64-v4,x86-64-v3,x86-64"
+    return "x86-64-v4,x86-64-v3,x86-64" if NO_CLONES not in flags(clones) else "x86-64"
 
 
-def library_path() -> Path:
+def library_path(clones: bool | None = None) -> Path:
     """The cached library for this source, these flags and this machine, named by the instruction sets it holds (a
     library built elsewhere, in a Docker image's build stage, loads where there is no compiler)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags()).encode(), platform.machine().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags(clones)).encode(), platform.machine().encode()):
         key.update(part)
-    return cache_dir() / f"clustering_cpu-{built_for().replace(',', '+')}-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"clustering_cpu-{built_for(clones).replace(',', '+')}-{key.hexdigest()[:16]}.so"
 
 
-def build(compiler: str, target: Path) -> None:
+def build(compiler: str, target: Path, clones: bool | None = None) -> None:
     """Compiles the source into ``target``, through a temporary file and an atomic rename (processes
     that build at the same time each write their own file; the last rename wins, and all are equal)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags(), str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *flags(clones), str(SOURCE), "-o", tmp], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise OSError(f"{compiler} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -109,24 +113,35 @@ def build(compiler: str, target: Path) -> None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded native library, built first if it is not in the cache; None when it cannot be had."""
-    target = library_path()
-    try:
-        if not target.exists():
-            compiler = _compiler()
-            if compiler is None:
-                log.warning("no C compiler (%s) found: the clustering methods run their torch iterations on the "
-                            "CPU (same results, slower); install one (apt-get install build-essential) or set CC",
-                            os.environ.get("CC", "cc"))
-                return None
-            build(compiler, target)
-        lib = _checked(load(target), target)
-    except (OSError, subprocess.SubprocessError) as err:
-        log.warning("could not build the clustering CPU kernels into %s (%s): the torch iterations run instead "
-                    "(same results, slower); set PIPELINE_NATIVE_CACHE to a writable folder or CC to a working "
-                    "compiler", target.parent, err)
-        return None
-    return lib
+    """The loaded native library, built first if it is not in the cache; None when it cannot be had. A compiler
+    that cannot build the clones (one older than GCC 12 or Clang 14) builds the baseline alone."""
+    compiler = _compiler()
+    for clones in ([True, False] if clones_wanted() else [False]):
+        target = library_path(clones)
+        try:
+            if not target.exists():
+                if compiler is None:
+                    log.warning("no C compiler (%s) found: the clustering methods run their torch iterations on the "
+                                "CPU (same results, slower); install one (apt-get install build-essential) or set CC",
+                                os.environ.get("CC", "cc"))
+                    return None
+                build(compiler, target, clones)
+        except (OSError, subprocess.SubprocessError) as err:
+            if clones:
+                log.warning("could not build the clustering CPU kernels with a clone per x86-64 level (%s): building "
+                            "the baseline alone", err)
+                continue
+            log.warning("could not build the clustering CPU kernels into %s (%s): the torch iterations run instead "
+                        "(same results, slower); set PIPELINE_NATIVE_CACHE to a writable folder or CC to a working "
+                        "compiler", target.parent, err)
+            return None
+        try:
+            return _checked(load(target), target, clones)
+        except (OSError, AttributeError) as err:  # not a library, or not this source's
+            log.warning("the clustering CPU kernels at %s cannot be used (%s): the torch iterations run instead "
+                        "(same results, slower); delete the file to rebuild it", target, err)
+            return None
+    return None
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -141,13 +156,12 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _checked(lib: ctypes.CDLL, target: Path) -> ctypes.CDLL:
+def _checked(lib: ctypes.CDLL, target: Path, clones: bool) -> ctypes.CDLL:
     """``lib`` where it holds the instruction sets its name says (``built_for``); else OSError (a library copied in
     under another's name, or from another build): the torch iterations run, and deleting the file rebuilds it."""
     held = lib.clustering_built().decode()
-    if held != built_for():
-        raise OSError(f"{target.name} holds kernels for {held}, not the {built_for()} its name says; delete it to "
-                      "rebuild it")
+    if held != built_for(clones):
+        raise OSError(f"it holds kernels for {held}, not the {built_for(clones)} its name says")
     return lib
 
 
@@ -161,13 +175,17 @@ def instruction_set() -> str:
     return "none" if lib is None else lib.clustering_isa().decode()
 
 
-def describe() -> str:
-    """One line for ``pipeline doctor``: the instruction set the kernels run at, the sets the library holds, where."""
-    isa = instruction_set()
-    if isa == "none":
-        return "none at hand: the torch iterations run (kernels.native: torch, no C compiler, or a failed build)"
+def describe(enabled: bool = True) -> str:
+    """One line for ``pipeline doctor``: the instruction set the kernels run at, the sets the library holds, where;
+    ``enabled``: the config's ``kernels.native`` is not ``torch``."""
+    if not enabled:
+        return "off (kernels.native: torch): the torch iterations run"
+    lib = library()
+    if lib is None:
+        return "none at hand: the torch iterations run (no C compiler, or a failed build: the warning above says why)"
+    isa, held = lib.clustering_isa().decode(), lib.clustering_built().decode()
     name = f" ({ISA_NAMES[isa]})" if isa in ISA_NAMES else ""
-    return f"running the {isa}{name} code of a library built for {built_for()}: {library_path()}"
+    return f"running the {isa}{name} code of a library built for {held}: {lib._name}"
 
 
 def for_tensor(t: Tensor, enabled: bool = True) -> ctypes.CDLL | None:
@@ -191,46 +209,14 @@ def kmedoids(lib: ctypes.CDLL, g: Tensor, w: Tensor | None, medoids: Tensor, ite
     None, medoids (B, K) starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64). Semantics:
     ``clustering._kmedoids`` on ``clustering.dists_from_gram(g)``, whose rounding each image's distances follow
     (derived inside, in a workspace that stays in cache: the (B, N, N) distances are never written and read back);
-    ``rtol`` is the swap margin. The images split over ``torch.get_num_threads()`` threads (``in_threads``)."""
+    ``rtol`` is the swap margin."""
     b, n, _ = g.shape
     k = medoids.shape[1]
     med = torch.empty(b, k, dtype=torch.int64)
     assign = torch.empty(b, n, dtype=torch.int64)
-    g, medoids, w = g.contiguous(), medoids.long().contiguous(), _weights(w, g)
-
-    def run(lo: int, hi: int) -> None:  # views of the outputs: each call writes its images' rows in place
-        _call(lib, "kmedoids", g[lo:hi], None if w is None else w[lo:hi], medoids[lo:hi], med[lo:hi],
-              assign[lo:hi], hi - lo, n, k, iters, 1.0 - rtol)
-
-    in_threads(run, b, n)
+    if b:
+        _call(lib, "kmedoids", g, _weights(w, g), medoids.long(), med, assign, b, n, k, iters, 1.0 - rtol)
     return med, assign
-
-
-# The fewest Gram-matrix elements (B x N x N) whose iterations are split over threads: below it a thread's start
-# (tens of microseconds) costs more than it saves (the demo's 64 images of 49 tokens stay on one).
-MIN_SPLIT = 1 << 18
-
-
-def in_threads(run: Callable[[int, int], None], b: int, n: int) -> None:
-    """``run(lo, hi)`` on each of up to ``torch.get_num_threads()`` contiguous ranges of a batch's ``b`` images of
-    ``n`` tokens, at once: a ctypes call lets go of the GIL, so the ranges run on as many cores as torch's own ops
-    would use. One range, in this thread, at one torch thread (the latency tables' setting) or below ``MIN_SPLIT``."""
-    parts = max(1, min(torch.get_num_threads(), b)) if b * n * n >= MIN_SPLIT else 1
-    bounds = [b * i // parts for i in range(parts + 1)]
-    ranges = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-    futures = [_pool().submit(run, lo, hi) for lo, hi in ranges[1:]]
-    if ranges:
-        run(*ranges[0])
-    for future in futures:
-        future.result()
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="pipeline-native")
-
-
-os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child (a loader, a Ray worker) has no such threads
 
 
 def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor, iters: int) -> Tensor:
@@ -238,13 +224,8 @@ def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor,
     None, start (B, K) starting tokens -> last assignment (B, N) int64. Semantics: ``clustering._kmeans_gram``."""
     b, n, _ = gram.shape
     assign = torch.empty(b, n, dtype=torch.int64)
-    gram, start, w = gram.contiguous(), start.long().contiguous(), _weights(w, gram)
-
-    def run(lo: int, hi: int) -> None:
-        _call(lib, "kmeans_gram", gram[lo:hi], None if w is None else w[lo:hi], start[lo:hi], assign[lo:hi], hi - lo,
-              n, start.shape[1], iters)
-
-    in_threads(run, b, n)
+    if b:
+        _call(lib, "kmeans_gram", gram, _weights(w, gram), start.long(), assign, b, n, start.shape[1], iters)
     return assign
 
 
