@@ -123,6 +123,19 @@ def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
 
 
 @pytest.mark.beton
+def test_the_fixed_keep_lists_are_checked_on_the_models_the_finetunes_build(data, tmp_path):
+    """Before any training, each method at each paper level and each conv placement is built as its finetune builds
+    it: with model.qk_norm too (normalised queries and keys are part of every stage's model), which the check once
+    applied a second downsampling to and refused ("this model already downsamples")."""
+    from pipeline.dag.runner import check_experiment
+
+    base = [*tiny_overrides(tmp_path, data)[:2], f"train.storage_path={tmp_path / 'ray'}",
+            f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}",
+            "experiment.conv={layers: [1, 2]}", "experiment.no_finetune={methods: [kmeans]}"]
+    for qk in ([], ["model.qk_norm=learned"]):
+        check_experiment(load_config(TINY, [*base, *qk]))  # nothing refused
+
+
 def test_bad_experiments_are_refused_before_anything_runs(data, tmp_path):
     base = [*tiny_overrides(tmp_path, data)[:2], f"train.storage_path={tmp_path / 'ray'}",
             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]
@@ -132,7 +145,8 @@ def test_bad_experiments_are_refused_before_anything_runs(data, tmp_path):
         load_config(TINY, [*base, "experiment.lambdas=[]"])
     with pytest.raises(ConfigError, match="unknown timm model"):
         run_experiment(load_config(TINY, [*base, "model.name=vit_nonexistent"]), log=lambda _: None)
-    with pytest.raises(ConfigError, match="keep has 12 entries but the model has 3 blocks"):
+    with pytest.raises(ConfigError, match=r"level L1 with wkmedoids: .*pooling.keep has 12 entries \[196, .*\] but "
+                                          "model.depth is 3"):
         run_experiment(load_config(TINY, [*base, "model.name=deit_small_patch16_224",
                                           "model.img_size=null", "model.patch_size=null", "experiment.lambdas=null",
                                           "experiment.levels=[1]", "experiment.embed_dims=null",

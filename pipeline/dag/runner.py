@@ -94,9 +94,16 @@ def prepare_data(config: Config, log: Callable[[str], None]) -> None:
 
 
 def check_experiment(config: Config) -> None:
-    """Everything that can be refused before any training: models, widths, methods, keep lists, data, tracking."""
-    from pipeline.models import apply_downsampling
+    """Everything that can be refused before any training: models, widths, methods, keep lists, data, tracking. Each
+    method's model at each fixed keep list (a paper level, a conv placement) is built as its finetune's config builds
+    it (normalised queries and keys included), on the meta device: its shapes, not its weights."""
+    import torch
+
     from pipeline.train.build import build_model
+
+    def builds(method: str, level: str, keep: list[int]) -> None:
+        with torch.device("meta"):
+            build_model(finetune_stage(config, arch, stage, method, level, keep, []).config)
 
     for arch in archs(config):
         stage = base_stage(config, arch)
@@ -107,13 +114,12 @@ def check_experiment(config: Config) -> None:
             for level, keep in paper_levels(config, arch).items():
                 for method in dict.fromkeys([*config.experiment.methods, *untrained]):  # finetuned or not
                     try:
-                        apply_downsampling(build_model(stage.config), method, keep,
-                                           **config.pooling.method_options(method))
+                        builds(method, level, keep)
                     except ValueError as err:
                         raise ConfigError(f"experiment: {arch.label} level {level} with {method}: {err}") from None
         for level, keep in conv_levels(config, arch).items():  # each placement's layers fit the grid they meet
             try:
-                apply_downsampling(build_model(stage.config), GRID_CONV, keep)
+                builds(GRID_CONV, level, keep)
             except ValueError as err:
                 raise ConfigError(f"experiment.conv: {arch.label} placement {level}: {err}") from None
 
