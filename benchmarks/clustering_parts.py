@@ -78,7 +78,7 @@ def main() -> None:
     block = net.blocks[0].eval()
     x = torch.randn(batch, net.num_prefix_tokens + n, net.embed_dim)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s); torch "
-          f"{torch.__version__}; native kernels built for {native.instruction_set()}")
+          f"{torch.__version__}; native kernels run at {native.instruction_set()}")
     print(f"block: {model} blocks[0] on ({batch}, {x.shape[1]}, {net.embed_dim}); K = {keep}, {args.iters} "
           f"iterations, weighted by significance, top-K initial centres")
     with torch.inference_mode():
@@ -88,9 +88,10 @@ def main() -> None:
             whole = ("whole step (the downsampler)", lambda s=step: s(inputs.tokens, keep, scores=inputs.scores,
                                                                       metric=inputs.keys, validate=False))
             print(f"\n{'WK-Means (Gram form)' if method == 'kmeans' else 'WK-Medoids'}:")
+            rows = parts(method, inputs.tokens, inputs.scores, keep, args.iters, lib)  # prints the check first
             print("| part | median ms | % of block |")
             print("|---|---:|---:|")
-            for label, call in [*parts(method, inputs.tokens, inputs.scores, keep, args.iters, lib), whole]:
+            for label, call in [*rows, whole]:
                 base, own = time_paired(call, lambda: block(x), warmup=1, repeats=repeats, device=torch.device("cpu"))
                 share = statistics.median(o / b for o, b in zip(own, base))
                 print(f"| {label} | {statistics.median(own) * 1e3:.3f} | {100 * share:.2f} |")

@@ -13,9 +13,11 @@
  *
  * Both return 0, or -1 when the workspace could not be allocated.
  *
- * Instruction sets: on x86-64 each exported kernel is built three times, for the x86-64 psABI levels v4 (AVX-512),
+ * Instruction sets: on x86-64 the K-Medoids kernels are built three times, for the x86-64 psABI levels v4 (AVX-512),
  * v3 (AVX2, FMA) and the baseline, and the loader picks the one the CPU runs (GCC's and Clang's target_clones); one
- * library serves every x86-64 CPU, so a cache or an image built elsewhere loads anywhere. -DPIPELINE_NO_CLONES
+ * library serves every x86-64 CPU, so a cache or an image built elsewhere loads anywhere. K-Means' kernels are built
+ * for the baseline alone: with an AVX-512 clone the weighted K-Means step took 9.5-9.7% of a DeiT-S block against
+ * 7.3-7.4% without (bench ops, the Intel Xeon VM, 2026-12-07; docs/benchmarks.md). -DPIPELINE_NO_CLONES
  * builds the baseline alone. clustering_isa() names the level the kernels run at here, clustering_built() the
  * levels the library holds (native.py keys its cache by it and refuses a library that says otherwise).
  * -ffp-contract=off holds in every clone: a wider vector changes no rounding, and no sum is reordered (the C
@@ -193,7 +195,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                \
     }                                                                                                    \
                                                                                                          \
-    CLONES int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b,      \
+    int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b,             \
                     int64_t n, int64_t k, int64_t iters) {                                               \
         REAL *proj = malloc((size_t)(k * n) * sizeof(REAL));                                             \
         REAL *csq = malloc((size_t)k * sizeof(REAL));                                                    \

@@ -7,8 +7,8 @@ threads keep the cores after its matmul (docs/history.md), and K-Means' step was
 
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
-machine and names the instruction sets it holds (``built_for``: on x86-64 a clone of each kernel for the psABI
-levels v4, v3 and the baseline, the CPU's picked when it loads), so an edit rebuilds it and a second process (a Ray
+machine and names the instruction sets it holds (``built_for``: on x86-64 a clone of each K-Medoids kernel for the
+psABI levels v4, v3 and the baseline, the CPU's picked when it loads; K-Means' kernels are the baseline's), so an edit rebuilds it and a second process (a Ray
 worker, a test) loads it, with or without a compiler. A library that holds other instruction sets than its name
 says is never loaded (the torch iterations run, and a warning says to delete it); ``instruction_set()`` names the
 level the kernels run at. Without a compiler ``library()`` returns None and the caller runs the torch iterations (same
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("clustering_cpu.c")
 # -ffp-contract=off: every product is rounded before it is added, as in the torch paths, so the costs
 # are the same bits; no -march=native: a cache on shared storage may serve other CPUs (the source's
-# target_clones give each kernel a clone per x86-64 level instead, picked where it loads).
+# target_clones give each K-Medoids kernel a clone per x86-64 level instead, picked where it loads).
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off")
 NO_CLONES = "-DPIPELINE_NO_CLONES"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
