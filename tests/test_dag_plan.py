@@ -136,6 +136,7 @@ def test_the_fixed_keep_lists_are_checked_on_the_models_the_finetunes_build(data
         check_experiment(load_config(TINY, [*base, *qk]))  # nothing refused
 
 
+@pytest.mark.beton
 def test_bad_experiments_are_refused_before_anything_runs(data, tmp_path):
     base = [*tiny_overrides(tmp_path, data)[:2], f"train.storage_path={tmp_path / 'ray'}",
             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeline.config import Config, ConfigError
 from pipeline.dag.checks import plan_checks
 from pipeline.dag.hpo import chosen_config, run_base_sweep, trial_resources
@@ -97,8 +99,6 @@ def check_experiment(config: Config) -> None:
     """Everything that can be refused before any training: models, widths, methods, keep lists, data, tracking. Each
     method's model at each fixed keep list (a paper level, a conv placement) is built as its finetune's config builds
     it (normalised queries and keys included), on the meta device: its shapes, not its weights."""
-    import torch
-
     from pipeline.train.build import build_model
 
     def builds(method: str, level: str, keep: list[int]) -> None:

@@ -8,12 +8,12 @@ threads keep the cores after its matmul (docs/history.md), and K-Means' step was
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
 machine and names the instruction sets it holds (``built_for``: on x86-64 a clone of each K-Medoids kernel for the
-psABI levels v4, v3 and the baseline, the CPU's picked when it loads; K-Means' kernels are the baseline's), so an edit rebuilds it and a second process (a Ray
-worker, a test) loads it, with or without a compiler. A library that holds other instruction sets than its name
-says is never loaded (the torch iterations run, and a warning says to delete it); ``instruction_set()`` names the
-level the kernels run at. Without a compiler ``library()`` returns None and the caller runs the torch iterations (same
-results, slower); a failed build says why, once. The config's ``kernels.native: torch`` turns them off
-(``for_tensor(t, enabled=False)``).
+psABI levels v4, v3 and the baseline, the CPU's picked when it loads; K-Means' kernels are the baseline's), so an
+edit rebuilds it and a second process (a Ray worker, a test) loads it, with or without a compiler. A library that
+holds other instruction sets than its name says is never loaded (the torch iterations run, and a warning says to
+delete it); ``instruction_set()`` names the level the kernels run at. Without a compiler ``library()`` returns None
+and the caller runs the torch iterations (same results, slower); a failed build says why, once. The config's
+``kernels.native: torch`` turns them off (``for_tensor(t, enabled=False)``).
 
 Environment (where the library is built and kept, not whether it runs):
     PIPELINE_NATIVE_CACHE: the cache folder (default ``$XDG_CACHE_HOME/pipeline-native``, else
