@@ -78,7 +78,7 @@ def main() -> None:
     block = net.blocks[0].eval()
     x = torch.randn(batch, net.num_prefix_tokens + n, net.embed_dim)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s); torch "
-          f"{torch.__version__}; native kernels run at {native.instruction_set()}")
+          f"{torch.__version__}; the native K-Medoids runs at {native.instruction_set()}, K-Means at the baseline")
     print(f"block: {model} blocks[0] on ({batch}, {x.shape[1]}, {net.embed_dim}); K = {keep}, {args.iters} "
           f"iterations, weighted by significance, top-K initial centres")
     with torch.inference_mode():

@@ -7,7 +7,8 @@ The earlier commit's ``clustering_cpu.c`` (``--old-source``: db5a098's, kept bes
 db5a098:pipeline/pooling/clustering_cpu.c``) is built with its flags and called as its ``native.kmedoids`` was: on
 the distances ``clustering.dists_from_gram`` writes, one call for the batch; its K-Means as today's, on the Gram
 matrices. Today's K-Medoids runs on the Gram matrices (the distances derived inside), as two builds: the clones (the
-CPU's level: AVX-512 here) and the baseline alone (``-DPIPELINE_NO_CLONES``, no AVX2 or AVX-512 code). Each row
+CPU's level: AVX-512 here) and the baseline alone (``-DPIPELINE_NO_CLONES``, no AVX2 or AVX-512 code); its K-Means
+has no clones (the baseline's code in both builds since the K-Means clone was taken out). Each row
 is today's time over the earlier one's, paired block by block (``bench.paired``: the median of the blocks' ratios
 with its 95% interval), on the same Gram matrices and weights (B = 64, N = 196, M = 384, K = 98, 5
 iterations, weighted: DeiT-S's first pooling block at batch 64), and says whether the medoids and assignments are
@@ -91,7 +92,7 @@ def main() -> None:
         clones = native.library()
         assert clones is not None, "the native kernels did not build"
         print(f"machine: {platform.processor() or platform.machine()}; torch {torch.__version__}; the earlier kernel: "
-              f"{which}; today's clones run at {native.instruction_set()}")
+              f"{which}; today's K-Medoids clones run at {native.instruction_set()}")
         print(f"B = {b}, N = {n}, M = {m}, K = {k}, {iters} iterations, weighted; paired blocks, 95% intervals")
         print("| method | threads | today's build | time over the earlier | interval | blocks | same bits |")
         print("|---|---:|---|---:|---|---:|---|")

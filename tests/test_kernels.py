@@ -261,8 +261,8 @@ def test_doctor_checks_at_the_config_models_shapes_and_fails_on_a_planted_wrong_
     assert "skipped: kmedoids: kernels.kmedoids is torch, the torch path itself" in out
     # the doctor names the instruction set the native kernels run at (tests/test_native.py checks it against the CPU's
     # flags), the sets the library holds and where it is
-    assert re.search(rf"native C kernels: running the (x86-64|baseline)\S* .*code of a library built for "
-                     rf"{native.built_for()}: \S+\.so$", out, re.M), out
+    assert re.search(rf"native C kernels: K-Medoids running the (x86-64|baseline)\S* .*code of a library built for "
+                     rf"{native.built_for()}, K-Means the baseline's: \S+\.so$", out, re.M), out
     default = config_shapes(load_config(None))
     assert default.pools[0] == (196, 181) and len(default.pools) == 12 and default.tokens[0] == 197
 

@@ -294,3 +294,7 @@ def test_a_compiler_that_cannot_build_the_clones_builds_the_baseline(fresh, monk
     assert [p.name.split("-")[1:3] for p in fresh.iterdir()] == [["x86", "64"]]  # the baseline's file alone
     assert "could not build the clustering CPU kernels with a clone per x86-64 level (cc exited with 1: #error a " \
            "clone per x86-64 level needs GCC 12 or Clang 14): building the baseline alone" in caplog.text
+    # that cache, where no compiler is (an image's runtime stage), loads the baseline's library as it is
+    native.library.cache_clear()
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert native.library() is not None and native.instruction_set() == "x86-64"

@@ -16,9 +16,9 @@
  * Instruction sets: on x86-64 the K-Medoids kernels are built three times, for the x86-64 psABI levels v4 (AVX-512),
  * v3 (AVX2, FMA) and the baseline, and the loader picks the one the CPU runs (GCC's and Clang's target_clones); one
  * library serves every x86-64 CPU, so a cache or an image built elsewhere loads anywhere. K-Means' kernels are built
- * for the baseline alone: with an AVX-512 clone the weighted K-Means step took 9.5-9.7% of a DeiT-S block against
- * 7.3-7.4% without (bench ops, the Intel Xeon VM, 2026-12-07; docs/benchmarks.md). -DPIPELINE_NO_CLONES
- * builds the baseline alone. clustering_isa() names the level the kernels run at here, clustering_built() the
+ * for the baseline alone: with an AVX-512 clone the weighted K-Means step took 9.5-9.7% of a DeiT-S block, 7.4% with
+ * the baseline build and 7.3-8.8% at db5a098 (bench ops, the Intel Xeon VM, 2026-12-07; docs/benchmarks.md). -DPIPELINE_NO_CLONES
+ * builds the baseline alone. clustering_isa() names the level the K-Medoids kernels run at here, clustering_built() the
  * levels the library holds (native.py keys its cache by it and refuses a library that says otherwise).
  * -ffp-contract=off holds in every clone: a wider vector changes no rounding, and no sum is reordered (the C
  * compiler reassociates no floating-point addition without -ffast-math), so every clone gives the same bits.
@@ -66,7 +66,7 @@
 /* the levels this library holds a clone for, highest first */
 const char *clustering_built(void) { return BUILT; }
 
-/* the level the kernels run at on this CPU: the highest clone it supports */
+/* the level the K-Medoids kernels run at on this CPU: the highest clone it supports (K-Means': the baseline) */
 const char *clustering_isa(void) {
 #if defined(__x86_64__) && !defined(PIPELINE_NO_CLONES)
     __builtin_cpu_init();

@@ -114,9 +114,12 @@ def build(compiler: str, target: Path, clones: bool | None = None) -> None:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded native library, built first if it is not in the cache; None when it cannot be had. A compiler
-    that cannot build the clones (one older than GCC 12 or Clang 14) builds the baseline alone."""
+    that cannot build the clones (one older than GCC 12 or Clang 14) builds the baseline alone, and a cache that holds
+    only the baseline's library (built so elsewhere) loads it without a compiler."""
     compiler = _compiler()
-    for clones in ([True, False] if clones_wanted() else [False]):
+    options = [True, False] if clones_wanted() else [False]
+    cached = [clones for clones in options if library_path(clones).exists()]
+    for clones in cached[:1] or options:
         target = library_path(clones)
         try:
             if not target.exists():
@@ -169,8 +172,9 @@ ISA_NAMES = {"x86-64-v4": "AVX-512", "x86-64-v3": "AVX2 and FMA", "x86-64": "the
 
 
 def instruction_set() -> str:
-    """The instruction set the native kernels run at here: ``x86-64-v4`` (AVX-512), ``x86-64-v3`` (AVX2 and FMA),
-    ``x86-64`` (the baseline), ``baseline`` (another machine's), or ``none`` where the library is not at hand."""
+    """The instruction set the K-Medoids kernels run at here: ``x86-64-v4`` (AVX-512), ``x86-64-v3`` (AVX2 and FMA),
+    ``x86-64`` (the baseline), ``baseline`` (another machine's), or ``none`` where the library is not at hand.
+    K-Means' kernels always run the baseline's code."""
     lib = library()
     return "none" if lib is None else lib.clustering_isa().decode()
 
@@ -185,7 +189,8 @@ def describe(enabled: bool = True) -> str:
         return "none at hand: the torch iterations run (no C compiler, or a failed build: the warning above says why)"
     isa, held = lib.clustering_isa().decode(), lib.clustering_built().decode()
     name = f" ({ISA_NAMES[isa]})" if isa in ISA_NAMES else ""
-    return f"running the {isa}{name} code of a library built for {held}: {lib._name}"
+    return (f"K-Medoids running the {isa}{name} code of a library built for {held}, K-Means the baseline's: "
+            f"{lib._name}")
 
 
 def for_tensor(t: Tensor, enabled: bool = True) -> ctypes.CDLL | None:
