@@ -124,14 +124,15 @@ def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
 
 @pytest.mark.beton
 def test_the_fixed_keep_lists_are_checked_on_the_models_the_finetunes_build(data, tmp_path):
-    """Before any training, each method at each paper level and each conv placement is built as its finetune builds
-    it: with model.qk_norm too (normalised queries and keys are part of every stage's model), which the check once
-    applied a second downsampling to and refused ("this model already downsamples")."""
+    """Before any training, each conv placement (and each method at a paper level, the same ``builds``) is built as its
+    finetune builds it: with model.qk_norm too (normalised queries and keys are part of every stage's model), which the
+    check once applied a second downsampling to and refused ("this model already downsamples"). The paper levels'
+    branch, which needs a named model, is refused by ``test_bad_experiments_are_refused_before_anything_runs``."""
     from pipeline.dag.runner import check_experiment
 
     base = [*tiny_overrides(tmp_path, data)[:2], f"train.storage_path={tmp_path / 'ray'}",
             f"train.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"experiment.runs_dir={tmp_path}",
-            "experiment.conv={layers: [1, 2]}", "experiment.no_finetune={methods: [kmeans]}"]
+            "experiment.conv={layers: [1, 2]}"]
     for qk in ([], ["model.qk_norm=learned"]):
         check_experiment(load_config(TINY, [*base, *qk]))  # nothing refused
 
