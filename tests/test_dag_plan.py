@@ -62,28 +62,33 @@ def test_stage_ids_change_downstream_of_any_change(data, tmp_path):
     assert ksearch_stages(fast, archs(fast)[0], base_a)[0].id == ksearch_stages(a, archs(a)[0], base_a)[0].id
 
 
+def tiny_ids(config) -> list[str]:
+    """The ids of the tiny DAG's first width: its base, its two K searches, a WK-Medoids finetune at lam0.05, the
+    baseline, that finetune's evaluation, and the DAG."""
+    from pipeline.dag.plan import archs, base_stage, dag_id, evaluate_stage, finetune_stage, ksearch_stages
+
+    arch = archs(config)[0]
+    base = base_stage(config, arch)
+    ks = ksearch_stages(config, arch, base)
+    ft = finetune_stage(config, arch, base, "wkmedoids", "lam0.05", [12, 8, 4], [ks[1].id])
+    full = finetune_stage(config, arch, base, "none", "full", None, [])
+    return [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id, dag_id(config)]
+
+
 def test_the_ids_are_pinned_and_change_with_the_identity_version(monkeypatch):
     """The ids of tiny.yaml's stages, pinned: a change that moves one without bumping ``IDENTITY_VERSION`` fails
     here (docs/design.md lists each version's ids of the first stage); bumping it moves every one. A change to
     tiny.yaml moves the ids of what it reaches (its evaluation cap from 3 to 300 s: the evaluation's and the DAG's)."""
     from pipeline.config import identity
     from pipeline.dag import plan
-    from pipeline.dag.plan import archs, base_stage, dag_id, evaluate_stage, finetune_stage, ksearch_stages
-
-    def ids(config):
-        arch = archs(config)[0]
-        base = base_stage(config, arch)
-        ks = ksearch_stages(config, arch, base)
-        ft = finetune_stage(config, arch, base, "wkmedoids", "lam0.05", [12, 8, 4], [ks[1].id])
-        full = finetune_stage(config, arch, base, "none", "full", None, [])
-        return [base.id, ks[0].id, ks[1].id, ft.id, full.id, evaluate_stage(config, ft).id, dag_id(config)]
+    from pipeline.dag.plan import archs, base_stage, dag_id, ksearch_stages
 
     config = load_config(TINY)
-    assert ids(config) == ["b6d65810254668ab", "22f922e70d56a766", "e9633713e482a150", "10a1b69f3308dfb6",
+    assert tiny_ids(config) == ["b6d65810254668ab", "22f922e70d56a766", "e9633713e482a150", "10a1b69f3308dfb6",
                            "8f888036fac81bcf", "4698b6cc58ed1efe", "8c1832143b66f1ee"]  # identity version 2
     monkeypatch.setattr(identity, "IDENTITY_VERSION", 3)
     monkeypatch.setattr(plan, "IDENTITY_VERSION", 3)
-    moved = ids(config)
+    moved = tiny_ids(config)
     assert len(set(moved)) == 7
     assert not set(moved) & {"b6d65810254668ab", "22f922e70d56a766", "e9633713e482a150", "10a1b69f3308dfb6",
                              "8f888036fac81bcf", "4698b6cc58ed1efe", "8c1832143b66f1ee"}
@@ -592,20 +597,14 @@ def test_an_impossible_no_finetune_setting_is_refused_in_one_line(capsys, settin
 def test_a_finetune_seed_reruns_the_finetunes_alone():
     """experiment.finetune.seed: the finetunes (and the baseline) train again with that seed from the same bases and K
     searches, whose ids stay; the evaluations follow their finetunes. A base or K-search seed is refused in one line."""
-    from pipeline.dag.plan import archs, base_stage, evaluate_stage, finetune_stage, ksearch_stages
+    from pipeline.dag.plan import archs, base_stage, finetune_stage
 
-    def ids(config):
-        arch = archs(config)[0]
-        base = base_stage(config, arch)
-        ks = ksearch_stages(config, arch, base)
-        ft = finetune_stage(config, arch, base, "kmedoids", "lam0.05", [12, 8, 4], [ks[0].id])
-        full = finetune_stage(config, arch, base, "none", "full", None, [])
-        return [base.id, ks[0].id], [ft.id, full.id, evaluate_stage(config, ft).id], ft.config.seed
-
-    same, first, seed = ids(load_config(TINY))
-    again, second, reseeded = ids(load_config(TINY, ["experiment.finetune.seed=1"]))
-    assert (same, seed, reseeded) == (again, 0, 1)
-    assert not set(first) & set(second)
+    plain, reseeded = load_config(TINY), load_config(TINY, ["experiment.finetune.seed=1"])
+    first, second = tiny_ids(plain), tiny_ids(reseeded)
+    assert first[:3] == second[:3]  # the base and the K searches
+    assert not set(first[3:6]) & set(second[3:6])  # the finetune, the baseline and the evaluation
+    arch = archs(reseeded)[0]
+    assert finetune_stage(reseeded, arch, base_stage(reseeded, arch), "none", "full", None, []).config.seed == 1
     for stage in ("base", "ksearch"):
         with pytest.raises(ConfigError, match=r"experiment.base.seed / experiment.ksearch.seed: set the config's "
                                               "`seed` for the bases and K searches"):
