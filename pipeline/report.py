@@ -397,7 +397,6 @@ def read_inputs(path: Path) -> dict[str, Any]:
     """``write_report``'s arguments besides the rows, from the report.json at ``path``."""
     try:
         inputs = json.loads(path.read_text())
-        inputs.setdefault("no_finetune", [])  # a report.json written before the evaluations without finetuning
         spread = inputs.pop("spread")
         inputs["spread"] = spread and SpreadRecord(**spread)
         if set(inputs) != INPUT_KEYS:

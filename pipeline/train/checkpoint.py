@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from pipeline.config import Config
-from pipeline.config.pooling import MOVED_TO_MODEL
 from pipeline.errors import PipelineError
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -113,19 +112,6 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: str 
 _MODEL_SECTIONS = ("seed", "pooling", "model", "data", "recipe", "train")
 
 
-def stored_sections(stored: dict[str, Any]) -> dict[str, Any]:
-    """The ``_MODEL_SECTIONS`` of a checkpoint's stored config, as today's schema reads them: a checkpoint written while
-    normalised queries and keys were ``pooling.qk_norm`` / ``pooling.alpha`` has them moved to the model section."""
-    sections = {key: value for key, value in stored.items() if key in _MODEL_SECTIONS}
-    pooling = dict(sections.get("pooling") or {})
-    moved = {key: pooling.pop(key) for key in MOVED_TO_MODEL if key in pooling}
-    if moved:
-        sections["pooling"] = pooling
-        if moved.get("qk_norm") is not None:
-            sections["model"] = {**sections.get("model", {}), **moved}
-    return sections
-
-
 def model_from_checkpoint(path: str | Path, *, plain: bool = False, built: Config | None = None):
     """Rebuilds the network a checkpoint was trained as, from its own config, with its weights.
 
@@ -142,7 +128,7 @@ def model_from_checkpoint(path: str | Path, *, plain: bool = False, built: Confi
 
     state = load_checkpoint(path)
     try:
-        config = Config.model_validate(stored_sections(state["config"]))
+        config = Config.model_validate({k: v for k, v in state["config"].items() if k in _MODEL_SECTIONS})
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{path}: not a `pipeline train` checkpoint (no usable config: {err})") from None
     if plain:
