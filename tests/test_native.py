@@ -59,22 +59,77 @@ def lib():
     return built
 
 
+def _lane_products(x: torch.Tensor) -> torch.Tensor:
+    """x_i . x_j (B, N, N) summed in the kernel's documented order (clustering_cpu.c's _dot), in torch ops: 16
+    partial sums (lane l adds the products of features l, l + 16, ... in increasing order, each product rounded
+    before the add; zeros pad the last block, which adds nothing), then halved pairwise, lane l plus lane l + h."""
+    b, n, m = x.shape
+    blocks = torch.nn.functional.pad(x, (0, -m % 16)).view(b, n, -1, 16)
+    acc = torch.zeros(b, n, n, 16, dtype=x.dtype)
+    for t in range(blocks.shape[2]):
+        acc = acc + blocks[:, :, None, t] * blocks[:, None, :, t]
+    while acc.shape[-1] > 1:
+        h = acc.shape[-1] // 2
+        acc = acc[..., :h] + acc[..., h:]
+    return acc[..., 0]
+
+
+def _kernel_distances(x: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """The distances the K-Medoids kernel reads, by its documented rules, built in torch: column j = given[c] of d
+    from the matmul's products (x_given[c] . x_i), d(i, j) = d(j, i) for a token i not given, and every other
+    distance from ``_lane_products``; each (|x_i|^2 + |x_j|^2) - 2 x_i . x_j, with |x_j|^2 from its own column
+    where j is given."""
+    lane = _lane_products(x)
+    cols = torch.bmm(torch.stack([x[s, given[s]] for s in range(len(x))]), x.transpose(1, 2))  # (B, C, N)
+    d = torch.empty_like(lane)
+    for s, g in enumerate(given):
+        norm = lane[s].diagonal().clone()
+        norm[g] = cols[s, torch.arange(len(g)), g]
+        d[s] = (norm[:, None] + norm[None, :]) - 2 * lane[s]
+        column = (norm[:, None] + norm[g][None, :]) - 2 * cols[s].T  # (N, C): d(i, g[c]) from the matmul
+        not_given = torch.ones(x.shape[1], dtype=torch.bool)
+        not_given[g] = False
+        d[s, g] = torch.where(not_given[None, :], column.T, d[s, g])  # d(j, i) = d(i, j) for a token i not given
+        d[s, :, g] = column
+    return d
+
+
+@pytest.mark.parametrize("given", ["starting medoids", "none"])
 @pytest.mark.parametrize("shape,weighted,iters,kind", CASES)
-def test_native_kmedoids_matches_the_reference_and_the_torch_iterations(lib, shape, weighted, iters, kind):
+def test_native_kmedoids_matches_the_reference_and_the_torch_iterations(lib, shape, weighted, iters, kind, given):
+    """Against the torch iterations on the distances the kernel is documented to read (``_kernel_distances``): the
+    same bits. Against the torch iterations on ``sq_dists`` and the float64 brute force: the same medoids and
+    assignments, where no two distances tie within their rounding (every case but ``negative``, whose near-duplicate
+    tokens round below zero, and there the matmul's products and the kernel's differ)."""
     b, n, m, k = shape
     x, w, start = _case(b, n, m, k, kind, seed=n + k)
     w = w / w.amax(-1, keepdim=True) if weighted else None
-    d = sq_dists(x)
-    med, assign = native.kmedoids(lib, _gram(x), w, start, iters, SWAP_RTOL)
-    torch_med, torch_assign = kmedoids_dense(d, w, start, iters)
-    assert torch.equal(med, torch_med) and torch.equal(assign, torch_assign)  # the same bits
-    if kind == "negative":  # float64 has no such rounding: the reference breaks these ties differently
-        assert (d < 0).any(), "the case must reach negative distances"
+    columns = start if given == "starting medoids" else start[:, :0]
+    med, assign = native.kmedoids(lib, x, w, start, iters, SWAP_RTOL, given=columns)
+    want = kmedoids_dense(_kernel_distances(x, columns), w, start, iters)
+    assert torch.equal(med, want[0]) and torch.equal(assign, want[1])  # the same bits
+    if kind == "negative":
+        assert (sq_dists(x) < 0).any(), "the case must reach negative distances"
         return
+    torch_med, torch_assign = kmedoids_dense(sq_dists(x), w, start, iters)
+    assert torch.equal(med, torch_med) and torch.equal(assign, torch_assign)
     for s in range(b):
         ws = w[s].double().numpy() if weighted else np.ones(n)
         assert (med[s].tolist(), assign[s].tolist()) == ref.kmedoids(x[s].double().numpy(), ws, start[s].tolist(),
                                                                       iters)
+
+
+def test_the_cases_swap_medoids_in_and_read_distances_no_matmul_gave(lib):
+    """Where the kernel's own distances come in: a medoid swapped in (its column), two members of a cluster that are
+    not its medoid. Some case must do both, or the test above would not reach them."""
+    swapped = shared = False
+    for (b, n, m, k), weighted, iters, kind in CASES:
+        x, w, start = _case(b, n, m, k, kind, seed=n + k)
+        med, assign = native.kmedoids(lib, x, w if weighted else None, start, iters, SWAP_RTOL)
+        swapped |= not torch.equal(med.sort(-1).values, start.sort(-1).values)
+        sizes = torch.zeros(b, k).scatter_add_(1, assign, torch.ones(b, n))
+        shared |= bool((sizes >= 3).any())
+    assert swapped and shared
 
 
 @pytest.mark.parametrize("shape,weighted,iters,kind", [c for c in CASES if c[3] == "random"])
@@ -107,7 +162,7 @@ def test_the_float64_kernels_match_the_references(lib, weighted):
     x, w, start = _case(3, 40, 6, 9, "random", seed=5)
     x = x.double()
     w = w.double() / w.amax() if weighted else None
-    med, assign = native.kmedoids(lib, _gram(x), w, start, 4, SWAP_RTOL)
+    med, assign = native.kmedoids(lib, x, w, start, 4, SWAP_RTOL)
     means = native.kmeans_gram(lib, _gram(x), w, start, 4)
     for s in range(3):
         ws = w[s].numpy() if weighted else np.ones(40)
@@ -125,12 +180,12 @@ def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, mo
 
     for name in ("kmedoids", "kmeans_gram"):
         monkeypatch.setattr(native, name, counted(name))
-    med, assign = _kmedoids_op(_gram(x), w, start, 1)
+    med, assign = _kmedoids_op(x, None, w, start, 1)
     _kmeans_gram_op(_gram(x), w, start, 2)
     assert calls == ["kmedoids", "kmeans_gram"]
     # one iteration: the medoids are the starting ones, in a tensor of the op's own
     assert torch.equal(med, start) and med.data_ptr() != start.data_ptr()
-    med, assign = native.kmedoids(lib, _gram(x)[:0], None, start[:0], 3, SWAP_RTOL)
+    med, assign = native.kmedoids(lib, x[:0], None, start[:0], 3, SWAP_RTOL)
     assert med.shape == (0, 7) and assign.shape == (0, 30)
     assert native.kmeans_gram(lib, _gram(x)[:0], None, start[:0], 3).shape == (0, 30)
 
@@ -237,10 +292,10 @@ def test_every_instruction_sets_code_gives_the_same_bits(lib, tmp_path):
     for (b, n, m, k), weighted, iters, kind in CASES:
         x, w, start = _case(b, n, m, k, kind, seed=n)
         w = w if weighted else None
-        want = native.kmedoids(lib, _gram(x), w, start, iters, SWAP_RTOL), native.kmeans_gram(lib, _gram(x), w, start,
+        want = native.kmedoids(lib, x, w, start, iters, SWAP_RTOL), native.kmeans_gram(lib, _gram(x), w, start,
                                                                                              iters)
         for name, other in others.items():
-            med, assign = native.kmedoids(other, _gram(x), w, start, iters, SWAP_RTOL)
+            med, assign = native.kmedoids(other, x, w, start, iters, SWAP_RTOL)
             got = native.kmeans_gram(other, _gram(x), w, start, iters)
             assert torch.equal(med, want[0][0]) and torch.equal(assign, want[0][1]), (name, n, k)
             assert torch.equal(got, want[1]), (name, n, k)

@@ -75,8 +75,8 @@ x = wide[:, 1:]  # the models' strided slice of the non-prefix tokens
 start, gm = w.topk(6, dim=-1).indices, gram(x)
 assign = torch.randint(0, 6, (2, 20), generator=g)
 ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default"}
-for name, call in [("kmedoids", lambda: _kmedoids_cuda(gm, w, start, 4)),
-                   ("kmedoids, no weights", lambda: _kmedoids_cuda(gm, None, start, 4)),
+for name, call in [("kmedoids", lambda: _kmedoids_cuda(x, gm, w, start, 4)),
+                   ("kmedoids, no weights", lambda: _kmedoids_cuda(x, gm, None, start, 4)),
                    ("kmeans_gram", lambda: _kmeans_gram_cuda(gm, w, start, 4)),
                    ("cluster_means", lambda: _cluster_means_cuda(x, w, assign, 6, start)),
                    ("cluster_means, no weights or start", lambda: _cluster_means_cuda(x, None, assign, 6, None))]:

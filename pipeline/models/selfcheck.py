@@ -249,10 +249,11 @@ def _clustering_shape(choice: KernelChoice, device: torch.device, interpret: boo
     use_native = choice.native != "torch"
     iters, checks, shape = 5, [], f"B=2 N={n} K={k} M={width}"
     if interpret:  # the ops' CUDA kernels, called on CPU tensors under Triton's interpreter
-        medoids = lambda: clustering._kmedoids_cuda(g, w, start, iters, choice.kmedoids, use_native)  # noqa: E731
+        medoids = lambda: clustering._kmedoids_cuda(x, g, w, start, iters, choice.kmedoids, use_native)  # noqa: E731
         means = lambda: clustering._kmeans_gram_cuda(g, w, start, iters, use_native)  # noqa: E731
     else:
-        medoids = lambda: clustering._kmedoids_op(g, w, start, iters, choice.kmedoids, use_native)  # noqa: E731
+        gram = None if device.type == "cpu" else g  # as clustering._kmedoids passes it
+        medoids = lambda: clustering._kmedoids_op(x, gram, w, start, iters, choice.kmedoids, use_native)  # noqa: E731
         means = lambda: clustering._kmeans_gram_op(g, w, start, iters, use_native)  # noqa: E731
     if plan["kmedoids"] != "torch":
         reference = lambda: clustering.kmedoids_dense(clustering.dists_from_gram(g), w, start, iters)  # noqa: E731

@@ -239,14 +239,16 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernels:
     -> (medoids (B, K), last assignment (B, N)).
 
     With d the (B, N, N) distances, the cost of token i as the medoid of cluster c is
-    ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op on the Gram matrix,
-    ``tokenpool::kmedoids``: on CUDA one Triton kernel that derives the distances as it reads them
-    (``kmedoids_fused_triton``; ``kernels.kmedoids: tiled``: two launches an iteration), native code on the
-    CPU (``native.kmedoids``, one call for all of them, which also derives the distances an image at a time, unless
-    ``kernels.native`` is ``torch``), and the torch
-    iterations (``kmedoids_dense``) where neither is at hand or ``kernels.kmedoids`` is ``torch``.
+    ``sum_{i' in c} w_i' d(i', i)``. The iterations are one custom op on the tokens, ``tokenpool::kmedoids``: on
+    CUDA the Gram matrix and one Triton kernel that derives the distances as it reads them (``kmedoids_fused_triton``;
+    ``kernels.kmedoids: tiled``: two launches an iteration), native code on the CPU (``native.kmedoids``, one call
+    for all of them, which takes the starting medoids' columns of the distances from a matmul of half the Gram
+    matrix's size at K = N / 2 and computes the few others it reads, unless ``kernels.native`` is ``torch``), and the
+    torch iterations (``kmedoids_dense`` on ``sq_dists``) where neither is at hand or ``kernels.kmedoids`` is
+    ``torch``.
     """
-    return _kmedoids_op(gram(x), w, medoids, iters, kernels.kmedoids, kernels.native != "torch")
+    g = None if x.device.type == "cpu" else gram(x)  # see _kmedoids_op
+    return _kmedoids_op(x, g, w, medoids, iters, kernels.kmedoids, kernels.native != "torch")
 
 
 def _reach(d: Tensor) -> Tensor:
@@ -284,23 +286,29 @@ def _swap(cost: Tensor, med: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("tokenpool::kmedoids", mutates_args=())
-def _kmedoids_op(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+def _kmedoids_op(x: Tensor, g: Tensor | None, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
                  use_native: bool = True) -> tuple[Tensor, Tensor]:
-    """K-Medoids iterations on the Gram matrices g (B, N, N) (``gram``): one opaque op for
-    ``torch.compile``, which launches one kernel on CUDA. ``kernel`` is the config's ``kernels.kmedoids``,
-    ``use_native`` its ``kernels.native`` (not ``torch``). Each device's kernel notes the path it took
-    (``runtime.note_dispatch``)."""
-    note_dispatch("kmedoids", "torch", g.shape[1])
-    return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
+    """K-Medoids iterations on the tokens x (B, N, D): one opaque op for ``torch.compile``, which launches one
+    kernel on CUDA. g: the Gram matrices (B, N, N) (``gram``), computed outside the op where the device's kernel reads
+    them (CUDA's), or None: the CPU's native kernel takes a matmul of the starting medoids' columns alone, and the
+    torch iterations compute them. ``kernel`` is the config's ``kernels.kmedoids``, ``use_native`` its
+    ``kernels.native`` (not ``torch``). Each device's kernel notes the path it took (``runtime.note_dispatch``)."""
+    note_dispatch("kmedoids", "torch", x.shape[1])
+    return _kmedoids_dense_owned(dists_from_gram(_gram_of(x, g)), w, medoids, iters)
+
+
+def _gram_of(x: Tensor, g: Tensor | None) -> Tensor:
+    return gram(x) if g is None else g
 
 
 @_kmedoids_op.register_kernel("cuda")
-def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+def _kmedoids_cuda(x: Tensor, g: Tensor | None, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
                    use_native: bool = True) -> tuple[Tensor, Tensor]:
     """Triton on CUDA: ``kmedoids_fused_triton`` (one program an image for every iteration, reading the Gram
     matrix: one launch), or with ``kernel="tiled"`` the distances and ``kmedoids_triton`` (two launches an
     iteration over (B, tiles) grids, the kernel behind the last GPU figures, kept so that
     ``jobs/gpu/checks.sh`` can time the two against each other); ``"torch"``: the dense torch iterations."""
+    g = _gram_of(x, g)
     if kmedoids_triton is None or g.dtype != torch.float32 or kernel == "torch":  # the kernels sum in float32
         note_dispatch("kmedoids", "torch", g.shape[1])
         return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
@@ -312,13 +320,13 @@ def _kmedoids_cuda(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, ker
 
 
 @_kmedoids_op.register_kernel("cpu")
-def _kmedoids_cpu(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+def _kmedoids_cpu(x: Tensor, g: Tensor | None, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
                   use_native: bool = True) -> tuple[Tensor, Tensor]:
-    lib = native.for_tensor(g, use_native and kernel != "torch")
-    note_dispatch("kmedoids", "torch" if lib is None else "native-c", g.shape[1])
+    lib = native.for_tensor(x, use_native and kernel != "torch")
+    note_dispatch("kmedoids", "torch" if lib is None else "native-c", x.shape[1])
     if lib is None:
-        return _kmedoids_dense_owned(dists_from_gram(g), w, medoids, iters)
-    return native.kmedoids(lib, g, w, medoids, iters, SWAP_RTOL)  # the distances derived inside, an image at a time
+        return _kmedoids_dense_owned(dists_from_gram(_gram_of(x, g)), w, medoids, iters)
+    return native.kmedoids(lib, x, w, medoids, iters, SWAP_RTOL)  # the distances it reads, an image at a time
 
 
 def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:
@@ -329,9 +337,9 @@ def _kmedoids_dense_owned(d: Tensor, w: Tensor | None, medoids: Tensor, iters: i
 
 
 @_kmedoids_op.register_fake
-def _kmedoids_fake(g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
+def _kmedoids_fake(x: Tensor, g: Tensor | None, w: Tensor | None, medoids: Tensor, iters: int, kernel: str = "auto",
                    use_native: bool = True) -> tuple[Tensor, Tensor]:
-    b, n, _ = g.shape
+    b, n, _ = x.shape
     return medoids.new_empty(b, medoids.shape[1]), medoids.new_empty(b, n)
 
 

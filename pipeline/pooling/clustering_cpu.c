@@ -44,6 +44,7 @@
  * index); an empty cluster keeps its centre. An update costs N^2 multiply-adds an image (each token
  * is in one cluster), where the dense product with the (K, N) coefficients costs K N^2.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,6 +77,13 @@ const char *clustering_isa(void) {
     return BUILT;
 }
 
+/* the K-Medoids kernels' helpers: inlined into each clone, so that they too are built for its instruction set (a
+   function that is not inlined is built for the baseline alone) */
+#define INLINE static inline __attribute__((always_inline))
+
+/* the partial sums of a product of two tokens (K-Medoids' _dot): 16 floats fill an AVX-512 register */
+#define LANES 16
+
 /* members of each cluster in increasing token order: members[start[c] .. start[c + 1]) */
 static void cluster_members(const int64_t *assign, int64_t *start, int64_t *members, int64_t n, int64_t k) {
     memset(start, 0, (size_t)(k + 1) * sizeof(int64_t));
@@ -86,96 +94,128 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
     start[0] = 0;
 }
 
-#define DEFINE_KMEDOIDS(NAME, REAL)                                                                      \
-    /* nearest medoid of every token (4 rows at a time: independent comparison chains), then each       \
-       medoid into its own cluster */                                                                    \
-    static void NAME##_assign(const REAL *d, const int64_t *med, int64_t *assign, int64_t n, int64_t k) { \
-        int64_t i = 0;                                                                                   \
-        for (; i + 4 <= n; i += 4) {                                                                     \
-            const REAL *r0 = d + i * n, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;                        \
-            REAL v0 = r0[med[0]], v1 = r1[med[0]], v2 = r2[med[0]], v3 = r3[med[0]];                     \
-            int64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                      \
-            for (int64_t c = 1; c < k; ++c) {                                                            \
-                const int64_t m = med[c];                                                                \
-                if (r0[m] < v0) { v0 = r0[m]; a0 = c; }                                                  \
-                if (r1[m] < v1) { v1 = r1[m]; a1 = c; }                                                  \
-                if (r2[m] < v2) { v2 = r2[m]; a2 = c; }                                                  \
-                if (r3[m] < v3) { v3 = r3[m]; a3 = c; }                                                  \
-            }                                                                                            \
-            assign[i] = a0; assign[i + 1] = a1; assign[i + 2] = a2; assign[i + 3] = a3;                  \
-        }                                                                                                \
-        for (; i < n; ++i) {                                                                             \
-            const REAL *row = d + i * n;                                                                 \
-            REAL v = row[med[0]];                                                                        \
-            int64_t a = 0;                                                                               \
-            for (int64_t c = 1; c < k; ++c)                                                              \
-                if (row[med[c]] < v) { v = row[med[c]]; a = c; }                                         \
-            assign[i] = a;                                                                               \
-        }                                                                                                \
-        for (int64_t c = 0; c < k; ++c) assign[med[c]] = c;                                              \
-    }                                                                                                    \
-                                                                                                         \
-    /* the swap rule of every cluster, from the costs of its members */                                  \
-    static void NAME##_update(const REAL *d, const REAL *w, int64_t *med, const int64_t *assign,         \
-                              int64_t *start, int64_t *members, REAL *cost, int64_t n, int64_t k,        \
-                              REAL keep) {                                                               \
-        cluster_members(assign, start, members, n, k);                                                   \
-        for (int64_t c = 0; c < k; ++c) {                                                                \
-            const int64_t *first = members + start[c], *last = members + start[c + 1];                   \
-            REAL best_cost = 0;                                                                          \
-            int64_t best = -1;                                                                           \
-            for (const int64_t *p = first; p < last; ++p) {                                              \
-                REAL acc = 0;                                                                            \
-                if (w)                                                                                   \
-                    for (const int64_t *q = first; q < last; ++q) acc += d[*q * n + *p] * w[*q];          \
-                else                                                                                     \
-                    for (const int64_t *q = first; q < last; ++q) acc += d[*q * n + *p];                 \
-                cost[*p] = acc;                                                                          \
-                if (best < 0 || acc < best_cost) { best_cost = acc; best = *p; }                         \
-            }                                                                                            \
-            const REAL current = cost[med[c]] * keep; /* the medoid is a member of its own cluster */    \
-            if (best_cost < current) med[c] = best;                                                      \
-        }                                                                                                \
-    }                                                                                                    \
-                                                                                                         \
-    /* the iterations on one image's distances d (n, n) */                                                 \
-    static void NAME##_one(const REAL *d, const REAL *w, int64_t *med, int64_t *assign, int64_t *start,        \
-                           int64_t *members, REAL *cost, int64_t n, int64_t k, int64_t iters, REAL keep) {     \
-        NAME##_assign(d, med, assign, n, k);                                                                 \
-        for (int64_t it = 1; it < iters; ++it) {                                                             \
-            NAME##_update(d, w, med, assign, start, members, cost, n, k, keep);                              \
-            NAME##_assign(d, med, assign, n, k);                                                             \
-        }                                                                                                    \
-    }                                                                                                        \
-                                                                                                             \
-    /* on the Gram matrices g (b, n, n): each image's distances (g_ii + g_jj) - 2 g_ij, rounded as            \
-       clustering.dists_from_gram rounds them (2 g_ij is exact), into a workspace that stays in cache        \
-       for its iterations, instead of a (b, n, n) tensor written and read back */                            \
-    CLONES int NAME(const REAL *g, const REAL *w, const int64_t *med_in, int64_t *med_out, int64_t *assign, \
-                    int64_t b, int64_t n, int64_t k, int64_t iters, double keep) {                       \
-        int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                          \
-        int64_t *members = malloc((size_t)n * sizeof(int64_t));                                              \
-        REAL *cost = malloc((size_t)n * sizeof(REAL));                                                       \
-        REAL *diag = malloc((size_t)n * sizeof(REAL));                                                       \
-        REAL *d = malloc((size_t)(n * n) * sizeof(REAL));                                                    \
-        if (!start || !members || !cost || !diag || !d) {                                                    \
-            free(start); free(members); free(cost); free(diag); free(d);                                     \
-            return -1;                                                                                       \
-        }                                                                                                    \
-        memcpy(med_out, med_in, (size_t)(b * k) * sizeof(int64_t));                                          \
-        for (int64_t s = 0; s < b; ++s) {                                                                    \
-            const REAL *gs = g + s * n * n;                                                                  \
-            for (int64_t i = 0; i < n; ++i) diag[i] = gs[i * n + i];                                         \
-            for (int64_t i = 0; i < n; ++i) {                                                                \
-                const REAL *grow = gs + i * n;                                                               \
-                REAL *drow = d + i * n;                                                                      \
-                for (int64_t j = 0; j < n; ++j) drow[j] = (diag[i] + diag[j]) - (REAL)2 * grow[j];           \
-            }                                                                                                \
-            NAME##_one(d, w ? w + s * n : NULL, med_out + s * k, assign + s * n, start, members, cost, n, k,  \
-                       iters, (REAL)keep);                                                                   \
-        }                                                                                                    \
-        free(start); free(members); free(cost); free(diag); free(d);                                         \
-        return 0;                                                                                            \
+#define DEFINE_KMEDOIDS(NAME, REAL)                                                                                  \
+    /* x_a . x_b over m features in a fixed order that vectorises without reordering a sum: LANES partial sums       \
+       (lane l adds the products of features l, l + LANES, ... in increasing order), then halved pairwise (lane l    \
+       plus lane l + h, h = LANES / 2, ..., 1). Every clone adds in this order, so every clone gives the same bits. */ \
+    INLINE REAL NAME##_dot(const REAL *a, const REAL *b, int64_t m) {                                                \
+        REAL acc[LANES] = {0};                                                                                       \
+        int64_t t = 0;                                                                                               \
+        for (; t + LANES <= m; t += LANES)                                                                           \
+            for (int l = 0; l < LANES; ++l) acc[l] += a[t + l] * b[t + l];                                           \
+        for (int l = 0; t + l < m; ++l) acc[l] += a[t + l] * b[t + l];                                               \
+        for (int h = LANES / 2; h >= 1; h /= 2)                                                                      \
+            for (int l = 0; l < h; ++l) acc[l] += acc[l + h];                                                        \
+        return acc[0];                                                                                               \
+    }                                                                                                                \
+                                                                                                                     \
+    /* the distance d(i, j) = d(j, i), kept at dt[j * n + i] (row j of dt is column j of d), computed on first read: \
+       (|x_i|^2 + |x_j|^2) - 2 x_i . x_j, rounded as dists_from_gram rounds it */                                    \
+    INLINE REAL NAME##_dist(REAL *dt, const REAL *x, const REAL *norm, int64_t n, int64_t m, int64_t i, int64_t j) { \
+        REAL v = dt[j * n + i];                                                                                      \
+        if (v != v) { /* NaN: not computed yet */                                                                    \
+            v = (norm[i] + norm[j]) - (REAL)2 * NAME##_dot(x + i * m, x + j * m, m);                                 \
+            dt[j * n + i] = v;                                                                                       \
+            dt[i * n + j] = v;                                                                                       \
+        }                                                                                                            \
+        return v;                                                                                                    \
+    }                                                                                                                \
+                                                                                                                     \
+    /* the nearest medoid of every token, ties to the lowest cluster (a medoid's column of d at a time, every token  \
+       in the inner loop), then every medoid into its own cluster; a medoid's column is computed first where it is   \
+       not whole (full[j]: column j is) */                                                                           \
+    INLINE void NAME##_assign(REAL *dt, const REAL *x, const REAL *norm, char *full, const int64_t *med, REAL *best, \
+                              int64_t *assign, int64_t n, int64_t m, int64_t k) {                                    \
+        for (int64_t c = 0; c < k; ++c) {                                                                            \
+            const int64_t j = med[c];                                                                                \
+            if (full[j]) continue;                                                                                   \
+            for (int64_t i = 0; i < n; ++i) NAME##_dist(dt, x, norm, n, m, i, j);                                    \
+            full[j] = 1;                                                                                             \
+        }                                                                                                            \
+        memcpy(best, dt + med[0] * n, (size_t)n * sizeof(REAL));                                                     \
+        memset(assign, 0, (size_t)n * sizeof(int64_t));                                                              \
+        for (int64_t c = 1; c < k; ++c) {                                                                            \
+            const REAL *col = dt + med[c] * n;                                                                       \
+            for (int64_t i = 0; i < n; ++i)                                                                          \
+                if (col[i] < best[i]) { best[i] = col[i]; assign[i] = c; }                                           \
+        }                                                                                                            \
+        for (int64_t c = 0; c < k; ++c) assign[med[c]] = c;                                                          \
+    }                                                                                                                \
+                                                                                                                     \
+    /* the swap rule of every cluster, from the costs of its members */                                              \
+    INLINE void NAME##_update(REAL *dt, const REAL *x, const REAL *norm, const REAL *w, int64_t *med,                \
+                              const int64_t *assign, int64_t *start, int64_t *members, REAL *cost, int64_t n,        \
+                              int64_t m, int64_t k, REAL keep) {                                                     \
+        cluster_members(assign, start, members, n, k);                                                               \
+        for (int64_t c = 0; c < k; ++c) {                                                                            \
+            const int64_t *first = members + start[c], *last = members + start[c + 1];                               \
+            REAL best_cost = 0;                                                                                      \
+            int64_t best = -1;                                                                                       \
+            for (const int64_t *p = first; p < last; ++p) {                                                          \
+                REAL acc = 0;                                                                                        \
+                for (const int64_t *q = first; q < last; ++q) {                                                      \
+                    const REAL v = NAME##_dist(dt, x, norm, n, m, *p, *q);                                           \
+                    acc += w ? v * w[*q] : v;                                                                        \
+                }                                                                                                    \
+                cost[*p] = acc;                                                                                      \
+                if (best < 0 || acc < best_cost) { best_cost = acc; best = *p; }                                     \
+            }                                                                                                        \
+            const REAL current = cost[med[c]] * keep; /* the medoid is a member of its own cluster */                \
+            if (best_cost < current) med[c] = best;                                                                  \
+        }                                                                                                            \
+    }                                                                                                                \
+                                                                                                                     \
+    /* one image. cols (nc, n): the products x_given[c] . x_i; column given[c] of d is derived from them, and d(i, j) \
+       for a token i that is not given also is d(j, i); any other distance is computed on first read */              \
+    INLINE void NAME##_image(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w, int64_t *med,     \
+                             int64_t *assign, REAL *dt, REAL *norm, char *full, int64_t *start, int64_t *members,    \
+                             REAL *cost, int64_t n, int64_t m, int64_t nc, int64_t k, int64_t iters, REAL keep) {    \
+        memset(full, 0, (size_t)n);                                                                                  \
+        for (int64_t c = 0; c < nc; ++c) full[given[c]] = 1;                                                         \
+        for (int64_t c = 0; c < nc; ++c) norm[given[c]] = cols[c * n + given[c]];                                    \
+        for (int64_t i = 0; i < n; ++i)                                                                              \
+            if (!full[i]) {                                                                                          \
+                norm[i] = NAME##_dot(x + i * m, x + i * m, m);                                                       \
+                for (int64_t j = 0; j < n; ++j) dt[i * n + j] = (REAL)NAN; /* not computed yet */                    \
+            }                                                                                                        \
+        for (int64_t c = 0; c < nc; ++c) {                                                                           \
+            const int64_t j = given[c];                                                                              \
+            const REAL *col = cols + c * n;                                                                          \
+            REAL *row = dt + j * n;                                                                                  \
+            for (int64_t i = 0; i < n; ++i) row[i] = (norm[i] + norm[j]) - (REAL)2 * col[i];                         \
+            for (int64_t i = 0; i < n; ++i)                                                                          \
+                if (!full[i]) dt[i * n + j] = row[i];                                                                \
+        }                                                                                                            \
+        NAME##_assign(dt, x, norm, full, med, cost, assign, n, m, k);                                                \
+        for (int64_t it = 1; it < iters; ++it) {                                                                     \
+            NAME##_update(dt, x, norm, w, med, assign, start, members, cost, n, m, k, keep);                         \
+            NAME##_assign(dt, x, norm, full, med, cost, assign, n, m, k);                                            \
+        }                                                                                                            \
+    }                                                                                                                \
+                                                                                                                     \
+    /* x (b, n, m) tokens; cols (b, nc, n) the products x_given[c] . x_i of every token with the tokens given (b, nc), \
+       distinct in an image (a batched matmul's); each image's distances in a workspace of its own that stays in     \
+       cache for its iterations */                                                                                   \
+    CLONES int NAME(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w,                            \
+                    const int64_t *med_in, int64_t *med_out, int64_t *assign, int64_t b, int64_t n, int64_t m,       \
+                    int64_t nc, int64_t k, int64_t iters, double keep) {                                             \
+        int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                                  \
+        int64_t *members = malloc((size_t)n * sizeof(int64_t));                                                      \
+        REAL *cost = malloc((size_t)n * sizeof(REAL));                                                               \
+        REAL *norm = malloc((size_t)n * sizeof(REAL));                                                               \
+        char *full = malloc((size_t)n);                                                                              \
+        REAL *dt = malloc((size_t)(n * n) * sizeof(REAL));                                                           \
+        if (!start || !members || !cost || !norm || !full || !dt) {                                                  \
+            free(start); free(members); free(cost); free(norm); free(full); free(dt);                                \
+            return -1;                                                                                               \
+        }                                                                                                            \
+        memcpy(med_out, med_in, (size_t)(b * k) * sizeof(int64_t));                                                  \
+        for (int64_t s = 0; s < b; ++s)                                                                              \
+            NAME##_image(x + s * n * m, cols + s * nc * n, given + s * nc, w ? w + s * n : NULL,             \
+                         med_out + s * k, assign + s * n, dt, norm, full, start, members, cost, n, m, nc, k, iters,  \
+                         (REAL)keep);                                                                                \
+        free(start); free(members); free(cost); free(norm); free(full); free(dt);                                    \
+        return 0;                                                                                                    \
     }
 
 #define DEFINE_KMEANS(NAME, REAL)                                                                        \

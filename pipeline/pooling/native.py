@@ -48,7 +48,7 @@ FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off")
 NO_CLONES = "-DPIPELINE_NO_CLONES"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name -> argument types (pointers, sizes), for float32 ("_f32") and float64 ("_f64")
-    "kmedoids": (_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_double),
+    "kmedoids": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double),
     "kmeans_gram": (_P, _P, _P, _P, _I, _I, _I, _I),
 }
 _SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
@@ -208,19 +208,30 @@ def _call(lib: ctypes.CDLL, name: str, *args: Tensor | float | None) -> None:
         raise MemoryError(f"the clustering CPU kernel {name} could not allocate its workspace")
 
 
-def kmedoids(lib: ctypes.CDLL, g: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float
-             ) -> tuple[Tensor, Tensor]:
-    """K-Medoids iterations: g (B, N, N) Gram matrices (``clustering.gram``; float32 or float64, CPU), w (B, N) or
-    None, medoids (B, K) starting medoids -> (medoids (B, K) int64, last assignment (B, N) int64). Semantics:
-    ``clustering._kmedoids`` on ``clustering.dists_from_gram(g)``, whose rounding each image's distances follow
-    (derived inside, in a workspace that stays in cache: the (B, N, N) distances are never written and read back);
-    ``rtol`` is the swap margin."""
-    b, n, _ = g.shape
+def kmedoids(lib: ctypes.CDLL, x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, rtol: float,
+             given: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """K-Medoids iterations: x (B, N, D) tokens (float32 or float64, CPU), w (B, N) or None, medoids (B, K) starting
+    medoids -> (medoids (B, K) int64, last assignment (B, N) int64); ``rtol`` is the swap margin. Semantics:
+    ``clustering._kmedoids``.
+
+    The distances' columns of the tokens ``given`` (B, C), distinct in each image (default ``given_columns``), come
+    from one batched matmul here, derived as ``clustering.dists_from_gram`` derives them; the kernel computes any
+    other distance it reads (a medoid swapped in, two members of a cluster) when it first reads it, in its own fixed
+    order of summation (``clustering_cpu.c``'s ``_dot``). With every token given this is
+    ``clustering.dists_from_gram(clustering.gram(x))``, the same bits; with fewer, a distance the kernel computes may
+    differ from the matmul's in its last bits."""
+    b, n, m = x.shape
     k = medoids.shape[1]
     med = torch.empty(b, k, dtype=torch.int64)
     assign = torch.empty(b, n, dtype=torch.int64)
-    if b:
-        _call(lib, "kmedoids", g, _weights(w, g), medoids.long(), med, assign, b, n, k, iters, 1.0 - rtol)
+    if not b:
+        return med, assign
+    given = medoids if given is None else given
+    x = x.contiguous()
+    offset = torch.arange(b).unsqueeze(1) * n  # the given rows, one index_select, times the tokens: (B, C, N)
+    rows = x.view(b * n, m).index_select(0, (given.long() + offset).view(-1)).view(b, -1, m)
+    _call(lib, "kmedoids", x, torch.bmm(rows, x.transpose(1, 2)), given.long(), _weights(w, x), medoids.long(), med,
+          assign, b, n, m, given.shape[1], k, iters, 1.0 - rtol)
     return med, assign
 
 
