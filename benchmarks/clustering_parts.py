@@ -4,9 +4,11 @@ part, each part timed paired against the DeiT-S block it would follow (as ``pipe
     python benchmarks/clustering_parts.py [--batch 64] [--keep 98] [--iters 5] [--threads 1] [--repeats 15] [--smoke]
 
 The parts are those of ``clustering.token_pool``, called as it calls them on the block's own tokens and scores:
-the weights (``effective_weights``), the initial centres (top-K by significance), the Gram matrix (one ``bmm``), the
-iterations (the native kernel on the Gram matrices, K-Medoids deriving the distances inside: ``iters=1`` is that
-and the first assignment alone, the difference to ``iters`` the rest), and the merge (``pool_segments``: the gather
+the weights (``effective_weights``), the initial centres (top-K by significance), the products the iterations start
+from (K-Means: the Gram matrix, one ``bmm``; K-Medoids: the starting medoids' rows times the tokens, one
+``index_select`` and one ``bmm``), the iterations (the native kernel; K-Medoids' includes its matmul and computes the
+distances the matmul did not give: ``iters=1`` is that and the first assignment alone, the difference to ``iters``
+the rest; K-Means' runs on the Gram matrix), and the merge (``pool_segments``: the gather
 and the weighted means). First the script checks that the native iterations give the torch path's medoids and
 assignments (``same as the torch path``). The whole step (the method's downsampler) is the last row of each method;
 the parts add up to about it. Medians of ``--repeats`` pairs; "% of block" is the median of the per-pair ratios.
@@ -37,17 +39,21 @@ def parts(method: str, tokens: torch.Tensor, scores: torch.Tensor, k: int, iters
     g = clustering.gram(x)
     rows = [("weights", lambda: clustering.effective_weights(x, scores, None)),
             ("initial centres (top-K)", lambda: clustering.initial_indices(k, init="topk", init_scores=scores,
-                                                                           tokens=x, generator=None)),
-            ("Gram matrix (bmm)", lambda: clustering.gram(x))]
+                                                                           tokens=x, generator=None))]
     if method == "kmedoids":
-        med, assign = native.kmedoids(lib, g, w, start, iters, clustering.SWAP_RTOL)
+        med, assign = native.kmedoids(lib, x, w, start, iters, clustering.SWAP_RTOL)
         want = clustering.kmedoids_dense(clustering.dists_from_gram(g), w, start, iters)
         print(f"same as the torch path: {torch.equal(med, want[0]) and torch.equal(assign, want[1])}")
-        rows += [("distances and the first assignment (iterations x1)",
-                  lambda: native.kmedoids(lib, g, w, start, 1, clustering.SWAP_RTOL)),
-                 (f"iterations x{iters}", lambda: native.kmedoids(lib, g, w, start, iters, clustering.SWAP_RTOL))]
+        flat = (start + torch.arange(len(x)).unsqueeze(1) * x.shape[1]).view(-1)
+        rows += [("the starting medoids' columns (index_select, bmm)",
+                  lambda: torch.bmm(x.view(-1, x.shape[-1]).index_select(0, flat).view(len(x), k, -1),
+                                    x.transpose(1, 2))),
+                 ("the columns, the other distances and the first assignment (iterations x1)",
+                  lambda: native.kmedoids(lib, x, w, start, 1, clustering.SWAP_RTOL)),
+                 (f"iterations x{iters}", lambda: native.kmedoids(lib, x, w, start, iters, clustering.SWAP_RTOL))]
         merge_start = None
     else:
+        rows.append(("Gram matrix (bmm)", lambda: clustering.gram(x)))
         assign = native.kmeans_gram(lib, g, w, start, iters)
         print(f"same as the torch path: {torch.equal(assign, clustering.kmeans_gram_iterations(g, w, start, iters))}")
         rows += [("iterations x1 (the first assignment)", lambda: native.kmeans_gram(lib, g, w, start, 1)),

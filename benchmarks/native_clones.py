@@ -5,12 +5,13 @@
 
 The earlier commit's ``clustering_cpu.c`` (``--old-source``: db5a098's, kept beside the figures by ``git show
 db5a098:pipeline/pooling/clustering_cpu.c``) is built with its flags and called as its ``native.kmedoids`` was: on
-the distances ``clustering.dists_from_gram`` writes, one call for the batch; its K-Means as today's, on the Gram
-matrices. Today's K-Medoids runs on the Gram matrices (the distances derived inside), as two builds: the clones (the
-CPU's level: AVX-512 here) and the baseline alone (``-DPIPELINE_NO_CLONES``, no AVX2 or AVX-512 code); its K-Means
-has no clones (the baseline's code in both builds since the K-Means clone was taken out). Each row
-is today's time over the earlier one's, paired block by block (``bench.paired``: the median of the blocks' ratios
-with its 95% interval), on the same Gram matrices and weights (B = 64, N = 196, M = 384, K = 98, 5
+the distances ``clustering.dists_from_gram`` writes from the Gram matrices (``clustering.gram``, timed with it), one
+call for the batch; its K-Means as today's, on the Gram matrices. Today's K-Medoids runs on the tokens
+(``native.kmedoids``: the matmul of the starting medoids' rows, timed with it, and the distances derived or computed
+inside), as two builds: the clones (the CPU's level: AVX-512 here) and the baseline alone (``-DPIPELINE_NO_CLONES``,
+no AVX2 or AVX-512 code); its K-Means has no clones (the baseline's code in both builds since the K-Means clone was
+taken out). Each row is today's time over the earlier one's, paired block by block (``bench.paired``: the median of
+the blocks' ratios with its 95% interval), on the same tokens and weights (B = 64, N = 196, M = 384, K = 98, 5
 iterations, weighted: DeiT-S's first pooling block at batch 64), and says whether the medoids and assignments are
 the same bits. ``--smoke``: a 2-image, 24-token problem, to check that it runs; its figures then mean nothing.
 """
@@ -44,25 +45,25 @@ def build(source: str, flags: tuple[str, ...], out: Path) -> Path:
     return out
 
 
-def today(method: str, lib: ctypes.CDLL, g, w, start, iters):
+def today(method: str, lib: ctypes.CDLL, x, g, w, start, iters):
     if method == "kmeans":
         return lambda: native.kmeans_gram(lib, g, w, start, iters)
-    return lambda: native.kmedoids(lib, g, w, start, iters, clustering.SWAP_RTOL)
+    return lambda: native.kmedoids(lib, x, w, start, iters, clustering.SWAP_RTOL)
 
 
-def earlier(method: str, lib: ctypes.CDLL, g, w, start, iters):
-    """The earlier commit's CPU path: K-Medoids' (B, N, N) distances in torch, then one kernel call for the batch;
-    K-Means' kernel on the Gram matrices, as today."""
+def earlier(method: str, lib: ctypes.CDLL, x, g, w, start, iters):
+    """The earlier commit's CPU path: K-Medoids' Gram matrices and (B, N, N) distances in torch, then one kernel
+    call for the batch; K-Means' kernel on the Gram matrices, as today."""
     if method == "kmeans":
         lib.kmeans_gram_f32.argtypes, lib.kmeans_gram_f32.restype = OLD_KMEANS_ARGS, ctypes.c_int
-        return today(method, lib, g, w, start, iters)
+        return today(method, lib, x, g, w, start, iters)
     fn = lib.kmedoids_f32
     fn.argtypes, fn.restype = OLD_ARGS, ctypes.c_int
     b, n, _ = g.shape
     k = start.shape[1]
 
     def run():
-        d = clustering.dists_from_gram(g)
+        d = clustering.dists_from_gram(clustering.gram(x))
         med, assign = torch.empty(b, k, dtype=torch.int64), torch.empty(b, n, dtype=torch.int64)
         assert fn(d.data_ptr(), w.data_ptr(), start.data_ptr(), med.data_ptr(), assign.data_ptr(), b, n, k, iters,
                   1.0 - clustering.SWAP_RTOL) == 0
@@ -99,11 +100,11 @@ def main() -> None:
         for method in ("kmedoids", "kmeans"):
             for threads in [int(t) for t in args.threads.split(",")]:
                 torch.set_num_threads(threads)
-                reference = earlier(method, old, g, w, start, iters)
+                reference = earlier(method, old, x, g, w, start, iters)
                 want = reference()
                 timer = sample_timer(torch.device("cpu"), clock="cpu" if threads == 1 else "wall")
                 for name, lib in (("clones", clones), ("baseline alone", baseline)):
-                    fn = today(method, lib, g, w, start, iters)
+                    fn = today(method, lib, x, g, w, start, iters)
                     got = fn()
                     same = all(torch.equal(a, b) for a, b in zip(got, want)) if method == "kmedoids" else \
                         torch.equal(got, want)

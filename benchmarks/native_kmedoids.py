@@ -1,7 +1,7 @@
-"""Paired timing, CPU: K-Medoids' iterations in torch ops (``kmedoids_dense`` on ``dists_from_gram``: what runs
-without the native kernel, with ``kernels.native: torch`` or no C compiler) against the native kernel that the CPU
-path runs (``native.kmedoids``, ``pipeline/pooling/clustering_cpu.c``, which derives the distances itself), on the
-same Gram matrices.
+"""Paired timing, CPU: K-Medoids' iterations in torch ops (``kmedoids_dense`` on ``sq_dists``: what runs without the
+native kernel, with ``kernels.native: torch`` or no C compiler) against the native kernel that the CPU path runs
+(``native.kmedoids``, ``pipeline/pooling/clustering_cpu.c``, on a matmul of the starting medoids' columns), on the
+same tokens, each with its matmul.
 
     python benchmarks/native_kmedoids.py [--smoke]
 
@@ -21,9 +21,9 @@ from pipeline.bench.timing import time_paired
 from pipeline.pooling import clustering, native
 
 
-def dense(g: torch.Tensor, w: torch.Tensor | None, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dense(x: torch.Tensor, w: torch.Tensor | None, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch path: the distances from the Gram matrices, then the dense iterations."""
-    return clustering.kmedoids_dense(clustering.dists_from_gram(g), w, start, 5)
+    return clustering.kmedoids_dense(clustering.sq_dists(x), w, start, 5)
 
 
 def main() -> None:
@@ -41,9 +41,9 @@ def main() -> None:
         gen = torch.Generator().manual_seed(k)
         x, scores = torch.randn(batch, n, dim, generator=gen), torch.rand(batch, n, generator=gen)
         w = clustering.effective_weights(x, scores, None)
-        start, g = scores.topk(k, dim=-1).indices, clustering.gram(x)
-        torch_ops = partial(dense, g, w, start)
-        kernel = partial(native.kmedoids, lib, g, w, start, 5, clustering.SWAP_RTOL)
+        start = scores.topk(k, dim=-1).indices
+        torch_ops = partial(dense, x, w, start)
+        kernel = partial(native.kmedoids, lib, x, w, start, 5, clustering.SWAP_RTOL)
         (med_t, assign_t), (med_n, assign_n) = torch_ops(), kernel()
         same = torch.equal(med_t, med_n) and torch.equal(assign_t, assign_n)
         olds, news = time_paired(kernel, torch_ops, warmup=1, repeats=repeats, device=torch.device("cpu"))

@@ -1,6 +1,6 @@
 """FLOPs with fvcore, as the paper counts them: one fused multiply-add is one flop.
 
-fvcore has no handle for three ops this code base runs, so three are added here:
+fvcore has no handle for four ops this code base runs, so four are added here:
 
 - ``aten::scaled_dot_product_attention`` (timm's fused attention, and ours when no statistics are
   needed): Q K^T plus A V, ``B H T S (d + d_v)`` multiply-adds. Without it fvcore silently drops
@@ -9,6 +9,9 @@ fvcore has no handle for three ops this code base runs, so three are added here:
 - ``tokenpool::kmeans_gram`` (K-Means' Gram-form iterations on the CPU, one op): ``(iters - 1) B K N^2``,
   the (K, N) x (N, N) products of the later assignments, as the CUDA path's traced iterations count
   them (the CPU's native update multiplies N^2 an iteration; the count stays the model's, whatever runs).
+- ``tokenpool::kmedoids`` without the Gram matrices (the CPU's call, which takes a matmul of the starting medoids'
+  columns inside the op): the Gram matrix's ``B N^2 M``, what the CUDA path's matmul outside the op counts (the
+  CPU's native kernel multiplies about ``B N K M``; the count stays the model's, whatever runs).
 
 and ``tokenpool::attention_with_significance`` (the CPU's attention of a block that also needs the
 significance scores) and the fused kernels that such a block calls by name for their row
@@ -65,6 +68,13 @@ def _baddbmm_flops(inputs: list[Any], outputs: list[Any]) -> int:
     return b * n * m * get_shape(inputs[2])[-1]
 
 
+def _kmedoids_flops(inputs: list[Any], outputs: list[Any]) -> int:
+    if get_shape(inputs[1]) is not None:  # the Gram matrices, from a matmul outside the op that fvcore counted
+        return 0
+    b, n, m = get_shape(inputs[0])  # x (B, N, M), g None, w, medoids, iters
+    return b * n * n * m
+
+
 def _kmeans_gram_flops(inputs: list[Any], outputs: list[Any]) -> int:
     b, n, _ = get_shape(inputs[0])  # gram (B, N, N), w, start (B, K), iters
     return (inputs[3].toIValue() - 1) * b * get_shape(inputs[2])[1] * n * n
@@ -102,6 +112,7 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
     analysis = FlopCountAnalysis(model, torch.zeros(1, 3, size, size))
     analysis.set_op_handle("aten::baddbmm", _baddbmm_flops)
     analysis.set_op_handle("tokenpool::kmeans_gram", _kmeans_gram_flops)
+    analysis.set_op_handle("tokenpool::kmedoids", _kmedoids_flops)
     for op in _FUSED_ATTENTION:
         analysis.set_op_handle(op, _sdpa_flops)
     analysis.unsupported_ops_warnings(False)
@@ -123,7 +134,7 @@ def count_flops(model: nn.Module, image_size: int | None = None) -> FlopReport:
         "attention": sum(by_op.get(op.split("::")[1], 0) for op in (*_FUSED_ATTENTION, "aten::matmul")),
         "proj": _sum_modules(by_module, ["attn.proj"]),
         "mlp": _sum_modules(by_module, ["mlp"]),
-        "downsampling": sum(by_op.get(op, 0) for op in ("bmm", "baddbmm", "kmeans_gram"))
+        "downsampling": sum(by_op.get(op, 0) for op in ("bmm", "baddbmm", "kmeans_gram", "kmedoids"))
         + _sum_modules(by_module, ["downsample"]),
     }
     parts["other"] = total - sum(parts.values())

@@ -15,7 +15,7 @@ COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "kmedoids": ("auto", "tiled", "torch"),  # CUDA: one fused Triton launch, or two tiled ones an iteration
     "kmeans": ("auto", "torch"),  # CUDA: one Triton launch, or the torch iterations traced by inductor
-    "merge": ("auto", "torch"),  # CUDA: the Triton cluster means, or the one-hot torch product
+    "merge": ("auto", "torch"),  # the Triton (CUDA) or native (CPU) cluster means, or torch's
     "attention": ("auto", "sdpa", "torch"),  # CUDA inference with eq. 4: one-pass Triton, SDPA + eq. 4, torch
-    "native": ("auto", "torch"),  # CPU: the clustering iterations as native C code, or their torch ops
+    "native": ("auto", "torch"),  # CPU: the clustering iterations and means as native C code, or torch ops
 }

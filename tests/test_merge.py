@@ -1,5 +1,5 @@
-"""The merge op's gradients (``tokenpool::cluster_means``, the CUDA path's merge): its closed-form backward
-against finite differences, and against autograd through the CPU path's ``index_add_`` sums."""
+"""The merge op's gradients (``tokenpool::cluster_means``): its closed-form backward against finite differences,
+and against autograd through the torch ops it stands for (``index_add_`` sums, the one-hot product)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.pooling.common import dense_segments
-from pipeline.pooling.merge import cluster_means, pool_segments
+from pipeline.pooling.merge import _means_dense, _means_partition, cluster_means, pool_segments
 
 
 def _inputs(b: int, n: int, m: int, k: int, seed: int, dtype: torch.dtype = torch.float64):
@@ -32,21 +32,28 @@ def test_the_backward_matches_finite_differences(weighted, with_start):
     assert torch.autograd.gradcheck(cluster_means, inputs, eps=1e-6, atol=1e-7)
 
 
-def test_the_cuda_path_has_the_cpu_paths_gradients():
-    """pool_segments on the CUDA path (the op) and on the CPU path (index_add_ sums, autograd's own
-    backward): the same means and the same gradients for the tokens and the weights."""
+@pytest.mark.parametrize("reference,k", [(_means_partition, 7), (_means_dense, 6)])
+def test_the_op_has_autograds_gradients_through_the_torch_ops(reference, k):
+    """pool_segments (the op: the CPU's native means, the closed-form backward) against autograd through the torch
+    ops it stands for, outside the op (index_add_ sums, the CPU's torch path, with cluster 6 empty; the one-hot
+    product, the CUDA path's reference, whose autograd an empty cluster's 0 / 0 would turn to NaN: no cluster
+    empty): the same means and the same gradients for the tokens and the weights."""
     x, w, assign, start = _inputs(3, 30, 16, 7, seed=2, dtype=torch.float32)
-    target = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(3))
+    start = start[:, :k]
+    if k == 6:
+        assign[:, :6] = torch.arange(6)  # every cluster has a member
+    target = torch.randn(3, k, 16, generator=torch.Generator().manual_seed(3))
     results = []
-    for dense in (True, False):
+    for means_of in (lambda xd, wd: pool_segments(xd, wd, None, assign, k, start)[0],
+                     lambda xd, wd: reference(xd, wd, assign, k, start)):
         xd, wd = x.clone().requires_grad_(), w.clone().requires_grad_()
-        with dense_segments(dense):
-            means, sizes = pool_segments(xd, wd, None, assign, 7, start)
+        means = means_of(xd, wd)
         (means * target).sum().backward()
-        results.append((means.detach(), xd.grad, wd.grad, sizes()))
+        results.append((means.detach(), xd.grad, wd.grad))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert (results[0][3][:, -1] == 0).all() and results[0][1].abs().sum() > 0  # an empty cluster, real gradients
+    sizes = pool_segments(x, w, None, assign, k, start)[1]()
+    assert ((sizes == 0).any(-1) == (k == 7)).all() and results[0][1].abs().sum() > 0  # empty or not, real gradients
 
 
 def test_pool_segments_means_and_summed_sizes_written_out_on_both_paths():
@@ -72,12 +79,12 @@ def test_pool_segments_means_and_summed_sizes_written_out_on_both_paths():
     want_sizes = [[sum(float(sizes[s, i]) for i in members[s][j]) for j in range(4)] for s in range(2)]
     want_counts = [[float(len(members[s][j])) for j in range(4)] for s in range(2)]
     assert float(w[0, 0] + w[0, 1]) < 1  # segment 0 of sample 0 weighs 0.75: still a mean, not its start token
-    for dense in (None, True):  # None: the path of the device (the CPU: index_add_ sums)
-        forget_dispatches()
+    for dense, kernel, ran in [(None, "auto", "native-c"), (True, "auto", "native-c"), (None, "torch", "torch")]:
+        forget_dispatches()  # None: the path of the device (the CPU: its native code, or index_add_ sums)
         with dense_segments(dense):
-            means, summed = pool_segments(x, w, sizes, assign, 4, start)
-            counted = pool_segments(x, w, None, assign, 4, start)[1]
+            means, summed = pool_segments(x, w, sizes, assign, 4, start, kernel)
+            counted = pool_segments(x, w, None, assign, 4, start, kernel)[1]
         torch.testing.assert_close(means, want_means)
         assert summed().shape == (2, 4) and summed().dtype == torch.float32
         assert summed().tolist() == want_sizes and counted().tolist() == want_counts
-        assert dispatched() == {("merge", "torch", 6)}
+        assert dispatched() == {("merge", ran, 6)}

@@ -170,6 +170,33 @@ def test_the_float64_kernels_match_the_references(lib, weighted):
         assert means[s].tolist() == ref.kmeans(x[s].numpy(), ws, start[s].tolist(), 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weighted,with_start", [(True, True), (False, True), (True, False)])
+def test_native_cluster_means_give_the_index_add_sums_bits_and_the_reference(lib, weighted, with_start, dtype):
+    """The merge: the same bits as ``Partition``'s index_add_ sums (the CPU's torch path), the float64 brute force's
+    means within rounding, and an empty cluster's start token (a case with no start has no empty cluster)."""
+    from pipeline.pooling.merge import _means_partition
+
+    b, n, m, k = 3, 50, 37, 12  # M not a multiple of any vector width
+    x, w, start = _case(b, n, m, k, "random", seed=7)
+    x, w = x.to(dtype) * 10, (w / w.amax(-1, keepdim=True)).to(dtype) if weighted else None
+    assign = torch.randint(0, k, (b, n), generator=torch.Generator().manual_seed(8))
+    if with_start:
+        assign[0] = assign[0] % (k - 2)  # clusters k - 2 and k - 1 of image 0 are empty
+    else:
+        assign[:, :k] = torch.arange(k)  # every cluster has a member
+    start = start if with_start else None
+    got = native.cluster_means(lib, x, w, assign, k, start)
+    assert torch.equal(got, _means_partition(x, w, assign, k, start))
+    for s in range(b):
+        ws = w[s].double().numpy() if weighted else np.ones(n)
+        for j, mean in enumerate(ref.cluster_means(x[s].double().numpy(), ws, assign[s].tolist(), k)):
+            want = x[s, start[s, j]].double() if mean is None else torch.from_numpy(mean)
+            tol = 1e-5 if dtype == torch.float32 else 1e-12
+            torch.testing.assert_close(got[s, j].double(), want, rtol=tol, atol=tol)
+    assert not with_start or torch.equal(got[0, k - 1], x[0, start[0, k - 1]])
+
+
 def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, monkeypatch):
     x, w, start = _case(2, 30, 5, 7, "random", seed=1)
     calls = []
@@ -285,8 +312,8 @@ ON_X86 = native.built_for() != "baseline"
 @pytest.mark.skipif(not ON_X86 or cpu_level() == "x86-64", reason="the AVX2 level's code needs an x86-64-v3 CPU")
 def test_every_instruction_sets_code_gives_the_same_bits(lib, tmp_path):
     """The library's clones (the one this CPU runs), the baseline alone (-DPIPELINE_NO_CLONES) and the AVX2 level
-    built for by hand (-march=x86-64-v3): the same medoids, assignments and K-Means assignments, bit for bit (no
-    contraction, no reordered sum), on the cases above."""
+    built for by hand (-march=x86-64-v3): the same medoids, assignments, K-Means assignments and cluster means, bit
+    for bit (no contraction, no reordered sum), on the cases above."""
     others = {"baseline": _lib_built_with((*native.FLAGS, native.NO_CLONES), tmp_path / "baseline.so"),
               "x86-64-v3": _lib_built_with((*native.FLAGS, native.NO_CLONES, "-march=x86-64-v3"), tmp_path / "v3.so")}
     for (b, n, m, k), weighted, iters, kind in CASES:
@@ -294,11 +321,13 @@ def test_every_instruction_sets_code_gives_the_same_bits(lib, tmp_path):
         w = w if weighted else None
         want = native.kmedoids(lib, x, w, start, iters, SWAP_RTOL), native.kmeans_gram(lib, _gram(x), w, start,
                                                                                              iters)
+        means = native.cluster_means(lib, x, w, want[1], k, start)
         for name, other in others.items():
             med, assign = native.kmedoids(other, x, w, start, iters, SWAP_RTOL)
             got = native.kmeans_gram(other, _gram(x), w, start, iters)
             assert torch.equal(med, want[0][0]) and torch.equal(assign, want[0][1]), (name, n, k)
             assert torch.equal(got, want[1]), (name, n, k)
+            assert torch.equal(native.cluster_means(other, x, w, want[1], k, start), means), (name, n, k)
 
 
 def test_the_cache_is_keyed_by_the_instruction_sets_and_a_library_that_says_otherwise_never_loads(

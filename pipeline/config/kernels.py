@@ -30,13 +30,14 @@ class KernelsConfig(Section):
         "auto", description="K-Means' iterations: auto (CUDA: one Triton launch; CPU: native C code), torch (the "
         "torch iterations, traced by torch.compile; the self-check's reference)")
     merge: Literal[KERNEL_CHOICES["merge"]] = Field(
-        "auto", description="the cluster means: auto (CUDA: the Triton kernel), torch (the one-hot product)")
+        "auto", description="the cluster means: auto (CUDA: the Triton kernel; CPU: native C code), torch (CUDA: the "
+        "one-hot product; CPU: index_add_ sums)")
     attention: Literal[KERNEL_CHOICES["attention"]] = Field(
         "auto", description="attention with eq. 4 in CUDA inference: auto (the one-pass Triton kernel), sdpa (the "
         "fused attention, then eq. 4 apart: what the earlier GPU figures ran), torch (one set of logits in torch)")
     native: Literal[KERNEL_CHOICES["native"]] = Field(
-        "auto", description="the clustering iterations on the CPU: auto (native C kernels, built on first use "
-        "where a C compiler exists), torch (the torch iterations)")
+        "auto", description="the clustering iterations and the cluster means on the CPU: auto (native C kernels, built "
+        "on first use where a C compiler exists), torch (the torch iterations and index_add_ sums)")
 
     def choice(self) -> KernelChoice:
         """The plain value the models and ops take (``runtime`` imports torch, which the config does not)."""

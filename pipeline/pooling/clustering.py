@@ -419,7 +419,7 @@ def token_pool(
     # No K-Medoids cluster is empty; an empty K-Means cluster outputs the token its centre started from.
     in_sizes = None if sizes is None else sizes.to(dtype)
     pooled, out_sizes = pool_segments(x, w, in_sizes, assign, k, start if method == "kmeans" else None,
-                                      kernels.merge)
+                                      kernels.merge, kernels.native != "torch")
     index = medoids if method == "kmedoids" else None
     return PoolResult(tokens=pooled.to(tokens.dtype), sizes=out_sizes, assign=assign, index=index)
 

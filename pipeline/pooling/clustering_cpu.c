@@ -1,41 +1,46 @@
-/* The clustering iterations on the CPU, one call for all of them on a batch of small problems: K-Medoids and
- * K-Means, both on the (B, N, N) Gram matrices of the tokens.
+/* Token Pooling's clustering and merge on the CPU, one call for a batch of small problems: K-Medoids on the tokens,
+ * K-Means on their (B, N, N) Gram matrices, and the weighted cluster means.
  *
  * Built and loaded by native.py (plain C, no Python or torch headers: it compiles in about a second),
- * called through ctypes as the CPU kernels of the custom ops tokenpool::kmedoids and
- * tokenpool::kmeans_gram.
+ * called through ctypes as the CPU kernels of the custom ops tokenpool::kmedoids, tokenpool::kmeans_gram and
+ * tokenpool::cluster_means.
  *
  * Why our own kernels: torch's CPU index reductions (argmin, min with indices) ran 10x slower than the
  * plain minimum here, the torch iterations took as long as the distance matrix itself at DeiT-S size,
  * and K-Means' torch iterations work on dense (B, K, N) tensors where each token belongs to one
- * cluster (docs/benchmarks.md). No library runs these iterations, with these tie, swap and
- * empty-cluster rules, on a batch of small problems.
+ * cluster; index_add_'s cluster sums took 5-9 ms of a DeiT-S step at batch 64, where one pass over the tokens takes
+ * about 1 ms (docs/benchmarks.md). No library runs these iterations, with these tie, swap and empty-cluster rules,
+ * on a batch of small problems.
  *
- * Both return 0, or -1 when the workspace could not be allocated.
+ * All return 0, or -1 when the workspace could not be allocated.
  *
- * Instruction sets: on x86-64 the K-Medoids kernels are built three times, for the x86-64 psABI levels v4 (AVX-512),
- * v3 (AVX2, FMA) and the baseline, and the loader picks the one the CPU runs (GCC's and Clang's target_clones); one
+ * Instruction sets: on x86-64 the K-Medoids and the means kernels are built three times, for the x86-64 psABI levels
+ * v4 (AVX-512), v3 (AVX2, FMA) and the baseline, and the loader picks the one the CPU runs (GCC's and Clang's
+ * target_clones; their helpers are inlined into each clone, INLINE, so that they too are built for its level); one
  * library serves every x86-64 CPU, so a cache or an image built elsewhere loads anywhere. K-Means' kernels are built
  * for the baseline alone: with an AVX-512 clone the weighted K-Means step took 9.5-9.7% of a DeiT-S block, 7.4% with
- * the baseline build and 7.3-8.8% at db5a098 (bench ops, the Intel Xeon VM, 2026-12-07; docs/benchmarks.md). -DPIPELINE_NO_CLONES
- * builds the baseline alone. clustering_isa() names the level the K-Medoids kernels run at here, clustering_built() the
- * levels the library holds (native.py keys its cache by it and refuses a library that says otherwise).
- * -ffp-contract=off holds in every clone: a wider vector changes no rounding, and no sum is reordered (the C
- * compiler reassociates no floating-point addition without -ffast-math), so every clone gives the same bits.
+ * the baseline build and 7.3-8.8% at db5a098 (bench ops, the Intel Xeon VM, 2026-12-07; docs/benchmarks.md).
+ * -DPIPELINE_NO_CLONES builds the baseline alone. clustering_isa() names the level the cloned kernels run at here,
+ * clustering_built() the levels the library holds (native.py keys its cache by it and refuses a library that says
+ * otherwise). -ffp-contract=off holds in every clone: a wider vector changes no rounding, and no sum is reordered
+ * (the C compiler reassociates no floating-point addition without -ffast-math; K-Medoids' _dot spells its order
+ * out), so every clone gives the same bits.
  *
  * K-Medoids (kmedoids_f32 / _f64). Semantics are those of clustering._kmedoids and of the brute-force
- * reference in tests/, with the same floating-point operations as the torch iterations, so that the
- * results are the same bits:
- *   - assignment: each token joins the medoid nearest to it, d[n, med[c]], ties to the lowest cluster
+ * reference in tests/:
+ *   - assignment: each token joins the medoid nearest to it, d(i, med[c]), ties to the lowest cluster
  *     index; then every medoid joins its own cluster;
- *   - update: the cost of token n as the medoid of its own cluster c is sum_{j in c} w_j d[j, n], added
- *     in increasing j from 0 (each product rounded before the add: build with -ffp-contract=off);
+ *   - update: the cost of token p as the medoid of its own cluster c is sum_{q in c} w_q d(p, q), added
+ *     in increasing q from 0 (each product rounded before the add: build with -ffp-contract=off);
  *     each cluster's cheapest member (lowest token index on ties) replaces the medoid when its cost is
  *     below keep * the medoid's cost.
  * The update visits only the members of each cluster (sum over clusters of size^2 additions, where the
- * torch path reads all N^2 distances). Each image's distances are derived from its Gram matrix as
- * clustering.dists_from_gram derives them, into a workspace of one image that stays in cache for its
- * iterations: the (B, N, N) distances are never written to memory and read back.
+ * torch path reads all N^2 distances). The distances: the caller gives the products of every token with the
+ * starting medoids (one batched matmul, half the Gram matrix's work at K = N / 2), from which their columns are
+ * derived as clustering.dists_from_gram derives the Gram matrix's (the same bits); any other distance the
+ * iterations read (a medoid swapped in, two members of a cluster that are not its medoid: few at the paper's K) is
+ * computed on first read, its product summed in _dot's fixed order, and kept. Each image's distances are a workspace
+ * of its own that stays in cache for its iterations.
  *
  * K-Means (kmeans_gram_f32 / _f64), the Gram form of clustering._kmeans_gram: every centre is kept as
  * its coefficients over the tokens, so with G = X X^T, proj[c, n] = c . x_n = sum_{j in c} a_j G[j, n]
@@ -43,6 +48,8 @@
  * tokens start[c]; each token joins the centre minimising ||c||^2 - 2 proj[c, n] (ties to the lowest
  * index); an empty cluster keeps its centre. An update costs N^2 multiply-adds an image (each token
  * is in one cluster), where the dense product with the (K, N) coefficients costs K N^2.
+ *
+ * The means (cluster_means_f32 / _f64): merge._means_partition's, the same bits (DEFINE_MEANS).
  */
 #include <math.h>
 #include <stdint.h>
@@ -67,7 +74,8 @@
 /* the levels this library holds a clone for, highest first */
 const char *clustering_built(void) { return BUILT; }
 
-/* the level the K-Medoids kernels run at on this CPU: the highest clone it supports (K-Means': the baseline) */
+/* the level the K-Medoids and means kernels run at on this CPU: the highest clone it supports (K-Means': the
+   baseline) */
 const char *clustering_isa(void) {
 #if defined(__x86_64__) && !defined(PIPELINE_NO_CLONES)
     __builtin_cpu_init();
@@ -77,7 +85,7 @@ const char *clustering_isa(void) {
     return BUILT;
 }
 
-/* the K-Medoids kernels' helpers: inlined into each clone, so that they too are built for its instruction set (a
+/* the cloned kernels' helpers: inlined into each clone, so that they too are built for its instruction set (a
    function that is not inlined is built for the baseline alone) */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -280,7 +288,48 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         return 0;                                                                                        \
     }
 
+#define DEFINE_MEANS(NAME, REAL)                                                                                     \
+    /* x (b, n, m) tokens, w (b, n) or NULL, assign (b, n) in [0, k), start (b, k) or NULL -> out (b, k, m): each    \
+       cluster's sum of w_i x_i (each product rounded), added in increasing token order from 0, over its total weight \
+       (added the same way): the bits of Partition.mean's index_add_ sums; an empty cluster gives the token at its   \
+       start (0 / 0 without start) */                                                                                \
+    CLONES int NAME(const REAL *x, const REAL *w, const int64_t *assign, const int64_t *start, REAL *out, int64_t b, \
+                    int64_t n, int64_t m, int64_t k) {                                                               \
+        REAL *total = malloc((size_t)k * sizeof(REAL));                                                              \
+        if (!total) return -1;                                                                                       \
+        for (int64_t s = 0; s < b; ++s) {                                                                            \
+            const REAL *xs = x + s * n * m, *ws = w ? w + s * n : NULL;                                              \
+            const int64_t *as = assign + s * n;                                                                      \
+            REAL *os = out + s * k * m;                                                                              \
+            memset(os, 0, (size_t)(k * m) * sizeof(REAL));                                                           \
+            memset(total, 0, (size_t)k * sizeof(REAL));                                                              \
+            for (int64_t i = 0; i < n; ++i) {                                                                        \
+                REAL *row = os + as[i] * m;                                                                          \
+                const REAL *xi = xs + i * m;                                                                         \
+                if (ws) {                                                                                            \
+                    const REAL wi = ws[i];                                                                           \
+                    for (int64_t t = 0; t < m; ++t) row[t] += xi[t] * wi;                                            \
+                    total[as[i]] += wi;                                                                              \
+                } else {                                                                                             \
+                    for (int64_t t = 0; t < m; ++t) row[t] += xi[t];                                                 \
+                    total[as[i]] += 1;                                                                               \
+                }                                                                                                    \
+            }                                                                                                        \
+            for (int64_t c = 0; c < k; ++c) {                                                                        \
+                REAL *row = os + c * m;                                                                              \
+                if (start && !(total[c] > 0))                                                                        \
+                    memcpy(row, xs + start[s * k + c] * m, (size_t)m * sizeof(REAL));                                \
+                else                                                                                                 \
+                    for (int64_t t = 0; t < m; ++t) row[t] = row[t] / total[c];                                      \
+            }                                                                                                        \
+        }                                                                                                            \
+        free(total);                                                                                                 \
+        return 0;                                                                                                    \
+    }
+
 DEFINE_KMEDOIDS(kmedoids_f32, float)
 DEFINE_KMEDOIDS(kmedoids_f64, double)
 DEFINE_KMEANS(kmeans_gram_f32, float)
 DEFINE_KMEANS(kmeans_gram_f64, double)
+DEFINE_MEANS(cluster_means_f32, float)
+DEFINE_MEANS(cluster_means_f64, double)

@@ -1,9 +1,10 @@
 """The merge of Algorithm 1 (its last line): each cluster's weighted mean of the tokens, and the sizes.
 
-On the CUDA path the means are one custom op, ``tokenpool::cluster_means``: one Triton kernel on CUDA
-(``means_triton``, no (B, K, N) membership in memory), the one-hot torch ops on other devices (the
-reference the kernel is tested against; on CUDA too with ``kernels.merge: torch``). Its backward is the
-closed form below, in torch ops. The CPU path keeps ``Partition``'s ``index_add_`` sums, which autograd differentiates.
+The means are one custom op, ``tokenpool::cluster_means``: one Triton kernel on CUDA (``means_triton``, no (B, K, N)
+membership in memory), native C code on the CPU (``native.cluster_means``: one pass over the tokens, the bits of
+``Partition``'s ``index_add_`` sums, which run where the library is not at hand or with ``kernels.merge: torch`` or
+``kernels.native: torch``), the one-hot torch ops on other devices (the reference the kernels are tested against; on
+CUDA too with ``kernels.merge: torch``). Its backward is the closed form below, in torch ops.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pipeline.pooling.common import Partition, gather_rows, one_hot, use_dense
+from pipeline.pooling import native
+from pipeline.pooling.common import Partition, gather_rows, one_hot
 from pipeline.runtime import note_dispatch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
@@ -24,7 +26,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 def pool_segments(
     tokens: Tensor, weights: Tensor | None, sizes: Tensor | None, assign: Tensor, k: int, start: Tensor | None,
-    kernel: str = "auto",
+    kernel: str = "auto", use_native: bool = True,
 ) -> tuple[Tensor, Callable[[], Tensor]]:
     """Weighted mean of the tokens in each segment, and the summed sizes of each segment.
 
@@ -36,35 +38,29 @@ def pool_segments(
         k: number of segments.
         start: (B, K) token indices: a segment with no members outputs the token at its index (its size
             is 0); None when the caller guarantees that no segment is empty.
-        kernel: the config's ``kernels.merge``: ``auto`` (the Triton means on CUDA) or ``torch``.
+        kernel: the config's ``kernels.merge``: ``auto`` (the Triton means on CUDA, native code on the CPU) or
+            ``torch``.
+        use_native: the config's ``kernels.native`` is not ``torch``.
 
     Returns:
         ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
     """
-    part = None  # the CPU path's partition, which the sizes reuse; the CUDA path builds one only for them
-    if use_dense(tokens):
-        means = cluster_means(tokens, weights, assign, k, start, kernel)
-    else:
-        note_dispatch("merge", "torch", tokens.shape[1])  # index_add_ sums, which autograd differentiates
-        part = Partition(assign, k, dtype=tokens.dtype)
-        means, total = part.mean(tokens, weights)
-        if start is not None:  # an empty segment: 0 / 0, replaced by its starting token
-            means = torch.where(total > 0, means, gather_rows(tokens, start))
+    means = cluster_means(tokens, weights, assign, k, start, kernel, use_native)
 
     def summed_sizes() -> Tensor:
-        sums = part or Partition(assign, k, dtype=tokens.dtype)
-        return sums.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()
+        part = Partition(assign, k, dtype=tokens.dtype)
+        return part.total(None if sizes is None else sizes.to(tokens.dtype)).squeeze(-1).float()
 
     return means, summed_sizes
 
 
 @torch.library.custom_op("tokenpool::cluster_means", mutates_args=())
-def cluster_means(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None, kernel: str = "auto"
-                  ) -> Tensor:
+def cluster_means(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None, kernel: str = "auto",
+                  use_native: bool = True) -> Tensor:
     """Weighted cluster means, x (B, N, M), w (B, N) or None, assign (B, N) in [0, k), start (B, K) or None
     -> (B, K, M); an empty cluster gives x at its ``start`` index (0 / 0 without ``start``). ``kernel``:
-    ``auto`` or ``torch`` (the config's ``kernels.merge``). Each device's kernel notes the path it took
-    (``runtime.note_dispatch``)."""
+    ``auto`` or ``torch`` (the config's ``kernels.merge``), ``use_native``: the config's ``kernels.native`` is not
+    ``torch``. Each device's kernel notes the path it took (``runtime.note_dispatch``)."""
     note_dispatch("merge", "torch", x.shape[1])
     return _means_dense(x, w, assign, k, start)
 
@@ -79,9 +75,25 @@ def _means_dense(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Ten
     return means if start is None else torch.where(total > 0, means, gather_rows(x, start))
 
 
+def _means_partition(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+    """The means in ``Partition``'s ``index_add_`` sums (the CPU's torch path)."""
+    means, total = Partition(assign, k, dtype=x.dtype).mean(x, w)
+    return means if start is None else torch.where(total > 0, means, gather_rows(x, start))
+
+
+@cluster_means.register_kernel("cpu")
+def _cluster_means_cpu(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None,
+                       kernel: str = "auto", use_native: bool = True) -> Tensor:
+    lib = native.for_tensor(x, use_native and kernel != "torch")
+    note_dispatch("merge", "torch" if lib is None else "native-c", x.shape[1])
+    if lib is None:
+        return _means_partition(x, w, assign, k, start)
+    return native.cluster_means(lib, x, w, assign, k, start)
+
+
 @cluster_means.register_kernel("cuda")
 def _cluster_means_cuda(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None,
-                        kernel: str = "auto") -> Tensor:
+                        kernel: str = "auto", use_native: bool = True) -> Tensor:
     if (kernel == "torch" or cluster_means_triton is None or x.dtype != torch.float32
             or (w is not None and w.dtype != torch.float32)):
         note_dispatch("merge", "torch", x.shape[1])
@@ -92,17 +104,17 @@ def _cluster_means_cuda(x: Tensor, w: Tensor | None, assign: Tensor, k: int, sta
 
 @cluster_means.register_fake
 def _cluster_means_fake(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None,
-                        kernel: str = "auto") -> Tensor:
+                        kernel: str = "auto", use_native: bool = True) -> Tensor:
     return x.new_empty(x.shape[0], k, x.shape[2])
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, assign, k, start, _ = inputs
+    x, w, assign, k, start, _, _ = inputs
     ctx.save_for_backward(x, w, assign, start, output)
     ctx.k = k
 
 
-def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
+def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
     """With T_k = sum_{n in k} w_n and the mean mu_k of a member cluster k = a(n):
     d mu_k / d x_n = w_n / T_k, and d mu_k / d w_n = (x_n - mu_k) / T_k; an empty cluster's output is the
     token at its ``start``, whose gradient it passes on."""
@@ -121,7 +133,7 @@ def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, No
             grad_x = grad_x.scatter_add(1, start.unsqueeze(-1).expand(b, ctx.k, m), torch.where(empty, grad, 0.0))
     if w is not None and ctx.needs_input_grad[1]:
         grad_w = ((x - means.gather(1, rows)) * per_member).sum(-1)
-    return grad_x, grad_w, None, None, None, None
+    return grad_x, grad_w, None, None, None, None, None
 
 
 cluster_means.register_autograd(_backward, setup_context=_setup_context)

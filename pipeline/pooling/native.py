@@ -1,15 +1,17 @@
-"""The clustering iterations on the CPU as native code (``clustering_cpu.c``), built on first use and cached.
+"""The clustering iterations and the merge on the CPU as native code (``clustering_cpu.c``), built on first use and
+cached.
 
-K-Medoids' iterations (``kmedoids``) and K-Means' (``kmeans_gram``), both on the Gram matrices, each one call for
-a batch; ``clustering`` calls them through custom ops, whose torch kernels run where the library is not at hand.
-They run on the calling thread: split over two threads they were no faster in whole steps, where torch's OpenMP
-threads keep the cores after its matmul (docs/history.md), and K-Means' step was slower.
+K-Medoids' iterations (``kmedoids``, on the tokens and a matmul of the starting medoids' columns), K-Means'
+(``kmeans_gram``, on the Gram matrices) and the weighted cluster means (``cluster_means``), each one call for a
+batch; ``clustering`` and ``merge`` call them through custom ops, whose torch kernels run where the library is not at
+hand. They run on the calling thread: split over two threads they were no faster in whole steps, where torch's
+OpenMP threads keep the cores after its matmul (docs/history.md), and K-Means' step was slower.
 
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
-machine and names the instruction sets it holds (``built_for``: on x86-64 a clone of each K-Medoids kernel for the
-psABI levels v4, v3 and the baseline, the CPU's picked when it loads; K-Means' kernels are the baseline's), so an
-edit rebuilds it and a second process (a Ray worker, a test) loads it, with or without a compiler. A library that
+machine and names the instruction sets it holds (``built_for``: on x86-64 a clone of each K-Medoids and means kernel
+for the psABI levels v4, v3 and the baseline, the CPU's picked when it loads; K-Means' kernels are the baseline's),
+so an edit rebuilds it and a second process (a Ray worker, a test) loads it, with or without a compiler. A library that
 holds other instruction sets than its name says is never loaded (the torch iterations run, and a warning says to
 delete it); ``instruction_set()`` names the level the kernels run at. Without a compiler ``library()`` returns None
 and the caller runs the torch iterations (same results, slower); a failed build says why, once. The config's
@@ -50,6 +52,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name -> argument types (pointers, sizes), for float32 ("_f32") and float64 ("_f64")
     "kmedoids": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double),
     "kmeans_gram": (_P, _P, _P, _P, _I, _I, _I, _I),
+    "cluster_means": (_P, _P, _P, _P, _P, _I, _I, _I, _I),
 }
 _SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
 
@@ -172,9 +175,9 @@ ISA_NAMES = {"x86-64-v4": "AVX-512", "x86-64-v3": "AVX2 and FMA", "x86-64": "the
 
 
 def instruction_set() -> str:
-    """The instruction set the K-Medoids kernels run at here: ``x86-64-v4`` (AVX-512), ``x86-64-v3`` (AVX2 and FMA),
-    ``x86-64`` (the baseline), ``baseline`` (another machine's), or ``none`` where the library is not at hand.
-    K-Means' kernels always run the baseline's code."""
+    """The instruction set the K-Medoids and means kernels run at here: ``x86-64-v4`` (AVX-512), ``x86-64-v3`` (AVX2
+    and FMA), ``x86-64`` (the baseline), ``baseline`` (another machine's), or ``none`` where the library is not at
+    hand. K-Means' kernels always run the baseline's code."""
     lib = library()
     return "none" if lib is None else lib.clustering_isa().decode()
 
@@ -189,7 +192,8 @@ def describe(enabled: bool = True) -> str:
         return "none at hand: the torch iterations run (no C compiler, or a failed build: the warning above says why)"
     isa, held = lib.clustering_isa().decode(), lib.clustering_built().decode()
     name = f" ({ISA_NAMES[isa]})" if isa in ISA_NAMES else ""
-    return (f"K-Medoids running the {isa}{name} code of a library built for {held}, K-Means the baseline's: "
+    return (f"K-Medoids and the means running the {isa}{name} code of a library built for {held}, K-Means the "
+            f"baseline's: "
             f"{lib._name}")
 
 
@@ -243,6 +247,19 @@ def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor,
     if b:
         _call(lib, "kmeans_gram", gram, _weights(w, gram), start.long(), assign, b, n, start.shape[1], iters)
     return assign
+
+
+def cluster_means(lib: ctypes.CDLL, x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None
+                  ) -> Tensor:
+    """Weighted cluster means: x (B, N, M) (float32 or float64, CPU), w (B, N) or None, assign (B, N) in [0, k),
+    start (B, K) or None -> (B, K, M). Semantics and bits: ``merge._means_partition`` (each cluster's sum of
+    w_i x_i in increasing token order, over its total weight; an empty cluster gives the token at its start)."""
+    b, n, m = x.shape
+    out = torch.empty(b, k, m, dtype=x.dtype)
+    if b:
+        _call(lib, "cluster_means", x, _weights(w, x), assign.long(), None if start is None else start.long(), out,
+              b, n, m, k)
+    return out
 
 
 def _weights(w: Tensor | None, like: Tensor) -> Tensor | None:
