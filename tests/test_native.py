@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,6 +196,31 @@ def test_native_cluster_means_give_the_index_add_sums_bits_and_the_reference(lib
             tol = 1e-5 if dtype == torch.float32 else 1e-12
             torch.testing.assert_close(got[s, j].double(), want, rtol=tol, atol=tol)
     assert not with_start or torch.equal(got[0, k - 1], x[0, start[0, k - 1]])
+
+
+def test_the_kernels_split_the_batch_over_torchs_threads_on_torchs_openmp_runtime(lib):
+    """The same bits on 1, 2 and 3 threads (5 images: parts of unequal size, one thread more than the cores), and one
+    OpenMP runtime in the process: the library's libgomp.so.1 is the copy torch loaded, whose threads its matmuls use
+    (a second runtime would hold a second pool on the same cores)."""
+    x, w, start = _case(5, 40, 6, 9, "random", seed=11)
+    assign = torch.randint(0, 9, (5, 40), generator=torch.Generator().manual_seed(12))
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((*native.kmedoids(lib, x, w, start, 4, SWAP_RTOL),
+                            native.kmeans_gram(lib, _gram(x), w, start, 4),
+                            native.cluster_means(lib, x, w, assign, 9, start)))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    symbols = subprocess.run(["nm", "-D", lib._name], capture_output=True, text=True, check=True).stdout
+    assert "GOMP_parallel" in symbols  # the parallel regions were compiled in (-fopenmp), not left as comments
+    runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libiomp" in line}
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert len(runtimes) == 1 and all(Path(r).parent == torch_lib for r in runtimes), runtimes
 
 
 def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, monkeypatch):

@@ -102,6 +102,19 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
     start[0] = 0;
 }
 
+/* Each kernel's entry point: NAME##_batch on `threads` contiguous parts of the batch at once, in one OpenMP parallel \
+   region (built with -fopenmp, which links libgomp.so.1: in a process that has loaded torch, torch's own copy, so   \
+   these threads are the pool its matmuls just ran on and nothing is oversubscribed). The images are independent:    \
+   the same bits at any number of threads. CALL is the batch function's call on the images s0 .. s0 + count - 1. */  \
+#define IN_PARTS(threads, b, CALL)                                                                                   \
+    int failed = 0;                                                                                                  \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(|: failed)")                           \
+    for (int64_t t = 0; t < threads; ++t) {                                                                          \
+        const int64_t s0 = b * t / threads, count = b * (t + 1) / threads - s0;                                      \
+        if (count > 0) failed |= (CALL) != 0;                                                                        \
+    }                                                                                                                \
+    return failed ? -1 : 0;
+
 #define DEFINE_KMEDOIDS(NAME, REAL)                                                                                  \
     /* x_a . x_b over m features in a fixed order that vectorises without reordering a sum: LANES partial sums       \
        (lane l adds the products of features l, l + LANES, ... in increasing order), then halved pairwise (lane l    \
@@ -204,7 +217,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
     /* x (b, n, m) tokens; cols (b, nc, n) the products x_given[c] . x_i of every token with the tokens given (b, nc), \
        distinct in an image (a batched matmul's); each image's distances in a workspace of its own that stays in     \
        cache for its iterations */                                                                                   \
-    CLONES int NAME(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w,                            \
+    CLONES int NAME##_batch(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w,                            \
                     const int64_t *med_in, int64_t *med_out, int64_t *assign, int64_t b, int64_t n, int64_t m,       \
                     int64_t nc, int64_t k, int64_t iters, double keep) {                                             \
         int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                                  \
@@ -224,6 +237,14 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
                          (REAL)keep);                                                                                \
         free(start); free(members); free(cost); free(norm); free(full); free(dt);                                    \
         return 0;                                                                                                    \
+    }                                                                                                                \
+                                                                                                                     \
+    int NAME(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w, const int64_t *med_in,            \
+             int64_t *med_out, int64_t *assign, int64_t b, int64_t n, int64_t m, int64_t nc, int64_t k, int64_t iters, \
+             double keep, int64_t threads) {                                                                         \
+        IN_PARTS(threads, b, NAME##_batch(x + s0 * n * m, cols + s0 * nc * n, given + s0 * nc, w ? w + s0 * n : NULL, \
+                                          med_in + s0 * k, med_out + s0 * k, assign + s0 * n, count, n, m, nc, k,    \
+                                          iters, keep))                                                              \
     }
 
 #define DEFINE_KMEANS(NAME, REAL)                                                                        \
@@ -243,7 +264,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                \
     }                                                                                                    \
                                                                                                          \
-    int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b,             \
+    int NAME##_batch(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b,             \
                     int64_t n, int64_t k, int64_t iters) {                                               \
         REAL *proj = malloc((size_t)(k * n) * sizeof(REAL));                                             \
         REAL *csq = malloc((size_t)k * sizeof(REAL));                                                    \
@@ -286,6 +307,12 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                \
         free(proj); free(csq); free(best); free(start); free(members);                                   \
         return 0;                                                                                        \
+    }                                                                                                                \
+                                                                                                                     \
+    int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b, int64_t n, int64_t k, \
+             int64_t iters, int64_t threads) {                                                                       \
+        IN_PARTS(threads, b, NAME##_batch(g + s0 * n * n, w ? w + s0 * n : NULL, start_in + s0 * k, assign + s0 * n, \
+                                          count, n, k, iters))                                                       \
     }
 
 #define DEFINE_MEANS(NAME, REAL)                                                                                     \
@@ -293,8 +320,8 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
        cluster's sum of w_i x_i (each product rounded), added in increasing token order from 0, over its total weight \
        (added the same way): the bits of Partition.mean's index_add_ sums; an empty cluster gives the token at its   \
        start (0 / 0 without start) */                                                                                \
-    CLONES int NAME(const REAL *x, const REAL *w, const int64_t *assign, const int64_t *start, REAL *out, int64_t b, \
-                    int64_t n, int64_t m, int64_t k) {                                                               \
+    CLONES int NAME##_batch(const REAL *x, const REAL *w, const int64_t *assign, const int64_t *start, REAL *out,   \
+                           int64_t b, int64_t n, int64_t m, int64_t k) {                                             \
         REAL *total = malloc((size_t)k * sizeof(REAL));                                                              \
         if (!total) return -1;                                                                                       \
         for (int64_t s = 0; s < b; ++s) {                                                                            \
@@ -325,6 +352,12 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                            \
         free(total);                                                                                                 \
         return 0;                                                                                                    \
+    }                                                                                                                \
+                                                                                                                     \
+    int NAME(const REAL *x, const REAL *w, const int64_t *assign, const int64_t *start, REAL *out, int64_t b, int64_t n, \
+             int64_t m, int64_t k, int64_t threads) {                                                                \
+        IN_PARTS(threads, b, NAME##_batch(x + s0 * n * m, w ? w + s0 * n : NULL, assign + s0 * n,                    \
+                                          start ? start + s0 * k : NULL, out + s0 * k * m, count, n, m, k))          \
     }
 
 DEFINE_KMEDOIDS(kmedoids_f32, float)

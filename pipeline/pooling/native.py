@@ -4,8 +4,9 @@ cached.
 K-Medoids' iterations (``kmedoids``, on the tokens and a matmul of the starting medoids' columns), K-Means'
 (``kmeans_gram``, on the Gram matrices) and the weighted cluster means (``cluster_means``), each one call for a
 batch; ``clustering`` and ``merge`` call them through custom ops, whose torch kernels run where the library is not at
-hand. They run on the calling thread: split over two threads they were no faster in whole steps, where torch's
-OpenMP threads keep the cores after its matmul (docs/history.md), and K-Means' step was slower.
+hand. Each splits its batch over torch's threads in an OpenMP parallel region of torch's own runtime (threads of
+another pool, Python's or the library's own, found torch's OpenMP threads still holding the cores after its matmul and
+were no faster, docs/history.md).
 
 The C source has no Python or torch headers, so it builds with the system's C compiler in about a
 second; the library is kept in a cache folder under a name that hashes the source, the flags and the
@@ -45,14 +46,16 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("clustering_cpu.c")
 # -ffp-contract=off: every product is rounded before it is added, as in the torch paths, so the costs
 # are the same bits; no -march=native: a cache on shared storage may serve other CPUs (the source's
-# target_clones give each K-Medoids kernel a clone per x86-64 level instead, picked where it loads).
-FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off")
+# target_clones give each K-Medoids and means kernel a clone per x86-64 level instead, picked where it loads);
+# -fopenmp: each kernel splits the batch over torch's threads in one parallel region, on the OpenMP runtime torch
+# loaded (the library links libgomp.so.1, which torch's wheels bring and have loaded by then).
+FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp")
 NO_CLONES = "-DPIPELINE_NO_CLONES"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {  # name -> argument types (pointers, sizes), for float32 ("_f32") and float64 ("_f64")
-    "kmedoids": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double),
-    "kmeans_gram": (_P, _P, _P, _P, _I, _I, _I, _I),
-    "cluster_means": (_P, _P, _P, _P, _P, _I, _I, _I, _I),
+    "kmedoids": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double, _I),
+    "kmeans_gram": (_P, _P, _P, _P, _I, _I, _I, _I, _I),
+    "cluster_means": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
 }
 _SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
 
@@ -204,11 +207,12 @@ def for_tensor(t: Tensor, enabled: bool = True) -> ctypes.CDLL | None:
 
 
 def _call(lib: ctypes.CDLL, name: str, *args: Tensor | float | None) -> None:
-    """Calls ``name`` for the dtype of the first argument; tensors go as the data pointers of contiguous
-    copies (kept alive through the call), None as NULL."""
+    """Calls ``name`` for the dtype of the first argument, on torch's number of threads (the last argument of every
+    kernel; the same bits at any number); tensors go as the data pointers of contiguous copies (kept alive through the
+    call), None as NULL."""
     args = tuple(a.contiguous() if isinstance(a, Tensor) else a for a in args)
     pointers = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
-    if getattr(lib, name + _SUFFIX[args[0].dtype])(*pointers) != 0:
+    if getattr(lib, name + _SUFFIX[args[0].dtype])(*pointers, torch.get_num_threads()) != 0:
         raise MemoryError(f"the clustering CPU kernel {name} could not allocate its workspace")
 
 
