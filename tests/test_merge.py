@@ -79,12 +79,24 @@ def test_pool_segments_means_and_summed_sizes_written_out_on_both_paths():
     want_sizes = [[sum(float(sizes[s, i]) for i in members[s][j]) for j in range(4)] for s in range(2)]
     want_counts = [[float(len(members[s][j])) for j in range(4)] for s in range(2)]
     assert float(w[0, 0] + w[0, 1]) < 1  # segment 0 of sample 0 weighs 0.75: still a mean, not its start token
-    for dense, kernel, ran in [(None, "auto", "native-c"), (True, "auto", "native-c"), (None, "torch", "torch")]:
+    for dense, kernel, use_native, ran in [(None, "auto", True, "native-c"), (True, "auto", True, "native-c"),
+                                           (None, "torch", True, "torch"), (None, "auto", False, "torch")]:
         forget_dispatches()  # None: the path of the device (the CPU: its native code, or index_add_ sums)
         with dense_segments(dense):
-            means, summed = pool_segments(x, w, sizes, assign, 4, start, kernel)
-            counted = pool_segments(x, w, None, assign, 4, start, kernel)[1]
+            means, summed = pool_segments(x, w, sizes, assign, 4, start, kernel, use_native)
+            counted = pool_segments(x, w, None, assign, 4, start, kernel, use_native)[1]
         torch.testing.assert_close(means, want_means)
         assert summed().shape == (2, 4) and summed().dtype == torch.float32
         assert summed().tolist() == want_sizes and counted().tolist() == want_counts
         assert dispatched() == {("merge", ran, 6)}
+    # the torch paths the op's kernels stand for, called as the CUDA path's reference and the CPU's fallback
+    torch.testing.assert_close(_means_dense(x, w, assign, 4, start), want_means)
+    full = torch.tensor([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 0, 0]])  # no segment empty: no start needed
+    members = [[[i for i in range(6) if int(full[s, i]) == j] for j in range(4)] for s in range(2)]
+    for weights in (w, None):
+        want = torch.tensor([[[sum(float((1 if weights is None else w[s, i]) * x[s, i, c]) for i in members[s][j])
+                               / sum(float(1 if weights is None else w[s, i]) for i in members[s][j])
+                               for c in range(3)] for j in range(4)] for s in range(2)], dtype=torch.float64)
+        for means_of in (_means_dense, _means_partition):
+            torch.testing.assert_close(means_of(x, weights, full, 4, None), want)
+        torch.testing.assert_close(pool_segments(x, weights, None, full, 4, None, "torch")[0], want)
