@@ -508,7 +508,7 @@ for case, ((b, n, m, k), weighted, iters) in enumerate(cases):
     start, d = w.topk(k, dim=-1).indices, sq_dists(x)
     w = w / w.amax(-1, keepdim=True) if weighted else None
     med, assign = kmedoids_triton(d, w, start, iters, SWAP_RTOL)
-    # the CPU's kernel computes some distances in an order of its own: the same bits but where they round below zero
+    # the CPU's kernel sums some distances in an order of its own: the same results but on case 8's near-duplicates
     on_cpu = [native.kmedoids(lib, x, w, start, iters, SWAP_RTOL)] if case != 8 else []
     for other in (kmedoids_dense(d, w, start, iters), *on_cpu, kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL),
                   kmedoids_fused_triton(d, w, start, iters, SWAP_RTOL, tile=16),

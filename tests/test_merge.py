@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.pooling.common import dense_segments
 from pipeline.pooling.merge import _means_dense, _means_partition, cluster_means, pool_segments
 
 
@@ -56,10 +55,12 @@ def test_the_op_has_autograds_gradients_through_the_torch_ops(reference, k):
     assert ((sizes == 0).any(-1) == (k == 7)).all() and results[0][1].abs().sum() > 0  # empty or not, real gradients
 
 
-def test_pool_segments_means_and_summed_sizes_written_out_on_both_paths():
-    """Weighted means and carried sizes of each segment, written out per segment, on the CPU path (by device, with
-    no override) and on the CUDA path; a segment whose members weigh under one in all is their mean like any other,
-    and only an empty one takes its start token. Each path notes what ran (``runtime.dispatched``)."""
+def test_pool_segments_means_and_summed_sizes_written_out_on_every_path():
+    """Weighted means and carried sizes of each segment, written out per segment: the op on the CPU (its native code,
+    or with ``kernels.merge: torch`` or ``kernels.native: torch`` the index_add_ sums) and the torch paths it stands
+    for (the one-hot product: the CUDA path's reference); a segment whose members weigh under one in all is their
+    mean like any other, and only an empty one takes its start token. Each path notes what ran
+    (``runtime.dispatched``)."""
     from pipeline.runtime import dispatched, forget_dispatches
 
     x = torch.arange(2 * 6 * 3, dtype=torch.float64).reshape(2, 6, 3)
@@ -79,12 +80,10 @@ def test_pool_segments_means_and_summed_sizes_written_out_on_both_paths():
     want_sizes = [[sum(float(sizes[s, i]) for i in members[s][j]) for j in range(4)] for s in range(2)]
     want_counts = [[float(len(members[s][j])) for j in range(4)] for s in range(2)]
     assert float(w[0, 0] + w[0, 1]) < 1  # segment 0 of sample 0 weighs 0.75: still a mean, not its start token
-    for dense, kernel, use_native, ran in [(None, "auto", True, "native-c"), (True, "auto", True, "native-c"),
-                                           (None, "torch", True, "torch"), (None, "auto", False, "torch")]:
-        forget_dispatches()  # None: the path of the device (the CPU: its native code, or index_add_ sums)
-        with dense_segments(dense):
-            means, summed = pool_segments(x, w, sizes, assign, 4, start, kernel, use_native)
-            counted = pool_segments(x, w, None, assign, 4, start, kernel, use_native)[1]
+    for kernel, use_native, ran in [("auto", True, "native-c"), ("torch", True, "torch"), ("auto", False, "torch")]:
+        forget_dispatches()  # the CPU: its native code, or index_add_ sums
+        means, summed = pool_segments(x, w, sizes, assign, 4, start, kernel, use_native)
+        counted = pool_segments(x, w, None, assign, 4, start, kernel, use_native)[1]
         torch.testing.assert_close(means, want_means)
         assert summed().shape == (2, 4) and summed().dtype == torch.float32
         assert summed().tolist() == want_sizes and counted().tolist() == want_counts

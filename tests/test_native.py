@@ -31,7 +31,8 @@ CASES = [
     ((2, 49, 16, 12), True, 1, "random"),
     ((2, 70, 8, 40), True, 4, "random"),
     ((1, 196, 16, 147), True, 5, "random"),
-    ((2, 65, 6, 64), False, 5, "random"),  # N and K not multiples of the 4 rows an assignment step takes
+    ((2, 65, 6, 64), False, 5, "random"),  # N and K odd
+    ((2, 40, 37, 9), True, 5, "random"),  # M: two blocks of _dot's 16 lanes and a tail of 5
     ((2, 48, 3, 10), False, 5, "ties"),  # small integers, every token twice: many exact ties
     ((2, 48, 3, 30), True, 3, "ties"),
     ((2, 64, 16, 20), False, 5, "negative"),  # rounding gives distances below zero
@@ -122,9 +123,12 @@ def test_native_kmedoids_matches_the_reference_and_the_torch_iterations(lib, sha
 
 def test_the_cases_swap_medoids_in_and_read_distances_no_matmul_gave(lib):
     """Where the kernel's own distances come in: a medoid swapped in (its column), two members of a cluster that are
-    not its medoid. Some case must do both, or the test above would not reach them."""
+    not its medoid (a cluster of three, after an update). Some case must swap a medoid in and some case must have
+    such a cluster, or the test above would not reach them."""
     swapped = shared = False
     for (b, n, m, k), weighted, iters, kind in CASES:
+        if iters == 1:  # no update: every distance read is a starting medoid's
+            continue
         x, w, start = _case(b, n, m, k, kind, seed=n + k)
         med, assign = native.kmedoids(lib, x, w if weighted else None, start, iters, SWAP_RTOL)
         swapped |= not torch.equal(med.sort(-1).values, start.sort(-1).values)
@@ -199,7 +203,7 @@ def test_native_cluster_means_give_the_index_add_sums_bits_and_the_reference(lib
 
 
 def test_the_kernels_split_the_batch_over_torchs_threads_on_torchs_openmp_runtime(lib):
-    """The same bits on 1, 2 and 3 threads (5 images: parts of unequal size, one thread more than the cores), and one
+    """The same bits on 1, 2 and 3 threads (5 images: parts of unequal size), and one
     OpenMP runtime in the process: the library's libgomp.so.1 is the copy torch loaded, whose threads its matmuls use
     (a second runtime would hold a second pool on the same cores)."""
     x, w, start = _case(5, 40, 6, 9, "random", seed=11)
@@ -221,6 +225,16 @@ def test_the_kernels_split_the_batch_over_torchs_threads_on_torchs_openmp_runtim
     runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libiomp" in line}
     torch_lib = Path(torch.__file__).parent / "lib"
     assert len(runtimes) == 1 and all(Path(r).parent == torch_lib for r in runtimes), runtimes
+
+
+def test_an_index_out_of_range_is_refused_before_the_kernels_read_or_write_at_it(lib):
+    x, w, start = _case(2, 20, 4, 5, "random", seed=13)
+    assign = torch.zeros(2, 20, dtype=torch.int64)
+    for call, name in [(lambda: native.kmedoids(lib, x, w, start + 20, 3, SWAP_RTOL), "medoids"),
+                       (lambda: native.kmeans_gram(lib, _gram(x), w, start - 21, 3), "start"),
+                       (lambda: native.cluster_means(lib, x, w, assign + 5, 5, None), "assign")]:
+        with pytest.raises(IndexError, match=rf"kernels' {name} must lie in \[0, (20|5)\), got "):
+            call()
 
 
 def test_the_ops_run_the_native_kernels_on_the_cpu_and_own_their_outputs(lib, monkeypatch):

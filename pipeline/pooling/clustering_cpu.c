@@ -16,7 +16,8 @@
  *
  * Instruction sets: on x86-64 the K-Medoids and the means kernels are built three times, for the x86-64 psABI levels
  * v4 (AVX-512), v3 (AVX2, FMA) and the baseline, and the loader picks the one the CPU runs (GCC's and Clang's
- * target_clones; their helpers are inlined into each clone, INLINE, so that they too are built for its level); one
+ * target_clones; the helpers that do their arithmetic are inlined into each clone, INLINE, so that they too are
+ * built for its level); one
  * library serves every x86-64 CPU, so a cache or an image built elsewhere loads anywhere. K-Means' kernels are built
  * for the baseline alone: with an AVX-512 clone the weighted K-Means step took 9.5-9.7% of a DeiT-S block, 7.4% with
  * the baseline build and 7.3-8.8% at db5a098 (bench ops, the Intel Xeon VM, 2026-12-07; docs/benchmarks.md).
@@ -37,10 +38,13 @@
  * The update visits only the members of each cluster (sum over clusters of size^2 additions, where the
  * torch path reads all N^2 distances). The distances: the caller gives the products of every token with the
  * starting medoids (one batched matmul, half the Gram matrix's work at K = N / 2), from which their columns are
- * derived as clustering.dists_from_gram derives the Gram matrix's (the same bits); any other distance the
- * iterations read (a medoid swapped in, two members of a cluster that are not its medoid: few at the paper's K) is
- * computed on first read, its product summed in _dot's fixed order, and kept. Each image's distances are a workspace
- * of its own that stays in cache for its iterations.
+ * derived as clustering.dists_from_gram derives the Gram matrix's, (|x_i|^2 + |x_j|^2) - 2 x_i . x_j, with the
+ * squared norms of the tokens not given summed by _dot (so a column may differ from dists_from_gram's in its last
+ * bits); any other distance the iterations read (a medoid swapped in, two members of a cluster that are not its
+ * medoid: few at the paper's K) is computed on first read, its product summed in _dot's fixed order, and kept (NaN
+ * marks a distance not computed yet: tokens that are not finite, which token_pool refuses unless told not to
+ * validate, give NaN distances that are computed again at each read). Each image's distances are a workspace of its
+ * own that stays in cache for its iterations.
  *
  * K-Means (kmeans_gram_f32 / _f64), the Gram form of clustering._kmeans_gram: every centre is kept as
  * its coefficients over the tokens, so with G = X X^T, proj[c, n] = c . x_n = sum_{j in c} a_j G[j, n]
@@ -102,16 +106,18 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
     start[0] = 0;
 }
 
-/* Each kernel's entry point: NAME##_batch on `threads` contiguous parts of the batch at once, in one OpenMP parallel \
-   region (built with -fopenmp, which links libgomp.so.1: in a process that has loaded torch, torch's own copy, so   \
-   these threads are the pool its matmuls just ran on and nothing is oversubscribed). The images are independent:    \
-   the same bits at any number of threads. CALL is the batch function's call on the images s0 .. s0 + count - 1. */  \
+/* Each kernel's entry point: NAME##_batch on contiguous parts of the batch at once, one a thread (at most `threads`,
+   and no more than the images), in one OpenMP parallel region (built with -fopenmp, which links libgomp.so.1: in a
+   process that has loaded torch, torch's own copy, so these threads are the pool its matmuls just ran on and nothing
+   is oversubscribed). The images are independent: the same bits at any number of threads. CALL is the batch
+   function's call on the images s0 .. s0 + count - 1. */
 #define IN_PARTS(threads, b, CALL)                                                                                   \
+    const int64_t parts = threads < b ? threads : b;                                                                 \
     int failed = 0;                                                                                                  \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(|: failed)")                           \
-    for (int64_t t = 0; t < threads; ++t) {                                                                          \
-        const int64_t s0 = b * t / threads, count = b * (t + 1) / threads - s0;                                      \
-        if (count > 0) failed |= (CALL) != 0;                                                                        \
+    _Pragma("omp parallel for num_threads(parts) schedule(static) reduction(|: failed)")                             \
+    for (int64_t t = 0; t < parts; ++t) {                                                                            \
+        const int64_t s0 = b * t / parts, count = b * (t + 1) / parts - s0;                                          \
+        failed |= (CALL) != 0;                                                                                       \
     }                                                                                                                \
     return failed ? -1 : 0;
 
@@ -217,7 +223,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
     /* x (b, n, m) tokens; cols (b, nc, n) the products x_given[c] . x_i of every token with the tokens given (b, nc), \
        distinct in an image (a batched matmul's); each image's distances in a workspace of its own that stays in     \
        cache for its iterations */                                                                                   \
-    CLONES int NAME##_batch(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w,                            \
+    CLONES static int NAME##_batch(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w,                            \
                     const int64_t *med_in, int64_t *med_out, int64_t *assign, int64_t b, int64_t n, int64_t m,       \
                     int64_t nc, int64_t k, int64_t iters, double keep) {                                             \
         int64_t *start = malloc((size_t)(k + 1) * sizeof(int64_t));                                                  \
@@ -264,7 +270,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
         }                                                                                                \
     }                                                                                                    \
                                                                                                          \
-    int NAME##_batch(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b,             \
+    static int NAME##_batch(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b,             \
                     int64_t n, int64_t k, int64_t iters) {                                               \
         REAL *proj = malloc((size_t)(k * n) * sizeof(REAL));                                             \
         REAL *csq = malloc((size_t)k * sizeof(REAL));                                                    \
@@ -320,7 +326,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
        cluster's sum of w_i x_i (each product rounded), added in increasing token order from 0, over its total weight \
        (added the same way): the bits of Partition.mean's index_add_ sums; an empty cluster gives the token at its   \
        start (0 / 0 without start) */                                                                                \
-    CLONES int NAME##_batch(const REAL *x, const REAL *w, const int64_t *assign, const int64_t *start, REAL *out,   \
+    CLONES static int NAME##_batch(const REAL *x, const REAL *w, const int64_t *assign, const int64_t *start, REAL *out,   \
                            int64_t b, int64_t n, int64_t m, int64_t k) {                                             \
         REAL *total = malloc((size_t)k * sizeof(REAL));                                                              \
         if (!total) return -1;                                                                                       \

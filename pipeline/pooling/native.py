@@ -22,7 +22,8 @@ Environment (where the library is built and kept, not whether it runs):
     PIPELINE_NATIVE_CACHE: the cache folder (default ``$XDG_CACHE_HOME/pipeline-native``, else
         ``~/.cache/pipeline-native``).
     PIPELINE_NATIVE_CLONES: ``0`` builds the baseline instruction set alone (no AVX2 or AVX-512 clone).
-    CC: the C compiler (default ``cc``).
+    CC: the C compiler (default ``cc``); it must take ``-fopenmp`` (GCC does; Clang needs libomp, a runtime of its
+        own beside torch's libgomp), or the build fails, says so once, and the torch paths run.
 """
 
 from __future__ import annotations
@@ -222,12 +223,11 @@ def kmedoids(lib: ctypes.CDLL, x: Tensor, w: Tensor | None, medoids: Tensor, ite
     medoids -> (medoids (B, K) int64, last assignment (B, N) int64); ``rtol`` is the swap margin. Semantics:
     ``clustering._kmedoids``.
 
-    The distances' columns of the tokens ``given`` (B, C), distinct in each image (default ``given_columns``), come
-    from one batched matmul here, derived as ``clustering.dists_from_gram`` derives them; the kernel computes any
-    other distance it reads (a medoid swapped in, two members of a cluster) when it first reads it, in its own fixed
-    order of summation (``clustering_cpu.c``'s ``_dot``). With every token given this is
-    ``clustering.dists_from_gram(clustering.gram(x))``, the same bits; with fewer, a distance the kernel computes may
-    differ from the matmul's in its last bits."""
+    The distances' columns of the tokens ``given`` (B, C), distinct in each image (default: the starting medoids),
+    come from the products of one batched matmul here, derived as ``clustering.dists_from_gram`` derives them; the
+    squared norms of the tokens not given, and any other distance the kernel reads (a medoid swapped in, two members
+    of a cluster), are summed in its own fixed order (``clustering_cpu.c``'s ``_dot``) when it first reads them, so a
+    distance may differ from ``clustering.sq_dists``' in its last bits and a near-tie may go the other way."""
     b, n, m = x.shape
     k = medoids.shape[1]
     med = torch.empty(b, k, dtype=torch.int64)
@@ -235,6 +235,8 @@ def kmedoids(lib: ctypes.CDLL, x: Tensor, w: Tensor | None, medoids: Tensor, ite
     if not b:
         return med, assign
     given = medoids if given is None else given
+    _check_index(medoids, n, "medoids")
+    _check_index(given, n, "given")
     x = x.contiguous()
     offset = torch.arange(b).unsqueeze(1) * n  # the given rows, one index_select, times the tokens: (B, C, N)
     rows = x.view(b * n, m).index_select(0, (given.long() + offset).view(-1)).view(b, -1, m)
@@ -248,6 +250,7 @@ def kmeans_gram(lib: ctypes.CDLL, gram: Tensor, w: Tensor | None, start: Tensor,
     None, start (B, K) starting tokens -> last assignment (B, N) int64. Semantics: ``clustering._kmeans_gram``."""
     b, n, _ = gram.shape
     assign = torch.empty(b, n, dtype=torch.int64)
+    _check_index(start, n, "start")
     if b:
         _call(lib, "kmeans_gram", gram, _weights(w, gram), start.long(), assign, b, n, start.shape[1], iters)
     return assign
@@ -260,10 +263,21 @@ def cluster_means(lib: ctypes.CDLL, x: Tensor, w: Tensor | None, assign: Tensor,
     w_i x_i in increasing token order, over its total weight; an empty cluster gives the token at its start)."""
     b, n, m = x.shape
     out = torch.empty(b, k, m, dtype=x.dtype)
+    _check_index(assign, k, "assign")
+    if start is not None:
+        _check_index(start, n, "start")
     if b:
         _call(lib, "cluster_means", x, _weights(w, x), assign.long(), None if start is None else start.long(), out,
               b, n, m, k)
     return out
+
+
+def _check_index(index: Tensor, bound: int, name: str) -> None:
+    """IndexError unless every entry of ``index`` is in [0, bound): the kernels write and read at these indices
+    unchecked (where torch's index ops would raise)."""
+    if index.numel() and not (int(index.min()) >= 0 and int(index.max()) < bound):
+        raise IndexError(f"the clustering CPU kernels' {name} must lie in [0, {bound}), got {int(index.min())} to "
+                         f"{int(index.max())}")
 
 
 def _weights(w: Tensor | None, like: Tensor) -> Tensor | None:

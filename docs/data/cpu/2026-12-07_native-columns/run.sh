@@ -2,9 +2,11 @@
 # Issue 78's measurements at 7c1322a against db5a098, one at a time on the idle 2-core AMD EPYC VM (AVX-512).
 # OLD is a checkout of db5a098, NEW one of 7c1322a (git clone, then git checkout); outputs under /tmp/b78d/ (this folder).
 # The first_* files are the same script's run at 1e02cf9 (before the OpenMP split), its throughput runs stopped after one.
+# native_kmedoids_*.md: `python benchmarks/native_kmedoids.py` twice, 09:27 UTC, after this script.
 set -x
 cd /tmp
 OLD=/tmp/base78; NEW=/tmp/new78; PY=/work/main/.venv/bin/python; OUT=/tmp/b78d
+mkdir -p $OUT
 git -C $NEW log --oneline -1; date -u; uptime; grep -m1 "model name" /proc/cpuinfo
 ops=(configs/bench_ops.yaml --set "bench.keep=[98]" --set "bench.methods=[wkmedoids, kmedoids, wkmeans, kmeans, powerbert]")
 for i in 1 2 3; do
