@@ -71,13 +71,17 @@ def _means_dense(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Ten
     if w is not None:
         member = member * w.unsqueeze(1)
     total = member.sum(-1, keepdim=True)  # (B, K, 1)
-    means = torch.bmm(member, x) / total
-    return means if start is None else torch.where(total > 0, means, gather_rows(x, start))
+    return _empty_to_start(torch.bmm(member, x) / total, total, x, start)
 
 
 def _means_partition(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
     """The means in ``Partition``'s ``index_add_`` sums (the CPU's torch path)."""
     means, total = Partition(assign, k, dtype=x.dtype).mean(x, w)
+    return _empty_to_start(means, total, x, start)
+
+
+def _empty_to_start(means: Tensor, total: Tensor, x: Tensor, start: Tensor | None) -> Tensor:
+    """means (B, K, M) with each empty cluster's (total (B, K, 1) weight 0: 0 / 0) the token of x at its start."""
     return means if start is None else torch.where(total > 0, means, gather_rows(x, start))
 
 

@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pipeline.pooling.common import batch_offset
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("clustering_cpu.c")
@@ -234,12 +236,15 @@ def kmedoids(lib: ctypes.CDLL, x: Tensor, w: Tensor | None, medoids: Tensor, ite
     assign = torch.empty(b, n, dtype=torch.int64)
     if not b:
         return med, assign
-    given = medoids if given is None else given
     _check_index(medoids, n, "medoids")
-    _check_index(given, n, "given")
+    if given is None:
+        given = medoids
+    else:
+        _check_index(given, n, "given")
     x = x.contiguous()
-    offset = torch.arange(b).unsqueeze(1) * n  # the given rows, one index_select, times the tokens: (B, C, N)
-    rows = x.view(b * n, m).index_select(0, (given.long() + offset).view(-1)).view(b, -1, m)
+    # the given rows (one index_select: gather_rows' expanded gather took 4 ms at DeiT-S batch 64) times the tokens
+    flat = (given.long() + batch_offset(b, n, x.device)).view(-1)
+    rows = x.view(b * n, m).index_select(0, flat).view(b, -1, m)
     _call(lib, "kmedoids", x, torch.bmm(rows, x.transpose(1, 2)), given.long(), _weights(w, x), medoids.long(), med,
           assign, b, n, m, given.shape[1], k, iters, 1.0 - rtol)
     return med, assign
