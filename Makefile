@@ -22,8 +22,19 @@ system:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# A new venv takes about 7.2 GB (torch's CUDA build among it): less room than VENV_NEEDS_GB on its disk is refused
+# before pip starts, rather than pip stopping half-way with "No space left on device".
+VENV_NEEDS_GB ?= 8
+
 $(STAMP): pyproject.toml constraints.txt
-	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	@[ -x $(PY) ] || { \
+		free=$$(df -Pk $(dir $(abspath $(VENV))) | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+		if [ -n "$$free" ] && [ "$$free" -lt $(VENV_NEEDS_GB) ]; then \
+			echo "make setup: a new $(VENV) needs about $(VENV_NEEDS_GB) GB; df -P says $$free GB free under" \
+				"$(dir $(abspath $(VENV))). Free some space there, or set VENV to a folder on a disk with room" >&2; \
+			exit 1; \
+		fi; \
+		$(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 	@touch $(STAMP)
 

