@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.bench.blocks import kernels_in_use
 from pipeline.pooling import native, token_pool
 from pipeline.pooling.clustering import (
     SWAP_RTOL,
@@ -370,23 +371,32 @@ def test_every_instruction_sets_code_gives_the_same_bits(lib, tmp_path):
             assert torch.equal(native.cluster_means(other, x, w, want[1], k, start), means), (name, n, k)
 
 
-def test_the_cache_is_keyed_by_the_instruction_sets_and_a_library_that_says_otherwise_never_loads(
+def test_the_cache_and_a_tables_key_name_the_instruction_sets_and_a_library_that_says_otherwise_never_loads(
         fresh, monkeypatch, caplog, tmp_path_factory):
     """The library's name holds the instruction sets it was built for, a baseline build (PIPELINE_NATIVE_CLONES=0) is
-    another file; a baseline library put in under the clones' name is refused (the torch iterations run) with a line
-    saying what it holds and what to do."""
+    another file; a latency table's key (``bench.blocks.kernels_in_use``) names the file and the level its kernels run
+    at, so the two builds key two tables, and a step set to its torch iterations names no library; a baseline library
+    put in under the clones' name is refused (the torch iterations run) with a line saying what it holds and what to
+    do."""
+    cpu = torch.device("cpu")
     clones = native.library_path()
     assert native.library() is not None and clones.exists()
+    assert kernels_in_use(cpu, KernelChoice(native="torch")) == dict.fromkeys(("kmedoids", "kmeans", "merge",
+                                                                              "attention"), "torch")
     if not ON_X86:
         assert native.instruction_set() == "baseline" and "clustering_cpu-baseline-" in clones.name
+        assert kernels_in_use(cpu)["native"] == f"{clones.name} at baseline"
         return
     assert native.instruction_set() == cpu_level()  # the clone the loader picked is the CPU's level
     assert clones.name.startswith("clustering_cpu-x86-64-v4+x86-64-v3+x86-64-")
+    key = kernels_in_use(cpu)
+    assert key["kmedoids"] == key["merge"] == "native-c" and key["native"] == f"{clones.name} at {cpu_level()}"
     monkeypatch.setenv("PIPELINE_NATIVE_CLONES", "0")
     native.library.cache_clear()
     baseline = native.library_path()
     assert baseline != clones and baseline.name.startswith("clustering_cpu-x86-64-")
     assert native.library() is not None and native.instruction_set() == "x86-64"
+    assert kernels_in_use(cpu)["native"] == f"{baseline.name} at x86-64"
     monkeypatch.delenv("PIPELINE_NATIVE_CLONES")
     other = tmp_path_factory.mktemp("other")  # a folder of its own: a path loaded before would be the loaded library
     monkeypatch.setenv("PIPELINE_NATIVE_CACHE", str(other))

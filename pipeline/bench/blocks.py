@@ -53,6 +53,7 @@ from pipeline.methods import METHODS
 from pipeline.models import create_model
 from pipeline.models.downsampling import DownsamplingBlocks, DownsamplingConfig
 from pipeline.models.selfcheck import kernels_planned
+from pipeline.pooling import native
 from pipeline.runtime import KernelChoice, compile_model, cuda_settings, inference
 
 TABLE_DIR = Path(__file__).resolve().parents[2] / "configs" / "latency"
@@ -125,10 +126,15 @@ def device_name(device: torch.device) -> str:
 
 def kernels_in_use(device: torch.device, choice: KernelChoice | None = None) -> dict[str, str]:
     """The kernels the models run on ``device`` under the config's ``kernels`` section (``auto`` resolved,
-    ``models.selfcheck.kernels_planned``): the one place a table's key learns them."""
+    ``models.selfcheck.kernels_planned``): the one place a table's key learns them. Where a step runs the native
+    CPU kernels, ``native`` names their library and instruction set (``pooling.native.identity``): a table measured
+    with other kernel code, or another CPU's clone of it, is not this one."""
 
     record = kernels_planned(choice or KernelChoice(), device)
-    return {name: record[name] for name in ("kmedoids", "kmeans", "merge", "attention")}
+    used = {name: record[name] for name in ("kmedoids", "kmeans", "merge", "attention")}
+    if "native-c" in used.values():
+        used["native"] = native.identity()
+    return used
 
 
 def _versions() -> dict[str, str | None]:

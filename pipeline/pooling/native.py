@@ -188,6 +188,15 @@ def instruction_set() -> str:
     return "none" if lib is None else lib.clustering_isa().decode()
 
 
+def identity() -> str | None:
+    """The library's name (the digest of its source, flags and machine) and the instruction set its K-Medoids and
+    means kernels run here, ``clustering_cpu-x86-64-v4+x86-64-v3+x86-64-ac68be20f8306ba1.so at x86-64-v4``: what a
+    latency table's key names the native kernels by, so that another kernel source or another CPU's clone measures a
+    table of its own; None where no library is at hand."""
+    lib = library()
+    return None if lib is None else f"{Path(lib._name).name} at {lib.clustering_isa().decode()}"
+
+
 def describe(enabled: bool = True) -> str:
     """One line for ``pipeline doctor``: the instruction set the kernels run at, the sets the library holds, where;
     ``enabled``: the config's ``kernels.native`` is not ``torch``."""
