@@ -22,16 +22,19 @@ system:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-# A new venv takes about 7.2 GB (torch's CUDA build among it): less room than VENV_NEEDS_GB on its disk is refused
-# before pip starts, rather than pip stopping half-way with "No space left on device".
+# A new venv takes 7.45 GB (a fresh clone's, `du -sb`; torch's CUDA build among it): a disk with less free than
+# VENV_NEEDS_GB under the venv's folder is refused before pip starts, rather than pip stopping half-way with "No space
+# left on device" (pip's cache and TMPDIR, on another disk, are not checked). ROOM prints the free GB and the folder.
 VENV_NEEDS_GB ?= 8
+ROOM = $(PYTHON) -c 'import pathlib, shutil, sys; p = pathlib.Path(sys.argv[1]).absolute(); \
+	d = next(q for q in (p, *p.parents) if q.is_dir()); print(shutil.disk_usage(d).free // 10**9, d)'
 
 $(STAMP): pyproject.toml constraints.txt
 	@[ -x $(PY) ] || { \
-		free=$$(df -Pk $(dir $(abspath $(VENV))) | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+		room=$$($(ROOM) '$(VENV)'); free=$${room%% *}; where=$${room#* }; \
 		if [ -n "$$free" ] && [ "$$free" -lt $(VENV_NEEDS_GB) ]; then \
-			echo "make setup: a new $(VENV) needs about $(VENV_NEEDS_GB) GB; df -P says $$free GB free under" \
-				"$(dir $(abspath $(VENV))). Free some space there, or set VENV to a folder on a disk with room" >&2; \
+			echo "make setup: a new venv at $(VENV) needs about $(VENV_NEEDS_GB) GB (VENV_NEEDS_GB), and $$where" \
+				"has $$free GB free: free some space there, or set VENV to a folder on a disk with room" >&2; \
 			exit 1; \
 		fi; \
 		$(PYTHON) -m venv $(VENV); }

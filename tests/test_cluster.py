@@ -57,20 +57,40 @@ def test_dockerfile_matches_make_setup(name):
         assert "-c constraints.txt" in pip_line or "==" in pip_line, f"{name}: unpinned pip install {pip_line!r}"
 
 
-def test_make_setup_refuses_a_new_venv_on_a_full_disk(tmp_path):
-    # df faked to report 3 GB free: the setup stops before it makes the venv, naming the room it needs and the folder.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "df").write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
-                                "echo '/dev/x 99999999 96000000 3145728 97% /'\n")
-    (bin_dir / "df").chmod(0o755)
-    venv = tmp_path / "v"
-    proc = subprocess.run(["make", "-s", "-C", str(ROOT), f"VENV={venv}", f"{venv}/.setup-stamp"],
-                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0
-    assert f"a new {venv} needs about 8 GB; df -P says 3 GB free under {tmp_path}/" in proc.stderr
-    assert not venv.exists()
+def make_setup(tmp_path: Path, needs_gb: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """``make`` of a new venv two missing folders below ``tmp_path``, with a fake ``PYTHON`` whose ``-m venv`` makes a
+    venv of itself and whose ``-m pip`` writes its arguments to the venv's ``pip-args`` (the rest runs the real
+    Python): (make's result, the venv)."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; exit; fi
+if [ "$1" = -m ] && [ "$2" = pip ]; then echo "$@" > "$(dirname "$0")/../pip-args"; exit; fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    venv = tmp_path / "a" / "b" / "v"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), f"VENV={venv}", f"PYTHON={fake}",
+                           f"VENV_NEEDS_GB={needs_gb}", f"{venv}/.setup-stamp"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    return proc, venv
+
+
+def test_make_setup_refuses_a_new_venv_without_room_and_makes_one_with_it(tmp_path):
+    # More room than any disk has: refused before the venv exists, naming the nearest folder that does and its free GB.
+    proc, venv = make_setup(tmp_path, needs_gb=10**9)
+    free = shutil.disk_usage(tmp_path).free // 10**9
+    found = re.search(rf"make setup: a new venv at {re.escape(str(venv))} needs about 1000000000 GB \(VENV_NEEDS_GB\), "
+                      rf"and {re.escape(str(tmp_path))} has (\d+) GB free: free some space there, or set VENV to a "
+                      "folder on a disk with room", proc.stderr)
+    assert proc.returncode != 0 and found and abs(int(found[1]) - free) <= 1, proc.stderr
+    assert not (tmp_path / "a").exists()
+    # Room enough: the venv is made and pip installs the project into it with the pins.
+    proc, venv = make_setup(tmp_path, needs_gb=0)
+    assert proc.returncode == 0, proc.stderr
+    assert (venv / ".setup-stamp").exists()
+    assert (venv / "pip-args").read_text().split() == ["-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                                       "-c", "constraints.txt", "-e", ".[test]"]
 
 
 def test_dockerfiles_pass_hadolint():

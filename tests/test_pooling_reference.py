@@ -280,6 +280,7 @@ def test_segment_sums_means_and_the_helpers_rows_written_out():
     weighted = torch.tensor([[[float(sum(w[s, i] * x[s, i, c] for i in members[s][j])) for c in range(d)]
                               for j in range(k)] for s in range(b)], dtype=torch.float64)
     assert common.batch_offset(3, 4, torch.device("cpu")).tolist() == [[0], [4], [8]]
+    assert common.batch_offset(2, 0, torch.device("cpu")).tolist() == [[0], [0]]  # images of no tokens
     for dense in (True, False):
         part = common.Partition(assign, k, dtype=torch.float64, dense=dense)
         assert part.dense is dense

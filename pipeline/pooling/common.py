@@ -243,8 +243,8 @@ def flagged_last(flags: Tensor) -> Tensor:
 
 
 def batch_offset(b: int, k: int, device: torch.device) -> Tensor:
-    """(B, 1) offsets s * k that turn per-sample segment ids into rows of a flattened (B*K) output."""
-    return torch.arange(0, b * k, k, device=device).unsqueeze(1)
+    """(B, 1) offsets s * k that turn per-sample segment ids into rows of a flattened (B*K) output (zeros at k = 0)."""
+    return (torch.arange(b, device=device) * k).unsqueeze(1)
 
 
 class Partition:
