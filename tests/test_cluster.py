@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import HANG_S
 from tests.processes import BIN, ROOT, RayCluster, assert_no_secret, ray_env
 
 IMAGE = re.compile(r"ghcr\.io/token-pooling/token-pooling:(\w+)")
@@ -72,7 +73,7 @@ exec {sys.executable} "$@"
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     proc = subprocess.run(["make", "-s", "-C", str(ROOT), f"VENV={venv}", f"PYTHON={fake}",
                            f"VENV_NEEDS_GB={needs_gb}", f"{venv}/.setup-stamp"],
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=HANG_S)  # only a hang reaches it
     return proc, venv
 
 
