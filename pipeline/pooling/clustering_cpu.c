@@ -12,7 +12,9 @@
  * about 1 ms (docs/benchmarks.md). No library runs these iterations, with these tie, swap and empty-cluster rules,
  * on a batch of small problems.
  *
- * All return 0, or -1 when the workspace could not be allocated.
+ * All return 0, -1 when the workspace could not be allocated, or -2 when the sizes or the swap margin are out of their
+ * ranges (1 <= K <= N for K-Medoids, K >= 1 for each, keep in (0, 1]; native.py's wrappers refuse these, and the shapes,
+ * the indices and repeated medoids, before a call: the C trusts that every index it is given lies in range).
  *
  * Instruction sets: on x86-64 the K-Medoids and the means kernels are built three times, for the x86-64 psABI levels
  * v4 (AVX-512), v3 (AVX2, FMA) and the baseline, and the loader picks the one the CPU runs (GCC's and Clang's
@@ -61,8 +63,10 @@
 #include <string.h>
 
 #if defined(__x86_64__) && !defined(PIPELINE_NO_CLONES)
-#if !((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12))
-#error "a clone per x86-64 level needs GCC 12 or Clang 14 (native.py then builds with -DPIPELINE_NO_CLONES)"
+/* __builtin_cpu_supports("x86-64-v4") and target_clones("arch=x86-64-v4"): GCC 12; Clang 18 (Clang 14-17 refuse the
+   level names in __builtin_cpu_supports) */
+#if !((defined(__clang__) && __clang_major__ >= 18) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12))
+#error "a clone per x86-64 level needs GCC 12 or Clang 18 (native.py then builds with -DPIPELINE_NO_CLONES)"
 #endif
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define BUILT "x86-64-v4,x86-64-v3,x86-64"
@@ -187,6 +191,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
                 cost[*p] = acc;                                                                                      \
                 if (best < 0 || acc < best_cost) { best_cost = acc; best = *p; }                                     \
             }                                                                                                        \
+            if (best < 0) continue; /* no member: an empty cluster (two equal medoids) keeps its medoid */           \
             const REAL current = cost[med[c]] * keep; /* the medoid is a member of its own cluster */                \
             if (best_cost < current) med[c] = best;                                                                  \
         }                                                                                                            \
@@ -248,6 +253,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
     int NAME(const REAL *x, const REAL *cols, const int64_t *given, const REAL *w, const int64_t *med_in,            \
              int64_t *med_out, int64_t *assign, int64_t b, int64_t n, int64_t m, int64_t nc, int64_t k, int64_t iters, \
              double keep, int64_t threads) {                                                                         \
+        if (b < 0 || n < 1 || m < 0 || k < 1 || k > n || nc < 0 || nc > n || !(keep > 0 && keep <= 1)) return -2;  \
         IN_PARTS(threads, b, NAME##_batch(x + s0 * n * m, cols + s0 * nc * n, given + s0 * nc, w ? w + s0 * n : NULL, \
                                           med_in + s0 * k, med_out + s0 * k, assign + s0 * n, count, n, m, nc, k,    \
                                           iters, keep))                                                              \
@@ -317,6 +323,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
                                                                                                                      \
     int NAME(const REAL *g, const REAL *w, const int64_t *start_in, int64_t *assign, int64_t b, int64_t n, int64_t k, \
              int64_t iters, int64_t threads) {                                                                       \
+        if (b < 0 || n < 1 || k < 1) return -2;                                                                      \
         IN_PARTS(threads, b, NAME##_batch(g + s0 * n * n, w ? w + s0 * n : NULL, start_in + s0 * k, assign + s0 * n, \
                                           count, n, k, iters))                                                       \
     }
@@ -362,6 +369,7 @@ static void cluster_members(const int64_t *assign, int64_t *start, int64_t *memb
                                                                                                                      \
     int NAME(const REAL *x, const REAL *w, const int64_t *assign, const int64_t *start, REAL *out, int64_t b, int64_t n, \
              int64_t m, int64_t k, int64_t threads) {                                                                \
+        if (b < 0 || n < 0 || m < 0 || k < 1) return -2;                                                             \
         IN_PARTS(threads, b, NAME##_batch(x + s0 * n * m, w ? w + s0 * n : NULL, assign + s0 * n,                    \
                                           start ? start + s0 * k : NULL, out + s0 * k * m, count, n, m, k))          \
     }
