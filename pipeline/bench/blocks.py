@@ -47,10 +47,20 @@ from torch import Tensor, nn
 
 from pipeline.bench.paired import SpeedSettings, paired_ratio, sample_timer
 from pipeline.bench.timing import median_iqr, time_paired, timed
-from pipeline.cost import CostModel, Curve, PoolSurface, check_key, check_table_key, load_cost_model, save_cost_model
+from pipeline.cost import (
+    CostModel,
+    Curve,
+    PoolSurface,
+    check_key,
+    check_table_key,
+    load_cost_model,
+    save_cost_model,
+    table_loads,
+)
 from pipeline.errors import InputError, JobError
 from pipeline.methods import METHODS
 from pipeline.models import create_model
+from pipeline.models.families import block_adapter
 from pipeline.models.downsampling import DownsamplingBlocks, DownsamplingConfig
 from pipeline.models.selfcheck import kernels_planned
 from pipeline.pooling import native
@@ -221,8 +231,8 @@ class BlockParts:
         self.p, n = model.num_prefix_tokens, model.patch_embed.num_patches
         config = DownsamplingConfig(method, [n] * len(model.blocks), options=METHODS[method].resolve(method, options))
         # The model's own blocks (the same modules, not copies) in the container whose forward the model runs.
-        self.runs = DownsamplingBlocks(model.blocks, config, num_prefix=self.p, num_tokens=n, grid=None,
-                                       kernels=kernels)
+        self.runs = DownsamplingBlocks(model.blocks, config, adapter=block_adapter(model), num_prefix=self.p,
+                                       num_tokens=n, grid=None, kernels=kernels)
         self.blocks = list(self.runs)
 
     def every(self, part: Callable[[nn.Module, Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
@@ -494,11 +504,14 @@ def measure_table(s: BlocksSettings, out: Path | None = None, log: Callable[[str
     device, model = setup(s)
     key = table_key(s, model, device)
     out = default_table_path(key) if out is None else out
-    if out.is_file():
+    if table_loads(out):
         done = load_cost_model(out)
         check_key(replace_key(done), key, where=f"the table {out}")
         log(f"[blocks] {out} is already measured under this key; delete it to measure again")
         return done, out
+    if out.exists():  # damaged (a write cut short) or of another release: what it held is measured again
+        log(f"[blocks] {out} does not load as a cost table of this release: measuring it again (the new table "
+            "replaces it)")
     cells = _load_partial(out, key)
     names = cell_names(model.patch_embed.num_patches, s.step, model.num_prefix_tokens, s.fine)
     anchors = anchor_names(model.patch_embed.num_patches)

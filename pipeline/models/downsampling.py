@@ -2,10 +2,11 @@
 
 ``apply_downsampling`` swaps ``model.blocks`` for ``DownsamplingBlocks``: an ``nn.Sequential`` of
 the very same block modules (so state-dict keys and weights stay as they are) whose forward runs
-each block from its own parts (``norm1``, ``attn``, ``ls1``, ``drop_path1``, ``norm2``, ``mlp``,
-``ls2``, ``drop_path2``) with the downsampling step placed between the two halves. LayerScale,
-register and distillation tokens keep working because nothing of the block is re-implemented but
-its two residual lines, and the tests compare against the unpatched timm model.
+each block from its own parts, as the block's adapter (``models.families``: pre-norm with LayerScale,
+or post-norm) says, with the downsampling step placed between the two halves. LayerScale, register
+and distillation tokens keep working because nothing of the block is re-implemented but its two
+residual lines, and the tests compare against the unpatched timm model. A model the step would not
+run in is refused before anything of it changes (``families.check_model``).
 
 Placement: the paper's GFLOPs are reproduced only when block l keeps K_l tokens after its attention
 and before its MLP (PoWER-BERT's placement): for DeiT-S at sparsity level 1 the analytic count is
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
 from pipeline.models.attention import attend
+from pipeline.models.families import BlockAdapter, check_model, refuse_direct_calls
 from pipeline.models.keep import effective_keep
 from pipeline.pooling.common import PoolResult, stable_ranks
 from pipeline.pooling.conv import grid_shape
@@ -75,10 +77,11 @@ class BlockRecord:
 class DownsamplingBlocks(nn.Sequential):
     """timm blocks run with downsampling; x (B, P+N, M) -> (B, P+K_L, M)."""
 
-    def __init__(self, blocks: nn.Sequential, config: DownsamplingConfig, *, num_prefix: int, num_tokens: int,
-                 grid: tuple[int, int] | None, kernels: KernelChoice | None = None) -> None:
+    def __init__(self, blocks: nn.Sequential, config: DownsamplingConfig, *, adapter: BlockAdapter, num_prefix: int,
+                 num_tokens: int, grid: tuple[int, int] | None, kernels: KernelChoice | None = None) -> None:
         super().__init__(*blocks)
         self.config = config
+        self.adapter = adapter  # how each block runs as two residual halves (models.families)
         # The implementation of each fused step, handed to the attention and the step as arguments: a
         # compiled graph keeps the value it was traced with (``set_kernels`` before compiling changes it).
         self.kernels = kernels or KernelChoice()
@@ -90,7 +93,7 @@ class DownsamplingBlocks(nn.Sequential):
         self.significance = spec.significance(config.options)
         # Analysis hook (pipeline.analysis): called with a BlockRecord per block when set.
         self.recorder: Callable[[BlockRecord], None] | None = None
-        dim = blocks[0].norm1.normalized_shape[0]
+        dim = blocks[0].attn.proj.out_features
         if self.learnable:
             self._attach_per_block(dim, grid)
         else:
@@ -121,6 +124,10 @@ class DownsamplingBlocks(nn.Sequential):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
+        if t - self.num_prefix != self.num_tokens:  # another image size (timm's dynamic_img_size)
+            raise InputError(f"this model's keep list was made for {self.num_tokens} tokens an image, but "
+                             f"{t - self.num_prefix} arrive (an image of another size); build the model at the size "
+                             "it runs at (create_model(..., img_size=...), model.img_size in a config)")
         sizes = torch.ones(b, t, device=x.device, dtype=torch.float32) if self.config.carry else None
         for layer, block in enumerate(self):
             x, sizes = self._run_block(layer, block, x, sizes)
@@ -133,11 +140,11 @@ class DownsamplingBlocks(nn.Sequential):
         """The attention branch of ``block`` on x (B, P+n, M), after LayerScale and drop-path, before the residual
         sum: ((B, P+n, M), ``AttentionStats`` with the scores and keys asked for, or None)."""
         out, stats = attend(
-            block.attn, block.norm1(x), num_prefix=self.num_prefix,
+            block.attn, self.adapter.attention_input(block, x), num_prefix=self.num_prefix,
             log_sizes=None if sizes is None else sizes.log(), qk_alpha=getattr(block, "qk_alpha", None),
             scores=scores, keys=keys, significance=self.significance, kernels=self.kernels,
         )
-        return block.drop_path1(block.ls1(out)), stats
+        return self.adapter.attention_branch(block, out), stats
 
     def pool_step(self, block: nn.Module, x: Tensor, k: int, stats: Any, sizes: Tensor | None = None
                   ) -> tuple[Tensor, Tensor | None, PoolResult]:
@@ -156,10 +163,9 @@ class DownsamplingBlocks(nn.Sequential):
         sizes = None if sizes is None else torch.cat([sizes[:, :p], result.sizes], dim=1)
         return x, sizes, result
 
-    @staticmethod
-    def mlp_half(block: nn.Module, x: Tensor) -> Tensor:
+    def mlp_half(self, block: nn.Module, x: Tensor) -> Tensor:
         """The MLP half of ``block`` with its residual sum: (B, T, M) -> (B, T, M)."""
-        return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+        return self.adapter.mlp_half(block, x)
 
     def _run_block(self, layer: int, block: nn.Module, x: Tensor, sizes: Tensor | None
                    ) -> tuple[Tensor, Tensor | None]:
@@ -275,7 +281,8 @@ def apply_downsampling(
 
     Args:
         model: a timm ``VisionTransformer`` (DeiT, ViT, with or without LayerScale, register or
-            distillation tokens), trained or not.
+            distillation tokens, pre- or post-norm blocks), trained or not; any other family is refused in one
+            line (``models.families``, docs/models.md).
         method: a name from ``pipeline.methods.METHODS``.
         keep: K_1..K_L, the most non-prefix tokens after each block; default: keep all.
         carry: carry cluster sizes and use proportional attention (Appendix E).
@@ -288,14 +295,12 @@ def apply_downsampling(
         kernels: the implementation of each fused step (the config's ``kernels``); default all ``auto``.
         options: the method's options (its ``MethodSpec``'s; ``pipeline methods`` lists them).
     """
-    for attr in ("blocks", "num_prefix_tokens", "patch_embed"):
-        if not hasattr(model, attr):
-            raise InputError(f"apply_downsampling needs a timm VisionTransformer; the model has no {attr!r}")
+    if isinstance(getattr(model, "blocks", None), DownsamplingBlocks):
+        raise InputError("this model already downsamples; build a fresh model to change the method")
     if getattr(model, "grad_checkpointing", False):
         raise InputError("gradient checkpointing runs timm's blocks one by one and would skip the downsampling; "
                          "call model.set_grad_checkpointing(False) first")
-    if isinstance(model.blocks, DownsamplingBlocks):
-        raise InputError("this model already downsamples; build a fresh model to change the method")
+    adapter = check_model(model)  # the family refused in one line before anything of the model changes
     options = method_spec(method).resolve(method, options)
     if qk_norm not in (None, *QK_NORM):
         raise InputError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
@@ -313,8 +318,10 @@ def apply_downsampling(
     config = DownsamplingConfig(method=method, keep=keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
                                 soft_extract=soft_extract, options=options)
     grid = tuple(model.patch_embed.grid_size) if hasattr(model.patch_embed, "grid_size") else None
-    model.blocks = DownsamplingBlocks(model.blocks, config, num_prefix=model.num_prefix_tokens,
-                                      num_tokens=num_tokens, grid=grid, kernels=kernels)
+    blocks = DownsamplingBlocks(model.blocks, config, adapter=adapter, num_prefix=model.num_prefix_tokens,
+                                num_tokens=num_tokens, grid=grid, kernels=kernels)
+    refuse_direct_calls(blocks)
+    model.blocks = blocks
     return model
 
 

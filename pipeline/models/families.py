@@ -1,0 +1,223 @@
+"""Which timm ViTs the downsampling step runs in, decided once per model: an adapter for each kind of block it
+runs, a one-line refusal for every other family, and a forward that proves the model runs its blocks through
+``model.blocks``.
+
+A model is pooled only where three things hold:
+
+1. it is a timm ``VisionTransformer`` (DeiT, DeiT-3, ViT, hybrids, ViTamin, FlexiViT, SigLIP, CLIP, register and
+   global-pool models: the families whose ``forward_features`` calls ``self.blocks(x)``), and every one of its
+   blocks is of a kind with an adapter here (``ADAPTERS``): timm's pre-norm ``Block`` and post-norm
+   ``ResPostBlock``, with timm's plain ``Attention``. The adapter says how the block runs as its two residual
+   halves, so ``DownsamplingBlocks`` places the step between them without reading a block's attribute names;
+2. its forward reaches ``model.blocks`` as one call (``check_runs_blocks``): a model that loops over its blocks
+   itself (EVA-02, BEiT, ``vit_relpos``, XCiT, ConViT do, to hand each block a position term) would never run
+   the step, so it is refused, even as a subclass of ``VisionTransformer``;
+3. once pooled, a block is never called by itself (``refuse_direct_calls``): timm's ``forward_intermediates``,
+   ``forward_features(attn_mask=...)`` and gradient checkpointing call each block directly, which would skip the
+   step and read a keep list against tokens it never made, so those calls raise instead.
+
+Families whose blocks take position terms (relative position bias, rotary embeddings), mix heads (CaiT's talking
+heads), run attention and MLP in parallel, or change the token grid (Swin, MViT, PiT, ...) are refused with
+the reason (``REFUSED_FAMILIES``, ``REFUSED_BLOCKS``); docs/models.md lists every family of the pinned timm and
+``tests/test_model_families.py`` builds one model of each to hold the list to what the code decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from timm.layers import Attention
+from timm.models._registry import _model_to_module
+from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
+from torch import Tensor, nn
+
+from pipeline.errors import InputError
+
+
+@dataclass(frozen=True)
+class BlockAdapter:
+    """How one kind of timm block runs as two residual halves, with the downsampling step between them.
+
+    Pre-norm (timm's ``Block``): ``x + drop_path1(ls1(attn(norm1(x))))``, then
+    ``x + drop_path2(ls2(mlp(norm2(x))))``. Post-norm (``ResPostBlock``, ``vit_*_rpn``): the norms sit after the
+    attention and the MLP, inside their residual branches: ``x + drop_path1(norm1(attn(x)))``, then
+    ``x + drop_path2(norm2(mlp(x)))``. Both halves run the block's own modules.
+    """
+
+    name: str
+    post_norm: bool
+
+    def attention_input(self, block: nn.Module, x: Tensor) -> Tensor:
+        """What the attention of ``block`` reads: x (B, T, M), normalised for a pre-norm block."""
+        return x if self.post_norm else block.norm1(x)
+
+    def attention_branch(self, block: nn.Module, out: Tensor) -> Tensor:
+        """The attention's output (B, T, M) as its residual branch: LayerScale or the post-norm, then drop-path."""
+        return block.drop_path1(block.norm1(out) if self.post_norm else block.ls1(out))
+
+    def mlp_half(self, block: nn.Module, x: Tensor) -> Tensor:
+        """The MLP half of ``block`` with its residual sum: (B, T, M) -> (B, T, M)."""
+        if self.post_norm:
+            return x + block.drop_path2(block.norm2(block.mlp(x)))
+        return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
+# Exact classes: a subclass may run its parts otherwise (timm's own variants are subclasses of nothing here).
+ADAPTERS: dict[type, BlockAdapter] = {
+    Block: BlockAdapter("pre-norm", post_norm=False),
+    ResPostBlock: BlockAdapter("post-norm", post_norm=True),
+}
+
+# Why each of timm's other ViT-like families is refused (its models' module in timm's registry).
+_POSITION_TERMS = "its forward hands every block a position term ({}) in a loop of its own, which the step's pooled " \
+                  "tokens would have to carry; not built"
+_GRID = "a hierarchical model whose stages change the token grid themselves ({}); no stage of it takes a keep list"
+REFUSED_FAMILIES: dict[str, str] = {
+    "beit": _POSITION_TERMS.format("a relative position bias, shared_rel_pos_bias"),
+    "eva": _POSITION_TERMS.format("rotary embeddings, blk(x, rope=...); EVA-02, DINOv3, PE and the vit_*_rope_* "
+                                  "models are of this class"),
+    "vision_transformer_relpos": _POSITION_TERMS.format("a relative position bias, shared_rel_pos"),
+    "vision_transformer_sam": _POSITION_TERMS.format("windowed attention with relative positions"),
+    "xcit": _POSITION_TERMS.format("the patch grid's height and width, blk(x, Hp, Wp), for cross-covariance "
+                                   "attention over channels"),
+    "convit": "its forward adds the class token part-way through the blocks, in a loop of its own, and its gated "
+              "positional attention has no significance scores of eq. 4",
+    "cait": "its class-attention blocks read the class token against every patch token, and its talking-heads "
+            "attention mixes the heads' logits, which the step's attention does not",
+    "naflexvit": "its blocks run on variable-length packed sequences with an attention mask per image",
+    "tnt": "every block runs an inner transformer over the pixels of each patch, which pooled patches would not keep",
+    "crossvit": "two branches of patches at two sizes exchange class tokens between their blocks",
+    "twins": "its stages alternate locally-grouped and sub-sampled attention on a token grid",
+    "hiera": _GRID.format("Hiera"), "hieradet_sam2": _GRID.format("Hiera"), "mvitv2": _GRID.format("MViT-v2"),
+    "levit": _GRID.format("LeViT"), "pit": _GRID.format("PiT"), "volo": _GRID.format("VOLO"),
+    "swin_transformer": _GRID.format("Swin"), "swin_transformer_v2": _GRID.format("Swin-v2"),
+    "swin_transformer_v2_cr": _GRID.format("Swin-v2 CR"), "nest": _GRID.format("NesT"),
+    "pvt_v2": _GRID.format("PVT-v2"), "davit": _GRID.format("DaViT"), "gcvit": _GRID.format("GC ViT"),
+    "coat": _GRID.format("CoaT"), "tiny_vit": _GRID.format("TinyViT"), "maxxvit": _GRID.format("MaxViT"),
+    "efficientformer": _GRID.format("EfficientFormer"), "efficientformer_v2": _GRID.format("EfficientFormer-v2"),
+    "deepseek_vit": "a vision tower for a language model, not a timm VisionTransformer",
+    "gemma4_vit": "a vision tower for a language model, not a timm VisionTransformer",
+    "qwen3_vit": "a vision tower for a language model, not a timm VisionTransformer",
+}
+
+# Why the other kinds of block a timm VisionTransformer can be built with are refused (by class name).
+REFUSED_BLOCKS: dict[str, str] = {
+    "ParallelScalingBlock": "its attention and MLP run in parallel on the same input, so there is no point between "
+                            "them for the step",
+    "ParallelThingsBlock": "its attention and MLP branches run in parallel on the same input, so there is no point "
+                           "between them for the step",
+    "DiffParallelScalingBlock": "its differential attention and MLP run in parallel on the same input",
+}
+
+REFUSED_ATTENTION: dict[str, str] = {
+    "DiffAttention": "differential attention subtracts two attention maps, and eq. 4's significance and proportional "
+                     "attention are defined for one",
+}
+
+
+def model_label(model: nn.Module) -> tuple[str, str]:
+    """(the model's timm name, or its class's, and its family: the module timm registers it in)."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    name = (cfg.get("architecture") if isinstance(cfg, dict) else None) or type(model).__name__
+    family = _model_to_module.get(name) or type(model).__module__.rsplit(".", 1)[-1]
+    return name, family
+
+
+def block_adapter(model: nn.Module) -> BlockAdapter:
+    """The adapter of ``model``'s blocks, or InputError in one line naming the model, its family and why not.
+
+    Decided from the classes alone (no forward): ``check_runs_blocks`` proves the rest.
+    """
+    name, family = model_label(model)
+    where = f"{name} ({family})"
+    if not isinstance(model, VisionTransformer):
+        why = REFUSED_FAMILIES.get(family, f"a {type(model).__name__}, not a timm VisionTransformer")
+        raise InputError(f"{where} cannot be pooled: {why}. Token Pooling needs a timm VisionTransformer "
+                         "(DeiT, ViT, ...; docs/models.md lists every family)")
+    kinds = {type(block) for block in model.blocks}
+    for kind in kinds:
+        if kind not in ADAPTERS:
+            why = REFUSED_BLOCKS.get(kind.__name__, f"its blocks are {kind.__name__}, which no adapter runs as two "
+                                                    "residual halves")
+            raise InputError(f"{where} cannot be pooled: {why} (docs/models.md)")
+    for block in model.blocks:
+        attn = block.attn
+        if type(attn) is not Attention:
+            why = REFUSED_ATTENTION.get(type(attn).__name__, f"its attention is {type(attn).__name__}, not timm's "
+                                                             "Attention")
+            raise InputError(f"{where} cannot be pooled: {why} (docs/models.md)")
+        if attn.gate is not None:
+            raise InputError(f"{where} cannot be pooled: its attention is gated (a sigmoid gate on the output), "
+                             "which the step's attention does not run (docs/models.md)")
+    if len(kinds) > 1:
+        raise InputError(f"{where} cannot be pooled: its blocks are of {len(kinds)} kinds "
+                         f"({', '.join(sorted(k.__name__ for k in kinds))}); one adapter runs a model")
+    return ADAPTERS[kinds.pop()]
+
+
+class _Reached(Exception):
+    """Raised by the probe's hook on ``model.blocks``: the forward called the blocks as one."""
+
+
+def _stop_at_blocks(module: nn.Module, args: tuple) -> None:
+    raise _Reached
+
+
+def _bypassed(module: nn.Module, args: tuple) -> None:
+    raise InputError("a block of a downsampling model was called by itself, outside model.blocks, where its "
+                     "downsampling step does not run (timm's forward_intermediates, forward_features(attn_mask=...), "
+                     "gradient checkpointing, or a model that loops over its blocks); call the model or "
+                     "forward_features(x)")
+
+
+def probe_input(model: nn.Module) -> Tensor:
+    """One image (1, C, H, W) of zeros at the model's input size, on its parameters' device."""
+    embed = model.patch_embed
+    size = tuple(embed.img_size) if getattr(embed, "img_size", None) is not None else (224, 224)
+    channels = embed.proj.in_channels if hasattr(embed, "proj") else 3
+    device = next(model.parameters()).device
+    return torch.zeros(1, channels, *size, device=device)
+
+
+def check_runs_blocks(model: nn.Module) -> None:
+    """Proves that ``model``'s forward runs its blocks as one call of ``model.blocks``, or refuses it in one line.
+
+    A forward of one image stops at the first call of ``model.blocks`` (so it costs the patch embedding alone) and
+    fails at the first call of a single block before it: a model that loops over its blocks itself, which would
+    never run the step. Runs on any device, the meta device included, and leaves the model's mode and the global
+    random state as they were.
+    """
+    name, family = model_label(model)
+    handles = [model.blocks.register_forward_pre_hook(_stop_at_blocks)]
+    handles += [block.register_forward_pre_hook(_bypassed) for block in model.blocks]
+    training = model.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()
+            model(probe_input(model))
+    except _Reached:
+        return
+    except InputError:
+        raise InputError(f"{name} ({family}) cannot be pooled: its forward calls its blocks one by one itself, so a "
+                         "downsampling step in model.blocks would never run (docs/models.md)") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(training)
+    raise InputError(f"{name} ({family}) cannot be pooled: its forward never calls model.blocks, so a downsampling "
+                     "step there would never run (docs/models.md)")
+
+
+def check_model(model: nn.Module) -> BlockAdapter:
+    """``block_adapter`` and ``check_runs_blocks``: the adapter of a model the step runs in, or InputError."""
+    adapter = block_adapter(model)
+    check_runs_blocks(model)
+    return adapter
+
+
+def refuse_direct_calls(blocks: nn.Module) -> None:
+    """Makes every block in ``blocks`` raise InputError when called by itself (see the module's point 3); the
+    downsampling blocks run the blocks' parts, never a block's own forward, so their path pays nothing."""
+    for block in blocks:
+        block.register_forward_pre_hook(_bypassed)
