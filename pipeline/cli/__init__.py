@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 import warnings
 from typing import TextIO
@@ -49,7 +50,32 @@ def main(argv: list[str] | None = None) -> int:
     quiet_driver()
     _one_line_warnings()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone (`| head -1`) shows here, in this handler, not at the interpreter's exit
+        return code
     except PipelineError as err:  # ours, on purpose: one line; anything else keeps its traceback
         print(f"error: {project_error(err) or err}", file=sys.stderr)  # not Ray's wrapper of a task's error
         return 2
+    except BrokenPipeError:
+        if not _reader_gone():  # another pipe's (a socket, a subprocess): a fault to show
+            raise
+        _quiet_stdout()  # the reader of stdout closed it early: what it read is what it asked for
+        return 1
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on its end)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's StringIO)
+        return False
+
+
+def _quiet_stdout() -> None:
+    """Points stdout's file descriptor at /dev/null, so that the interpreter's last flush of what is still buffered
+    raises no second BrokenPipeError (the recipe of Python's signal module docs)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
