@@ -24,15 +24,21 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
+from pipeline.config.base import MethodName, PatchEmbed
 from pipeline.errors import InputError
+from pipeline.kernel_choices import CompileMode
+from pipeline.stored import Record, read_record
 
 SCHEMA_VERSION = 1
 
@@ -226,11 +232,14 @@ class CostModel:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], *, where: str = "the cost table") -> CostModel:
+    def from_json(cls, data: dict[str, Any], *, where: str = "the cost table", path: str | Path | None = None
+                  ) -> CostModel:
+        """The table of ``data`` (``to_json``'s); an InputError naming ``where`` (its file, ``path``) if it is not one
+        this release reads."""
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise InputError(f"{where} has schema_version {version!r}; this release reads {SCHEMA_VERSION} "
-                             "(measure it again with `pipeline bench blocks`)")
+            raise InputError(f"{where} has schema_version {version!r}; this release reads {SCHEMA_VERSION}; "
+                             + remeasure(path))
         try:
             pool = data["pool"]
             return cls(
@@ -243,7 +252,8 @@ class CostModel:
                 key=dict(data.get("key", {})), predicted=bool(data.get("predicted", False)),
             )
         except (KeyError, TypeError, ValueError) as err:
-            raise InputError(f"{where} is not a cost table: {type(err).__name__}: {err}") from None
+            raise InputError(f"{where} is not a cost table ({type(err).__name__}: {err}); "
+                             + remeasure(path)) from None
 
 
 def check_keep(keep: list[int], num_tokens: int, depth: int) -> None:
@@ -259,10 +269,28 @@ def check_keep(keep: list[int], num_tokens: int, depth: int) -> None:
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> Path:
+    """Writes ``model`` to ``path`` whole or not at all: into a temporary file beside it, renamed over it, so that a
+    process killed while writing leaves the table it replaced (or none), never half of one that every run trips on."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
+    text = json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n"
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a shared table from its other readers
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def remeasure(path: str | Path | None = None) -> str:
+    """What to do about a table file that does not load: `pipeline bench blocks` measures it again into the same path
+    (it replaces a file that is not a table of this release), as `pipeline run` does for a ``table: auto``."""
+    out = "" if path is None else f" --out {path}"
+    return f"measure it again with `pipeline bench blocks{out}` (it replaces a table that does not load)"
 
 
 def load_cost_model(path: str | Path) -> CostModel:
@@ -271,25 +299,62 @@ def load_cost_model(path: str | Path) -> CostModel:
         raise InputError(f"no cost table at {path}; measure one with `pipeline bench blocks`")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path} is not valid JSON ({err}); measure it again with `pipeline bench blocks`") from None
-    return CostModel.from_json(data, where=str(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{path} is not valid JSON ({err}); {remeasure(path)}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a cost table (a JSON {type(data).__name__}); {remeasure(path)}")
+    return CostModel.from_json(data, where=str(path), path=path)
 
 
-# What a latency table's key holds for the setting it was measured at to be read back
-# (``bench.blocks.settings_from_key``) and for a latency target to price a finetune by it (``targets``): every table
-# `pipeline bench blocks` writes has them.
-TABLE_KEY_FIELDS = ("model", "img_size", "patch_size", "embed_dim", "depth", "num_heads", "num_classes", "patch_embed",
-                    "method", "options", "batch", "dtype", "compile", "threads", "device_type", "clock",
-                    "kernel_choice")
+def table_loads(path: str | Path) -> bool:
+    """Whether ``path`` is a file that loads as a cost table of this release (``load_cost_model``): a damaged or
+    older one is measured again, not read."""
+    try:
+        load_cost_model(path)
+    except (InputError, OSError):
+        return False
+    return True
+
+
+Positive = Annotated[int, Field(ge=1)]
+
+
+class TableKey(Record):
+    """What a latency table's key holds for the setting it was measured at to be read back
+    (``bench.blocks.settings_from_key``) and for a latency target to price a finetune by it (``targets``), typed:
+    every table `pipeline bench blocks` writes has them. The rest of a key
+    says what the table was measured on (the device, the versions, the kernels that ran, the measurement's summary):
+    ``key_differences`` compares those as a whole, and a release may record more of them, so they are kept as given."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    img_size: Positive
+    patch_size: Positive
+    embed_dim: Positive
+    depth: Positive
+    num_heads: Positive
+    num_classes: Positive
+    patch_embed: PatchEmbed
+    method: MethodName
+    options: dict[str, Any]
+    batch: Positive
+    dtype: str
+    compile: CompileMode
+    threads: Positive
+    device_type: str
+    clock: Literal["wall", "cpu"]
+    kernel_choice: dict[str, str]
+
+
+TABLE_KEY_FIELDS = tuple(TableKey.model_fields)
 
 
 def check_table_key(key: dict[str, Any], where: str) -> None:
-    """InputError naming the ``TABLE_KEY_FIELDS`` the key of the table at ``where`` lacks."""
-    missing = [field for field in TABLE_KEY_FIELDS if field not in key]
-    if missing:
-        raise InputError(f"the cost table {where} has no {', '.join(missing)} in its key; measure it with `pipeline "
-                         "bench blocks`, which records them")
+    """InputError naming each of the ``TABLE_KEY_FIELDS`` the key of the table at ``where`` lacks or holds with
+    another type (``TableKey``)."""
+    read_record(TableKey, key, f"the cost table {where}'s key",
+                "measure it again with `pipeline bench blocks`, which records them")
 
 
 def key_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -229,19 +229,66 @@ def test_a_saved_table_is_the_shipped_files_bytes(tmp_path):
 def test_a_table_file_that_is_not_a_table_is_refused_naming_it(tmp_path):
     m = _model()
     data = m.to_json()
-    with pytest.raises(InputError, match=r"^the cost table has schema_version 2; this release reads 1 \(measure it "
-                                         r"again with `pipeline bench blocks`\)$"):
+    with pytest.raises(InputError, match=r"^the cost table has schema_version 2; this release reads 1; measure it "
+                                         r"again with `pipeline bench blocks` \(it replaces a table that does not "
+                                         r"load\)$"):
         CostModel.from_json({**data, "schema_version": 2})
     for broken, why in (({**data, "schema_version": 0}, "schema_version 0; this release reads 1"),
-                        ({k: v for k, v in data.items() if k != "mlp"}, "not a cost table: KeyError"),
-                        ({**data, "depth": "three"}, "not a cost table: ValueError")):
+                        ({k: v for k, v in data.items() if k != "mlp"}, r"not a cost table \(KeyError"),
+                        ({**data, "depth": "three"}, r"not a cost table \(ValueError")):
         path = tmp_path / "t.json"
         path.write_text(json.dumps(broken))
-        with pytest.raises(InputError, match=f"{path}.*{why}"):
+        with pytest.raises(InputError, match=f"{path}.*{why}.*; measure it again with `pipeline bench blocks --out "
+                                             f"{path}`"):
             load_cost_model(path)
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(InputError, match="bad.json is not valid JSON"):
         load_cost_model(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(InputError, match=r"list.json is not a cost table \(a JSON list\); measure it again"):
+        load_cost_model(tmp_path / "list.json")
+
+
+def test_a_table_write_cut_short_leaves_the_table_it_replaced(tmp_path, monkeypatch):
+    """A process killed while it writes a table (here: after half of the text) leaves the table that was there, whole,
+    and no other file beside it: the next run reads the old table, not half a new one it cannot parse."""
+    import io
+
+    path = save_cost_model(_model(), tmp_path / "t.json")
+    before = path.read_bytes()
+    real_open = io.open
+
+    class CutShort:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, text):
+            self.handle.write(text[: len(text) // 2])
+            self.handle.flush()
+            raise KeyboardInterrupt  # killed mid-write
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def cut_short(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        return CutShort(handle) if "w" in mode else handle
+
+    monkeypatch.setattr(io, "open", cut_short)
+    wider = CostModel("ms", 16, 1, 3, 9.0, _model().attn, _model().mlp, _model().pool, key={"batch": 8})
+    with pytest.raises(KeyboardInterrupt):
+        save_cost_model(wider, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and load_cost_model(path) == _model()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+    assert load_cost_model(save_cost_model(wider, path)) == wider  # and written whole, it replaces it
+    assert oct(path.stat().st_mode & 0o777) == "0o644"  # readable by every user of a shared folder
 
 
 def test_key_differences_name_each_differing_field_including_one_side_only():

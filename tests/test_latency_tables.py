@@ -325,3 +325,25 @@ def test_a_table_is_logged_as_an_mlflow_artifact_with_its_key(tmp_path):
     assert client.get_run(run_id).data.params["method"] == "wkmedoids"
     fetched = client.download_artifacts(run_id, "latency_table/t.json", str(tmp_path / "back"))
     assert load_cost_model(fetched) == table
+
+
+def test_bench_blocks_measures_a_table_that_does_not_load_again_into_its_path(tmp_path):
+    """A table file cut short (a write killed half-way) is what `pipeline bench blocks --out PATH`, the command its
+    error names, measures again: it does not refuse on reading it first, as it would a whole table of another key."""
+    out = tmp_path / "t.json"
+    out.write_text('{"attn": {"xs": [0, 8')
+    with pytest.raises(InputError, match=rf"{out} is not valid JSON .*; measure it again with `pipeline bench blocks "
+                                         rf"--out {out}` \(it replaces a table that does not load\)$"):
+        load_cost_model(out)
+    lines: list[str] = []
+
+    def stop_at_the_first_cell(line: str) -> None:
+        lines.append(line)
+        if line.startswith("[blocks] 1/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_table(settings(), out, log=stop_at_the_first_cell)
+    assert lines[0] == (f"[blocks] {out} does not load as a cost table of this release: measuring it again (the new "
+                        "table replaces it)")
+    assert len(json.loads(partial_path(out).read_text())["cells"]) == 1

@@ -54,8 +54,8 @@ def test_a_table_keeps_its_kernel_choice_and_another_choice_is_refused_naming_it
     table, out = measure_table(settings(kernels=torch_native), tmp_path / "t.json", log=lambda _: None)
     assert table.key["kernel_choice"] == torch_native.as_dict()
     assert settings_from_key(table.key).kernels == torch_native
-    with pytest.raises(InputError, match=r"^the cost table of 'kmedoids' on .* has no kernel_choice in its key; "
-                                         r"measure it with `pipeline bench blocks`"):  # every table's key records it
+    with pytest.raises(InputError, match=r"^the cost table of 'kmedoids' on .*'s key: kernel_choice: missing; "
+                                         r"measure it again with `pipeline bench blocks`"):  # every key records it
         settings_from_key({k: v for k, v in table.key.items() if k != "kernel_choice"})
     checked, rows = run_check(table, count=1, seed=0, levels=False, other_device=False,
                               speed=QUICK, log=lambda _: None)  # its own kernels: measured

@@ -458,8 +458,8 @@ def test_a_latency_targets_cost_model_is_its_table_checked_against_the_model_and
     with pytest.raises(InputError, match=rf"the cost table {wide} times width 64; this model is 32 wide"):
         target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(wide)), model)
     unkeyed = _latency_table(tmp_path / "unkeyed.json", {k: v for k, v in POWERBERT_KEY.items() if k != "embed_dim"})
-    with pytest.raises(InputError, match=rf"^the cost table {unkeyed} has no embed_dim in its key; measure it with "
-                                         r"`pipeline bench blocks`"):
+    with pytest.raises(InputError, match=rf"^the cost table {unkeyed}'s key: embed_dim: missing; measure it again "
+                                         r"with `pipeline bench blocks`, which records them$"):
         target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(unkeyed)), model)
     for more, says in (({"depth": 3}, "depth 3"), ({"num_tokens": 48}, "N=48"), ({"prefix": 0}, "prefix 0")):
         other = tmp_path / "other.json"
@@ -892,3 +892,52 @@ def test_a_latency_target_of_table_auto_measures_this_machines_table_before_the_
                                          r"give methods: \[METHOD\]"):
         ksearch_stages(load_config(tiny, [*auto[:2], "experiment.ksearch_targets=[{cost: latency, fraction: 0.9, "
                                           "table: auto}]"]), arch, base_stage(config, arch))
+
+
+def test_a_damaged_table_auto_is_planned_as_not_measured_and_measured_again_by_run(tmp_path, monkeypatch):
+    """A ``table: auto`` file that does not load (a write cut short) blocks no run: `run --plan` plans the K search as
+    for a table not measured yet (no content for its id), the target checks skip it, and `pipeline run`'s prepare
+    step measures it again into its path, saying so."""
+    import pipeline.bench.blocks as blocks
+    from pipeline.config import load_config
+    from pipeline.dag.latency import prepare_tables
+    from pipeline.dag.plan import archs, base_stage, check_targets, ksearch_stages
+
+    config = load_config(ROOT / "configs" / "experiments" / "tiny.yaml", [
+        "experiment.embed_dims=[16]", f"experiment.runs_dir={tmp_path}",
+        "experiment.ksearch_targets=[{cost: latency, fraction: 0.9, table: auto, methods: [powerbert]}]"])
+    arch = archs(config)[0]
+    path = Path(ksearch_stages(config, arch, base_stage(config, arch))[-1].config.train.ksearch_target.table)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"attn": {"xs": [0, 8')  # half a table
+    assert ksearch_stages(config, arch, base_stage(config, arch))[-1].config.train.ksearch_target.table_sha256 is None
+    check_targets(config)  # not refused on reading it
+    measured: list[Path] = []
+    monkeypatch.setattr(blocks, "measure_table", lambda settings, out, log: measured.append(out))
+    lines: list[str] = []
+    prepare_tables(config, log=lines.append)
+    assert measured == [path]
+    assert lines == [f"[latency] lat0.9 (M16): measuring this machine's table of powerbert (table: auto) into {path} "
+                     "again: the file there does not load as a table of this release"]
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("options", None, r"options: Input should be a valid dictionary \(got None\)"),
+    ("options", ["iters", 5], r"options: Input should be a valid dictionary \(got \['iters', 5\]\)"),
+    ("options", "iters=5", r"options: Input should be a valid dictionary \(got 'iters=5'\)"),
+    ("method", None, r"method: Input should be a valid string \(got None\)"),
+    ("method", "powerbrt", r"method: unknown downsampling method 'powerbrt'; choose one of .*"),
+    ("embed_dim", "32", r"embed_dim: Input should be a valid integer \(got '32'\)"),
+    ("batch", True, r"batch: Input should be a valid integer \(got True\)"),
+    ("kernel_choice", None, r"kernel_choice: Input should be a valid dictionary \(got None\)"),
+])
+def test_a_latency_tables_key_field_of_another_type_is_one_error_naming_the_file_and_field(tmp_path, field, value,
+                                                                                            says):
+    """What `run --plan` reads of a table's key (``cost.TableKey``) is typed: a null, list or string where the options
+    go, a null or unknown method, a width given as text, are each one InputError naming the table and the field and
+    saying to measure it again, never a traceback or a message that reads "times width 32; this model is 32 wide"."""
+    model = create_model("deit_tiny_patch16_224", **DEMO)
+    path = _latency_table(tmp_path / "t.json", {**POWERBERT_KEY, field: value})
+    with pytest.raises(InputError, match=rf"^the cost table {path}'s key: {says}; measure it again with `pipeline "
+                                         r"bench blocks`, which records them$"):
+        target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(path)), model)

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 
 from pipeline.bench.paired import SpeedSettings
-from pipeline.cost import CostModel, key_differences
+from pipeline.cost import CostModel, key_differences, table_loads
 from pipeline.dag.plan import auto_method, auto_tables
 from pipeline.errors import InputError
 from pipeline.train.checkpoint import load_checkpoint
@@ -115,10 +115,11 @@ def prepare_tables(config, log: Callable[[str], None] = print) -> None:
 
     for target, arch in auto_tables(config):
         settings, path = auto_table(config, arch, auto_method(target))
-        if path.is_file():
+        if table_loads(path):
             continue
+        again = " again: the file there does not load as a table of this release" if path.exists() else ""
         log(f"[latency] {target.label} ({arch.label}): measuring this machine's table of {settings.method} "
-            f"(table: auto) into {path}")
+            f"(table: auto) into {path}{again}")
         threads = torch.get_num_threads()
         try:
             measure_table(settings, path, log=log)

@@ -172,7 +172,8 @@ def trial_train(exp: ExperimentConfig) -> dict[str, Any]:
 
 
 def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
-    from pipeline.targets import ROUNDING  # here, not at the top: pipeline.targets imports torch
+    from pipeline.cost import table_loads  # here, not at the top: these import torch
+    from pipeline.targets import ROUNDING
 
     exp = config.experiment
     stages = []
@@ -185,9 +186,9 @@ def ksearch_stages(config: Config, arch: Arch, base: Stage) -> list[Stage]:
         if target.archs is not None and arch.label not in target.archs:
             continue
         table = None if target.table is None else target_table(config, target, arch)
-        # A table: auto not measured yet has no content to follow: `pipeline run` measures it before the K search
-        # (dag.latency.prepare_tables), and `run --plan` plans without it.
-        pending = target.table == AUTO_TABLE and not found(table)
+        # A table: auto not measured yet (or one that does not load: a damaged file) has no content to follow: `pipeline
+        # run` measures it before the K search (dag.latency.prepare_tables), and `run --plan` plans without it.
+        pending = target.table == AUTO_TABLE and not table_loads(table)
         target = target.model_copy(update={"methods": None, "archs": None})  # the experiment's concern
         if table is not None:  # the identity follows the table's content, not its path
             target = target.model_copy(update={"table": table, "table_sha256": None if pending else _table_hash(table)})
@@ -211,8 +212,8 @@ def check_targets(config: Config) -> None:
     for arch in archs(config):
         for stage in ksearch_stages(config, arch, base_stage(config, arch)):
             target = stage.config.train.ksearch_target
-            if target is None or (target.cost == "latency" and not found(target.table)):  # a table: auto to measure
-                continue
+            if target is None or (target.cost == "latency" and target.table_sha256 is None):  # a table: auto to measure
+                continue  # (every other table has its hash: ksearch_stages refuses a table that is not there)
             with torch.device("meta"):  # the shapes the cost model reads, without initialising any weight
                 model = build_model(stage.config)
             costs = target_cost_model(target, model, stage.config.pooling)
