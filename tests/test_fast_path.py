@@ -592,7 +592,7 @@ def test_triton_cluster_means_under_the_interpreter():
 import numpy as np, torch
 from tests import reference as ref
 from pipeline.pooling.means_triton import cluster_means_triton
-from pipeline.pooling.merge import _means_dense
+from pipeline.pooling.merge import means_dense
 cases = [((2, 12, 8, 3), True, False), ((3, 31, 20, 7), False, True), ((2, 49, 70, 1), True, True),
          ((1, 196, 384, 147), True, True), ((2, 13, 16, 12), False, False), ((2, 40, 24, 9), False, True)]
 for case, ((b, n, m, k), weighted, strided) in enumerate(cases):
@@ -605,9 +605,9 @@ for case, ((b, n, m, k), weighted, strided) in enumerate(cases):
     assign = torch.randint(0, max(k - 1, 1), (b, n), generator=g)  # cluster k - 1 stays empty when k > 1
     start = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b)])
     nan = cluster_means_triton(x, w, assign, k, None)
-    torch.testing.assert_close(nan, _means_dense(x, w, assign, k, None), rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(nan, means_dense(x, w, assign, k, None), rtol=1e-5, atol=1e-6, equal_nan=True)
     got = cluster_means_triton(x, w, assign, k, start)
-    want = _means_dense(x, w, assign, k, start)
+    want = means_dense(x, w, assign, k, start)
     if case == 5:
         assert torch.equal(got, want)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -88,14 +88,14 @@ def test_triton_cluster_means_match_the_one_hot_product(k, weighted):
     """The merge kernel on the models' strided token slice, with an empty cluster's start token, against the
     one-hot torch product; and its gradients against the CPU path's autograd."""
     from pipeline.pooling.common import dense_segments
-    from pipeline.pooling.merge import _means_dense, cluster_means, pool_segments
+    from pipeline.pooling.merge import cluster_means, means_dense, pool_segments
 
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(64, 197, 384, generator=gen).cuda()[:, 1:]
     w = torch.rand(64, 196, generator=gen).cuda() + 0.1 if weighted else None
     assign = torch.randint(0, max(k - 1, 1), (64, 196), generator=gen).cuda()
     start = torch.stack([torch.randperm(196, generator=gen)[:k] for _ in range(64)]).cuda()
-    torch.testing.assert_close(cluster_means(x, w, assign, k, start), _means_dense(x, w, assign, k, start),
+    torch.testing.assert_close(cluster_means(x, w, assign, k, start), means_dense(x, w, assign, k, start),
                                rtol=1e-5, atol=1e-5)
     grads = []
     for dense in (True, False):

@@ -129,3 +129,28 @@ def test_the_config_loads_without_torch():
     """The torch-free floor the deferral protects: the config and the registry import nothing of ``DEFERRED``."""
     for name in ("pipeline.config", "pipeline.methods", "pipeline.config.identity"):
         assert deferred(closure(name)) == set(), name
+
+
+def private_imports(files: dict[str, Path]) -> list[str]:
+    """Every ``from pipeline.x import _name`` in ``files`` whose ``_name`` is private to another module: what one
+    module shares with another is a public name (``merge.means_dense``), not its own helpers."""
+    found = []
+    for name, path in sorted(files.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module in (None, "__future__"):
+                continue
+            target = targets(node, name)[0]
+            for alias in node.names:
+                if target.startswith("pipeline") and target != name and alias.name.startswith("_") \
+                        and not alias.name.startswith("__"):
+                    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                    found.append(f"{where}:{node.lineno}: {alias.name} from {target}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names(tmp_path):
+    assert private_imports(FILES) == [], "make these names public in the module that defines them"
+    planted = tmp_path / "planted.py"
+    planted.write_text("from pipeline.pooling.merge import _empty_to_start, means_dense\n")
+    assert private_imports({"pipeline.bench.planted": planted}) == [
+        "planted.py:1: _empty_to_start from pipeline.pooling.merge"]

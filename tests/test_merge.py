@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.pooling.merge import _means_dense, _means_partition, cluster_means, pool_segments
+from pipeline.pooling.merge import cluster_means, means_dense, means_partition, pool_segments
 
 
 def _inputs(b: int, n: int, m: int, k: int, seed: int, dtype: torch.dtype = torch.float64):
@@ -31,7 +31,7 @@ def test_the_backward_matches_finite_differences(weighted, with_start):
     assert torch.autograd.gradcheck(cluster_means, inputs, eps=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("reference,k", [(_means_partition, 7), (_means_dense, 6)])
+@pytest.mark.parametrize("reference,k", [(means_partition, 7), (means_dense, 6)])
 def test_the_op_has_autograds_gradients_through_the_torch_ops(reference, k):
     """pool_segments (the op: the CPU's native means, the closed-form backward) against autograd through the torch
     ops it stands for, outside the op (index_add_ sums, the CPU's torch path, with cluster 6 empty; the one-hot
@@ -89,13 +89,13 @@ def test_pool_segments_means_and_summed_sizes_written_out_on_every_path():
         assert summed().tolist() == want_sizes and counted().tolist() == want_counts
         assert dispatched() == {("merge", ran, 6)}
     # the torch paths the op's kernels stand for, called as the CUDA path's reference and the CPU's fallback
-    torch.testing.assert_close(_means_dense(x, w, assign, 4, start), want_means)
+    torch.testing.assert_close(means_dense(x, w, assign, 4, start), want_means)
     full = torch.tensor([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 0, 0]])  # no segment empty: no start needed
     members = [[[i for i in range(6) if int(full[s, i]) == j] for j in range(4)] for s in range(2)]
     for weights in (w, None):
         want = torch.tensor([[[sum(float((1 if weights is None else w[s, i]) * x[s, i, c]) for i in members[s][j])
                                / sum(float(1 if weights is None else w[s, i]) for i in members[s][j])
                                for c in range(3)] for j in range(4)] for s in range(2)], dtype=torch.float64)
-        for means_of in (_means_dense, _means_partition):
+        for means_of in (means_dense, means_partition):
             torch.testing.assert_close(means_of(x, weights, full, 4, None), want)
         torch.testing.assert_close(pool_segments(x, weights, None, full, 4, None, "torch")[0], want)

@@ -181,7 +181,7 @@ def test_the_float64_kernels_match_the_references(lib, weighted):
 def test_native_cluster_means_give_the_index_add_sums_bits_and_the_reference(lib, weighted, with_start, dtype):
     """The merge: the same bits as ``Partition``'s index_add_ sums (the CPU's torch path), the float64 brute force's
     means within rounding, and an empty cluster's start token (a case with no start has no empty cluster)."""
-    from pipeline.pooling.merge import _means_partition
+    from pipeline.pooling.merge import means_partition
 
     b, n, m, k = 3, 50, 37, 12  # M not a multiple of any vector width
     x, w, start = _case(b, n, m, k, "random", seed=7)
@@ -193,7 +193,7 @@ def test_native_cluster_means_give_the_index_add_sums_bits_and_the_reference(lib
         assign[:, :k] = torch.arange(k)  # every cluster has a member
     start = start if with_start else None
     got = native.cluster_means(lib, x, w, assign, k, start)
-    assert torch.equal(got, _means_partition(x, w, assign, k, start))
+    assert torch.equal(got, means_partition(x, w, assign, k, start))
     for s in range(b):
         ws = w[s].double().numpy() if weighted else np.ones(n)
         for j, mean in enumerate(ref.cluster_means(x[s].double().numpy(), ws, assign[s].tolist(), k)):

@@ -35,7 +35,7 @@ from pipeline.pooling import kmedoids_triton as kt
 from pipeline.pooling import token_pool
 from pipeline.pooling.clustering import SWAP_RTOL, gram, kmeans_gram_iterations, kmedoids_dense, sq_dists
 from pipeline.pooling.common import one_hot
-from pipeline.pooling.merge import _means_dense, _means_partition, pool_segments
+from pipeline.pooling.merge import means_dense, means_partition, pool_segments
 from pipeline.runtime import cuda_settings, inference
 
 Timer = Callable[[Callable[[], object]], float]
@@ -247,10 +247,10 @@ def precision_table(device: str, batch: int, k: int = 147) -> str:
     row("distances, bf16 tokens, float32 accumulation and output", lambda: _bf16_distances(x), distance_error)
     row("segment means (B, K, 384), tokenpool::cluster_means (one Triton kernel on CUDA, native code on the CPU), "
         "float32", lambda: pool_segments(x, w, None, assign, k, None)[0], means_error)
-    row("segment means, one-hot bmm, float32", lambda: _means_dense(x, w, assign, k, None), means_error)
+    row("segment means, one-hot bmm, float32", lambda: means_dense(x, w, assign, k, None), means_error)
     row("segment means, one-hot bmm, bf16 inputs, float32 output", lambda: _bf16_means(x, w, assign, k), means_error)
     row("segment means, index_add_ (atomic adds on CUDA, order not fixed)",
-        lambda: _means_partition(x, w, assign, k, None), means_error)
+        lambda: means_partition(x, w, assign, k, None), means_error)
     tf32 = torch.backends.cuda.matmul.allow_tf32 if device == "cuda" else False
     return "\n".join([f"clustering step's dense products, batch {batch}, K {k} (float32 matmuls in TF32: {tf32})", "",
                       "| part | ms | error against float64 |", "|---|---:|---|", *rows])

@@ -271,7 +271,7 @@ def _clustering_shape(choice: KernelChoice, device: torch.device, interpret: boo
         fused = merge._cluster_means_cuda if interpret else merge.cluster_means
         checks.append(_Check("merge", plan["merge"], torch.float32,
                              lambda: fused(x, w, assign, k, start, choice.merge, use_native),
-                             lambda: merge._means_dense(x, w, assign, k, start), _float_error, TOLERANCE["float32"],
+                             lambda: merge.means_dense(x, w, assign, k, start), _float_error, TOLERANCE["float32"],
                              shape))
     return checks
 

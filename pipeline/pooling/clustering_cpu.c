@@ -55,7 +55,7 @@
  * index); an empty cluster keeps its centre. An update costs N^2 multiply-adds an image (each token
  * is in one cluster), where the dense product with the (K, N) coefficients costs K N^2.
  *
- * The means (cluster_means_f32 / _f64): merge._means_partition's, the same bits (DEFINE_MEANS).
+ * The means (cluster_means_f32 / _f64): merge.means_partition's, the same bits (DEFINE_MEANS).
  */
 #include <math.h>
 #include <stdint.h>

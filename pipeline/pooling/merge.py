@@ -62,10 +62,10 @@ def cluster_means(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Te
     ``auto`` or ``torch`` (the config's ``kernels.merge``), ``use_native``: the config's ``kernels.native`` is not
     ``torch``. Each device's kernel notes the path it took (``runtime.note_dispatch``)."""
     note_dispatch("merge", "torch", x.shape[1])
-    return _means_dense(x, w, assign, k, start)
+    return means_dense(x, w, assign, k, start)
 
 
-def _means_dense(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+def means_dense(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
     """The means in torch ops: a one-hot (B, K, N) membership, weighted, times the tokens."""
     member = one_hot(assign, k, x.dtype)
     if w is not None:
@@ -74,7 +74,7 @@ def _means_dense(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Ten
     return _empty_to_start(torch.bmm(member, x) / total, total, x, start)
 
 
-def _means_partition(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
+def means_partition(x: Tensor, w: Tensor | None, assign: Tensor, k: int, start: Tensor | None) -> Tensor:
     """The means in ``Partition``'s ``index_add_`` sums (the CPU's torch path)."""
     means, total = Partition(assign, k, dtype=x.dtype).mean(x, w)
     return _empty_to_start(means, total, x, start)
@@ -91,7 +91,7 @@ def _cluster_means_cpu(x: Tensor, w: Tensor | None, assign: Tensor, k: int, star
     lib = native.for_tensor(x, use_native and kernel != "torch")
     note_dispatch("merge", "torch" if lib is None else "native-c", x.shape[1])
     if lib is None:
-        return _means_partition(x, w, assign, k, start)
+        return means_partition(x, w, assign, k, start)
     return native.cluster_means(lib, x, w, assign, k, start)
 
 
@@ -101,7 +101,7 @@ def _cluster_means_cuda(x: Tensor, w: Tensor | None, assign: Tensor, k: int, sta
     if (kernel == "torch" or cluster_means_triton is None or x.dtype != torch.float32
             or (w is not None and w.dtype != torch.float32)):
         note_dispatch("merge", "torch", x.shape[1])
-        return _means_dense(x, w, assign, k, start)
+        return means_dense(x, w, assign, k, start)
     note_dispatch("merge", "triton", x.shape[1])
     return cluster_means_triton(x, w, assign, k, start)
 
