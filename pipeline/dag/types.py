@@ -7,11 +7,17 @@ and ``StageMeta.method``, never through a string-keyed dict.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pydantic
+
 from pipeline.config import Config, EvalConfig
 from pipeline.pareto import relative_half_width
+from pipeline.stored import Record, read_record
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,29 @@ class EvalResult:
         return relative_half_width(self.speed_ratio, self.speed_ratio_low, self.speed_ratio_high)
 
 
-def from_record(cls: type, record: dict[str, Any], run_id: str, **extra: Any) -> Any:
-    """A result dataclass from an MLflow record (``as_record``'s JSON) and its run."""
-    return cls(run_id=run_id, **record, **extra)
+# Where a result read back from MLflow fails its schema: what to run again. A record is read as it was written, never
+# completed with today's defaults: a field this release added would otherwise read as "not recorded" and pass the
+# checks that compare it (an evaluation before ``clock`` existed passed the one-clock check).
+_RERUN = {"TrainedResult": "run its stage again (`pipeline run CONFIG --force KIND`, KIND the stage's kind: base, "
+                           "ksearch or finetune)",
+          "EvalResult": "run the evaluations again (`pipeline run CONFIG --force evaluate`)"}
+_NOT_STORED = ("run_id", "skipped")  # where the record is, and whether it was found done: not part of it
+
+
+@functools.cache
+def record_schema(cls: type) -> type[Record]:
+    """The schema of ``cls``'s MLflow record (``as_record``): each of its fields, typed and required."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: (hints[f.name], ...) for f in dataclasses.fields(cls) if f.name not in _NOT_STORED}
+    return pydantic.create_model(f"{cls.__name__}Record", __base__=Record, **fields)
+
+
+def from_record(cls: type, record: Any, run_id: str, **extra: Any) -> Any:
+    """A result dataclass from an MLflow record (``as_record``'s JSON) and its run; one InputError naming the run and
+    each field that is missing, unknown to this release or of another type (``stored.read_record``)."""
+    read = read_record(record_schema(cls), record, f"the stored result of MLflow run {run_id} ({cls.__name__})",
+                       f"it was written by another release: {_RERUN[cls.__name__]}")
+    return cls(run_id=run_id, **{name: getattr(read, name) for name in type(read).model_fields}, **extra)
 
 
 @dataclass(frozen=True)
