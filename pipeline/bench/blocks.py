@@ -60,8 +60,8 @@ from pipeline.cost import (
 from pipeline.errors import InputError, JobError
 from pipeline.methods import METHODS
 from pipeline.models import create_model
-from pipeline.models.families import block_adapter
 from pipeline.models.downsampling import DownsamplingBlocks, DownsamplingConfig
+from pipeline.models.families import block_adapter
 from pipeline.models.selfcheck import kernels_planned
 from pipeline.pooling import native
 from pipeline.runtime import KernelChoice, compile_model, cuda_settings, inference

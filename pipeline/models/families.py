@@ -96,6 +96,8 @@ REFUSED_FAMILIES: dict[str, str] = {
     "pvt_v2": _GRID.format("PVT-v2"), "davit": _GRID.format("DaViT"), "gcvit": _GRID.format("GC ViT"),
     "coat": _GRID.format("CoaT"), "tiny_vit": _GRID.format("TinyViT"), "maxxvit": _GRID.format("MaxViT"),
     "efficientformer": _GRID.format("EfficientFormer"), "efficientformer_v2": _GRID.format("EfficientFormer-v2"),
+    "mobilevit": "its transformer blocks run inside convolutional stages on unfolded patches, which fold back into "
+                 "a feature map of fixed size",
     "deepseek_vit": "a vision tower for a language model, not a timm VisionTransformer",
     "gemma4_vit": "a vision tower for a language model, not a timm VisionTransformer",
     "qwen3_vit": "a vision tower for a language model, not a timm VisionTransformer",
@@ -175,7 +177,8 @@ def probe_input(model: nn.Module) -> Tensor:
     """One image (1, C, H, W) of zeros at the model's input size, on its parameters' device."""
     embed = model.patch_embed
     size = tuple(embed.img_size) if getattr(embed, "img_size", None) is not None else (224, 224)
-    channels = embed.proj.in_channels if hasattr(embed, "proj") else 3
+    # The first convolution of the patch embedding reads the image (a hybrid's backbone stem, or the projection).
+    channels = next((m.in_channels for m in embed.modules() if isinstance(m, nn.Conv2d)), 3)
     device = next(model.parameters()).device
     return torch.zeros(1, channels, *size, device=device)
 
@@ -201,6 +204,9 @@ def check_runs_blocks(model: nn.Module) -> None:
     except InputError:
         raise InputError(f"{name} ({family}) cannot be pooled: its forward calls its blocks one by one itself, so a "
                          "downsampling step in model.blocks would never run (docs/models.md)") from None
+    except Exception as err:  # a forward that fails on its own input size would fail in every stage
+        raise InputError(f"{name} ({family}) cannot be pooled: its forward of one image of its input size failed "
+                         f"before model.blocks ({type(err).__name__}: {err})") from err
     finally:
         for handle in handles:
             handle.remove()

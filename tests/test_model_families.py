@@ -1,0 +1,312 @@
+"""Every ViT-like family of the pinned timm is pooled correctly or refused in one line (pipeline.models.families).
+
+One model of each family is built (random weights; on the meta device where only the decision is read) and handed
+to ``apply_downsampling``: it is pooled, and then a keep list changes its logits and keeping every token gives
+timm's own logits, or it is refused with one line. docs/models.md holds the table this test makes
+(``python -m tests.test_model_families`` writes it again).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from timm.layers import LayerScale
+from timm.models._registry import _model_to_module
+from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+
+from pipeline.errors import InputError
+from pipeline.methods import METHODS
+from pipeline.models import apply_downsampling, create_model
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+BEGIN, END = "<!-- families: begin -->", "<!-- families: end -->"
+
+# (what the row is, the timm model, its create_model overrides). Overrides only shrink a model the step is expected
+# to run in, so that its forward is cheap; a refused model is built as timm publishes it, on the meta device.
+ROWS: list[tuple[str, str, dict]] = [
+    ("ViT", "vit_tiny_patch16_224", {"depth": 2}),
+    ("DeiT", "deit_tiny_patch16_224", {"depth": 2}),
+    ("DeiT, distilled", "deit_tiny_distilled_patch16_224", {"depth": 2}),
+    ("DeiT-3 (LayerScale)", "deit3_small_patch16_224", {"depth": 2}),
+    ("DINOv2 with registers", "vit_small_patch14_reg4_dinov2", {"depth": 2, "img_size": 112}),
+    ("global pool, registers, no class token", "vit_medium_patch16_reg4_gap_256", {"depth": 2, "img_size": 128}),
+    ("SigLIP (attention-pool head)", "vit_base_patch16_siglip_224", {"depth": 2, "img_size": 112}),
+    ("CLIP (pre-norm)", "vit_base_patch16_clip_224", {"depth": 2, "img_size": 112}),
+    ("FlexiViT", "flexivit_small", {"depth": 2, "img_size": 120}),
+    ("hybrid (ResNet stem)", "vit_tiny_r_s16_p8_224", {"depth": 2}),
+    ("ViTamin", "vitamin_small_224", {"depth": 2}),
+    ("post-norm blocks (`rpn`)", "vit_base_patch16_rpn_224", {"depth": 2, "img_size": 112}),
+    ("parallel blocks", "vit_small_patch16_18x2_224", {}),
+    ("parallel scaling blocks", "vit_base_patch16_xp_224", {}),
+    ("differential attention", "vit_dwee_patch16_reg1_gap_256", {}),
+    ("differential parallel blocks", "vit_dpwee_patch16_reg1_gap_256", {}),
+    ("EVA-02", "eva02_tiny_patch14_224", {}),
+    ("EVA-01", "eva_giant_patch14_224", {}),
+    ("RoPE ViT", "vit_base_patch16_rope_224", {}),
+    ("DINOv3", "vit_small_patch16_dinov3", {}),
+    ("PE (perception encoder)", "vit_pe_core_tiny_patch16_384", {}),
+    ("BEiT", "beit_base_patch16_224", {}),
+    ("BEiT v2", "beitv2_base_patch16_224", {}),
+    ("ViT relative position", "vit_relpos_small_patch16_224", {}),
+    ("ViT shared relative position", "vit_srelpos_small_patch16_224", {}),
+    ("SAM ViT", "samvit_base_patch16_224", {}),
+    ("CaiT", "cait_xxs24_224", {}),
+    ("ConViT", "convit_tiny", {}),
+    ("XCiT", "xcit_nano_12_p16_224", {}),
+    ("NaFlexViT", "naflexvit_base_patch16_gap", {}),
+    ("TNT", "tnt_s_legacy_patch16_224", {}),
+    ("CrossViT", "crossvit_tiny_240", {}),
+    ("Twins", "twins_svt_small", {}),
+    ("LeViT", "levit_128s", {}),
+    ("PiT", "pit_ti_224", {}),
+    ("MViT-v2", "mvitv2_tiny", {}),
+    ("Hiera", "hiera_tiny_224", {}),
+    ("Hiera (SAM2)", "sam2_hiera_tiny", {}),
+    ("VOLO", "volo_d1_224", {}),
+    ("Swin", "swin_tiny_patch4_window7_224", {}),
+    ("Swin-v2", "swinv2_tiny_window8_256", {}),
+    ("Swin-v2 CR", "swinv2_cr_tiny_224", {}),
+    ("NesT", "nest_tiny", {}),
+    ("PVT-v2", "pvt_v2_b0", {}),
+    ("DaViT", "davit_tiny", {}),
+    ("GC ViT", "gcvit_xxtiny", {}),
+    ("CoaT", "coat_tiny", {}),
+    ("TinyViT", "tiny_vit_5m_224", {}),
+    ("MaxViT", "maxvit_tiny_tf_224", {}),
+    ("MobileViT", "mobilevit_xxs", {}),
+    ("EfficientFormer", "efficientformer_l1", {}),
+    ("EfficientFormer-v2", "efficientformerv2_s0", {}),
+    ("DeepSeek ViT", "deepseek_vit_412m", {}),
+    ("Gemma 4 ViT", "gemma4_vit_167m", {}),
+    ("Qwen3 ViT", "qwen3_vit_88m", {}),
+]
+
+# timm's model modules that are not ViTs (convolutional, MLP and hybrid-convolutional networks): no keep list means
+# anything to them, and the step refuses each (it is not a VisionTransformer). Listed so that a family that a new timm
+# adds fails test_every_vit_family_has_a_row until it is decided.
+NOT_VIT = {
+    "byoanet", "byobnet", "convmixer", "convnext", "cpubone", "csatv2", "cspnet", "cspnext", "densenet", "dla", "dpn",
+    "edgenext", "efficientnet", "efficientvim", "efficientvit_mit", "efficientvit_msra", "fasternet", "fastvit",
+    "focalnet", "ghostnet", "hardcorenas", "hgnet", "hrnet", "iformer", "inception_next", "inception_resnet_v2",
+    "inception_v3", "inception_v4", "lcnetv2", "lowformer", "mambaout", "metaformer", "mlp_mixer", "mobilenetv3",
+    "mobilenetv5", "nasnet", "nextvit", "nfnet", "pnasnet", "rdnet", "regnet", "repghost", "repvit", "res2net",
+    "resnest", "resnet", "resnetv2", "rexnet", "selecsls", "senet", "sequencer", "shvit", "sknet", "starnet",
+    "swiftformer", "tresnet", "vgg", "visformer", "vovnet", "xception", "xception_aligned",
+}
+
+
+def family_of(name: str) -> str:
+    return _model_to_module[name]
+
+
+def decide(name: str, overrides: dict) -> tuple[str, str]:
+    """("pooled", adapter name) or ("refused", the one-line error) for ``name`` built on the meta device."""
+    with torch.device("meta"):
+        model = timm.create_model(name, **overrides)
+    try:
+        pooled = apply_downsampling(model, "powerbert")
+    except InputError as err:
+        return "refused", str(err)
+    return "pooled", pooled.blocks.adapter.name
+
+
+def table(decisions: dict[str, tuple[str, str]]) -> str:
+    """The markdown table of docs/models.md from each row's decision."""
+    lines = ["| family (timm module) | what | example | decision | why |", "|---|---|---|---|---|"]
+    for what, name, _ in ROWS:
+        verdict, detail = decisions[name]
+        if verdict == "pooled":
+            why = f"{detail} blocks (`models.families.ADAPTERS`); every method of `pipeline methods`"
+        else:
+            why = detail.split(" cannot be pooled: ", 1)[1].split(". Token Pooling needs", 1)[0]
+            why = why.removesuffix(" (docs/models.md)").replace("|", "\\|")
+        lines.append(f"| `{family_of(name)}` | {what} | `{name}` | {verdict} | {why} |")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def decisions() -> dict[str, tuple[str, str]]:
+    return {name: decide(name, overrides) for _, name, overrides in ROWS}
+
+
+# ---- every family decided, and the docs' table is what the code decides --------------------------------------
+
+def test_every_vit_family_has_a_row():
+    families = set(_model_to_module.values())
+    covered = {family_of(name) for _, name, _ in ROWS}
+    assert families - covered - NOT_VIT == set(), "a timm family no row decides"
+    assert covered & NOT_VIT == set()
+
+
+@pytest.mark.slow
+def test_the_docs_table_is_what_the_code_decides(decisions):
+    text = DOC.read_text()
+    assert BEGIN in text and END in text
+    found = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert found == table(decisions), "docs/models.md is stale: python -m tests.test_model_families writes it"
+
+
+@pytest.mark.slow
+def test_every_refusal_is_one_line_naming_the_model_and_family(decisions):
+    refused = {name: detail for name, (verdict, detail) in decisions.items() if verdict == "refused"}
+    assert len(refused) >= 40
+    for name, detail in refused.items():
+        assert "\n" not in detail
+        assert detail.startswith(f"{name} ({family_of(name)}) cannot be pooled: ")
+
+
+# ---- what is pooled is pooled correctly --------------------------------------------------------------------
+
+POOLED = [(name, overrides) for _, name, overrides in ROWS if name in {
+    "vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "deit3_small_patch16_224",
+    "vit_small_patch14_reg4_dinov2", "vit_medium_patch16_reg4_gap_256", "vit_base_patch16_siglip_224",
+    "vit_base_patch16_clip_224", "flexivit_small", "vit_tiny_r_s16_p8_224", "vitamin_small_224",
+    "vit_base_patch16_rpn_224", "deit_tiny_patch16_224"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, overrides", POOLED, ids=[name for name, _ in POOLED])
+def test_a_pooled_family_moves_its_logits_and_keeps_timms_at_k_equal_n(name, overrides, decisions):
+    assert decisions[name][0] == "pooled"
+    torch.manual_seed(0)
+    reference = timm.create_model(name, num_classes=5, **overrides).eval()
+    for module in reference.modules():  # LayerScale starts at 1e-5 (DeiT-3): blocks that barely move the logits
+        if isinstance(module, LayerScale):
+            module.gamma.data.fill_(1.0)
+    n, depth = reference.patch_embed.num_patches, len(reference.blocks)
+    x = torch.randn(2, 3, *reference.patch_embed.img_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(x)
+        same = apply_downsampling(copy.deepcopy(reference), "wkmedoids", [n] * depth)(x)
+        pooled = apply_downsampling(copy.deepcopy(reference), "wkmedoids", [n // 2, n // 4][:depth])(x)
+    # The step's attention is the project's own (attend: SDPA and the significance of eq. 4), not timm's module,
+    # so the same logits are equal to float32 rounding (assert_close's defaults), not bit for bit.
+    torch.testing.assert_close(same, expected)
+    assert (pooled - expected).abs().max() > 0.01 * expected.abs().max()
+
+
+def tiny_post_norm() -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4,
+                             block_fn=ResPostBlock, class_token=False, global_pool="avg").eval()
+
+
+def post_norm_reference(model: VisionTransformer, x: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """PoWER-BERT on a post-norm ViT written out from timm's parts: attention on the raw tokens, the post-norm of
+    its output added, the k tokens of highest eq. 4 significance kept in their order, then the MLP half."""
+    t = model._pos_embed(model.patch_embed(x))
+    for block, k in zip(model.blocks, keep):
+        attn = block.attn
+        b, n, _ = t.shape
+        q, key, v = attn.qkv(t).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        probs = (q @ key.transpose(-2, -1) * attn.scale).softmax(-1)  # (B, H, N, N)
+        out = attn.proj((probs @ v).transpose(1, 2).reshape(b, n, -1))
+        t = t + block.norm1(out)
+        if k < n:
+            scores = probs.sum(dim=(1, 2))  # eq. 4: attention each token receives, over heads and queries
+            kept = scores.topk(k, dim=1).indices.sort(dim=1).values
+            t = t.gather(1, kept[..., None].expand(-1, -1, t.shape[-1]))
+        t = t + block.norm2(block.mlp(t))
+    return model.forward_head(model.norm(t))
+
+
+def test_post_norm_pooling_against_a_reference_from_timms_parts():
+    model = tiny_post_norm()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    keep = [12, 7, 3]
+    with torch.no_grad():
+        expected = post_norm_reference(model, x, keep)
+        found = apply_downsampling(copy.deepcopy(model), "powerbert", keep)(x)
+        unpooled = model(x)
+    torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
+    assert (found - unpooled).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_post_norm_keep_all_equals_timm(method):
+    reference = tiny_post_norm()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    pooled = apply_downsampling(copy.deepcopy(reference), method, [16] * 3, carry=True)
+    with torch.no_grad():
+        torch.testing.assert_close(pooled(x), reference(x))
+
+
+# ---- the guard: a model that would skip the step is refused, and so is every call that would ------------------
+
+class LoopsItself(VisionTransformer):
+    """A planted regression: a ViT whose forward loops over its blocks (as EVA, BEiT and XCiT do)."""
+
+    def forward_features(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = self.norm_pre(self._pos_embed(self.patch_embed(x)))
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class NeverCallsBlocks(VisionTransformer):
+    def forward_features(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.norm(self._pos_embed(self.patch_embed(x)))
+
+
+def small(cls: type = VisionTransformer, **kwargs) -> VisionTransformer:
+    return cls(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=4, **kwargs).eval()
+
+
+@pytest.mark.parametrize("cls, why", [(LoopsItself, "calls its blocks one by one itself"),
+                                      (NeverCallsBlocks, "never calls model.blocks")])
+def test_a_vit_that_bypasses_its_blocks_is_refused_before_it_changes(cls, why):
+    model = small(cls)
+    blocks = model.blocks
+    refusal = f"{cls.__name__} \\(test_model_families\\) cannot be pooled: its forward {why}"
+    with pytest.raises(InputError, match=refusal):
+        apply_downsampling(model, "powerbert", [8, 4])
+    assert model.blocks is blocks and not any(b._forward_pre_hooks for b in blocks)  # nothing changed
+
+
+def test_the_probe_keeps_the_mode_and_the_random_state():
+    model = small().train()
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    apply_downsampling(model, "random", [8, 4])
+    assert model.training and torch.equal(torch.rand(3), expected)
+
+
+def test_once_pooled_a_block_called_by_itself_raises():
+    model = apply_downsampling(small(), "powerbert", [8, 4])
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(InputError, match="called by itself"):
+        model.forward_intermediates(x)
+    with pytest.raises(InputError, match="called by itself"):
+        model.forward_features(x, attn_mask=torch.zeros(17, 17, dtype=torch.bool))
+    model.set_grad_checkpointing(True)
+    with pytest.raises(InputError, match="called by itself"):
+        model.train()(x)
+    assert small().forward_intermediates(x) is not None  # an unpooled model's are timm's own
+
+
+def test_another_image_size_is_refused_not_pooled_by_the_wrong_list():
+    model = apply_downsampling(small(dynamic_img_size=True), "powerbert", [16, 8])
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 4)
+    for size in (24, 48):  # 9 and 36 tokens arrive where the keep list was made for 16
+        with pytest.raises(InputError, match=f"made for 16 tokens an image, but {(size // 8) ** 2} arrive"):
+            model(torch.randn(1, 3, size, size))
+
+
+def test_create_model_refuses_an_unsupported_family_even_unmodified():
+    with pytest.raises(InputError, match=r"^test_vit_relpos \(vision_transformer_relpos\) cannot be pooled: .*"
+                                         r"relative position bias"):
+        create_model("test_vit_relpos")
+
+
+if __name__ == "__main__":  # writes docs/models.md's table
+    found = {name: decide(name, overrides) for _, name, overrides in ROWS}
+    text = DOC.read_text()
+    head, rest = text.split(BEGIN, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{table(found)}\n{END}{rest.split(END, 1)[1]}")
+    sys.exit(0)
