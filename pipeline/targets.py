@@ -61,11 +61,13 @@ def method_options(pooling: PoolingConfig | None, method: str) -> dict[str, Any]
 
 def option_differences(costs: CostModel, method: str, pooling: PoolingConfig | None) -> list[str]:
     """``key=TABLE's != FINETUNE's`` for each option of ``method`` whose value differs between what the cost table was
-    measured with (its key's resolved options) and what the finetune runs (the config's, resolved); empty for a table
-    of another method, or one that times the finetune's options. ``iters`` and ``significance`` change latency even
-    where they do not change GFLOPs, so a table prices only the options it timed."""
+    measured with (its key's resolved options) and what the finetune runs (the config's, resolved); for a table of
+    another method, ``method=TABLE's != FINETUNE's`` alone (it times none of ``method``'s options: WK-Medoids at any
+    ``iters`` is not PoWER-BERT's pooling step); empty for a table that times the finetune's method and options.
+    ``iters`` and ``significance`` change latency even where they do not change GFLOPs, so a table prices only the
+    method and options it timed."""
     if costs.key["method"] != method:
-        return []
+        return [f"method={costs.key['method']!r} != {method!r}"]
     timed, run = costs.key["options"], method_spec(method).resolve(method, method_options(pooling, method) or {})
     return [f"{key}={timed.get(key)!r} != {run.get(key)!r}" for key in sorted({*timed, *run})
             if timed.get(key) != run.get(key)]
@@ -306,8 +308,9 @@ def target_cost(target: CostTarget, model: nn.Module, method: str, keep: list[in
     costs = target_cost_model(target, model, pooling)
     limit = target_fraction(target, costs) * costs.unmodified()
     table_method, differences = costs.key["method"], option_differences(costs, method, pooling)
-    if table_method != method or differences:
-        timed = f"{table_method}, not {method}" if not differences else f"other options: {'; '.join(differences)}"
+    if differences:
+        timed = (f"{table_method}, not {method}" if table_method != method else
+                 f"other options: {'; '.join(differences)}")
         return TargetCost(target.label, costs.unit, limit, costs.predict(keep), None, f"predicted (the table times "
                           f"{timed})")
     value, status = (None, "predicted (not measured)") if measure is None else measure(costs, keep)

@@ -836,7 +836,27 @@ def test_run_plan_refuses_a_latency_target_priced_on_a_table_of_other_options(tm
     pooling = load_config(ROOT / "configs" / "experiments" / "demo.yaml", [setting]).pooling
     costs = load_cost_model(ROOT / table)
     assert option_differences(costs, "wkmedoids", pooling) == [differs]
-    assert option_differences(costs, "wkmedoids", None) == [] and option_differences(costs, "powerbert", pooling) == []
+    assert option_differences(costs, "wkmedoids", None) == []
+    assert option_differences(costs, "powerbert", pooling) == ["method='wkmedoids' != 'powerbert'"]
+
+
+@pytest.mark.parametrize("setting", ["pooling.options.wkmedoids.iters=10", "pooling.options.wkmedoids.iters=5"])
+def test_run_plan_refuses_a_latency_target_whose_finetunes_run_another_method_than_its_table(tmp_path, capsys,
+                                                                                               setting):
+    """A PoWER-BERT table times none of WK-Medoids' pooling step, at ``iters=10`` or at its default: a target whose
+    finetunes run WK-Medoids on it is refused as one on a WK-Medoids table of other options is, naming both methods."""
+    from pipeline.cli import main
+
+    table = _latency_table(tmp_path / "powerbert.json", POWERBERT_KEY)
+    target = (f"experiment.ksearch_targets=[{{cost: latency, fraction: 0.8, table: {table}, methods: [wkmedoids], "
+              "archs: [M32]}]")
+    assert main(["run", "configs/experiments/demo.yaml", "--plan", "--set", setting, "--set", target,
+                 "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: experiment.ksearch_targets lat0.8 (M32): the cost table {table} timed powerbert, not "
+                    "wkmedoids, which the target's finetunes run (table's != config's: method='powerbert' != "
+                    "'wkmedoids'); give the target methods: [powerbert], or measure a table of wkmedoids (`pipeline "
+                    "bench blocks`) for a target of its own"), line
 
 
 @pytest.mark.slow

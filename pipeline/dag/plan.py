@@ -219,6 +219,13 @@ def check_targets(config: Config) -> None:
             costs = target_cost_model(target, model, stage.config.pooling)
             for method in target_methods(config.experiment, target.label) if target.cost == "latency" else []:
                 differences = option_differences(costs, method, config.pooling)
+                timed = costs.key["method"]
+                if differences and timed != method:
+                    raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): the cost table "
+                                     f"{target.table} timed {timed}, not {method}, which the target's finetunes run "
+                                     f"(table's != config's: {'; '.join(differences)}); give the target methods: "
+                                     f"[{timed}], or measure a table of {method} (`pipeline bench blocks`) for a "
+                                     "target of its own")
                 if differences:
                     raise InputError(f"experiment.ksearch_targets {target.label} ({arch.label}): the cost table "
                                      f"{target.table} timed {method} with other options than its finetunes run "
