@@ -272,6 +272,14 @@ def test_a_sample_that_is_not_a_finite_number_of_seconds_is_refused(samples):
                    r"blocks, allow at least as many"),
     ({"max_blocks": 7}, r"at most 7 blocks"),
     ({"warmup": -1}, r"-1 warm-up calls"),
+    ({"pilot": 8.5}, r"^a speed setting's pilot of 8.5: give a whole number of blocks$"),
+    ({"warmup": 1.5}, r"^a speed setting's warmup of 1.5: give a whole number of calls$"),
+    ({"max_blocks": math.nan}, r"^a speed setting's max_blocks of nan: give a whole number of blocks$"),
+    ({"pilot": True}, r"^a speed setting's pilot of True: "),
+    ({"pilot": 100, "max_blocks": 8}, r"^a pilot of 100 blocks, at most 8 blocks .* allow at least as many blocks as "
+                                      r"the pilot"),
+    ({"tolerance": True}, r"^a speed tolerance of True: "),
+    ({"cap_s": "60"}, r"^experiment.eval.speed_cap_s='60': "),
 ])
 def test_speed_settings_that_cannot_measure_are_refused_in_one_line(settings, message):
     with pytest.raises(InputError, match=message):

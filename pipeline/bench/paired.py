@@ -51,11 +51,17 @@ class TimerError(InputError):
     """A timed sample that is not a positive number of seconds: the timer cannot time that call."""
 
 
+def _real(value: object) -> bool:
+    """Whether ``value`` is a number a setting can hold (an int or a float; not a bool, not text)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SpeedSettings:
     """How a paired ratio is measured: the relative half-width it aims at, the time it may take, the warm-up.
     Refused in one line (InputError) where a value could not measure: a tolerance outside (0, 1), a cap that is not
-    a positive number of seconds, a pilot under ``MIN_BLOCKS``, fewer than ``FEWEST_BLOCKS`` blocks at most."""
+    a positive number of seconds, a count of blocks or calls that is not a whole number, a pilot under
+    ``MIN_BLOCKS`` or over the most blocks allowed."""
 
     tolerance: float = 0.02  # the interval's relative half-width aimed at (of the median)
     cap_s: float = 20.0  # the most wall-clock seconds the pilot and the blocks may take (to within one block)
@@ -65,15 +71,20 @@ class SpeedSettings:
     max_blocks: int = 2000
 
     def __post_init__(self) -> None:
-        if not 0 < self.tolerance < 1:
+        counts = {"pilot": self.pilot, "warmup": self.warmup, "max_blocks": self.max_blocks}
+        for name, value in counts.items():  # a float here measured 8.5 blocks, or failed in range() mid-measurement
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InputError(f"a speed setting's {name} of {value!r}: give a whole number of "
+                                 f"{'calls' if name == 'warmup' else 'blocks'}")
+        if not (_real(self.tolerance) and 0 < self.tolerance < 1):
             raise InputError(f"a speed tolerance of {self.tolerance!r}: give the interval's relative half-width aimed "
                              "at, between 0 and 1 (0.02 is 2% of the ratio)")
-        if not (math.isfinite(self.cap_s) and self.cap_s > 0):
+        if not (_real(self.cap_s) and math.isfinite(self.cap_s) and self.cap_s > 0):
             raise InputError(f"{self.cap_key}={self.cap_s!r}: give the most seconds a measurement may take, above 0")
-        if self.pilot < MIN_BLOCKS or self.max_blocks < MIN_BLOCKS or self.warmup < 0:
+        if self.pilot < MIN_BLOCKS or self.max_blocks < self.pilot or self.warmup < 0:
             raise InputError(f"a pilot of {self.pilot} blocks, at most {self.max_blocks} blocks and {self.warmup} "
-                             f"warm-up calls: give a pilot of at least {MIN_BLOCKS} blocks, allow at least as many, "
-                             "and 0 or more warm-up calls")
+                             f"warm-up calls: give a pilot of at least {MIN_BLOCKS} blocks, allow at least as many "
+                             "blocks as the pilot, and 0 or more warm-up calls")
 
 
 @dataclass(frozen=True)
