@@ -659,3 +659,17 @@ def test_a_spec_that_disagrees_with_its_operator_is_one_line_from_methods_and_ru
     finally:
         del METHODS["brokenk"]
     assert main(["methods"]) == 0  # the built-in methods' specs and operators agree at every option's two values
+
+
+def test_the_operator_probe_leaves_the_callers_random_state_as_it_was():
+    """`run --plan` and the `run` driver probe each method on a seeded tiny model: the caller's global generator goes
+    on as if no probe had drawn from it (the probe used to reseed it to 0)."""
+    from pipeline.models.probe import probe_method
+
+    torch.manual_seed(123)
+    torch.rand(2)
+    expected = torch.rand(4)  # what the generator gives next, without a probe
+    torch.manual_seed(123)
+    torch.rand(2)
+    probe_method("powerbert")
+    assert torch.equal(torch.rand(4), expected)
