@@ -218,10 +218,11 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
 
 
 def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none", keep: str | None = None,
-                level: int | None = None, options: dict[str, Any] | None = None) -> FlopReport:
-    """``pipeline flops``: the count of timm model ``name`` (or a DeiT of width ``embed_dim``) downsampled by
-    ``method`` with ``options`` at ``keep`` (``"K_1,...,K_L"``) or the paper's sparsity ``level``; InputError for
-    arguments that do not fit together."""
+                level: int | None = None, options: dict[str, Any] | None = None,
+                img_size: int | None = None) -> FlopReport:
+    """``pipeline flops``: the count of timm model ``name`` (or a DeiT of width ``embed_dim``), built for images of
+    ``img_size`` (its default where None), downsampled by ``method`` with ``options`` at ``keep``
+    (``"K_1,...,K_L"``) or the paper's sparsity ``level``; InputError for arguments that do not fit together."""
     from pipeline.models import create_model, parse_keep
 
     if level is not None and keep is not None:
@@ -235,4 +236,7 @@ def model_flops(name: str, *, embed_dim: int | None = None, method: str = "none"
         raise InputError("--keep without --method keeps every token (method none); give --method too")
     keeps = level_keep(name, level) if level is not None else None if keep is None else parse_keep(keep)
     options = method_spec(method).resolve(method, options or {})
-    return count_flops(create_model(name, embed_dim=embed_dim, method=method, keep=keeps, options=options))
+    if img_size is not None and img_size < 1:
+        raise InputError(f"--img-size {img_size}: an image is at least 1 pixel a side (DeiT-S takes 224)")
+    return count_flops(create_model(name, embed_dim=embed_dim, img_size=img_size, method=method, keep=keeps,
+                                    options=options))

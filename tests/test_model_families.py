@@ -190,10 +190,11 @@ def test_a_pooled_family_moves_its_logits_and_keeps_timms_at_k_equal_n(name, ove
     assert (pooled - expected).abs().max() > 0.01 * expected.abs().max()
 
 
-def tiny_post_norm() -> VisionTransformer:
+def tiny_post_norm(**kwargs) -> VisionTransformer:
     torch.manual_seed(0)
+    args = dict(class_token=False, global_pool="avg") | kwargs  # as timm's vit_*_rpn
     return VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4,
-                             block_fn=ResPostBlock, class_token=False, global_pool="avg").eval()
+                             block_fn=ResPostBlock, **args).eval()
 
 
 def post_norm_reference(model: VisionTransformer, x: torch.Tensor, keep: list[int]) -> torch.Tensor:
@@ -310,3 +311,47 @@ if __name__ == "__main__":  # writes docs/models.md's table
     head, rest = text.split(BEGIN, 1)
     DOC.write_text(f"{head}{BEGIN}\n{table(found)}\n{END}{rest.split(END, 1)[1]}")
     sys.exit(0)
+
+
+def test_post_norm_gflops_drop_with_pooling_as_the_closed_form_counts():
+    from pipeline.flops import count_flops, gflops_cost_model
+
+    # With a class token and its final norm over every token (as the closed form counts the last norm; a global-pool
+    # head's fc_norm over one pooled token is not, so the closed form of a gap model is 5 (K_L + P - 1) M above).
+    keep = [12, 7, 3]
+    pooled = apply_downsampling(tiny_post_norm(class_token=True, global_pool="token"), "wkmedoids", keep)
+    unpooled = count_flops(tiny_post_norm(class_token=True, global_pool="token")).total
+    counted = count_flops(pooled).total
+    assert counted < 0.8 * unpooled
+    assert gflops_cost_model(pooled, "wkmedoids").predict(keep) == pytest.approx(counted, rel=1e-12)
+    assert gflops_cost_model(pooled, "wkmedoids").unmodified() == pytest.approx(unpooled, rel=1e-12)
+
+
+# ---- every entry point refuses an unsupported family in one line, writing nothing ----------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_line_refusal(capsys, *args: str) -> str:
+    from pipeline.cli import main
+
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    return err
+
+
+def test_run_plan_refuses_an_experiment_of_an_unsupported_family(capsys):
+    err = _one_line_refusal(capsys, "run", str(ROOT / "configs" / "experiments" / "demo.yaml"), "--plan",
+                            "--set", "model.name=test_vit_relpos")
+    assert err.startswith("error: model of M32: test_vit_relpos (vision_transformer_relpos) cannot be pooled: ")
+
+
+def test_flops_and_evaluate_refuse_an_unsupported_family_and_write_nothing(capsys, tmp_path):
+    err = _one_line_refusal(capsys, "flops", "--model", "xcit_nano_12_p16_224")
+    assert err.startswith("error: xcit_nano_12_p16_224 (xcit) cannot be pooled: ")
+    out = tmp_path / "out"
+    err = _one_line_refusal(capsys, "evaluate", "--model", "test_vit_relpos", "--out", str(out),
+                            "--data", str(tmp_path / "val.beton"), "--method", "powerbert", "--keep", "4,4")
+    assert err.startswith("error: test_vit_relpos (vision_transformer_relpos) cannot be pooled: ")
+    assert not out.exists()

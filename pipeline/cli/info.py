@@ -83,7 +83,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     from pipeline.flops import format_report, model_flops
 
     report = model_flops(args.model, embed_dim=args.embed_dim, method=args.method, keep=args.keep, level=args.level,
-                         options=dict(parse_option(item) for item in args.option))
+                         options=dict(parse_option(item) for item in args.option), img_size=args.img_size)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0
 
@@ -103,6 +103,8 @@ def add_commands(commands) -> None:
     flops = commands.add_parser("flops", help="GFLOPs of a (downsampling) model, with a breakdown (fvcore)")
     flops.add_argument("--model", default="deit_small_patch16_224", help="timm model name")
     flops.add_argument("--embed-dim", type=int, default=None, help="a DeiT of this width instead of --model's")
+    flops.add_argument("--img-size", type=int, default=None,
+                       help="images of this size a side (default: the model's); the keep list counts its tokens")
     flops.add_argument("--method", default="none", help="downsampling method (python -m pipeline methods)")
     flops.add_argument("--keep", default=None, help="K_1..K_L, comma-separated (default: keep all)")
     flops.add_argument("--level", type=int, default=None, help="the paper's sparsity level (configs/sparsity/)")

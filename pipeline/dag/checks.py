@@ -37,6 +37,7 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     last (it may connect to one); returns the training stages it made (a finetune a method, with its level's keep
     list left open)."""
     check_data_plan(config)
+    check_model_families(config)
     stages = training_stages(config)
     check_given_bases(config)
     check_latency_with_qk_norm(config)
@@ -46,6 +47,21 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     warn_learning_rates(config)
     check_cluster(config, stages, address)
     return stages
+
+
+def check_model_families(config: Config) -> None:
+    """Every arch's model is one the downsampling step runs in (``models.families``: its family, its blocks, and a
+    forward that calls ``model.blocks``), built on the meta device; refused in one line naming the arch."""
+    import torch
+
+    from pipeline.train.build import build_model
+
+    for arch in archs(config):
+        try:
+            with torch.device("meta"):  # the classes and a forward of shapes only
+                build_model(base_stage(config, arch).config)
+        except InputError as err:
+            raise ConfigError(f"model of {arch.label}: {err}") from None
 
 
 def check_given_bases(config: Config) -> None:
