@@ -281,15 +281,11 @@ def test_the_library_is_built_once_and_then_loaded_from_the_cache(fresh, monkeyp
     assert native.library() is not None
 
 
-def test_a_changed_source_or_flags_build_another_library(fresh, monkeypatch, tmp_path_factory):
+def test_changed_flags_build_another_library(fresh, monkeypatch):
+    """Other flags, another library in the same folder (a changed source: the comment-edit test below)."""
     first = native.library_path()
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-O2"))
-    assert native.library_path() != first
-    monkeypatch.undo()
-    source = tmp_path_factory.mktemp("source") / "clustering_cpu.c"
-    source.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(native, "SOURCE", source)
-    assert native.library_path() != first
+    assert native.library_path() != first and native.library_path().parent == first.parent == fresh
 
 
 @pytest.mark.parametrize("method", ["kmedoids", "kmeans"])
@@ -433,3 +429,309 @@ def test_a_compiler_that_cannot_build_the_clones_builds_the_baseline(fresh, monk
     native.library.cache_clear()
     monkeypatch.setenv("CC", "no-such-compiler-here")
     assert native.library() is not None and native.instruction_set() == "x86-64"
+
+
+# --- arguments refused before any C runs (issue 84)
+
+def _no_c(monkeypatch):
+    """Fails the test where a kernel is called: a refused argument must not reach the C."""
+    def called(lib, name, *args):
+        raise AssertionError(f"the C kernel {name} ran on arguments that should have been refused")
+    monkeypatch.setattr(native, "_call", called)
+
+
+def _bad_calls(lib):
+    """(what is wrong, the call, the error and message it must raise) for each kind of argument the kernels would
+    read past, index with, or misread: broadcast shapes, a batch of 1 for 16, K = 0, margins out of [0, 1),
+    repeated medoids, other dtypes."""
+    b, n, m, k = 4, 20, 6, 5
+    x, w, start = _case(b, n, m, k, "random", seed=21)
+    assign = torch.randint(0, k, (b, n), generator=torch.Generator().manual_seed(22))
+    x16, w16, start16 = _case(16, n, m, k, "random", seed=23)
+    g = _gram(x)
+    shape = r"must be of shape"
+    dup = start.clone()
+    dup[2, 1] = dup[2, 0]
+    return [
+        ("K-Medoids weights (1, N)", lambda: native.kmedoids(lib, x, w[:1], start, 3, SWAP_RTOL), ValueError, shape),
+        ("K-Medoids medoids of batch 1", lambda: native.kmedoids(lib, x16, w16, start16[:1], 3, SWAP_RTOL),
+         ValueError, shape),
+        ("K-Medoids given of batch 1", lambda: native.kmedoids(lib, x16, w16, start16, 3, SWAP_RTOL,
+                                                               given=start16[:1]), ValueError, shape),
+        ("K-Medoids K = 0", lambda: native.kmedoids(lib, x, w, start[:, :0], 3, SWAP_RTOL), ValueError,
+         r"K >= 1 medoids, got 0"),
+        ("K-Medoids rtol > 1", lambda: native.kmedoids(lib, x, w, start, 3, 1.5), ValueError,
+         r"rtol must lie in \[0, 1\), got 1.5"),
+        ("K-Medoids rtol = 1", lambda: native.kmedoids(lib, x, w, start, 3, 1.0), ValueError, r"rtol must lie"),
+        ("K-Medoids rtol < 0", lambda: native.kmedoids(lib, x, w, start, 3, -0.1), ValueError, r"rtol must lie"),
+        ("K-Medoids rtol NaN", lambda: native.kmedoids(lib, x, w, start, 3, float("nan")), ValueError,
+         r"rtol must lie"),
+        ("K-Medoids repeated medoids", lambda: native.kmedoids(lib, x, w, dup, 3, SWAP_RTOL), ValueError,
+         r"medoids must be distinct in each image; image 2 holds one twice"),
+        ("K-Medoids float medoids", lambda: native.kmedoids(lib, x, w, start.float(), 3, SWAP_RTOL), TypeError,
+         r"medoids must be a CPU tensor of an integer dtype"),
+        ("K-Medoids integer weights", lambda: native.kmedoids(lib, x, w.long(), start, 3, SWAP_RTOL), TypeError,
+         r"w must be a CPU tensor of a floating dtype"),
+        ("K-Medoids float16 tokens", lambda: native.kmedoids(lib, x.half(), w, start, 3, SWAP_RTOL), TypeError,
+         r"x must be a \(B, N, M\) float32 or float64 CPU tensor"),
+        ("K-Medoids 2-D tokens", lambda: native.kmedoids(lib, x[0], w, start, 3, SWAP_RTOL), TypeError,
+         r"x must be a \(B, N, M\)"),
+        ("K-Means starts (1, K)", lambda: native.kmeans_gram(lib, g, w, start[:1], 3), ValueError, shape),
+        ("K-Means weights (1, N)", lambda: native.kmeans_gram(lib, g, w[:1], start, 3), ValueError, shape),
+        ("K-Means Gram (B, N, N - 5)", lambda: native.kmeans_gram(lib, g[:, :, :-5], w, start, 3), ValueError,
+         shape),
+        ("K-Means starts of batch 1", lambda: native.kmeans_gram(lib, _gram(x16), w16, start16[:1], 3),
+         ValueError, shape),
+        ("K-Means K = 0", lambda: native.kmeans_gram(lib, g, w, start[:, :0], 3), ValueError,
+         r"K >= 1 starting tokens, got 0"),
+        ("means weights (B, N - 10)", lambda: native.cluster_means(lib, x, w[:, :-10], assign, k, start),
+         ValueError, shape),
+        ("means assignment expanded to the batch",
+         lambda: native.cluster_means(lib, x16, w16, assign[:1].expand(16, n), k, start16), None, None),
+        ("means assignment (1, N)", lambda: native.cluster_means(lib, x16, w16, assign[:1], k, start16),
+         ValueError, shape),
+        ("means starts (B, K - 1)", lambda: native.cluster_means(lib, x, w, assign, k, start[:, 1:]), ValueError,
+         shape),
+        ("means k = 0", lambda: native.cluster_means(lib, x, w, assign[:, :0].reshape(b, 0), 0, None), ValueError,
+         r"k >= 1 clusters, got 0"),
+        ("means float assignment", lambda: native.cluster_means(lib, x, w, assign.float(), k, start), TypeError,
+         r"assign must be a CPU tensor of an integer dtype"),
+    ]
+
+
+BAD = [case[0] for case in _bad_calls(None)]
+
+
+@pytest.mark.parametrize("what", BAD)
+def test_a_bad_argument_is_refused_before_any_c_runs(lib, monkeypatch, what):
+    """Each bad shape, size, margin, repeat or dtype raises its own error naming the argument, and the C is never
+    called (``_call`` fails the test if it is); an expanded (B, N) view, a good shape, is taken."""
+    _, call, error, message = next(case for case in _bad_calls(lib) if case[0] == what)
+    if error is None:
+        assert call().shape == (16, 5, 6)
+        return
+    _no_c(monkeypatch)
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_the_c_refuses_sizes_and_margins_out_of_range_itself(lib):
+    """Behind the wrappers, each kernel returns -2 (and reads nothing at a medoid) for K = 0, K > N, N = 0 or a keep
+    factor outside (0, 1] (an rtol outside [0, 1)); every buffer given is large enough, so that the calls are safe
+    either way."""
+    n, m, k = 6, 3, 2
+    x = torch.randn(1, n, m)
+    cols = torch.zeros(1, n, n)
+    ids = torch.arange(n).view(1, n)
+    out_i, out_f = torch.zeros(1, 4 * n, dtype=torch.int64), torch.zeros(1, 4 * n * m)
+    p = lambda t: t.data_ptr()  # noqa: E731
+
+    def kmedoids(kk, nn, keep):
+        return lib.kmedoids_f32(p(x), p(cols), p(ids), None, p(ids), p(out_i), p(out_i), 1, nn, m, kk, kk, 3, keep, 1)
+
+    assert kmedoids(k, n, 1 - SWAP_RTOL) == 0
+    for kk, nn, keep in [(0, n, 1.0), (n + 1, n, 1.0), (k, 0, 1.0), (k, n, -0.5), (k, n, 0.0), (k, n, 1.5),
+                         (k, n, float("nan"))]:
+        assert kmedoids(kk, nn, keep) == -2, (kk, nn, keep)
+    gram = torch.zeros(1, n, n)
+    assert lib.kmeans_gram_f32(p(gram), None, p(ids), p(out_i), 1, n, k, 3, 1) == 0
+    assert lib.kmeans_gram_f32(p(gram), None, p(ids), p(out_i), 1, n, 0, 3, 1) == -2
+    assert lib.cluster_means_f32(p(x), None, p(torch.zeros(1, n, dtype=torch.int64)), None, p(out_f), 1, n, m, 0,
+                                 1) == -2
+    with pytest.raises(ValueError, match="the clustering CPU kernel kmeans_gram refused its sizes or margin"):
+        native._call(lib, "kmeans_gram", gram, None, ids, out_i, 1, n, 0, 3)
+
+
+@pytest.mark.parametrize("method", ["kmedoids", "kmeans"])
+def test_tokens_of_width_zero_pool_as_the_brute_force_does(lib, method):
+    """M = 0: every distance is 0, so every token ties and joins the first cluster but the medoids (K-Medoids) and
+    the means are empty rows; the native kernels run it (before, K-Medoids' reshape of 0 elements raised)."""
+    b, n, k = 2, 10, 3
+    x = torch.randn(b, n, 0)
+    w = torch.rand(b, n, generator=torch.Generator().manual_seed(3)) + 0.1
+    assert native.for_tensor(x) is not None
+    got = token_pool(x, k, method=method, weights=w, validate=False)
+    start = w.topk(k, dim=-1).indices
+    for s in range(b):
+        if method == "kmedoids":
+            want = ref.kmedoids(x[s].double().numpy(), w[s].double().numpy(), start[s].tolist(), 5)[1]
+        else:
+            want = ref.kmeans(x[s].double().numpy(), w[s].double().numpy(), start[s].tolist(), 5)
+        assert got.assign[s].tolist() == want
+    assert got.tokens.shape == (b, k, 0)
+
+
+# --- the cache that heals (issue 84)
+
+@pytest.mark.skipif(not ON_X86, reason="the x86-64 clones exist on x86-64 alone")
+def test_a_process_with_a_compiler_builds_the_clones_beside_a_cached_baseline(fresh, monkeypatch):
+    monkeypatch.setenv("PIPELINE_NATIVE_CLONES", "0")
+    assert native.library() is not None and native.instruction_set() == "x86-64"
+    monkeypatch.delenv("PIPELINE_NATIVE_CLONES")
+    native.library.cache_clear()
+    lib = native.library()
+    assert lib is not None and Path(lib._name) == native.library_path(True) and native.library_path(True).exists()
+    assert lib.clustering_built().decode() == "x86-64-v4,x86-64-v3,x86-64"
+    assert native.instruction_set() == cpu_level()
+
+
+def test_the_library_is_written_0644_whatever_the_umask(fresh):
+    import os
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        assert native.library() is not None
+    finally:
+        os.umask(old)
+    (built,) = fresh.iterdir()
+    assert stat.S_IMODE(built.stat().st_mode) == 0o644
+
+
+def _damaged(good: bytes, how: str) -> bytes:
+    if how == "truncated":
+        return good[:len(good) // 2]
+    if how == "empty":
+        return b""
+    if how == "another machine's ELF":  # e_machine 183: AArch64 (62 on an AArch64 host)
+        other = (62 if good[18:20] == (183).to_bytes(2, "little") else 183).to_bytes(2, "little")
+        return good[:18] + other + good[20:]
+    if how == "not a shared object":  # e_type 2: an executable
+        return good[:16] + (2).to_bytes(2, "little") + good[18:]
+    if how == "bad bytes":  # the string the loader decodes (a UnicodeDecodeError escaped, before)
+        at = good.index(native.built_for().encode())
+        return good[:at] + b"\xff" * 9 + good[at + 9:]
+    raise AssertionError(how)
+
+
+DAMAGE = {  # how -> what damage() says of it
+    "truncated": "no digest at its end (truncated, or not written by this build)",
+    "empty": "not an ELF file",
+    "another machine's ELF": "an ELF file for another machine",
+    "not a shared object": "an ELF file that is not a shared object",
+    "bad bytes": "its bytes differ from the digest written with them",
+}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_library_is_found_before_dlopen_and_rebuilt_once_with_one_warning(lib, fresh, monkeypatch, caplog,
+                                                                                     how):
+    """The library put in the cache (its name, another folder than any loaded: a path loaded before would be the
+    loaded library) damaged each way: ``damage`` names what is wrong without loading it, and ``library()`` warns
+    once, builds it again in place, and loads kernels that give the brute force's result."""
+    target = native.library_path()
+    target.write_bytes(_damaged(Path(lib._name).read_bytes(), how))
+    assert native.damage(target) == DAMAGE[how]
+    builds = []
+    real = native.build
+    monkeypatch.setattr(native, "build", lambda *args: builds.append(args) or real(*args))
+    with caplog.at_level(logging.WARNING, logger="pipeline.pooling.native"):
+        healed = native.library()
+    assert healed is not None and len(builds) == 1 and native.damage(target) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the clustering CPU kernels at {target} are damaged ({DAMAGE[how]}): building them again"]
+    x, w, start = _case(1, 20, 4, 5, "random", seed=41)
+    med, assign = native.kmedoids(healed, x, w, start, 3, SWAP_RTOL)
+    assert (med[0].tolist(), assign[0].tolist()) == ref.kmedoids(x[0].double().numpy(), w[0].double().numpy(),
+                                                                  start[0].tolist(), 3)
+
+
+def test_a_damaged_library_without_a_compiler_is_never_loaded(lib, fresh, monkeypatch, caplog):
+    target = native.library_path()
+    target.write_bytes(_damaged(Path(lib._name).read_bytes(), "truncated"))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with caplog.at_level(logging.WARNING, logger="pipeline.pooling.native"):
+        assert native.library() is None
+    assert len(caplog.records) == 1 and "are damaged (no digest at its end" in caplog.text
+    assert "no C compiler is at hand to rebuild them" in caplog.text
+
+
+def test_a_comment_edit_keeps_the_librarys_name_and_a_code_edit_or_another_compiler_changes_it(
+        fresh, monkeypatch, tmp_path_factory):
+    """The name hashes the source without its comments (a comment edit keeps every latency table keyed by it), the
+    flags, and the compiler's version and arguments (a Clang build is not cached under GCC's name)."""
+    first = native.library_path()
+    folder = tmp_path_factory.mktemp("source")
+    text = native.SOURCE.read_text()
+    edits = {
+        "comment at the end": text + "\n/* edited */\n// and a line comment\n",
+        "comment text": text.replace("the levels this library holds a clone for", "the levels held", 1),
+        "comment in a macro": text.replace("    /* the swap rule of every cluster, from the costs of its members */",
+                                           "    /* the swap rule */ /* of every cluster */", 1),
+        "a comment's lines": text.replace("/* the levels this library holds a clone for, highest first */",
+                                          "/* the levels this library\n   holds a clone for */\n\n", 1),
+    }
+    for what, edited in {**edits, "code": text.replace("#define LANES 16", "#define LANES 8", 1)}.items():
+        assert edited != text, what
+        source = folder / f"{len(what)}.c"
+        source.write_text(edited)
+        monkeypatch.setattr(native, "SOURCE", source)
+        assert (native.library_path() == first) == (what != "code"), what
+    monkeypatch.setattr(native, "SOURCE", Path(native.__file__).with_name("clustering_cpu.c"))
+    fake = folder / "othercc"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "clang version 19.1.7"; exit 0; }\nexec cc "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    other = native.library_path()
+    assert other != first and other.name.rsplit("-", 1)[0] == first.name.rsplit("-", 1)[0]
+    monkeypatch.setenv("CC", "cc -O3")  # an argument in CC changes what is built
+    assert native.library_path() not in (first, other)
+
+
+def test_a_cc_with_arguments_is_found_and_builds(fresh, monkeypatch, caplog):
+    import shutil
+
+    monkeypatch.setenv("CC", "cc -m64" if ON_X86 else "cc -O3")
+    assert native.compiler() == [shutil.which("cc"), "-m64" if ON_X86 else "-O3"]
+    with caplog.at_level(logging.WARNING, logger="pipeline.pooling.native"):
+        assert native.library() is not None
+    assert caplog.text == ""
+
+
+@pytest.mark.skipif(not ON_X86, reason="the x86-64 clones exist on x86-64 alone")
+@pytest.mark.parametrize("clang,refused", [(14, True), (17, True), (18, False), (19, False)])
+def test_the_clones_gate_admits_clang_18_and_later(clang, refused, tmp_path):
+    """Clang before 18 refuses the level names in ``__builtin_cpu_supports("x86-64-v4")`` (checked with clang 14, 16
+    and 19), so the source's #error must stop it (and native.py build the baseline) rather than let the build fail on
+    it: the preprocessor run as Clang of each version would run it."""
+    proc = subprocess.run(["cc", "-E", "-D__clang__=1", f"-D__clang_major__={clang}", str(native.SOURCE), "-o",
+                           str(tmp_path / "out.i")], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode != 0) == refused, proc.stderr
+    assert not refused or "a clone per x86-64 level needs GCC 12 or Clang 18" in proc.stderr
+
+
+def _clangs() -> list[str]:
+    import shutil
+
+    return sorted({path for name in ["clang", *(f"clang-{v}" for v in range(11, 30))]
+                   if (path := shutil.which(name))})
+
+
+@pytest.mark.skipif(not ON_X86 or not _clangs(), reason="needs a Clang on x86-64")
+def test_a_real_clang_builds_the_clones_or_stops_at_the_gate(tmp_path):
+    for clang in _clangs():
+        major = int(subprocess.run([clang, "-dumpversion"], capture_output=True, text=True).stdout.split(".")[0])
+        proc = subprocess.run([clang, "-fsyntax-only", "-std=c11", str(native.SOURCE)], capture_output=True,
+                              text=True, timeout=120)
+        if major >= 18:
+            assert proc.returncode == 0, (clang, proc.stderr)
+        else:
+            assert "a clone per x86-64 level needs GCC 12 or Clang 18" in proc.stderr, (clang, proc.stderr)
+        base = subprocess.run([clang, "-fsyntax-only", "-std=c11", native.NO_CLONES, str(native.SOURCE)],
+                              capture_output=True, text=True, timeout=120)
+        assert base.returncode == 0, (clang, base.stderr)
+
+
+def test_the_self_checks_tolerances_are_the_ones_design_md_states():
+    """docs/design.md states the assignment tolerances the self-check applies on the CPU: none for K-Means (its
+    native kernel rounds as torch does), 1 token in 100 for K-Medoids (its kernel sums some distances its own way)."""
+    from pipeline.models import selfcheck
+
+    cpu = torch.device("cpu")
+    choice = KernelChoice()
+    checks = selfcheck._clustering_shape(choice, cpu, False, selfcheck.kernels_planned(choice, cpu),
+                                         selfcheck.TOLERANCE["native"], 20, 5, 8)
+    tolerance = {check.kernel: check.tolerance for check in checks}
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text().split())
+    assert tolerance["kmeans"] == 0 and "K-Means' none on the CPU" in doc
+    assert tolerance["kmedoids"] == 0.01 and "K-Medoids' 1 token in 100 on every device" in doc

@@ -440,8 +440,8 @@ def _check(t: Tensor | None, shape: tuple[int | None, ...], name: str, floating:
         raise ValueError(f"the clustering CPU kernels' {name} must be of shape ({want}), got {tuple(t.shape)}")
     integer = not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
     if t.device.type != "cpu" or not (t.is_floating_point() if floating else integer):
-        kind = "floating" if floating else "integer"
-        raise TypeError(f"the clustering CPU kernels' {name} must be a CPU tensor of an {kind} dtype, got {t.dtype} "
+        kind = "a floating" if floating else "an integer"
+        raise TypeError(f"the clustering CPU kernels' {name} must be a CPU tensor of {kind} dtype, got {t.dtype} "
                         f"on {t.device}")
     return tuple(t.shape)
 
