@@ -344,7 +344,7 @@ def _one_line_refusal(capsys, *args: str) -> str:
 def test_run_plan_refuses_an_experiment_of_an_unsupported_family(capsys):
     err = _one_line_refusal(capsys, "run", str(ROOT / "configs" / "experiments" / "demo.yaml"), "--plan",
                             "--set", "model.name=test_vit_relpos")
-    assert err.startswith("error: model of M32: test_vit_relpos (vision_transformer_relpos) cannot be pooled: ")
+    assert err.startswith("error: model: test_vit_relpos (vision_transformer_relpos) cannot be pooled: ")
 
 
 def test_flops_and_evaluate_refuse_an_unsupported_family_and_write_nothing(capsys, tmp_path):
