@@ -137,7 +137,7 @@ def model_shapes(model: nn.Module) -> CheckShapes | None:
             pools.append((n, k))
         n = min(n, k)
     attn, alpha = blocks[0].attn, getattr(blocks[0], "qk_alpha", None)
-    return CheckShapes(pools=tuple(dict.fromkeys(pools)), width=int(blocks[0].norm1.normalized_shape[0]),
+    return CheckShapes(pools=tuple(dict.fromkeys(pools)), width=int(attn.proj.out_features),
                        tokens=tuple(dict.fromkeys(tokens)), heads=int(attn.num_heads), head_dim=int(attn.head_dim),
                        qk_alpha=None if alpha is None else float(alpha.detach()))
 
