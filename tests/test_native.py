@@ -311,6 +311,7 @@ def test_without_the_native_kernels_the_torch_iterations_give_the_same_result(fr
     expected = {"turned off": "", "no compiler": "no C compiler (no-such-compiler-here) found",
                 "failed build": "exited with 1"}[how]
     assert expected in messages and (how == "turned off") == (messages == "")
+    assert "same results" not in messages  # K-Medoids' distances are summed in another order: a near-tie may flip
     assert list(empty.iterdir()) == []  # a failed build leaves nothing half-written
 
 
@@ -735,3 +736,36 @@ def test_the_self_checks_tolerances_are_the_ones_design_md_states():
     doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text().split())
     assert tolerance["kmeans"] == 0 and "K-Means' none on the CPU" in doc
     assert tolerance["kmedoids"] == 0.01 and "K-Medoids' 1 token in 100 on every device" in doc
+
+
+def _asan_runtime() -> list[str]:
+    """libasan and libstdc++ from the C compiler (preloaded in that order: Python is not instrumented, and ASan's
+    C++ exception hook needs libstdc++ at hand when Triton's import throws), or [] where the compiler has none."""
+    found = []
+    for name in ("libasan.so", "libstdc++.so.6"):
+        proc = subprocess.run(["cc", f"-print-file-name={name}"], capture_output=True, text=True)
+        path = proc.stdout.strip()
+        if proc.returncode or not Path(path).is_absolute() or not Path(path).exists():
+            return []
+        found.append(path)
+    return found
+
+
+@pytest.mark.slow  # an instrumented build and a process that imports torch under ASan: about 10 s
+@pytest.mark.skipif(not _asan_runtime(), reason="the C compiler has no AddressSanitizer runtime")
+def test_the_bad_input_cases_under_addresssanitizer(tmp_path):
+    """The library built with -fsanitize=address, run by ``tests/native_asan.py`` on every bad call above (each
+    refused with its own error), the C given sizes and margins out of range and two equal medoids directly, and good
+    cases against the brute force: exit 0 and no AddressSanitizer report."""
+    import os
+    import sys
+
+    path = tmp_path / "asan.so"
+    proc = subprocess.run(["cc", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", *native.flags(),
+                           str(native.SOURCE), "-o", str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    env = {**os.environ, "LD_PRELOAD": " ".join(_asan_runtime()), "ASAN_OPTIONS": "detect_leaks=0"}
+    run = subprocess.run([sys.executable, "-m", "tests.native_asan", str(path)], cwd=Path(__file__).parents[1],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert "AddressSanitizer" not in run.stderr and run.returncode == 0, run.stderr[-4000:]
+    assert f"refused {sum(case[2] is not None for case in _bad_calls(None))} bad calls" in run.stdout
