@@ -304,8 +304,9 @@ def instruction_set() -> str:
 
 
 def identity() -> str | None:
-    """The library's name (the digest of its source, flags and machine) and the instruction set its K-Medoids and
-    means kernels run here, ``clustering_cpu-x86-64-v4+x86-64-v3+x86-64-ac68be20f8306ba1.so at x86-64-v4``: what a
+    """The library's name (the digests of its comment-free source, flags and machine, and of its compiler) and the
+    instruction set its K-Medoids and means kernels run here,
+    ``clustering_cpu-x86-64-v4+x86-64-v3+x86-64-ac68be20f8306ba1-5d1c0e2a.so at x86-64-v4``: what a
     latency table's key names the native kernels by, so that another kernel source or another CPU's clone measures a
     table of its own; None where no library is at hand."""
     lib = library()
