@@ -15,8 +15,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from mlflow.tracking import MlflowClient
+from pydantic import ConfigDict, Field
 
 from pipeline.dag.records import (
     DONE,
@@ -32,6 +34,7 @@ from pipeline.dag.records import (
     check_identity_version,
 )
 from pipeline.errors import InputError, MissingFileError
+from pipeline.stored import Record, read_record
 from pipeline.tracking import store_missing
 
 EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # experiment.name's pattern: safe inside a quoted filter
@@ -82,6 +85,46 @@ class Candidate:
                 f"({self.device}){latency}  [{self.method}, {self.level}]")
 
 
+class EvalRunParams(Record):
+    """What ``pipeline select`` reads of an evaluate run's params (MLflow keeps them as text). The run logs more (its
+    dtype, compile mode, clock, kernels), which are kept as given."""
+
+    model_config = ConfigDict(extra="allow")
+
+    checkpoint: str
+    method: str
+    level: str
+    eval_device: str
+    eval_threads: Annotated[str, Field(pattern=r"^[1-9][0-9]*$")]  # a whole number of threads
+    eval_device_name: str  # the timed device's name: its spread record
+
+
+class EvalRunMetrics(Record):
+    """What ``pipeline select`` reads of an evaluate run's metrics: top-1, GFLOPs, and the select stage's images/s on
+    its one scale with the interval a budget holds by; the latency against a table only a K-search target's models
+    have."""
+
+    model_config = ConfigDict(extra="allow")
+
+    top1: float
+    gflops: float
+    images_per_s_scaled: float = Field(alias=SCALED_RATE)
+    images_per_s_low: float = Field(alias=RATE_LOW)
+    images_per_s_high: float = Field(alias=RATE_HIGH)
+    latency_ms: float | None = Field(None, alias=LATENCY_METRIC)
+    latency_ms_high: float | None = Field(None, alias=LATENCY_HIGH)
+
+
+def _read_run(run, experiment: str) -> tuple[EvalRunParams, EvalRunMetrics]:
+    """An evaluate run's params and metrics through their schemas: one InputError naming the run and each field
+    missing or of another type."""
+    where = f"experiment {experiment!r}: evaluation run {run.info.run_id}"
+    advice = ("it was recorded by another release, or its DAG stopped before the select stage: run `pipeline run` "
+              "with its config to the end (its evaluate and select stages record them), then select")
+    return (read_record(EvalRunParams, dict(run.data.params), f"{where}'s params", advice),
+            read_record(EvalRunMetrics, dict(run.data.metrics), f"{where}'s metrics", advice))
+
+
 def open_store(tracking_uri: str) -> MlflowClient:
     """A client of an existing store; reading never creates one."""
     if store_missing(tracking_uri):
@@ -121,17 +164,18 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
     for run in evaluations:
         if run.data.tags.get(FINETUNED) == "false":  # experiment.no_finetune's: a measurement, never a pick
             continue
-        trained = run.data.tags.get(TRAINED_RUN)
-        uri = registered.get(trained) or (f"runs:/{trained}/checkpoint" if trained else run.data.params["checkpoint"])
-        metrics, params = run.data.metrics, run.data.params
-        if SCALED_RATE not in metrics:
+        if SCALED_RATE not in run.data.metrics:
             raise InputError(f"experiment {experiment!r}: evaluation run {run.info.run_id} has no images/s on the "
                              f"select stage's scale ({SCALED_RATE}): the DAG's select stage has not finished; run "
                              "`pipeline run` with its config to the end, then select")
-        out.append(Candidate(uri, params["method"], params["level"], metrics["top1"], metrics["gflops"],
-                             metrics[SCALED_RATE], params["eval_device"], metrics.get(LATENCY_METRIC),
-                             run.data.tags.get(LATENCY_TABLE_TAG), metrics.get(RATE_LOW), metrics.get(RATE_HIGH),
-                             metrics.get(LATENCY_HIGH), int(params["eval_threads"]), params["eval_device_name"]))
+        params, metrics = _read_run(run, experiment)
+        trained = run.data.tags.get(TRAINED_RUN)
+        uri = registered.get(trained) or (f"runs:/{trained}/checkpoint" if trained else params.checkpoint)
+        out.append(Candidate(uri, params.method, params.level, metrics.top1, metrics.gflops,
+                             metrics.images_per_s_scaled, params.eval_device, metrics.latency_ms,
+                             run.data.tags.get(LATENCY_TABLE_TAG), metrics.images_per_s_low,
+                             metrics.images_per_s_high, metrics.latency_ms_high, int(params.eval_threads),
+                             params.eval_device_name))
     if not out:
         raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
     return out

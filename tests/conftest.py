@@ -74,8 +74,9 @@ def finished_evaluation(client, exp: str, parent: str, metrics: dict[str, float]
                         tags: dict[str, str] | None = None, scaled: bool = True, **params: str) -> str:
     """A finished evaluate run under ``parent`` with ``metrics``, and the params the evaluate stage logs (the method,
     level, device and threads of the timing; ``params`` replace them); with ``scaled``, the select stage's images/s
-    (``SCALED_RATE``), the evaluation's own unless ``metrics`` has it. Its run id."""
-    from pipeline.dag.records import SCALED_RATE
+    (``SCALED_RATE``) and its interval's ends (``RATE_LOW``, ``RATE_HIGH``), each the evaluation's own images/s unless
+    ``metrics`` has it. Its run id."""
+    from pipeline.dag.records import RATE_HIGH, RATE_LOW, SCALED_RATE
 
     run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
                                        "pipeline.done": "1", **(tags or {})}).info.run_id
@@ -83,7 +84,8 @@ def finished_evaluation(client, exp: str, parent: str, metrics: dict[str, float]
               "eval_device_name": "Test CPU", **params}
     for key, value in logged.items():
         client.log_param(run, key, value)
-    for key, value in (({SCALED_RATE: metrics["images_per_s"]} if scaled else {}) | metrics).items():
+    scale = {name: metrics["images_per_s"] for name in (SCALED_RATE, RATE_LOW, RATE_HIGH)} if scaled else {}
+    for key, value in (scale | metrics).items():
         client.log_metric(run, key, value)
     return run
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlflow
@@ -9,6 +10,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
+from pipeline.errors import InputError
+from pipeline.select_model import candidates
 from tests.conftest import dag_parent, finished_evaluation, one_evaluation_store
 
 # (method, level, top1, gflops, images/s, device): the models the hand-built experiment evaluated.
@@ -80,7 +83,7 @@ def test_speed_budget_counts_only_the_device_asked_for(store, capsys):
     code, out, _ = select(capsys, uri, "--min-images-per-s", "1800", "--device", "cuda")
     assert code == 0 and field(out, "method") == "powerbert" and field(out, "level") == "L3"
     code, out, _ = select(capsys, uri, "--min-images-per-s", "30", "--device", "cpu")
-    assert code == 0 and field(out, "images_per_s") == "40.0 (cpu)"
+    assert code == 0 and field(out, "images_per_s") == "40.0 [40.0, 40.0] (at least 90%, within this run) (cpu)"
 
 
 def test_nothing_fits_names_the_cheapest_model(store, capsys):
@@ -89,7 +92,7 @@ def test_nothing_fits_names_the_cheapest_model(store, capsys):
     assert code == 2 and "no model fits the budget of 1 GFLOPs" in err
     assert f"runs:/{trained['powerbert/L6/cuda']}/checkpoint" in err and "1.1000 GFLOPs" in err
     code, _, err = select(capsys, uri, "--min-images-per-s", "5000", "--device", "cuda")
-    assert code == 2 and "2600 img/s" in err
+    assert code == 2 and "2600 [2600, 2600] (at least 90%, within this run) img/s" in err
 
 
 def test_unknown_experiment_store_or_device_is_refused(store, capsys, tmp_path):
@@ -401,3 +404,35 @@ def test_the_report_sets_each_base_beside_its_deit_2x_baseline():
     assert deit_2x_rows(bases, rows) == [
         {"arch": "M32", "base_top1": 69.65, "deit_2x_top1": 71.25, "gain": pytest.approx(1.6)},
         {"arch": "M64", "base_top1": 71.7, "deit_2x_top1": 74.3, "gain": pytest.approx(2.6)}]
+
+
+@pytest.mark.slow  # an MLflow store of four DAGs: seconds
+def test_select_refuses_an_evaluation_without_a_field_it_reads_in_one_line(tmp_path):
+    """An evaluate run without the timed device's name (a KeyError before), or without its interval's ends (a budget
+    held by the point value before, with no scope printed), or with threads that are no number, is one line naming
+    the run and the field and saying what to run: never a traceback, never a pick by a figure the budget does not hold
+    by. One store, a DAG a case."""
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())
+    params = {"checkpoint": "/ckpt/m", "method": "none", "level": "full", "eval_device": "cpu", "eval_threads": "1",
+              "eval_device_name": "Test CPU"}
+    metrics = {"top1": 70.0, "gflops": 0.002, "images_per_s": 500.0, "images_per_s_scaled": 500.0,
+               "images_per_s_low": 450.0, "images_per_s_high": 550.0}
+    for dag, (drop, says) in enumerate((
+            ("eval_device_name", "'s params: eval_device_name: missing"),
+            ("images_per_s_low", "'s metrics: images_per_s_low: missing"),
+            ("images_per_s_high", "'s metrics: images_per_s_high: missing"),
+            ("eval_threads", r"'s params: eval_threads: String should match pattern .* \(got 'one'\)"))):
+        run = client.create_run(exp, tags={"mlflow.parentRunId": dag_parent(client, exp, f"old{dag}"),
+                                           "pipeline.stage": "evaluate", "pipeline.done": "1"}).info.run_id
+        logged = {key: value for key, value in params.items() if key != drop} | (
+            {"eval_threads": "one"} if drop == "eval_threads" else {})
+        client.log_batch(run, params=[Param(key, value) for key, value in logged.items()],
+                         metrics=[Metric(key, value, 0, 0) for key, value in metrics.items() if key != drop])
+        with pytest.raises(InputError) as refused:  # `pipeline select` prints it as one line
+            candidates(client, f"old{dag}")
+        assert re.match(rf"experiment 'old{dag}': evaluation run {run}{says}; it was recorded by another release, or "
+                        r"its DAG stopped before the select stage: run `pipeline run` with its config to the end",
+                        str(refused.value)), refused.value
