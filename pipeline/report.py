@@ -17,11 +17,39 @@ from pipeline.errors import InputError
 from pipeline.methods import keeps_all
 from pipeline.pareto import Measured, Point, best_at_budgets, measured_front, pareto_front
 from pipeline.spread import SpreadRecord
+from pipeline.stored import Record, read_record
 
-COLUMNS = ["arch", "level", "method", "keep", "gflops", "top1", "images_per_s", "images_per_s_low",
-           "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high", "speed_blocks", "speed_stop",
-           "speed_half_width", "speed_ties", "train_top1", "checkpoint", "stage_id", "run_id", "analysis",
-           "speed_setting"]
+
+class ResultsRow(Record):
+    """A row of results.csv as ``read_csv`` gives it back (numbers and keep lists parsed, an empty cell None or ""):
+    every column the select stage writes, in its order, typed. A results.csv of another release or an edited one is
+    refused, not read with columns left empty under a report that announces them."""
+
+    arch: str
+    level: str
+    method: str
+    keep: list[int] | None
+    gflops: float
+    top1: float
+    images_per_s: float
+    images_per_s_low: float | None
+    images_per_s_high: float | None
+    speed_ratio: float | None
+    speed_ratio_low: float | None
+    speed_ratio_high: float | None
+    speed_blocks: int | None
+    speed_stop: str
+    speed_half_width: float | None
+    speed_ties: str
+    train_top1: float | None
+    checkpoint: str
+    stage_id: str
+    run_id: str
+    analysis: str
+    speed_setting: str
+
+
+COLUMNS = list(ResultsRow.model_fields)
 SPEED_COLUMNS = ("images_per_s_low", "images_per_s_high", "speed_ratio", "speed_ratio_low", "speed_ratio_high")
 # The cost axes of a Pareto front: GFLOPs, or the measured time per image (lower is better for both).
 COSTS = {"gflops": lambda r: r["gflops"], "images_per_s": lambda r: 1.0 / r["images_per_s"]}
@@ -40,7 +68,7 @@ NO_FINETUNE_COLUMNS = ["arch", "level", "method", "carry", "keep", "gflops", "to
 REPORT_INPUTS = "report.json"
 
 EMPTY = (None, "", "None")  # a cell without a value, as write_csv leaves it
-REQUIRED_COLUMNS = ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s")  # what the report reads
+REWRITE = "it was not written by this release's `pipeline run`, or was edited; run `pipeline run` again to write it"
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path, columns: Sequence[str] = COLUMNS) -> Path:
@@ -52,10 +80,13 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
     rows = []
     with path.open() as handle:
         reader = csv.DictReader(handle)
-        missing = [column for column in REQUIRED_COLUMNS if column not in (reader.fieldnames or [])]
-        if missing:
-            raise InputError(f"{path} lacks the column(s) {', '.join(missing)}; it was not written by `pipeline run` "
-                             "or was edited; run `pipeline run` again to write it")
+        header = reader.fieldnames or []
+        missing = [column for column in COLUMNS if column not in header]
+        extra = [column for column in header if column not in COLUMNS]
+        if missing or extra:
+            said = ([f"lacks the column(s) {', '.join(missing)}"] if missing else []) + (
+                [f"has the column(s) {', '.join(extra)}, which this release does not write"] if extra else [])
+            raise InputError(f"{path} {' and '.join(said)}; {REWRITE}")
         for line, row in enumerate(reader, start=2):
             try:
                 for key in ("gflops", "top1", "images_per_s", "train_top1", "speed_half_width", *SPEED_COLUMNS):
@@ -65,7 +96,9 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
             except (ValueError, TypeError) as err:
                 raise InputError(f"{path}, line {line}: a value that is not a number or a keep list ({err}); run "
                                  "`pipeline run` again to write it") from None
-            rows.append(row)
+            if None in row:  # more cells than columns
+                raise InputError(f"{path}, line {line}: more cells than the header has columns; {REWRITE}")
+            rows.append(read_record(ResultsRow, row, f"{path}, line {line}", REWRITE).model_dump())
     return rows
 
 

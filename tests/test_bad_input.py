@@ -310,9 +310,37 @@ def test_report_of_a_malformed_results_csv(tmp_path, capsys):
     (tmp_path / "results.csv").write_text("arch,level\nM16,lam0\n")
     code, _, err = run(capsys, "report", str(tmp_path))
     assert code == 2 and "lacks the column(s) method, keep, gflops, top1, images_per_s" in err, err
-    (tmp_path / "results.csv").write_text("arch,level,method,keep,gflops,top1,images_per_s\nM16,l,x,[1],cheap,1,1\n")
+    from pipeline.report import COLUMNS
+
+    header = ",".join(COLUMNS)
+    cells = dict.fromkeys(COLUMNS, "") | {"arch": "M16", "level": "l", "method": "x", "keep": "[1]", "gflops": "1",
+                                          "top1": "1", "images_per_s": "1"}
+    (tmp_path / "results.csv").write_text(f"{header}\n{','.join((cells | {'gflops': 'cheap'}).values())}\n")
     code, _, err = run(capsys, "report", str(tmp_path))
     assert code == 2 and "line 2: a value that is not a number" in err, err
+
+
+def test_report_of_a_results_csv_of_another_release_is_one_line_naming_the_column(tmp_path, capsys):
+    """A results.csv without the speed columns (an older writer's, or edited) is refused naming them, not reported with
+    a speed front that announces intervals above empty cells; a column this release does not write, or a row with a
+    required cell empty, is refused the same way."""
+    from pipeline.report import COLUMNS
+
+    cells = dict.fromkeys(COLUMNS, "") | {"arch": "M16", "level": "l", "method": "x", "keep": "[1]", "gflops": "1",
+                                          "top1": "1", "images_per_s": "1"}
+    older = [c for c in COLUMNS if not c.startswith(("images_per_s_", "speed_"))]
+    (tmp_path / "results.csv").write_text(f"{','.join(older)}\n{','.join(cells[c] for c in older)}\n")
+    code, _, err = run(capsys, "report", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and not (tmp_path / "report" / "report.md").exists(), err
+    assert (f"{tmp_path / 'results.csv'} lacks the column(s) images_per_s_low, images_per_s_high, speed_ratio, "
+            "speed_ratio_low, speed_ratio_high, speed_blocks, speed_stop, speed_half_width, speed_ties, speed_setting; "
+            "it was not written by this release's `pipeline run`, or was edited; run `pipeline run` again") in err, err
+    (tmp_path / "results.csv").write_text(f"{','.join(COLUMNS)},speed_clock\n{','.join(cells.values())},cpu\n")
+    code, _, err = run(capsys, "report", str(tmp_path))
+    assert code == 2 and "has the column(s) speed_clock, which this release does not write" in err, err
+    (tmp_path / "results.csv").write_text(f"{','.join(COLUMNS)}\n{','.join((cells | {'top1': ''}).values())}\n")
+    code, _, err = run(capsys, "report", str(tmp_path))
+    assert code == 2 and "results.csv, line 2: top1: Input should be a valid number (got None); it was not" in err, err
 
 
 def test_models_refuse_what_they_cannot_run_and_take_an_empty_batch():
