@@ -961,3 +961,42 @@ def test_a_latency_tables_key_field_of_another_type_is_one_error_naming_the_file
     with pytest.raises(InputError, match=rf"^the cost table {path}'s key: {says}; measure it again with `pipeline "
                                          r"bench blocks`, which records them$"):
         target_cost_model(CostTarget(cost="latency", fraction=0.5, table=str(path)), model)
+
+
+@pytest.mark.slow  # `run --plan` of the demo, its operators probed: seconds
+def test_run_plan_says_a_table_auto_target_is_checked_once_its_table_is_measured_and_run_refuses_it_then(
+        tmp_path, capsys, monkeypatch):
+    """`run --plan` cannot check a ``table: auto`` target against a table not measured yet: it says so, and that
+    `pipeline run` checks it once it has measured the table; there, an impossible target (0.02) is refused before any K
+    search (``check_targets`` after the tables are prepared), as for a table given by path."""
+    from pipeline.cli import main
+    from pipeline.config import load_config
+    from pipeline.cost import save_cost_model
+    from pipeline.dag.plan import archs, base_stage, check_targets, ksearch_stages
+    from pipeline.flops import gflops_cost_model
+    from pipeline.methods import method_spec
+    from pipeline.train.build import build_model
+
+    monkeypatch.chdir(ROOT)
+    demo = "configs/experiments/demo.yaml"  # its lat0.8 target is table: auto, of wkmedoids on M32
+    auto = [f"experiment.runs_dir={tmp_path}", "experiment.ksearch_targets=[{cost: latency, fraction: 0.02, "
+            "table: auto, methods: [wkmedoids], archs: [M32]}]"]
+    assert main(["run", demo, "--plan", *(f"--set={o}" for o in auto),
+                 "--tracking-uri", f"sqlite:///{tmp_path}/m.db"]) == 0
+    config = load_config(demo, auto)
+    arch = next(a for a in archs(config) if a.label == "M32")
+    stage = ksearch_stages(config, arch, base_stage(config, arch))[-1]
+    path = Path(stage.config.train.ksearch_target.table)
+    said = [line for line in capsys.readouterr().err.splitlines() if "lat0.02" in line]
+    assert said == [f"[plan] experiment.ksearch_targets lat0.02 (M32): table: auto is not measured on this machine yet "
+                    f"({path}): `pipeline run` measures it first, then checks the target against it (one below the "
+                    "cheapest keep list the table allows is refused then, before any K search starts)"], said
+    with torch.device("meta"):
+        model = build_model(stage.config)
+    measured = gflops_cost_model(model, "wkmedoids", step=4)  # a table of the model's shape, in place of measuring
+    options = method_spec("wkmedoids").resolve("wkmedoids", config.pooling.method_options("wkmedoids") or {})
+    save_cost_model(replace(measured, unit="ms", key={**POWERBERT_KEY, "method": "wkmedoids", "options": options}),
+                    path)
+    with pytest.raises(InputError, match=r"^experiment.ksearch_targets lat0.02 \(M32\): 0.02 of the unmodified model "
+                                         r"is below the cheapest keep list the cost table .* allows"):
+        check_targets(config)

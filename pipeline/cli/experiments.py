@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from pipeline.cli.common import add_config_args
 from pipeline.config import ConfigError, error_message, load_config
 from pipeline.config.serve import MAX_BODY_MB, MAX_IMAGES, MAX_PIXELS, ServeConfig
-from pipeline.dag.checks import plan_checks
+from pipeline.dag.checks import plan_checks, unmeasured_targets
 from pipeline.dag.plan import archs, conv_levels, count_plan
 from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 from pipeline.errors import InputError, MissingFileError
@@ -30,6 +30,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}: `pipeline run` needs an experiment section; see configs/experiments/")
     if args.plan:
         plan_checks(config, args.address)
+        for line in unmeasured_targets(config):
+            print(f"[plan] {line}", file=sys.stderr)
         conv = config.experiment.conv
         for arch in [a for a in archs(config) if conv is not None and (conv.archs is None or a.label in conv.archs)]:
             placements = conv_levels(config, arch)  # 0 said too: a grid too small for every layer count asked for

@@ -19,6 +19,7 @@ from pipeline.config.recipe import TYPICAL_LR
 from pipeline.dag.plan import (
     Stage,
     archs,
+    auto_method,
     auto_tables,
     base_stage,
     check_targets,
@@ -129,6 +130,24 @@ def check_auto_tables(config: Config, address: str | None) -> None:
                          f"device, but this run uses the Ray cluster at {address}, whose nodes train and evaluate; "
                          "measure a table on an evaluation node (`pipeline bench blocks`, on shared storage) and give "
                          "its path")
+
+
+def unmeasured_targets(config: Config) -> list[str]:
+    """A line for each ``table: auto`` target whose table this machine has not measured (or that does not load): the
+    plan cannot check it against its cheapest keep list, which `pipeline run` does once it has measured the table,
+    before any K search starts (``check_targets`` after ``dag.latency.prepare_tables``)."""
+    from pipeline.cost import table_loads  # here: these import torch
+    from pipeline.dag.tables import auto_table
+
+    lines = []
+    for target, arch in auto_tables(config):
+        path = auto_table(config, arch, auto_method(target))[1]
+        if not table_loads(path):
+            lines.append(f"experiment.ksearch_targets {target.label} ({arch.label}): table: auto is not measured on "
+                         f"this machine yet ({path}): `pipeline run` measures it first, then checks the target "
+                         "against it (one below the cheapest keep list the table allows is refused then, before any K "
+                         "search starts)")
+    return lines
 
 
 def training_stages(config: Config) -> list[Stage]:
