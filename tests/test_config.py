@@ -70,7 +70,7 @@ def test_unknown_section(tmp_path: Path):
 @pytest.mark.parametrize(("override", "key", "allowed"), [
     # under an optional
     ("experiment.base.nosuch=1", "experiment.base.nosuch", "epochs, lr, seed, sweep, warmup_epochs"),
-    ("experiment.select.nosuch=1", "experiment.select.nosuch", "cost, tie_margin"),
+    ("experiment.select.nosuch=1", "experiment.select.nosuch", "check_cap_s, cost, tie_margin"),
     # --set splits a space's dotted key (recipe.lr): the range at the key "recipe" has no field lr
     ("experiment.base.sweep.space.recipe.lr=1", "experiment.base.sweep.space.recipe.lr",
      "choice, loguniform, randint, uniform"),

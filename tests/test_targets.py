@@ -1000,3 +1000,21 @@ def test_run_plan_says_a_table_auto_target_is_checked_once_its_table_is_measured
     with pytest.raises(InputError, match=r"^experiment.ksearch_targets lat0.02 \(M32\): 0.02 of the unmodified model "
                                          r"is below the cheapest keep list the cost table .* allows"):
         check_targets(config)
+
+
+def test_the_k_search_checks_speed_cap_is_a_setting_its_error_names_that_leaves_the_dag_id(tmp_path):
+    """``experiment.select.check_cap_s``: the cap of a keep list's paired measurement against its table (the K-search
+    check and the select stage's target rows), named where a measurement stops at it; it changes how long a check
+    may take, not what the DAG is (a checked list is recorded and read back), so the DAG's id stays."""
+    from pipeline.config import ConfigError, load_config
+    from pipeline.dag.latency import CHECK_SPEED, check_speed
+    from pipeline.dag.plan import dag_id
+
+    tiny = ROOT / "configs" / "experiments" / "tiny.yaml"
+    longer = load_config(tiny, ["experiment.select.check_cap_s=240"])
+    speed = check_speed(longer.experiment.select.check_cap_s)
+    assert (speed.cap_s, speed.cap_key, speed.tolerance) == (240.0, "experiment.select.check_cap_s", 0.02)
+    assert (CHECK_SPEED.cap_s, CHECK_SPEED.cap_key) == (60.0, "experiment.select.check_cap_s")  # the default
+    assert dag_id(longer) == dag_id(load_config(tiny))
+    with pytest.raises(ConfigError, match=r"experiment.select.check_cap_s: Input should be greater than 0"):
+        load_config(tiny, ["experiment.select.check_cap_s=0"])

@@ -151,6 +151,9 @@ class SelectConfig(Section):
         "none", description="the front by measured speed: models whose times differ by less than this relative "
         "margin are ties, and none leaves the front for another; none: the intervals alone; machine: this "
         "machine's recorded run-to-run spread (`pipeline doctor --speed`); or a number (0.02: 2%)")
+    check_cap_s: float = Field(60.0, gt=0, allow_inf_nan=False, description="the most wall-clock seconds one keep "
+                               "list's paired measurement against its latency table may take (to a 2% interval): the "
+                               "K-search check before the finetunes, and the select stage's target rows")
 
 
 class ConvConfig(Section):

@@ -10,6 +10,7 @@ from functools import partial
 import torch
 
 from pipeline.bench.paired import SpeedSettings
+from pipeline.config.experiment import SelectConfig
 from pipeline.cost import CostModel, key_differences, table_loads
 from pipeline.dag.plan import auto_method, auto_tables
 from pipeline.errors import InputError
@@ -22,7 +23,7 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
     (``bench.latency.measure_lists``: a ``bench.paired.SpeedRatio``, the ratio with its 95% interval), and how it
     was measured; None and why when this process is not what the table's key says (device, threads against the
     usable cores, versions, kernels): the figure would not be comparable. ``speed``: how the pair is measured
-    (default ``CHECK_SPEED``)."""
+    (default ``CHECK_SPEED``, a run's ``check_speed`` at its config's cap)."""
     from pipeline.bench.blocks import check_threads, measured_key, settings_from_key, table_key
     from pipeline.bench.latency import measure_lists
 
@@ -51,9 +52,14 @@ def measure_on_table(table: CostModel, keep: list[int], log: Callable[[str], Non
                    f"{ratio.high:.3f}], {ratio.label()}; the unmodified model {ratio.reference_s * 1e3:.3f} ms)")
 
 
-# A keep list's check: to a 2% interval, within 60 s of pilot and blocks (a constant: the check and the select stage's
-# target rows time tables' models of milliseconds, which reach the interval in seconds).
-CHECK_SPEED = SpeedSettings(cap_s=60.0, cap_key="the K-search check's 60 s cap (dag.latency.CHECK_SPEED)")
+def check_speed(cap_s: float) -> SpeedSettings:
+    """A keep list's check against its table: to a 2% interval, within ``cap_s`` of pilot and blocks
+    (``experiment.select.check_cap_s``: the check and the select stage's target rows time tables' models of
+    milliseconds, which reach the interval in seconds)."""
+    return SpeedSettings(cap_s=cap_s, cap_key="experiment.select.check_cap_s")
+
+
+CHECK_SPEED = check_speed(SelectConfig().check_cap_s)  # where no config is at hand: its default
 
 
 REPAIR_TAG = "pipeline.target_check"  # on a latency K search's run: the check's Repair as JSON
@@ -89,8 +95,9 @@ def check_latency_targets(ctx, stages: list, results: dict) -> dict:
             repair = Repair(**json.loads(recorded))
         else:
             costs = target_cost_model(target, build_model(stage.config))
+            speed = check_speed(ctx.config.experiment.select.check_cap_s)
             repair = repair_keep(retention_weights(result.checkpoint), costs, target_fraction(target, costs),
-                                 result.keep, partial(measure_on_table, log=lambda _: None))
+                                 result.keep, partial(measure_on_table, log=lambda _: None, speed=speed))
             metrics = {} if repair.measured is None else {"target_measured": repair.measured}
             log_batch(ctx.client, result.run_id, tags={REPAIR_TAG: json.dumps(asdict(repair))}, metrics=metrics)
         interval = "" if repair.low is None else f" [{repair.low:.3f}, {repair.high:.3f}]"

@@ -65,10 +65,12 @@ def dag_id(config: Config) -> str:
     kernel choices of its evaluations. Two sweeps that differ only in ``pooling.carry`` or
     ``pooling.options.wkmedoids.iters`` are two experiments, and ``--force`` on one must not retire the other's
     runs. ``experiment.select.tie_margin`` is left out: it is how the select stage (never cached) reads the same
-    measurements, so another margin selects again under the same parent run. A setting that is off
+    measurements, so another margin selects again under the same parent run; so is ``experiment.select.check_cap_s``,
+    how long a keep list's check may take (a checked list is recorded and read back). A setting that is off
     (``experiment.conv`` unset) leaves the id as it was before the setting existed."""
     exp = config.experiment
-    exclude: dict[str, Any] = {"select": {"tie_margin"}, "base": {"seed"}, "ksearch": {"seed"}}  # refused if set
+    exclude: dict[str, Any] = {"select": {"tie_margin", "check_cap_s"}, "base": {"seed"},
+                               "ksearch": {"seed"}}  # the seeds: refused if set
     for name in UNSET_IS_ABSENT:
         section, _, key = name.partition(".")
         if key and getattr(getattr(exp, section), key) is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from pipeline.dag.plan import Stage, archs, target_table
@@ -146,11 +147,12 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
     others are not in it."""
 
     from pipeline.cost import file_sha256
-    from pipeline.dag.latency import measure_on_table
+    from pipeline.dag.latency import check_speed, measure_on_table
     from pipeline.targets import target_cost
     from pipeline.train.build import build_model
 
     config = ctx.config
+    measure = partial(measure_on_table, speed=check_speed(config.experiment.select.check_cap_s))
     targets = {t.label: t for t in config.experiment.ksearch_targets or []}
     out = []
     for stage, row in zip(ft_stages, rows):
@@ -161,7 +163,7 @@ def target_rows(ctx, ft_stages: list[Stage], rows: list[dict[str, Any]]) -> list
             arch = next(a for a in archs(config) if a.label == stage.arch)
             target = target.model_copy(update={"table": target_table(ctx.config, target, arch)})
         cost = asdict(target_cost(target, build_model(stage.config), stage.meta.method, row["keep"], row["gflops"],
-                                  measure_on_table, pooling=config.pooling))
+                                  measure, pooling=config.pooling))
         cost["target_unit"], cost["cost_status"] = cost.pop("unit"), cost.pop("status")
         cost["spent"] = None if cost["predicted"] is None else cost["predicted"] / cost["target_cost"]
         if cost["spent"] is not None and cost["spent"] < 1 - UNDERSPENT:
