@@ -34,6 +34,7 @@ from pipeline.dag.records import (
     check_identity_version,
 )
 from pipeline.errors import InputError, MissingFileError
+from pipeline.spread import timing_setting
 from pipeline.stored import Record, read_record
 from pipeline.tracking import store_missing
 
@@ -64,6 +65,7 @@ class Candidate:
     latency_ms_high: float | None = None  # the measured latency's interval's upper end
     threads: int = 1  # the CPU threads it was timed with (``experiment.eval.threads``)
     device_name: str | None = None  # the timed device's name (``bench.blocks.device_name``): its spread record
+    timing: str | None = None  # the setting it was timed in (``spread.timing_setting``): its spread record too
 
     @property
     def slowest_rate(self) -> float:
@@ -97,6 +99,9 @@ class EvalRunParams(Record):
     eval_device: str
     eval_threads: Annotated[str, Field(pattern=r"^[1-9][0-9]*$")]  # a whole number of threads
     eval_device_name: str  # the timed device's name: its spread record
+    eval_dtype: str  # and the setting it was timed in, which the spread record is kept under too
+    eval_compile: str
+    eval_batch: Annotated[str, Field(pattern=r"^[1-9][0-9]*$")]
 
 
 class EvalRunMetrics(Record):
@@ -175,7 +180,8 @@ def candidates(client: MlflowClient, experiment: str) -> list[Candidate]:
                              metrics.images_per_s_scaled, params.eval_device, metrics.latency_ms,
                              run.data.tags.get(LATENCY_TABLE_TAG), metrics.images_per_s_low,
                              metrics.images_per_s_high, metrics.latency_ms_high, int(params.eval_threads),
-                             params.eval_device_name))
+                             params.eval_device_name, timing_setting(params.eval_device, params.eval_dtype,
+                                                                     params.eval_compile, int(params.eval_batch))))
     if not out:
         raise InputError(f"experiment {experiment!r} has no finished evaluations yet")
     return out

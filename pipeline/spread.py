@@ -5,8 +5,10 @@ pair can move further: on a VM whose host shifts the guest's speed, the demo's r
 0.64 to 0.79 in different runs against intervals of +-1-2% (docs/data/cpu/2026-12-02_ratio-drift/). This module
 times one fixed pair (a pooled DeiT-style model against its unmodified one, in an experiment's evaluation setting)
 in k fresh processes spaced over a span, and records the spread of their ratios beside the half-width within a
-process, one JSON file per device (by its name) and thread count, where the report, ``pipeline select`` and
-``experiment.select.tie_margin: machine`` look it up by the name of the device the models were timed on.
+process, one JSON file per device (by its name), thread count and timing setting (the device kind, dtype, compile
+mode and batch: ``timing_setting``), where the report, ``pipeline select`` and ``experiment.select.tie_margin:
+machine`` look it up by the name of the device the models were timed on and the setting they were timed in: a record
+of another batch, dtype or compile mode is another record, never one that widens these models' intervals.
 
 It stands beside ``report`` rather than in ``bench`` because it times as an evaluation does (``evaluate.speed``),
 and ``evaluate`` imports ``bench``.
@@ -82,6 +84,12 @@ def _tokens_and_depth(create_model: Callable, name: str, args: dict[str, Any]) -
     return int(model.patch_embed.num_patches), len(model.blocks)
 
 
+def timing_setting(device: str, dtype: str, compile: str, batch: int) -> str:
+    """``cpu fp32 compile:none batch:64``: the setting a speed was timed in (``device`` the kind, ``cpu`` or
+    ``cuda``; ``dtype`` and ``compile`` as resolved): part of a spread record's key."""
+    return f"{device} {dtype} compile:{compile} batch:{batch}"
+
+
 def measure_pair(spec: PairSpec) -> dict[str, Any]:
     """One paired ratio of ``spec``'s pair in this process, as ``evaluate.speed`` times an evaluation: the ratio,
     its 95% interval, its relative half-width, the blocks, why they stopped, the seconds, and what it ran on (the
@@ -109,8 +117,8 @@ def measure_pair(spec: PairSpec) -> dict[str, Any]:
                       device=target, dtype=dtype, compile=mode, threads=cfg.threads, settings=speed_settings(cfg))
     return {"ratio": ratio.ratio, "low": ratio.low, "high": ratio.high, "half_width": ratio.half_width,
             "blocks": ratio.blocks, "stop": ratio.stop, "seconds": ratio.seconds, "device": device_name(target),
-            "setting": f"{device} {dtype} compile:{mode}", "threads": cfg.threads, "torch": torch.__version__,
-            "timm": timm.__version__}
+            "setting": timing_setting(device, dtype, mode, cfg.batch), "threads": cfg.threads,
+            "torch": torch.__version__, "timm": timm.__version__}
 
 
 @dataclass(frozen=True)
@@ -186,9 +194,10 @@ def device_slug(device: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown"
 
 
-def record_path(device: str, threads: int, root: Path = MACHINE_DIR) -> Path:
-    """Where the record of ``device`` at ``threads`` timing threads is written and looked up."""
-    return root / f"speed-{device_slug(device)}-t{threads}.json"
+def record_path(device: str, threads: int, setting: str, root: Path = MACHINE_DIR) -> Path:
+    """Where the record of ``device`` at ``threads`` timing threads in ``setting`` (``timing_setting``) is written and
+    looked up."""
+    return root / f"speed-{device_slug(device)}-t{threads}-{device_slug(setting)}.json"
 
 
 def read_record(path: Path) -> SpreadRecord:
@@ -200,21 +209,22 @@ def read_record(path: Path) -> SpreadRecord:
             from None
 
 
-def machine_record(name: str, threads: int, root: Path = MACHINE_DIR) -> SpreadRecord | None:
+def machine_record(name: str, threads: int, setting: str, root: Path = MACHINE_DIR) -> SpreadRecord | None:
     """The record of the device called ``name`` (``bench.blocks.device_name``: where a model was timed, which may
-    be another node than this one) at ``threads``; None where there is none."""
-    path = record_path(name, threads, root)
+    be another node than this one) at ``threads`` in ``setting`` (``timing_setting``); None where there is none."""
+    path = record_path(name, threads, setting, root)
     return read_record(path) if path.is_file() else None
 
 
-def tie_margin(choice: str | float, names: Sequence[str], threads: int, root: Path = MACHINE_DIR
+def tie_margin(choice: str | float, timed: Sequence[tuple[str, str]], threads: int, root: Path = MACHINE_DIR
                ) -> tuple[float, SpreadRecord | None]:
-    """``experiment.select.tie_margin`` as a relative margin for models timed on the devices called ``names``
-    (``bench.blocks.device_name``, as their evaluations logged them), and the record shown beside their speeds: the
-    widest recorded spread of those devices (a cluster of mixed cards takes its least steady). The margin is 0 for
-    ``none``, that record's ``between`` for ``machine`` (a MissingFileError where a device has no record), a number
-    as it is."""
-    records = {name: machine_record(name, threads, root) for name in dict.fromkeys(names)}
+    """``experiment.select.tie_margin`` as a relative margin for models timed on the devices and in the settings
+    ``timed`` (each ``(name, setting)``: ``bench.blocks.device_name`` as their evaluations logged it, and
+    ``timing_setting``), and the record shown beside their speeds: the widest recorded spread of those (a cluster of
+    mixed cards takes its least steady). The margin is 0 for ``none``, that record's ``between`` for ``machine`` (a
+    MissingFileError where a device in its setting has no record), a number as it is."""
+    records = {f"{name} ({setting})": machine_record(name, threads, setting, root)
+               for name, setting in dict.fromkeys(timed)}
     widest = max((r for r in records.values() if r is not None), key=lambda r: r.between, default=None)
     if choice != "machine":
         return (0.0 if choice == "none" else float(choice)), widest
@@ -236,23 +246,27 @@ def check_tie_margin(config: Config, device: str, here: bool, root: Path = MACHI
     exp = config.experiment
     if exp.select.tie_margin != "machine":
         return
-    threads = exp.eval.threads
-    if here:
-        import torch
+    import torch
 
+    from pipeline.runtime import resolve_setting
+
+    threads, ev = exp.eval.threads, exp.eval
+    _, dtype, mode = resolve_setting(device, ev.dtype, ev.compile, device == "cuda")
+    setting = timing_setting(device, dtype, mode, ev.batch)
+    if here:
         from pipeline.bench.blocks import device_name
 
         try:
-            tie_margin("machine", [device_name(torch.device(device))], threads, root)
+            tie_margin("machine", [(device_name(torch.device(device)), setting)], threads, root)
         except MissingFileError as err:
             raise ConfigError(str(err)) from None
         return
-    records = [read_record(path) for path in sorted(root.glob(f"speed-*-t{threads}.json"))]  # each one readable
-    if not any(record.setting.split()[:1] == [device] for record in records):
+    records = [read_record(path) for path in sorted(root.glob(f"speed-*-t{threads}-*.json"))]  # each one readable
+    if not any(record.setting == setting for record in records):
         raise ConfigError(f"experiment.select.tie_margin: machine, but no run-to-run spread of a {device} device at "
-                          f"{threads} thread(s) is recorded under {root}, and the evaluations run on the cluster's "
-                          f"nodes: run `python -m pipeline doctor --speed CONFIG` on one of them and copy its record "
-                          "there, or set tie_margin: none or a number")
+                          f"{threads} thread(s) in {setting} is recorded under {root}, and the evaluations run on the "
+                          f"cluster's nodes: run `python -m pipeline doctor --speed CONFIG` on one of them and copy "
+                          "its record there, or set tie_margin: none or a number")
 
 
 def _run_one(spec: PairSpec) -> dict[str, Any]:
@@ -293,7 +307,7 @@ def measure_spread(spec: PairSpec, processes: int, over_s: float, *, out: Path |
             f"({result['blocks']} blocks, {result['stop']}, +-{result['half_width']:.1%})")
     first = results[0]
     figures = spread_statistics([r["ratio"] for r in results], [r["half_width"] for r in results])
-    path = out or record_path(first["device"], first["threads"])
+    path = out or record_path(first["device"], first["threads"], first["setting"])
     record = SpreadRecord(device=first["device"], threads=first["threads"], setting=first["setting"],
                           torch=first["torch"], timm=first["timm"], date=datetime.now(UTC).isoformat(),
                           over_s=over_s, seconds=clock() - start, pair=asdict(spec), processes=results,

@@ -81,7 +81,8 @@ def finished_evaluation(client, exp: str, parent: str, metrics: dict[str, float]
     run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "pipeline.stage": "evaluate",
                                        "pipeline.done": "1", **(tags or {})}).info.run_id
     logged = {"checkpoint": "/ckpt/model", "method": "none", "level": "full", "eval_device": "cpu", "eval_threads": "1",
-              "eval_device_name": "Test CPU", **params}
+              "eval_device_name": "Test CPU", "eval_dtype": "fp32", "eval_compile": "none", "eval_batch": "64",
+              **params}
     for key, value in logged.items():
         client.log_param(run, key, value)
     scale = {name: metrics["images_per_s"] for name in (SCALED_RATE, RATE_LOW, RATE_HIGH)} if scaled else {}

@@ -28,11 +28,14 @@ from pipeline.spread import (
     record_path,
     spread_statistics,
     tie_margin,
+    timing_setting,
 )
 from tests.conftest import HANG_S, LOOSE_TOLERANCE, one_evaluation_store
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "experiments" / "demo.yaml"
+# The demo's evaluation setting (batch 64, dtype and compile auto) as the evaluate stage resolves it on a CPU and a GPU.
+CPU, GPU = "cpu fp32 compile:none batch:64", "cuda bf16 compile:default batch:64"
 SPEC = PairSpec(name="deit_tiny_patch16_224", args={"embed_dim": 32}, method="wkmedoids", keep=[24] * 4,
                 kernels={}, eval={"batch": 64})
 
@@ -57,7 +60,7 @@ def fake_processes(ratios: list[float], run_s: float):
         now[0] += run_s
         ratio = ratios[len(starts) - 1]
         return {"ratio": ratio, "low": ratio * 0.99, "high": ratio * 1.01, "half_width": 0.01, "blocks": 20,
-                "stop": "tolerance", "seconds": run_s, "device": "Test CPU (R)", "setting": "cpu fp32 compile:none",
+                "stop": "tolerance", "seconds": run_s, "device": "Test CPU (R)", "setting": CPU,
                 "threads": 1, "torch": "t", "timm": "m"}
 
     def sleep(seconds: float) -> None:
@@ -83,9 +86,10 @@ def test_the_processes_are_spread_over_the_span_and_recorded(tmp_path):
     assert starts == [0.0, 15.0, 30.0]
 
 
-def test_the_default_file_is_named_by_the_device_and_threads(tmp_path):
-    assert record_path("Intel(R) Xeon(R) Processor", 2, tmp_path) == \
-        tmp_path / "speed-intel-r-xeon-r-processor-t2.json"
+def test_the_default_file_is_named_by_the_device_threads_and_setting(tmp_path):
+    assert timing_setting("cpu", "fp32", "none", 64) == CPU
+    assert record_path("Intel(R) Xeon(R) Processor", 2, CPU, tmp_path) == \
+        tmp_path / "speed-intel-r-xeon-r-processor-t2-cpu-fp32-compile-none-batch-64.json"
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(InputError, match="doctor --speed"):
         read_record(tmp_path / "bad.json")
@@ -98,32 +102,34 @@ def test_the_tie_margin_comes_from_the_timed_devices_record(tmp_path):
     from pipeline.bench.blocks import device_name
 
     here = device_name(torch.device("cpu"))
-    assert tie_margin("none", [here], 1, tmp_path) == (0.0, None)
-    assert tie_margin(0.02, [here], 1, tmp_path) == (0.02, None)
-    with pytest.raises(MissingFileError, match=f"recorded for {re.escape(here)} at 1 thread.*pipeline doctor --speed"):
-        tie_margin("machine", [here], 1, tmp_path)
+    card = ("NVIDIA H200", GPU)
+    assert tie_margin("none", [(here, CPU)], 1, tmp_path) == (0.0, None)
+    assert tie_margin(0.02, [(here, CPU)], 1, tmp_path) == (0.02, None)
+    with pytest.raises(MissingFileError, match=f"recorded for {re.escape(here)} \\({CPU}\\) at 1 thread.*pipeline "
+                                               "doctor --speed"):
+        tie_margin("machine", [(here, CPU)], 1, tmp_path)
     config = load_config(DEMO, ["experiment.select.tie_margin=machine"])
     with pytest.raises(ConfigError, match="no run-to-run spread is recorded"):
         check_tie_margin(config, "cpu", True, tmp_path)
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
-    out = record_path(here, 1, tmp_path)
+    out = record_path(here, 1, CPU, tmp_path)
     measure_spread(SPEC, 2, 0.0, out=out, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
     # two ratios: sd = 0.01 * sqrt(2), mean 0.65
-    margin, shown = tie_margin("machine", [here, here], 1, tmp_path)
+    margin, shown = tie_margin("machine", [(here, CPU), (here, CPU)], 1, tmp_path)
     assert margin == pytest.approx(0.0141421 / 0.65, rel=1e-5) and shown.path == str(out)
-    assert tie_margin("none", [here], 1, tmp_path) == (0.0, shown)  # shown beside the speeds without a margin too
+    assert tie_margin("none", [(here, CPU)], 1, tmp_path) == (0.0, shown)  # shown beside the speeds without a margin
     check_tie_margin(config, "cpu", True, tmp_path)
-    assert machine_record(here, 2, tmp_path) is None  # another thread count: another record
-    assert machine_record("NVIDIA H200", 1, tmp_path) is None
-    with pytest.raises(MissingFileError, match="recorded for NVIDIA H200 at 1 thread"):
-        tie_margin("machine", [here, "NVIDIA H200"], 1, tmp_path)  # every device the models were timed on
+    assert machine_record(here, 2, CPU, tmp_path) is None  # another thread count: another record
+    assert machine_record(card[0], 1, card[1], tmp_path) is None
+    with pytest.raises(MissingFileError, match=r"recorded for NVIDIA H200 \(cuda bf16 .*\) at 1 thread"):
+        tie_margin("machine", [(here, CPU), card], 1, tmp_path)  # every device the models were timed on
     with pytest.raises(MissingFileError, match=r"recorded for no evaluated device"):
         tie_margin("machine", [], 1, tmp_path)
-    wide = json.loads(out.read_text()) | {"device": "NVIDIA H200", "between": 0.05}
-    record_path("NVIDIA H200", 1, tmp_path).write_text(json.dumps(wide))  # as doctor --speed wrote it on a GPU node
-    margin, shown = tie_margin("machine", [here, "NVIDIA H200"], 1, tmp_path)
+    wide = json.loads(out.read_text()) | {"device": "NVIDIA H200", "setting": GPU, "between": 0.05}
+    record_path(card[0], 1, card[1], tmp_path).write_text(json.dumps(wide))  # as doctor --speed wrote it on a GPU node
+    margin, shown = tie_margin("machine", [(here, CPU), card], 1, tmp_path)
     assert (margin, shown.device) == (0.05, "NVIDIA H200")  # mixed devices: the least steady one's spread
-    text = "\n".join(machine_lines(machine_record(here, 1, tmp_path), 0.0))
+    text = "\n".join(machine_lines(machine_record(here, 1, CPU, tmp_path), 0.0))
     assert "spread 2.2% (sd/mean; 0.640 to 0.660)" in text and str(out) in text
     assert machine_lines(None, 0.0) == []  # no record, no margin: the report as before
 
@@ -137,19 +143,20 @@ def test_the_plan_check_for_a_cluster_needs_a_record_of_the_evaluations_kind_of_
     with pytest.raises(ConfigError, match="no run-to-run spread of a cuda device at 1 thread.*on the cluster's nodes"):
         check_tie_margin(config, "cuda", False, tmp_path)
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
-    cpu = record_path("Some CPU", 1, tmp_path)
+    cpu = record_path("Some CPU", 1, CPU, tmp_path)
     measure_spread(SPEC, 2, 0.0, out=cpu, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
     check_tie_margin(config, "cpu", False, tmp_path)
     with pytest.raises(ConfigError, match="of a cuda device"):
         check_tie_margin(config, "cuda", False, tmp_path)  # a CPU's record is not a GPU's
-    card = json.loads(cpu.read_text()) | {"device": "NVIDIA H200", "setting": "cuda bf16 compile:default"}
-    record_path("NVIDIA H200", 2, tmp_path).write_text(json.dumps(card))
+    card = json.loads(cpu.read_text()) | {"device": "NVIDIA H200", "setting": GPU}
+    record_path("NVIDIA H200", 2, GPU, tmp_path).write_text(json.dumps(card))
     with pytest.raises(ConfigError, match="of a cuda device at 1 thread"):
         check_tie_margin(config, "cuda", False, tmp_path)  # at other threads
-    record_path("NVIDIA H200", 1, tmp_path).write_text(json.dumps(card))
+    record_path("NVIDIA H200", 1, GPU, tmp_path).write_text(json.dumps(card))
     check_tie_margin(config, "cuda", False, tmp_path)
-    record_path("Broken", 1, tmp_path).write_text("{}")
-    with pytest.raises(InputError, match="speed-broken-t1.json: not a record of `pipeline doctor --speed`"):
+    record_path("Broken", 1, CPU, tmp_path).write_text("{}")
+    with pytest.raises(InputError, match="speed-broken-t1-cpu-fp32-compile-none-batch-64.json: not a record of "
+                                         "`pipeline doctor --speed`"):
         check_tie_margin(config, "cuda", False, tmp_path)
 
 
@@ -165,10 +172,10 @@ def test_run_plan_checks_the_margin_for_the_device_the_evaluations_will_use(tmp_
     config = load_config(DEMO, ["experiment.select.tie_margin=machine", "experiment.ksearch_targets=null"])
     monkeypatch.chdir(tmp_path)
     here = device_name(torch.device("cpu"))
-    with pytest.raises(ConfigError, match=f"recorded for {re.escape(here)} at 1 thread"):
+    with pytest.raises(ConfigError, match=f"recorded for {re.escape(here)} \\({CPU}\\) at 1 thread"):
         checks.plan_checks(config)
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
-    measure_spread(SPEC, 2, 0.0, out=record_path(here, 1), log=lambda _: None, run_one=run_one, clock=clock,
+    measure_spread(SPEC, 2, 0.0, out=record_path(here, 1, CPU), log=lambda _: None, run_one=run_one, clock=clock,
                    sleep=sleep)
     assert checks.plan_checks(config)
 
@@ -265,11 +272,16 @@ def test_select_prints_the_timed_devices_spread_beside_the_interval(tmp_path, mo
     run_one, clock, sleep, _ = fake_processes([0.64, 0.66], run_s=1.0)
     from pipeline.bench.blocks import device_name
 
-    here = record_path(device_name(torch.device("cpu")), 1)  # this machine's: not where the pick was timed
+    here = record_path(device_name(torch.device("cpu")), 1, CPU)  # this machine's: not where the pick was timed
     measure_spread(SPEC, 2, 0.0, out=here, log=lambda _: None, run_one=run_one, clock=clock, sleep=sleep)
     assert main(args) == 0
     assert "machine_spread" not in capsys.readouterr().out
-    there = record_path("Another Node's CPU", 1)
+    for other in ("cpu bf16 compile:none batch:64", "cpu fp32 compile:default batch:64",
+                  "cpu fp32 compile:none batch:8"):
+        record_path("Another Node's CPU", 1, other).write_text(here.read_text())  # its records of other settings
+    assert main(args) == 0
+    assert "machine_spread" not in capsys.readouterr().out  # widen nothing: the pick was timed in none of them
+    there = record_path("Another Node's CPU", 1, CPU)
     there.write_text(here.read_text())
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()

@@ -96,7 +96,8 @@ def cmd_select(args: argparse.Namespace) -> int:
     print(f"model: {pick.uri}\ntop1: {pick.top1:.2f}\ngflops: {pick.gflops:.4f}\n"
           f"images_per_s: {pick.images_per_s:.1f}{interval} ({pick.device})\n"
           f"method: {pick.method}\nlevel: {pick.level}")
-    spread = machine_record(pick.device_name, pick.threads) if pick.images_per_s_low is not None else None
+    spread = (machine_record(pick.device_name, pick.threads, pick.timing) if pick.images_per_s_low is not None
+              else None)
     if spread is not None:  # the intervals hold within a run; this is how far a run moves on the timed device
         print(f"machine_spread: {spread.between:.1%} between processes (sd/mean), median half-width "
               f"{spread.within:.1%} within one ({spread.source()})")

@@ -11,7 +11,7 @@ from pipeline.dag.types import EvalResult, TrainedResult
 from pipeline.errors import InputError
 from pipeline.report import COST_LABELS, TARGET_COLUMNS, default_budgets, fronts, markdown_table, write_report
 from pipeline.serving.server import DEFAULT_STORE
-from pipeline.spread import tie_margin
+from pipeline.spread import tie_margin, timing_setting
 
 
 def result_rows(ft_stages: list[Stage], ft_results: dict[str, TrainedResult],
@@ -296,7 +296,8 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
                  for arch, base in (bases or {}).items()]
     targeted = target_rows(ctx, ft_stages, rows)
     record_latency(ctx.client, targeted, evaluations)
-    timed_on = [evaluation.device_name for evaluation in evaluations.values()]  # each model's device, by name
+    timed_on = [(e.device_name, timing_setting(e.device, e.dtype, e.compile, exp.eval.batch))  # each model's device,
+                for e in evaluations.values()]  # by name, and the setting it was timed in
     margin, spread = tie_margin(exp.select.tie_margin, timed_on, exp.eval.threads)
     if spread is not None:
         ctx.log(f"[select] the run-to-run spread of {spread.device} ({spread.source()}): {spread.summary()}")
