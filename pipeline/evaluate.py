@@ -175,12 +175,15 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
 @dataclass(frozen=True)
 class Scale:
     """One speed scale for every width: each architecture's unmodified model against the anchor's (the first),
-    paired, the anchor's images/s, and the anchor against a copy of itself (whose interval should cover 1)."""
+    paired, the anchor's images/s, and the anchor against a copy of itself (whose interval should cover 1); the clock
+    and the device it was timed on, which the evaluations it scales must share."""
 
     anchor: str
     anchor_images_per_s: float
     references: dict[str, SpeedRatio]  # architecture -> its unmodified model's time over the anchor's
     self_check: SpeedRatio
+    clock: str  # ``speed_clock``: the clock the scale was timed on
+    device_name: str  # ``bench.blocks.device_name`` of the device it was timed on
 
     def images_per_s(self, arch: str, ratio: float, low: float, high: float) -> tuple[float, float, float]:
         """A model of ``arch`` timed at ``ratio`` [low, high] of its reference: images/s and the interval's ends on
@@ -220,4 +223,7 @@ def reference_scale(checkpoints: dict[str, str], cfg: EvalConfig, *, cuda: bool 
                                  f"{tuple(images.shape[1:])}: their speeds have no common scale")
             references[label] = speed(run, anchor, images, device=target, dtype=dtype, compile=mode,
                                       threads=cfg.threads, settings=settings)
-    return Scale(labels[0], cfg.batch / self_check.reference_s, references, self_check)
+    from pipeline.bench.blocks import device_name
+
+    return Scale(labels[0], cfg.batch / self_check.reference_s, references, self_check,
+                 speed_clock(target, cfg.threads), device_name(target))

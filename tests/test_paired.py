@@ -335,7 +335,7 @@ def test_images_per_s_on_one_scale_written_out():
 
     one = SpeedRatio(1.0, 1.0, 1.0, 0, "anchor", 0.0, 0.0)
     scale = Scale("M32", 1000.0, {"M32": one, "M64": SpeedRatio(2.0, 1.9, 2.1, 40, "tolerance", 0.05, 3.0)},
-                  SpeedRatio(1.001, 0.99, 1.01, 40, "tolerance", 0.05, 3.0))
+                  SpeedRatio(1.001, 0.99, 1.01, 40, "tolerance", 0.05, 3.0), "cpu", "Test CPU")
     assert scale.images_per_s("M64", 0.5, 0.45, 0.55) == pytest.approx((1000.0, 1000 / 1.155, 1000 / 0.855))
     assert scale.images_per_s("M32", 0.5, 0.45, 0.55) == pytest.approx((2000.0, 1000 / 0.55, 1000 / 0.45))
 

@@ -351,6 +351,32 @@ def test_the_select_stage_refuses_speeds_timed_on_different_clocks():
         check_one_clock({"a": evaluation("cuda"), "b": evaluation(None)})
 
 
+def test_the_select_stage_refuses_a_scale_timed_on_another_clock_than_its_evaluations():
+    """The scale is timed on whatever device the select stage's task gets: CUDA evaluations (reused from a GPU node)
+    scaled on a CPU-only node's clock, or CPU ones on another clock, are refused in one line naming both clocks and
+    devices; the evaluations' own clock passes."""
+    from pipeline.bench.paired import SpeedRatio
+    from pipeline.dag.select import check_scale_clock
+    from pipeline.dag.types import EvalResult
+    from pipeline.evaluate import Scale
+
+    one = SpeedRatio(1.0, 1.0, 1.0, 0, "anchor", 0.0, 0.0)
+
+    def scale(clock: str, name: str) -> Scale:
+        return Scale("M32", 1000.0, {"M32": one}, one, clock, name)
+
+    gpu = {"a": EvalResult("r", "/ckpt", 70.0, 0.002, 2000.0, 10.0, 100, device="cuda", clock="cuda",
+                           device_name="NVIDIA H200")}
+    check_scale_clock(gpu, scale("cuda", "NVIDIA H200"))
+    with pytest.raises(InputError, match=r"^the select stage's speed scale was timed on the cpu clock \(AMD EPYC\), "
+                                         r"the evaluations on the cuda clock \(NVIDIA H200\): their ratios do not "
+                                         r"chain into one scale; .*--force evaluate`$"):
+        check_scale_clock(gpu, scale("cpu", "AMD EPYC"))
+    cpu = {"a": EvalResult("r", "/ckpt", 70.0, 0.002, 2000.0, 10.0, 100, clock="cpu", device_name="AMD EPYC")}
+    with pytest.raises(InputError, match=r"timed on the wall clock \(AMD EPYC\), the evaluations on the cpu clock"):
+        check_scale_clock(cpu, scale("wall", "AMD EPYC"))
+
+
 @pytest.mark.parametrize("version", [None, 1])
 def test_select_refuses_a_store_of_another_identity_version_with_runs_line(tmp_path, capsys, version):
     """A DAG parent recorded under identity version 1 (untagged: the only version before the tag, or tagged 1):

@@ -63,6 +63,21 @@ def check_one_clock(evaluations: dict[str, EvalResult]) -> None:
                          "`pipeline run CONFIG --force evaluate`")
 
 
+def check_scale_clock(evaluations: dict[str, EvalResult], scale) -> None:
+    """InputError where the select stage's scale (``evaluate.Scale``) was timed on another clock than the evaluations it
+    scales (one clock: ``check_one_clock``): the stage times it on whatever device its task gets now, and reused CUDA
+    evaluations scaled by a CPU's clock (``eval.device: auto`` on a node without a GPU) would chain ratios of two
+    clocks into images/s."""
+    clocks = {evaluation.clock for evaluation in evaluations.values()}
+    if clocks and clocks != {scale.clock}:
+        names = ", ".join(sorted({str(evaluation.device_name) for evaluation in evaluations.values()}))
+        raise InputError(f"the select stage's speed scale was timed on the {scale.clock} clock ({scale.device_name}), "
+                         f"the evaluations on the {', '.join(sorted(map(str, clocks)))} clock ({names}): their "
+                         "ratios do not chain into one scale; run the select stage where the evaluations ran (a "
+                         "node with their device, experiment.eval.device), or time them again here with `pipeline "
+                         "run CONFIG --force evaluate`")
+
+
 def measure_scale(ctx, rows: list[dict[str, Any]]):
     """``evaluate.Scale`` of the rows' architectures, measured now (never cached: it is what puts this run's
     models on one scale) in a Ray task that holds the ``timing`` resource, as every evaluation does."""
@@ -287,6 +302,7 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     check_one_clock(evaluations)
     rows = result_rows(ft_stages, ft_results, evaluations)
     scale = measure_scale(ctx, rows)
+    check_scale_clock(evaluations, scale)
     rows = on_scale(rows, scale)
     warning = self_check_warning(scale.self_check)
     if warning:
