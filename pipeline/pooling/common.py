@@ -244,7 +244,9 @@ def flagged_last(flags: Tensor) -> Tensor:
 
 def batch_offset(b: int, k: int, device: torch.device) -> Tensor:
     """(B, 1) offsets s * k that turn per-sample segment ids into rows of a flattened (B*K) output (zeros at k = 0)."""
-    return (torch.arange(b, device=device) * k).unsqueeze(1)
+    if k == 0:  # arange's step cannot be 0; a multiply instead would dispatch one op more every call, every block
+        return torch.zeros(b, 1, dtype=torch.long, device=device)
+    return torch.arange(0, b * k, k, device=device).unsqueeze(1)
 
 
 class Partition:
