@@ -188,6 +188,9 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
                          f"flops); give a latency target with a cost table, or one of {counted}")
     options = spec.resolve(method, options or {})
     first = next(iter(model.blocks))
+    if hasattr(first.attn, "rel_pos"):  # models.families: a relative position bias carried through the steps
+        raise InputError(f"no closed-form GFLOPs count of {type(model).__name__}'s blocks (a relative position bias "
+                         "that the pooled tokens carry); count it with fvcore: pipeline flops")
     dim, hidden = model.embed_dim, first.mlp.fc1.out_features
     n_tokens, prefix, depth = model.patch_embed.num_patches, model.num_prefix_tokens, len(list(model.blocks))
     patch = model.patch_embed.proj

@@ -18,6 +18,7 @@ import torch
 from timm.layers import LayerScale
 from timm.models._registry import _model_to_module
 from timm.models.vision_transformer import ResPostBlock, VisionTransformer
+from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
 from pipeline.errors import InputError
 from pipeline.methods import METHODS
@@ -52,8 +53,10 @@ ROWS: list[tuple[str, str, dict]] = [
     ("PE (perception encoder)", "vit_pe_core_tiny_patch16_384", {}),
     ("BEiT", "beit_base_patch16_224", {}),
     ("BEiT v2", "beitv2_base_patch16_224", {}),
-    ("ViT relative position", "vit_relpos_small_patch16_224", {}),
-    ("ViT shared relative position", "vit_srelpos_small_patch16_224", {}),
+    ("ViT relative position (MLP bias)", "vit_relpos_small_patch16_224", {"depth": 2, "img_size": 112}),
+    ("ViT shared relative position", "vit_srelpos_small_patch16_224", {"depth": 2, "img_size": 112}),
+    ("ViT relative position, post-norm", "vit_relpos_small_patch16_rpn_224", {"depth": 2, "img_size": 112}),
+    ("ViT relative position, class token", "vit_relpos_medium_patch16_cls_224", {"depth": 2, "img_size": 112}),
     ("SAM ViT", "samvit_base_patch16_224", {}),
     ("CaiT", "cait_xxs24_224", {}),
     ("ConViT", "convit_tiny", {}),
@@ -166,7 +169,8 @@ POOLED = [(name, overrides) for _, name, overrides in ROWS if name in {
     "vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "deit3_small_patch16_224",
     "vit_small_patch14_reg4_dinov2", "vit_medium_patch16_reg4_gap_256", "vit_base_patch16_siglip_224",
     "vit_base_patch16_clip_224", "flexivit_small", "vit_tiny_r_s16_p8_224", "vitamin_small_224",
-    "vit_base_patch16_rpn_224", "deit_tiny_patch16_224"}]
+    "vit_base_patch16_rpn_224", "deit_tiny_patch16_224", "vit_relpos_small_patch16_224",
+    "vit_srelpos_small_patch16_224", "vit_relpos_small_patch16_rpn_224", "vit_relpos_medium_patch16_cls_224"}]
 
 
 @pytest.mark.slow
@@ -175,7 +179,7 @@ def test_a_pooled_family_moves_its_logits_and_keeps_timms_at_k_equal_n(name, ove
     assert decisions[name][0] == "pooled"
     torch.manual_seed(0)
     reference = timm.create_model(name, num_classes=5, **overrides).eval()
-    for module in reference.modules():  # LayerScale starts at 1e-5 (DeiT-3): blocks that barely move the logits
+    for module in reference.modules():  # LayerScale starts at 1e-5 or 1e-6: blocks that barely move the logits
         if isinstance(module, LayerScale):
             module.gamma.data.fill_(1.0)
     n, depth = reference.patch_embed.num_patches, len(reference.blocks)
@@ -300,9 +304,8 @@ def test_another_image_size_is_refused_not_pooled_by_the_wrong_list():
 
 
 def test_create_model_refuses_an_unsupported_family_even_unmodified():
-    with pytest.raises(InputError, match=r"^test_vit_relpos \(vision_transformer_relpos\) cannot be pooled: .*"
-                                         r"relative position bias"):
-        create_model("test_vit_relpos")
+    with pytest.raises(InputError, match=r"^eva02_tiny_patch14_224 \(eva\) cannot be pooled: .*rotary embeddings"):
+        create_model("eva02_tiny_patch14_224")
 
 
 if __name__ == "__main__":  # writes docs/models.md's table
@@ -343,15 +346,93 @@ def _one_line_refusal(capsys, *args: str) -> str:
 
 def test_run_plan_refuses_an_experiment_of_an_unsupported_family(capsys):
     err = _one_line_refusal(capsys, "run", str(ROOT / "configs" / "experiments" / "demo.yaml"), "--plan",
-                            "--set", "model.name=test_vit_relpos")
-    assert err.startswith("error: model: test_vit_relpos (vision_transformer_relpos) cannot be pooled: ")
+                            "--set", "model.name=eva02_tiny_patch14_224")
+    assert err.startswith("error: model: eva02_tiny_patch14_224 (eva) cannot be pooled: ")
 
 
 def test_flops_and_evaluate_refuse_an_unsupported_family_and_write_nothing(capsys, tmp_path):
     err = _one_line_refusal(capsys, "flops", "--model", "xcit_nano_12_p16_224")
     assert err.startswith("error: xcit_nano_12_p16_224 (xcit) cannot be pooled: ")
     out = tmp_path / "out"
-    err = _one_line_refusal(capsys, "evaluate", "--model", "test_vit_relpos", "--out", str(out),
+    err = _one_line_refusal(capsys, "evaluate", "--model", "eva02_tiny_patch14_224", "--out", str(out),
                             "--data", str(tmp_path / "val.beton"), "--method", "powerbert", "--keep", "4,4")
-    assert err.startswith("error: test_vit_relpos (vision_transformer_relpos) cannot be pooled: ")
+    assert err.startswith("error: eva02_tiny_patch14_224 (eva) cannot be pooled: ")
     assert not out.exists()
+
+
+# ---- relative position bias: the bias travels with the tokens ---------------------------------------------------
+
+def tiny_relpos(**kwargs) -> VisionTransformerRelPos:
+    torch.manual_seed(0)
+    args = dict(class_token=True, global_pool="token", rel_pos_type="bias", init_values=None) | kwargs
+    model = VisionTransformerRelPos(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4,
+                                    **args).eval()
+    for name, param in model.named_parameters():  # timm starts the bias tables at 0: give them values to carry
+        if "relative_position_bias_table" in name:
+            param.data.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(7))
+    return model
+
+
+def relpos_reference(model, x: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """PoWER-BERT on a relative-position ViT from timm's parts, the bias of every pair of kept tokens looked up
+    token by token from the original tokens they are: attention with the bias, the k tokens of highest eq. 4
+    significance kept in their order, then the MLP half."""
+    t = model.patch_embed(x)
+    t = torch.cat((model.cls_token.expand(t.shape[0], -1, -1), t), dim=1)
+    p, b = model.num_prefix_tokens, t.shape[0]
+    ids = [list(range(t.shape[1])) for _ in range(b)]  # the original token behind each token, per image
+    shared = model.shared_rel_pos.get_bias() if model.shared_rel_pos is not None else None
+    for block, k in zip(model.blocks, keep):
+        table = (block.attn.rel_pos.get_bias() if block.attn.rel_pos is not None else shared)[0]  # (H, T0, T0)
+        n = t.shape[1]
+        bias = torch.stack([torch.stack([torch.stack([table[:, ids[i][r], ids[i][c]] for c in range(n)], -1)
+                                         for r in range(n)], -2) for i in range(b)])  # (B, H, n, n)
+        attn = block.attn
+        q, key, v = attn.qkv(block.norm1(t)).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        probs = (q @ key.transpose(-2, -1) * attn.scale + bias).softmax(-1)
+        t = t + block.ls1(attn.proj((probs @ v).transpose(1, 2).reshape(b, n, -1)))
+        if k < n - p:
+            scores = probs.sum(dim=(1, 2))[:, p:]
+            kept = scores.topk(k, dim=1).indices.sort(dim=1).values
+            t = torch.cat([t[:, :p], t[:, p:].gather(1, kept[..., None].expand(-1, -1, t.shape[-1]))], dim=1)
+            ids = [ids[i][:p] + [ids[i][p + j] for j in kept[i].tolist()] for i in range(b)]
+        t = t + block.ls2(block.mlp(block.norm2(t)))
+    return model.forward_head(model.norm(t))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_relpos_selection_against_a_token_by_token_reference(shared):
+    model = tiny_relpos(shared_rel_pos=shared)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    keep = [12, 7, 3]
+    with torch.no_grad():
+        expected = relpos_reference(model, x, keep)
+        found = apply_downsampling(copy.deepcopy(model), "powerbert", keep)(x)
+        unpooled = model(x)
+        same = apply_downsampling(copy.deepcopy(model), "powerbert", [16] * 3)(x)
+    torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
+    assert (found - unpooled).abs().max() > 1e-3
+    torch.testing.assert_close(same, unpooled)
+
+
+def test_a_merged_tokens_bias_is_the_size_weighted_mean_over_both_members():
+    from pipeline.models.downsampling import pooled_bias, pooled_positions
+
+    g = torch.Generator().manual_seed(5)
+    p, n0, h = 1, 6, 2
+    bias = torch.randn(1, h, p + n0, p + n0, generator=g)
+    assign = torch.tensor([[0, 2, 1, 2, -1, 0], [1, 1, 1, 0, 0, 2]])  # two steps' worth of clusters, one dropped
+    sizes = torch.rand(2, n0, generator=g) + 0.5
+    positions = pooled_positions(None, assign, sizes, p, 3, p + n0)
+    found = pooled_bias(bias, positions)  # (B, H, P+3, P+3)
+    for i in range(2):  # brute force: the members of each output, weighted by size
+        members = [[0]] + [[p + a for a in range(n0) if assign[i, a] == c] for c in range(3)]
+        weight = [[1.0]] + [[float(sizes[i, a - p]) for a in m] for m in members[1:]]
+        for r in range(p + 3):
+            for c in range(p + 3):
+                total = sum(wa * wb * bias[0, :, a, b2] for a, wa in zip(members[r], weight[r])
+                            for b2, wb in zip(members[c], weight[c]))
+                torch.testing.assert_close(found[i, :, r, c], total / (sum(weight[r]) * sum(weight[c])))
+    # A second step composes: the weights of a token over the original ones still add up to 1.
+    again = pooled_positions(positions, torch.tensor([[1, 0, -1], [0, 0, 1]]), None, p, 2, p + n0)
+    torch.testing.assert_close(again.sum(-1), torch.ones(2, p + 2))

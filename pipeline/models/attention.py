@@ -59,6 +59,7 @@ def attend(
     keys: bool = False,
     significance: str = "eq4",
     kernels: KernelChoice | None = None,
+    position_bias: Tensor | None = None,
 ) -> tuple[Tensor, AttentionStats | None]:
     """Runs ``attn`` on x (B, T, M) with T = prefix + tokens.
 
@@ -76,6 +77,8 @@ def attend(
             attention, ``cls_significance``; token 0 must be the class token). With ``"cls"`` the
             output always comes from the fused attention.
         kernels: the model's ``runtime.KernelChoice``; its ``attention`` picks the CUDA inference path.
+        position_bias: (1 or B, H, T, T) added to the logits (a relative position bias, ``models.families``);
+            the attention and the scores then come from one dense softmax in torch (``_dense_attention``).
 
     Returns:
         ((B, T, M) output, AttentionStats, or None when neither statistic was asked for).
@@ -94,6 +97,10 @@ def attend(
         scale = 1.0
     dropout = attn.attn_drop.p if attn.training else 0.0
     eq4 = scores and significance == "eq4"
+    if position_bias is not None:
+        out, found = _dense_attention(q, k, v, scale, position_bias, log_sizes, dropout,
+                                      None if not scores else significance)
+        return _output(attn, out, found, k if keys else None, num_prefix, scores)
     found = None
     choice = "auto" if kernels is None else kernels.attention
     if eq4 and dropout == 0.0 and (not use_dense(q) or _one_pass(q, choice)):  # one set of logits for both
@@ -110,14 +117,45 @@ def attend(
                 found = attention_significance(q, k, scale, log_sizes)
     if scores and not eq4:
         found = cls_significance(q, k, scale, log_sizes)
+    return _output(attn, out, found, k if keys else None, num_prefix, scores)
+
+
+def _output(attn: nn.Module, out: Tensor, found: Tensor | None, keys: Tensor | None, num_prefix: int, scores: bool
+            ) -> tuple[Tensor, AttentionStats | None]:
+    """The attention's projected output (B, T, M) from the heads' outputs (B, H, T, D), and the statistics of the
+    non-prefix tokens asked for: the scores ``found`` (B, T), the keys (B, H, T, D) averaged over heads."""
+    b, _, t, _ = out.shape
     stats = None
-    if scores or keys:
+    if scores or keys is not None:
         stats = AttentionStats(
             scores=found[:, num_prefix:] if scores else None,
-            keys=k.mean(dim=1)[:, num_prefix:] if keys else None,
+            keys=keys.mean(dim=1)[:, num_prefix:] if keys is not None else None,
         )
     out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)  # not -1: B may be 0
-    return attn.proj_drop(attn.proj(attn.norm(out))), stats
+    norm = getattr(attn, "norm", None)  # timm's Attention has one (scale_norm); RelPosAttention does not
+    return attn.proj_drop(attn.proj(out if norm is None else norm(out))), stats
+
+
+def _dense_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, position_bias: Tensor, log_sizes: Tensor | None,
+                     dropout: float, significance: str | None) -> tuple[Tensor, Tensor | None]:
+    """Softmax attention with an additive (1 or B, H, T, T) bias, and its scores, from one dense softmax in torch:
+    q, k, v (B, H, T, D) -> ((B, H, T, D) in v's dtype, (B, T) float32 scores or None).
+
+    Why not the fused kernels: they take a per-key bias (proportional attention's log sizes) and no per-pair one.
+    The scores are eq. 4 (``"eq4"``: the probabilities summed over heads and queries) or the class token's row
+    (``"cls"``); the logits and the softmax are float32 whatever the dtype.
+    """
+    logits = (q.float() * scale) @ k.float().transpose(-2, -1) + position_bias.float()  # (B, H, T, T)
+    if log_sizes is not None:
+        logits = logits + log_sizes[:, None, None, :].float()
+    probs = logits.softmax(dim=-1)
+    found = None
+    if significance == "eq4":
+        found = probs.sum(dim=(1, 2))
+    elif significance == "cls":
+        found = probs[:, :, 0].sum(dim=1)
+    weights = F.dropout(probs, dropout) if dropout else probs
+    return (weights.to(v.dtype) @ v), found
 
 
 def _one_pass(q: Tensor, choice: str = "auto") -> bool:

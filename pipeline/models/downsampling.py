@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
 from pipeline.models.attention import attend
-from pipeline.models.families import BlockAdapter, check_model, refuse_direct_calls
+from pipeline.models.families import BlockAdapter, check_model, pooled_class, refuse_direct_calls
 from pipeline.models.keep import effective_keep
-from pipeline.pooling.common import PoolResult, stable_ranks
+from pipeline.pooling.common import PoolResult, one_hot, stable_ranks
 from pipeline.pooling.conv import grid_shape
 from pipeline.runtime import KernelChoice
 
@@ -122,27 +122,32 @@ class DownsamplingBlocks(nn.Sequential):
             grid = getattr(block.downsample, "out_grid", None)
             n = k
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, shared_bias: Tensor | None = None) -> Tensor:
+        """x (B, P+N, M) -> (B, P+K_L, M); ``shared_bias`` (1, H, P+N, P+N): the model's shared relative position
+        bias, for blocks whose adapter has one and whose attention holds none of its own."""
         b, t, _ = x.shape
         if t - self.num_prefix != self.num_tokens:  # another image size (timm's dynamic_img_size)
             raise InputError(f"this model's keep list was made for {self.num_tokens} tokens an image, but "
                              f"{t - self.num_prefix} arrive (an image of another size); build the model at the size "
                              "it runs at (create_model(..., img_size=...), model.img_size in a config)")
         sizes = torch.ones(b, t, device=x.device, dtype=torch.float32) if self.config.carry else None
+        positions = None  # (B, P+n, P+N): each token's weights over the tokens the biases were made for; None: I
         for layer, block in enumerate(self):
-            x, sizes = self._run_block(layer, block, x, sizes)
+            x, sizes, positions = self._run_block(layer, block, x, sizes, positions, shared_bias)
         return x
 
     # ---- a block's three parts, which the model and the latency tables (``bench.blocks``) both run ----
 
     def attention_half(self, block: nn.Module, x: Tensor, *, sizes: Tensor | None = None, scores: bool = False,
-                       keys: bool = False) -> tuple[Tensor, Any]:
+                       keys: bool = False, position_bias: Tensor | None = None) -> tuple[Tensor, Any]:
         """The attention branch of ``block`` on x (B, P+n, M), after LayerScale and drop-path, before the residual
-        sum: ((B, P+n, M), ``AttentionStats`` with the scores and keys asked for, or None)."""
+        sum: ((B, P+n, M), ``AttentionStats`` with the scores and keys asked for, or None). ``position_bias``
+        (1 or B, H, P+n, P+n): the block's relative position bias over these tokens (``pooled_bias``)."""
         out, stats = attend(
             block.attn, self.adapter.attention_input(block, x), num_prefix=self.num_prefix,
             log_sizes=None if sizes is None else sizes.log(), qk_alpha=getattr(block, "qk_alpha", None),
             scores=scores, keys=keys, significance=self.significance, kernels=self.kernels,
+            position_bias=position_bias,
         )
         return self.adapter.attention_branch(block, out), stats
 
@@ -167,14 +172,16 @@ class DownsamplingBlocks(nn.Sequential):
         """The MLP half of ``block`` with its residual sum: (B, T, M) -> (B, T, M)."""
         return self.adapter.mlp_half(block, x)
 
-    def _run_block(self, layer: int, block: nn.Module, x: Tensor, sizes: Tensor | None
-                   ) -> tuple[Tensor, Tensor | None]:
+    def _run_block(self, layer: int, block: nn.Module, x: Tensor, sizes: Tensor | None, positions: Tensor | None,
+                   shared_bias: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         p, k, record = self.num_prefix, self.config.keep[layer], self.recorder is not None
         downsample = k < x.shape[1] - p
         pool = downsample and k > 0
         soft = hasattr(block, "retention")
+        bias = self.adapter.position_bias(block, shared_bias)
         attended, stats = self.attention_half(block, x, sizes=sizes, keys=record or (pool and self.needs_keys),
-                                              scores=record or soft or (pool and self.needs_scores))
+                                              scores=record or soft or (pool and self.needs_scores),
+                                              position_bias=None if bias is None else pooled_bias(bias, positions))
         before = x
         x = mixed = before + attended
         assign = None
@@ -184,14 +191,48 @@ class DownsamplingBlocks(nn.Sequential):
             if record:
                 assign = torch.full(x[:, p:, 0].shape, -1, dtype=torch.long, device=x.device)
             x = x[:, :p]
+            positions = None if bias is None else pooled_positions(positions, None, None, p, 0, before.shape[1])
             sizes = None if sizes is None else sizes[:, :p]
         elif downsample:
+            members = None if sizes is None else sizes[:, p:]
             x, sizes, result = self.pool_step(block, x, k, stats, sizes)
             assign = result.assign if record else None
+            if bias is not None:
+                positions = pooled_positions(positions, result.assign, members, p, k, before.shape[1])
         if record:
             self.recorder(BlockRecord(layer, before[:, p:], attended[:, p:], mixed[:, p:], stats.scores,
                                       stats.keys, assign))
-        return self.mlp_half(block, x), sizes
+        return self.mlp_half(block, x), sizes, positions
+
+
+def pooled_positions(positions: Tensor | None, assign: Tensor | None, members: Tensor | None, p: int, k: int,
+                     t: int) -> Tensor:
+    """Each token's weights over the tokens a relative position bias was made for, after a step: (B, P+k, P+N).
+
+    A pooled token stands for the size-weighted mean of its members (``members``, the carried sizes (B, n), or
+    one each): a kept token for itself alone, a cluster or a merge for its members by size. ``positions``
+    (B, P+n, P+N) are the weights before the step (None: every token its own, n = N and t = P+N tokens);
+    ``assign`` (B, n) the output slot of each of the n tokens (-1: dropped), None when k = 0.
+    """
+    if positions is None:
+        b = 1 if assign is None else assign.shape[0]
+        device = None if assign is None else assign.device
+        positions = torch.eye(t, device=device).expand(b, t, t)
+    if k == 0:
+        return positions[:, :p]
+    weights = torch.ones(assign.shape, device=assign.device) if members is None else members.float()
+    share = one_hot(assign.clamp(min=0), k, torch.float32) * (weights * (assign >= 0))[:, None, :]  # (B, k, n)
+    share = share / share.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.cat([positions[:, :p], share @ positions[:, p:]], dim=1)
+
+
+def pooled_bias(bias: Tensor, positions: Tensor | None) -> Tensor:
+    """A relative position bias (1, H, T0, T0) over the tokens now in the block: positions (B, T, T0) -> (B, H, T, T),
+    ``b_ij = sum_ab w_ia w_jb bias_ab`` (the size-weighted mean over both tokens' members); the bias itself while
+    every token is its own (positions None)."""
+    if positions is None:
+        return bias
+    return torch.einsum("zia,hac,zjc->zhij", positions, bias[0].float(), positions)
 
 
 def unit_interval(retention: Tensor) -> Tensor:
@@ -322,6 +363,7 @@ def apply_downsampling(
                                 num_tokens=num_tokens, grid=grid, kernels=kernels)
     refuse_direct_calls(blocks)
     model.blocks = blocks
+    model.__class__ = pooled_class(model)  # timm's own, or one whose forward calls the blocks as one (families)
     return model
 
 

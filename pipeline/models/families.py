@@ -5,18 +5,20 @@ runs, a one-line refusal for every other family, and a forward that proves the m
 A model is pooled only where three things hold:
 
 1. it is a timm ``VisionTransformer`` (DeiT, DeiT-3, ViT, hybrids, ViTamin, FlexiViT, SigLIP, CLIP, register and
-   global-pool models: the families whose ``forward_features`` calls ``self.blocks(x)``), and every one of its
+   global-pool models: the families whose ``forward_features`` calls ``self.blocks(x)``) or
+   ``VisionTransformerRelPos`` (run as ``PooledRelPos``, which calls its blocks as one), and every one of its
    blocks is of a kind with an adapter here (``ADAPTERS``): timm's pre-norm ``Block`` and post-norm
-   ``ResPostBlock``, with timm's plain ``Attention``. The adapter says how the block runs as its two residual
-   halves, so ``DownsamplingBlocks`` places the step between them without reading a block's attribute names;
+   ``ResPostBlock`` with timm's plain ``Attention``, and their relative-position kinds. The adapter says how the
+   block runs as its two residual halves and where its position bias comes from, so ``DownsamplingBlocks``
+   places the step between them without reading a block's attribute names;
 2. its forward reaches ``model.blocks`` as one call (``check_runs_blocks``): a model that loops over its blocks
-   itself (EVA-02, BEiT, ``vit_relpos``, XCiT, ConViT do, to hand each block a position term) would never run
+   itself (EVA-02, BEiT, XCiT, ConViT do, to hand each block a position term) would never run
    the step, so it is refused, even as a subclass of ``VisionTransformer``;
 3. once pooled, a block is never called by itself (``refuse_direct_calls``): timm's ``forward_intermediates``,
    ``forward_features(attn_mask=...)`` and gradient checkpointing call each block directly, which would skip the
    step and read a keep list against tokens it never made, so those calls raise instead.
 
-Families whose blocks take position terms (relative position bias, rotary embeddings), mix heads (CaiT's talking
+Families whose blocks take other position terms (BEiT's bias, rotary embeddings), mix heads (CaiT's talking
 heads), run attention and MLP in parallel, or change the token grid (Swin, MViT, PiT, ...) are refused with
 the reason (``REFUSED_FAMILIES``, ``REFUSED_BLOCKS``); docs/models.md lists every family of the pinned timm and
 ``tests/test_model_families.py`` builds one model of each to hold the list to what the code decides.
@@ -30,6 +32,12 @@ import torch
 from timm.layers import Attention
 from timm.models._registry import _model_to_module
 from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
+from timm.models.vision_transformer_relpos import (
+    RelPosAttention,
+    RelPosBlock,
+    ResPostRelPosBlock,
+    VisionTransformerRelPos,
+)
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
@@ -47,6 +55,16 @@ class BlockAdapter:
 
     name: str
     post_norm: bool
+    attention: type = Attention  # the exact attention class the block must hold
+    relative_bias: bool = False  # its attention adds a relative position bias (H, T, T) to the logits
+
+    def position_bias(self, block: nn.Module, shared: Tensor | None) -> Tensor | None:
+        """The block's relative position bias over the tokens it was trained on, (1, H, T0, T0): its own
+        (``attn.rel_pos``), else the model's shared one (``shared``); None for a block without one."""
+        if not self.relative_bias:
+            return None
+        own = block.attn.rel_pos
+        return own.get_bias() if own is not None else shared
 
     def attention_input(self, block: nn.Module, x: Tensor) -> Tensor:
         """What the attention of ``block`` reads: x (B, T, M), normalised for a pre-norm block."""
@@ -67,7 +85,34 @@ class BlockAdapter:
 ADAPTERS: dict[type, BlockAdapter] = {
     Block: BlockAdapter("pre-norm", post_norm=False),
     ResPostBlock: BlockAdapter("post-norm", post_norm=True),
+    RelPosBlock: BlockAdapter("pre-norm, relative position bias", post_norm=False, attention=RelPosAttention,
+                              relative_bias=True),
+    ResPostRelPosBlock: BlockAdapter("post-norm, relative position bias", post_norm=True, attention=RelPosAttention,
+                                     relative_bias=True),
 }
+
+
+class PooledRelPos(VisionTransformerRelPos):
+    """timm's ``VisionTransformerRelPos`` with its blocks called as one, ``self.blocks(x, shared_rel_pos)``.
+
+    Why a subclass: timm's ``forward_features`` loops over the blocks to hand each the shared bias, and offers no
+    seam to call them otherwise; this is that forward with the loop made one call, the only change. A pooled
+    model (``apply_downsampling``) is given this class; the state dict and every module stay timm's.
+    """
+
+    def forward_features(self, x: Tensor, **kwargs) -> Tensor:
+        if kwargs:
+            raise InputError(f"a pooled model's forward_features takes only the images, not {sorted(kwargs)}")
+        x = self.patch_embed(x)
+        if self.cls_token is not None:
+            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        shared = self.shared_rel_pos.get_bias() if self.shared_rel_pos is not None else None
+        return self.norm(self.blocks(x, shared))
+
+
+# Model classes the step runs in, each with the class it is given while pooled (itself where timm's forward calls
+# ``self.blocks(x)``).
+POOLED_CLASS: dict[type, type] = {VisionTransformer: VisionTransformer, VisionTransformerRelPos: PooledRelPos}
 
 # Why each of timm's other ViT-like families is refused (its models' module in timm's registry).
 _POSITION_TERMS = "its forward hands every block a position term ({}) in a loop of its own, which the step's pooled " \
@@ -77,7 +122,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "beit": _POSITION_TERMS.format("a relative position bias, shared_rel_pos_bias"),
     "eva": _POSITION_TERMS.format("rotary embeddings, blk(x, rope=...); EVA-02, DINOv3, PE and the vit_*_rope_* "
                                   "models are of this class"),
-    "vision_transformer_relpos": _POSITION_TERMS.format("a relative position bias, shared_rel_pos"),
     "vision_transformer_sam": _POSITION_TERMS.format("windowed attention with relative positions"),
     "xcit": _POSITION_TERMS.format("the patch grid's height and width, blk(x, Hp, Wp), for cross-covariance "
                                    "attention over channels"),
@@ -133,7 +177,7 @@ def block_adapter(model: nn.Module) -> BlockAdapter:
     """
     name, family = model_label(model)
     where = f"{name} ({family})"
-    if not isinstance(model, VisionTransformer):
+    if not isinstance(model, tuple(POOLED_CLASS)):
         why = REFUSED_FAMILIES.get(family, f"a {type(model).__name__}, not a timm VisionTransformer")
         raise InputError(f"{where} cannot be pooled: {why}. Token Pooling needs a timm VisionTransformer "
                          "(DeiT, ViT, ...; docs/models.md lists every family)")
@@ -144,12 +188,12 @@ def block_adapter(model: nn.Module) -> BlockAdapter:
                                                     "residual halves")
             raise InputError(f"{where} cannot be pooled: {why} (docs/models.md)")
     for block in model.blocks:
-        attn = block.attn
-        if type(attn) is not Attention:
+        attn, expected = block.attn, ADAPTERS[type(block)].attention
+        if type(attn) is not expected:
             why = REFUSED_ATTENTION.get(type(attn).__name__, f"its attention is {type(attn).__name__}, not timm's "
-                                                             "Attention")
+                                                             f"{expected.__name__}")
             raise InputError(f"{where} cannot be pooled: {why} (docs/models.md)")
-        if attn.gate is not None:
+        if getattr(attn, "gate", None) is not None:
             raise InputError(f"{where} cannot be pooled: its attention is gated (a sigmoid gate on the output), "
                              "which the step's attention does not run (docs/models.md)")
     if len(kinds) > 1:
@@ -215,10 +259,21 @@ def check_runs_blocks(model: nn.Module) -> None:
                      "step there would never run (docs/models.md)")
 
 
+def pooled_class(model: nn.Module) -> type:
+    """The class ``model`` runs as while pooled (``POOLED_CLASS``): its own, or the one that calls its blocks as one."""
+    return POOLED_CLASS.get(type(model), type(model))  # a subclass keeps its own forward, which the probe checks
+
+
 def check_model(model: nn.Module) -> BlockAdapter:
-    """``block_adapter`` and ``check_runs_blocks``: the adapter of a model the step runs in, or InputError."""
+    """``block_adapter`` and ``check_runs_blocks`` (as the model will run pooled): the adapter of a model the step
+    runs in, or InputError; the model is left as it was."""
     adapter = block_adapter(model)
-    check_runs_blocks(model)
+    own = type(model)
+    model.__class__ = pooled_class(model)
+    try:
+        check_runs_blocks(model)
+    finally:
+        model.__class__ = own
     return adapter
 
 
