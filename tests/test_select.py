@@ -443,7 +443,7 @@ def test_select_refuses_an_evaluation_without_a_field_it_reads_in_one_line(tmp_p
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())
     params = {"checkpoint": "/ckpt/m", "method": "none", "level": "full", "eval_device": "cpu", "eval_threads": "1",
-              "eval_device_name": "Test CPU"}
+              "eval_device_name": "Test CPU", "eval_dtype": "fp32", "eval_compile": "none", "eval_batch": "64"}
     metrics = {"top1": 70.0, "gflops": 0.002, "images_per_s": 500.0, "images_per_s_scaled": 500.0,
                "images_per_s_low": 450.0, "images_per_s_high": 550.0}
     for dag, (drop, says) in enumerate((
