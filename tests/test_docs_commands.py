@@ -2,9 +2,10 @@
 parser as printed, and every ``pipeline run`` passes ``--plan`` (docs/testing.md, "Commands in the docs").
 
 A command is found wherever it is printed: a line of a fenced shell block (``\\`` continuations joined, shell
-variables the block itself sets expanded) or an inline code span in the prose. Its variable parts are placeholders in
-one convention, ``<NAME>`` (``<CHECKPOINT>``, ``<BETON>``, ``<OUT>``), which the test fills with tiny fixtures; ``[...]``
-marks an optional part, checked as if given; a path written with ``...`` in it is refused, since nothing can fill it.
+variables the block itself sets expanded) or an inline code span in the prose. Its variable parts are placeholders
+in one convention, ``<NAME>`` (``<CHECKPOINT>``, ``<BETON>``, ``<OUT>``), which the test fills with tiny fixtures;
+``[...]`` marks an optional part, checked as if given; a path written with ``...`` in it is refused, since nothing
+can fill it.
 A command added to these docs later is checked with no change here."""
 
 from __future__ import annotations

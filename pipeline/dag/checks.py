@@ -26,6 +26,7 @@ from pipeline.dag.plan import (
     finetune_stage,
     found,
     ksearch_stages,
+    paper_levels,
 )
 from pipeline.errors import InputError, MissingFileError, PipelineWarning
 from pipeline.methods import GRID_CONV, KEEP_ALL
@@ -38,6 +39,7 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
     last (it may connect to one); returns the training stages it made (a finetune a method, with its level's keep
     list left open)."""
     check_data_plan(config)
+    check_paper_levels(config)
     check_model_families(config)
     stages = training_stages(config)
     check_given_bases(config)
@@ -60,6 +62,15 @@ def check_model_families(config: Config) -> None:
     for arch in archs(config):
         with torch.device("meta"):  # the classes and a forward of shapes only; build_model says "model: ..."
             build_model(base_stage(config, arch).config)
+
+
+def check_paper_levels(config: Config) -> None:
+    """Each model has the paper's keep list at each ``experiment.levels`` level (configs/sparsity/), read as the
+    run reads it before its first stage (``runner.check_experiment``): DeiT-Ti, whose keep lists the paper does not
+    print, is refused by the plan as by the run, in the same line."""
+    if config.experiment.levels is not None:
+        for arch in archs(config):
+            paper_levels(config, arch)
 
 
 def check_given_bases(config: Config) -> None:
