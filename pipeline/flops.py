@@ -40,6 +40,7 @@ from torch import nn
 from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, downsamples, method_spec
+from pipeline.models.families import block_adapter
 from pipeline.sparsity import level_keep
 
 with warnings.catch_warnings():
@@ -188,7 +189,7 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
                          f"flops); give a latency target with a cost table, or one of {counted}")
     options = spec.resolve(method, options or {})
     first = next(iter(model.blocks))
-    if hasattr(first.attn, "rel_pos"):  # models.families: a relative position bias carried through the steps
+    if block_adapter(model).relative_bias:  # a relative position bias carried through the steps
         raise InputError(f"no closed-form GFLOPs count of {type(model).__name__}'s blocks (a relative position bias "
                          "that the pooled tokens carry); count it with fvcore: pipeline flops")
     dim, hidden = model.embed_dim, first.mlp.fc1.out_features

@@ -88,9 +88,11 @@ def attend(
     if significance not in SIGNIFICANCE.choices:
         raise InputError(f"significance must be one of {SIGNIFICANCE.choices}, got {significance!r}")
     b, t, _ = x.shape
-    qkv = attn.qkv(x).reshape(b, t, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    qkv = _qkv(attn, x)
+    qkv = qkv.reshape(b, t, 3, attn.num_heads, qkv.shape[-1] // (3 * attn.num_heads)).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)  # (B, H, T, hd)
-    q, k = attn.q_norm(q), attn.k_norm(k)
+    if hasattr(attn, "q_norm"):  # timm's Attention and RelPosAttention; BEiT's has none
+        q, k = attn.q_norm(q), attn.k_norm(k)
     scale = attn.scale
     if qk_alpha is not None:  # alpha * q^ . k^ as a fused attention with pre-scaled queries
         q, k = F.normalize(q, dim=-1) * qk_alpha.to(q.dtype), F.normalize(k, dim=-1)
@@ -120,18 +122,27 @@ def attend(
     return _output(attn, out, found, k if keys else None, num_prefix, scores)
 
 
+def _qkv(attn: nn.Module, x: Tensor) -> Tensor:
+    """The module's packed queries, keys and values (B, T, 3 H D): its ``qkv`` layer, with BEiT's separate
+    ``q_bias``/``k_bias``/``v_bias`` added as its own forward adds them."""
+    if getattr(attn, "q_bias", None) is None:
+        return attn.qkv(x)
+    bias = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+    return attn.qkv(x) + bias if attn.qkv_bias_separate else F.linear(x, weight=attn.qkv.weight, bias=bias)
+
+
 def _output(attn: nn.Module, out: Tensor, found: Tensor | None, keys: Tensor | None, num_prefix: int, scores: bool
             ) -> tuple[Tensor, AttentionStats | None]:
     """The attention's projected output (B, T, M) from the heads' outputs (B, H, T, D), and the statistics of the
     non-prefix tokens asked for: the scores ``found`` (B, T), the keys (B, H, T, D) averaged over heads."""
-    b, _, t, _ = out.shape
+    b, h, t, d = out.shape
     stats = None
     if scores or keys is not None:
         stats = AttentionStats(
             scores=found[:, num_prefix:] if scores else None,
             keys=keys.mean(dim=1)[:, num_prefix:] if keys is not None else None,
         )
-    out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)  # not -1: B may be 0
+    out = out.transpose(1, 2).reshape(b, t, h * d)  # not -1: B may be 0
     norm = getattr(attn, "norm", None)  # timm's Attention has one (scale_norm); RelPosAttention does not
     return attn.proj_drop(attn.proj(out if norm is None else norm(out))), stats
 

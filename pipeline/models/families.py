@@ -5,32 +5,36 @@ runs, a one-line refusal for every other family, and a forward that proves the m
 A model is pooled only where three things hold:
 
 1. it is a timm ``VisionTransformer`` (DeiT, DeiT-3, ViT, hybrids, ViTamin, FlexiViT, SigLIP, CLIP, register and
-   global-pool models: the families whose ``forward_features`` calls ``self.blocks(x)``) or
-   ``VisionTransformerRelPos`` (run as ``PooledRelPos``, which calls its blocks as one), and every one of its
-   blocks is of a kind with an adapter here (``ADAPTERS``): timm's pre-norm ``Block`` and post-norm
-   ``ResPostBlock`` with timm's plain ``Attention``, and their relative-position kinds. The adapter says how the
-   block runs as its two residual halves and where its position bias comes from, so ``DownsamplingBlocks``
-   places the step between them without reading a block's attribute names;
+   global-pool models: the families whose ``forward_features`` calls ``self.blocks(x)``), or a
+   ``VisionTransformerRelPos`` or ``Beit`` (run as ``PooledRelPos`` / ``PooledBeit``, which call their blocks as
+   one), and every one of its blocks is of a kind with an adapter here (``ADAPTERS``): timm's pre-norm ``Block``
+   and post-norm ``ResPostBlock`` with timm's plain ``Attention``, their relative-position kinds, and BEiT's. The
+   adapter says how the block runs as its two residual halves and where its position bias comes from, so
+   ``DownsamplingBlocks`` places the step between them without reading a block's attribute names;
 2. its forward reaches ``model.blocks`` as one call (``check_runs_blocks``): a model that loops over its blocks
-   itself (EVA-02, BEiT, XCiT, ConViT do, to hand each block a position term) would never run
-   the step, so it is refused, even as a subclass of ``VisionTransformer``;
+   itself (EVA-02, XCiT, ConViT do, to hand each block a position term) would never run the step, so it is
+   refused, even as a subclass of ``VisionTransformer``;
 3. once pooled, a block is never called by itself (``refuse_direct_calls``): timm's ``forward_intermediates``,
    ``forward_features(attn_mask=...)`` and gradient checkpointing call each block directly, which would skip the
    step and read a keep list against tokens it never made, so those calls raise instead.
 
-Families whose blocks take other position terms (BEiT's bias, rotary embeddings), mix heads (CaiT's talking
-heads), run attention and MLP in parallel, or change the token grid (Swin, MViT, PiT, ...) are refused with
+Families whose blocks take rotary embeddings, mix heads (CaiT's talking heads), run attention and MLP in
+parallel, or change the token grid (Swin, MViT, PiT, ...) are refused with
 the reason (``REFUSED_FAMILIES``, ``REFUSED_BLOCKS``); docs/models.md lists every family of the pinned timm and
 ``tests/test_model_families.py`` builds one model of each to hold the list to what the code decides.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from timm.layers import Attention
 from timm.models._registry import _model_to_module
+from timm.models.beit import Attention as BeitAttention
+from timm.models.beit import Beit
+from timm.models.beit import Block as BeitBlock
 from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
 from timm.models.vision_transformer_relpos import (
     RelPosAttention,
@@ -43,28 +47,45 @@ from torch import Tensor, nn
 from pipeline.errors import InputError
 
 
+def _relpos_bias(block: nn.Module, shared: Tensor | None) -> Tensor | None:
+    """``vit_relpos``: the block's own bias (``attn.rel_pos``: a table or an MLP), else the model's shared one."""
+    own = block.attn.rel_pos
+    return own.get_bias() if own is not None else shared
+
+
+def _beit_bias(block: nn.Module, shared: Tensor | None) -> Tensor | None:
+    """BEiT: the block's own table's bias plus the model's shared one, either or both (as timm's attention adds)."""
+    own = block.attn._get_rel_pos_bias() if block.attn.relative_position_bias_table is not None else None
+    found = [bias for bias in (own, shared) if bias is not None]
+    return None if not found else sum(found[1:], found[0]).reshape(1, *found[0].shape[-3:])
+
+
 @dataclass(frozen=True)
 class BlockAdapter:
     """How one kind of timm block runs as two residual halves, with the downsampling step between them.
 
     Pre-norm (timm's ``Block``): ``x + drop_path1(ls1(attn(norm1(x))))``, then
-    ``x + drop_path2(ls2(mlp(norm2(x))))``. Post-norm (``ResPostBlock``, ``vit_*_rpn``): the norms sit after the
-    attention and the MLP, inside their residual branches: ``x + drop_path1(norm1(attn(x)))``, then
-    ``x + drop_path2(norm2(mlp(x)))``. Both halves run the block's own modules.
+    ``x + drop_path2(ls2(mlp(norm2(x))))``; BEiT's block has LayerScale as the parameters ``gamma_1/2`` (or none)
+    in place of ``ls1/2``. Post-norm (``ResPostBlock``, ``vit_*_rpn``): the norms sit after the attention and the
+    MLP, inside their residual branches: ``x + drop_path1(norm1(attn(x)))``, then ``x + drop_path2(norm2(mlp(x)))``.
+    Every part is the block's own module. ``bias`` gives the block's relative position bias over the tokens the
+    model was trained on, (1, H, T0, T0), from the block and the model's shared one; None for a block without one.
     """
 
     name: str
     post_norm: bool
     attention: type = Attention  # the exact attention class the block must hold
-    relative_bias: bool = False  # its attention adds a relative position bias (H, T, T) to the logits
+    gamma: bool = False  # LayerScale as gamma_1/gamma_2 parameters (BEiT) rather than ls1/ls2 modules
+    bias: Callable[[nn.Module, Tensor | None], Tensor | None] | None = None
+
+    @property
+    def relative_bias(self) -> bool:
+        """Whether the block's attention adds a relative position bias that pooled tokens must carry."""
+        return self.bias is not None
 
     def position_bias(self, block: nn.Module, shared: Tensor | None) -> Tensor | None:
-        """The block's relative position bias over the tokens it was trained on, (1, H, T0, T0): its own
-        (``attn.rel_pos``), else the model's shared one (``shared``); None for a block without one."""
-        if not self.relative_bias:
-            return None
-        own = block.attn.rel_pos
-        return own.get_bias() if own is not None else shared
+        """The block's relative position bias (1, H, T0, T0) over the tokens it was trained on, or None."""
+        return None if self.bias is None else self.bias(block, shared)
 
     def attention_input(self, block: nn.Module, x: Tensor) -> Tensor:
         """What the attention of ``block`` reads: x (B, T, M), normalised for a pre-norm block."""
@@ -72,13 +93,22 @@ class BlockAdapter:
 
     def attention_branch(self, block: nn.Module, out: Tensor) -> Tensor:
         """The attention's output (B, T, M) as its residual branch: LayerScale or the post-norm, then drop-path."""
-        return block.drop_path1(block.norm1(out) if self.post_norm else block.ls1(out))
+        if self.post_norm:
+            return block.drop_path1(block.norm1(out))
+        return block.drop_path1(self._scale(block, "1", out))
 
     def mlp_half(self, block: nn.Module, x: Tensor) -> Tensor:
         """The MLP half of ``block`` with its residual sum: (B, T, M) -> (B, T, M)."""
         if self.post_norm:
             return x + block.drop_path2(block.norm2(block.mlp(x)))
-        return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+        return x + block.drop_path2(self._scale(block, "2", block.mlp(block.norm2(x))))
+
+    def _scale(self, block: nn.Module, half: str, x: Tensor) -> Tensor:
+        """LayerScale of the block's first or second half on x (B, T, M)."""
+        if not self.gamma:
+            return getattr(block, f"ls{half}")(x)
+        gamma = getattr(block, f"gamma_{half}")
+        return x if gamma is None else gamma * x
 
 
 # Exact classes: a subclass may run its parts otherwise (timm's own variants are subclasses of nothing here).
@@ -86,9 +116,11 @@ ADAPTERS: dict[type, BlockAdapter] = {
     Block: BlockAdapter("pre-norm", post_norm=False),
     ResPostBlock: BlockAdapter("post-norm", post_norm=True),
     RelPosBlock: BlockAdapter("pre-norm, relative position bias", post_norm=False, attention=RelPosAttention,
-                              relative_bias=True),
+                              bias=_relpos_bias),
     ResPostRelPosBlock: BlockAdapter("post-norm, relative position bias", post_norm=True, attention=RelPosAttention,
-                                     relative_bias=True),
+                                     bias=_relpos_bias),
+    BeitBlock: BlockAdapter("BEiT: pre-norm, gamma LayerScale, relative position bias", post_norm=False,
+                            attention=BeitAttention, gamma=True, bias=_beit_bias),
 }
 
 
@@ -110,16 +142,31 @@ class PooledRelPos(VisionTransformerRelPos):
         return self.norm(self.blocks(x, shared))
 
 
+class PooledBeit(Beit):
+    """timm's ``Beit`` with its blocks called as one, ``self.blocks(x, shared_rel_pos_bias)`` (see ``PooledRelPos``)."""
+
+    def forward_features(self, x: Tensor, **kwargs) -> Tensor:
+        if kwargs:
+            raise InputError(f"a pooled model's forward_features takes only the images, not {sorted(kwargs)}")
+        x = self.patch_embed(x)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed
+        x = self.pos_drop(x)
+        shared = self.rel_pos_bias() if self.rel_pos_bias is not None else None
+        return self.norm(self.blocks(x, shared))
+
+
 # Model classes the step runs in, each with the class it is given while pooled (itself where timm's forward calls
 # ``self.blocks(x)``).
-POOLED_CLASS: dict[type, type] = {VisionTransformer: VisionTransformer, VisionTransformerRelPos: PooledRelPos}
+POOLED_CLASS: dict[type, type] = {VisionTransformer: VisionTransformer, VisionTransformerRelPos: PooledRelPos,
+                                  Beit: PooledBeit}
 
 # Why each of timm's other ViT-like families is refused (its models' module in timm's registry).
 _POSITION_TERMS = "its forward hands every block a position term ({}) in a loop of its own, which the step's pooled " \
                   "tokens would have to carry; not built"
 _GRID = "a hierarchical model whose stages change the token grid themselves ({}); no stage of it takes a keep list"
 REFUSED_FAMILIES: dict[str, str] = {
-    "beit": _POSITION_TERMS.format("a relative position bias, shared_rel_pos_bias"),
     "eva": _POSITION_TERMS.format("rotary embeddings, blk(x, rope=...); EVA-02, DINOv3, PE and the vit_*_rope_* "
                                   "models are of this class"),
     "vision_transformer_sam": _POSITION_TERMS.format("windowed attention with relative positions"),
