@@ -27,9 +27,10 @@ DOCS = ("README.md", "docs/paper.md", "docs/results.md", "docs/usage.md", "docs/
 PLACEHOLDERS = {
     "CHECKPOINT": "{tmp}/checkpoint", "BETON": "{tmp}/val.beton", "VAL_BETON": "{tmp}/val.beton",
     "TRAIN_BETON": "{tmp}/train.beton", "WEIGHTS": "{tmp}/weights.pth", "OUT": "{tmp}/out", "CONFIG":
-    "configs/experiments/tiny.yaml", "K": "8", "KEEP": "8,4,2,0", "LEVEL": "3", "RUN": "demo", "NAME": "demo",
+    "configs/experiments/demo.yaml", "K": "8", "KEEP": "8,4,2,0", "LEVEL": "3", "RUN": "demo", "NAME": "demo",
     "GFLOPS": "0.005", "IMAGE": "{tmp}/image.png", "TABLE": "{tmp}/table.json", "URI": "sqlite:///{tmp}/mlflow.db",
     "ADDRESS": "127.0.0.1:6379", "N": "2", "MODEL": "deit_small_patch16_224", "METHOD": "wkmedoids",
+    "SOURCE": "fashion-mnist:train", "MS": "10",
 }
 PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)>")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
@@ -241,14 +242,15 @@ def test_the_extraction_reads_continuations_block_variables_and_plan_counts():
            "python -m pipeline run x.yaml --plan   # {\"base\": 1, \"ksearch\": 2, \"finetune\": 3, \"evaluate\": 4}\n"
            "cd somewhere && make demo\n```\n")
     first, second, make = commands_in(doc, "x.md")
-    assert first.text == "python -m pipeline run x.yaml     --set w=1 --set a=1         --set b=2 --set c=3", first
+    assert first.text.split() == "python -m pipeline run x.yaml --set w=1 --set a=1 --set b=2 --set c=3".split(), first
     assert second.counts == {"base": 1, "ksearch": 2, "finetune": 3, "evaluate": 4}
     assert make.text == "make demo" and make.tool == "make"
 
 
 # --- `pipeline run` commands pass --plan ---------------------------------------------------------------------------
 
-RUNS = [c for c in COMMANDS if c.tool == "pipeline" and c.text.split()[3:4] == ["run"]]
+RUNS = list({" ".join(c.text.split()): c for c in reversed(COMMANDS)
+             if c.tool == "pipeline" and c.text.split()[3:4] == ["run"]}.values())[::-1]  # each printed run once
 
 
 def plan_fixtures(argv: list[str], tmp: Path) -> list[str]:
