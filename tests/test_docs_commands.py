@@ -287,9 +287,9 @@ def write_base_checkpoint(config, directory: Path) -> None:
     save_checkpoint(directory, {"arch": arch_signature(model)}, {})
 
 
-@pytest.mark.slow  # one --plan builds each stage's model on the meta device: 1-9 s a command here
-@pytest.mark.parametrize("cmd", RUNS, ids=[f"{i}:{c.where.split(' ')[0]}:{c.text[19:80]}" for i, c in enumerate(RUNS)])
-def test_a_documented_run_passes_plan(cmd: Command, tmp_path, monkeypatch, capsys):
+def check_plan(cmd: Command, tmp: Path, monkeypatch) -> dict:
+    """Runs the command with ``--plan`` in this process; raises ValueError with what it printed where the plan fails
+    or its counts differ from the ones documented beside it. Returns the counts."""
     import pipeline.dag.checks as checks
     from pipeline.cli import main
 
@@ -297,16 +297,38 @@ def test_a_documented_run_passes_plan(cmd: Command, tmp_path, monkeypatch, capsy
     # A command that names a cluster is planned against one big enough for it: this machine has 2 CPUs, no GPU.
     monkeypatch.setattr(checks, "local_resources", lambda gpus: {"CPU": 1024.0, "GPU": 64.0})
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    argv = plan_fixtures(argv_of(cmd, tmp_path), tmp_path)
-    code = main(argv)
-    out, err = capsys.readouterr()
-    assert code == 0, f"{cmd}\n{err}"
-    printed = json.loads(out.strip().splitlines()[-1])
-    if cmd.counts is not None:
-        assert printed == cmd.counts, f"{cmd}: the doc says {cmd.counts}, --plan prints {printed}"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(plan_fixtures(argv_of(cmd, tmp), tmp))
+    if code != 0:
+        raise ValueError(f"--plan exits {code}: {err.getvalue().strip().splitlines()[-1]}")
+    printed = json.loads(out.getvalue().strip().splitlines()[-1])
+    if cmd.counts is not None and printed != cmd.counts:
+        raise ValueError(f"the doc says {cmd.counts}, --plan prints {printed}")
+    return printed
 
 
-def test_a_planted_wrong_plan_count_is_found():
+@pytest.mark.slow  # one --plan builds each stage's model on the meta device: 0.2-6 s a command here, 15 s in all
+@pytest.mark.parametrize("cmd", RUNS, ids=[f"{i}:{c.where.split(' ')[0]}:{c.text[19:80]}" for i, c in enumerate(RUNS)])
+def test_a_documented_run_passes_plan(cmd: Command, tmp_path, monkeypatch):
+    try:
+        check_plan(cmd, tmp_path, monkeypatch)
+    except ValueError as err:
+        pytest.fail(f"{cmd}\n    -> {err}")
+
+
+def test_a_planted_run_whose_plan_fails_fails_the_check(tmp_path, monkeypatch):
+    bad = ('python -m pipeline run configs/experiments/paper_deit_imagenet.yaml --set "experiment.levels=[1]" '
+           '--set experiment.lambdas=null --set "experiment.models=[deit_tiny_patch16_224]"')
+    (cmd,) = commands_in(f"```bash\n{bad}\n```\n", "planted.md")
+    with pytest.raises(ValueError, match="no sparsity levels for 'deit_tiny_patch16_224'"):
+        check_plan(cmd, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow  # a whole plan of the demo
+def test_a_planted_wrong_plan_count_fails_the_check(tmp_path, monkeypatch):
     doc = "```bash\npython -m pipeline run configs/experiments/demo.yaml --plan   # {\"base\": 9}\n```\n"
     (cmd,) = commands_in(doc, "planted.md")
-    assert cmd.counts == {"base": 9}  # test_a_documented_run_passes_plan compares this with what --plan prints
+    assert cmd.counts == {"base": 9}
+    with pytest.raises(ValueError, match="the doc says"):
+        check_plan(cmd, tmp_path, monkeypatch)
