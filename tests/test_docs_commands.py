@@ -319,7 +319,7 @@ def test_a_documented_run_passes_plan(cmd: Command, tmp_path, monkeypatch):
 
 def test_a_planted_run_whose_plan_fails_fails_the_check(tmp_path, monkeypatch):
     bad = ('python -m pipeline run configs/experiments/paper_deit_imagenet.yaml --set "experiment.levels=[1]" '
-           '--set experiment.lambdas=null --set "experiment.models=[deit_tiny_patch16_224]"')
+           '--set experiment.lambdas=null --set experiment.conv=null --set "experiment.models=[deit_tiny_patch16_224]"')
     (cmd,) = commands_in(f"```bash\n{bad}\n```\n", "planted.md")
     with pytest.raises(ValueError, match="no sparsity levels for 'deit_tiny_patch16_224'"):
         check_plan(cmd, tmp_path, monkeypatch)
