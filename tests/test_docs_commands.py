@@ -11,6 +11,7 @@ A command added to these docs later is checked with no change here."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import re
@@ -171,6 +172,13 @@ def subcommand_names(parser) -> dict:
     return {}
 
 
+@functools.cache
+def _parser():
+    from pipeline.cli import build_parser
+
+    return build_parser()  # argparse keeps no state between parse_args calls: one parser serves every command
+
+
 def check_parses(cmd: Command, tmp: Path) -> None:
     """Raises ValueError naming what fails: the pipeline parser's own message, or a make target that does not exist."""
     argv = argv_of(cmd, tmp)
@@ -180,15 +188,13 @@ def check_parses(cmd: Command, tmp: Path) -> None:
         if not argv or missing:
             raise ValueError(f"no make target {missing or argv}")
         return
-    from pipeline.cli import build_parser
-
-    parser, names = build_parser(), argv
+    parser, names = _parser(), argv
     while names and (choices := subcommand_names(parser)) and names[0] in choices:
         parser, names = choices[names[0]], names[1:]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(argv)
+            _parser().parse_args(argv)
     except SystemExit as exit_:
         # A command named on its own in prose (`written by python -m pipeline data write`) names one that exists.
         if exit_.code and not (not names and "required" in err.getvalue()):
