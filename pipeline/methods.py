@@ -139,6 +139,9 @@ class MethodSpec:
         reconstructs: takes part in ``analyze reconstruction`` (parameter-free methods that downsample).
         downsamples: takes tokens away; False only for the method that keeps every token (the baseline).
         swept: in an experiment's default method list (``experiment.methods``).
+        keeps_positions: each output has an input token behind it (``PoolResult.index``: a selection's kept token,
+            K-Medoids' medoid), whose position a pooled token of a rotary family (EVA-02, ...) keeps; methods whose
+            outputs are new vectors are refused for those families (``models.families``).
     """
 
     build: Callable[..., Any] | str
@@ -151,6 +154,7 @@ class MethodSpec:
     reconstructs: bool = True
     downsamples: bool = True
     swept: bool = False
+    keeps_positions: bool = False
 
     def __post_init__(self) -> None:
         declared = {name: value if isinstance(value, Option) else Option(value) for name, value in self.options.items()}
@@ -229,22 +233,26 @@ KEEP_ALL = "none"  # the method that keeps every token: the unmodified model, an
 GRID_CONV = "conv"  # grid downsampling: finetuned at its own placements (experiment.conv), not on searched keep lists
 _BUILTIN: dict[str, MethodSpec] = {
     KEEP_ALL: MethodSpec(_F + "keep_all", "keep every token", takes_kernels=True, reconstructs=False,
-                         downsamples=False),
+                         downsamples=False, keeps_positions=True),
     # In this order, the swept ones are the default experiment.methods.
     "kmeans": MethodSpec(_F + "kmeans", "Token Pooling by K-Means (eq. 6-7), top-K initialisation",
                          needs_scores=True, options=_MEANS, takes_kernels=True),
     "wkmeans": MethodSpec(_F + "wkmeans", "weighted K-Means (Appendix A), weights = significance",
                           needs_scores=True, options=_MEANS, takes_kernels=True),
     "wkmedoids": MethodSpec(_F + "wkmedoids", "weighted K-Medoids (Appendix A), weights = significance",
-                            needs_scores=True, options=_CLUSTERED, flops=_gram, takes_kernels=True, swept=True),
+                            needs_scores=True, options=_CLUSTERED, flops=_gram, takes_kernels=True,
+                            swept=True, keeps_positions=True),
     "kmedoids": MethodSpec(_F + "kmedoids", "Token Pooling by K-Medoids (eq. 8), top-K initialisation",
-                           needs_scores=True, options=_CLUSTERED, flops=_gram, takes_kernels=True, swept=True),
+                           needs_scores=True, options=_CLUSTERED, flops=_gram, takes_kernels=True,
+                           swept=True, keeps_positions=True),
     "powerbert": MethodSpec(_F + "powerbert", "PoWER-BERT: keep the K most significant tokens",
-                            needs_scores=True, options=_SCORED, flops=_selects, takes_kernels=True, swept=True),
+                            needs_scores=True, options=_SCORED, flops=_selects, takes_kernels=True,
+                            swept=True, keeps_positions=True),
     "random": MethodSpec(_F + "random", "keep K tokens drawn uniformly", flops=_selects, takes_kernels=True,
-                         swept=True),
+                         swept=True, keeps_positions=True),
     "importance": MethodSpec(_F + "importance", "keep K tokens drawn in proportion to significance",
-                             needs_scores=True, options=_SCORED, flops=_selects, takes_kernels=True, swept=True),
+                             needs_scores=True, options=_SCORED, flops=_selects, takes_kernels=True,
+                             swept=True, keeps_positions=True),
     # ToMe matches on the keys averaged over heads, as ToMe itself does, unless told otherwise.
     "tome": MethodSpec(_F + "tome", "ToMe bipartite soft matching, size-weighted merge",
                        options={"cluster_on": replace(CLUSTER_ON, default="metric")}, takes_kernels=True, swept=True),

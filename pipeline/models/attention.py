@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from timm.layers import apply_rot_embed_cat
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
@@ -60,6 +61,7 @@ def attend(
     significance: str = "eq4",
     kernels: KernelChoice | None = None,
     position_bias: Tensor | None = None,
+    rope: Tensor | None = None,
 ) -> tuple[Tensor, AttentionStats | None]:
     """Runs ``attn`` on x (B, T, M) with T = prefix + tokens.
 
@@ -79,6 +81,8 @@ def attend(
         kernels: the model's ``runtime.KernelChoice``; its ``attention`` picks the CUDA inference path.
         position_bias: (1 or B, H, T, T) added to the logits (a relative position bias, ``models.families``);
             the attention and the scores then come from one dense softmax in torch (``_dense_attention``).
+        rope: (B or 1, H or 1, N, 2D) the rotary embedding (sines, then cosines) of each non-prefix token, as timm's
+            ``apply_rot_embed_cat`` takes it: the queries and keys of those tokens are rotated by it (Eva).
 
     Returns:
         ((B, T, M) output, AttentionStats, or None when neither statistic was asked for).
@@ -93,6 +97,10 @@ def attend(
     q, k, v = qkv.unbind(0)  # (B, H, T, hd)
     if hasattr(attn, "q_norm"):  # timm's Attention and RelPosAttention; BEiT's has none
         q, k = attn.q_norm(q), attn.k_norm(k)
+    if rope is not None:  # as timm's EvaAttention: the prefix tokens are not rotated
+        half, p = getattr(attn, "rotate_half", False), num_prefix
+        q = torch.cat([q[:, :, :p], apply_rot_embed_cat(q[:, :, p:], rope, half=half)], dim=2).type_as(v)
+        k = torch.cat([k[:, :, :p], apply_rot_embed_cat(k[:, :, p:], rope, half=half)], dim=2).type_as(v)
     scale = attn.scale
     if qk_alpha is not None:  # alpha * q^ . k^ as a fused attention with pre-scaled queries
         q, k = F.normalize(q, dim=-1) * qk_alpha.to(q.dtype), F.normalize(k, dim=-1)
@@ -123,8 +131,10 @@ def attend(
 
 
 def _qkv(attn: nn.Module, x: Tensor) -> Tensor:
-    """The module's packed queries, keys and values (B, T, 3 H D): its ``qkv`` layer, with BEiT's separate
-    ``q_bias``/``k_bias``/``v_bias`` added as its own forward adds them."""
+    """The module's packed queries, keys and values (B, T, 3 H D): its ``qkv`` layer, with BEiT's and Eva's separate
+    ``q_bias``/``k_bias``/``v_bias`` added as their forwards add them, or Eva's three projections side by side."""
+    if getattr(attn, "qkv", None) is None:
+        return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
     if getattr(attn, "q_bias", None) is None:
         return attn.qkv(x)
     bias = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
 from pipeline.models.attention import attend
-from pipeline.models.families import BlockAdapter, check_model, pooled_class, refuse_direct_calls
+from pipeline.models.families import BlockAdapter, check_model, model_label, pooled_class, refuse_direct_calls
 from pipeline.models.keep import effective_keep
 from pipeline.pooling.common import PoolResult, one_hot, stable_ranks
 from pipeline.pooling.conv import grid_shape
@@ -122,9 +122,11 @@ class DownsamplingBlocks(nn.Sequential):
             grid = getattr(block.downsample, "out_grid", None)
             n = k
 
-    def forward(self, x: Tensor, shared_bias: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, shared_bias: Tensor | None = None, ropes: tuple[Tensor, ...] | None = None
+                ) -> Tensor:
         """x (B, P+N, M) -> (B, P+K_L, M); ``shared_bias`` (1, H, P+N, P+N): the model's shared relative position
-        bias, for blocks whose adapter has one and whose attention holds none of its own."""
+        bias, for blocks whose adapter has one and whose attention holds none of its own; ``ropes``: each block's
+        rotary embedding of the N patch tokens, (N, 2D) or (H, N, 2D), for a rotary adapter (Eva)."""
         b, t, _ = x.shape
         if t - self.num_prefix != self.num_tokens:  # another image size (timm's dynamic_img_size)
             raise InputError(f"this model's keep list was made for {self.num_tokens} tokens an image, but "
@@ -132,22 +134,26 @@ class DownsamplingBlocks(nn.Sequential):
                              "it runs at (create_model(..., img_size=...), model.img_size in a config)")
         sizes = torch.ones(b, t, device=x.device, dtype=torch.float32) if self.config.carry else None
         positions = None  # (B, P+n, P+N): each token's weights over the tokens the biases were made for; None: I
+        origin = None  # (B, n): the patch token behind each non-prefix token, for the rotations; None: 0..N-1
         for layer, block in enumerate(self):
-            x, sizes, positions = self._run_block(layer, block, x, sizes, positions, shared_bias)
+            rope = None if ropes is None else rotary_rows(ropes[layer], origin)
+            x, sizes, positions, origin = self._run_block(layer, block, x, sizes, positions, shared_bias, rope, origin)
         return x
 
     # ---- a block's three parts, which the model and the latency tables (``bench.blocks``) both run ----
 
     def attention_half(self, block: nn.Module, x: Tensor, *, sizes: Tensor | None = None, scores: bool = False,
-                       keys: bool = False, position_bias: Tensor | None = None) -> tuple[Tensor, Any]:
+                       keys: bool = False, position_bias: Tensor | None = None, rope: Tensor | None = None
+                       ) -> tuple[Tensor, Any]:
         """The attention branch of ``block`` on x (B, P+n, M), after LayerScale and drop-path, before the residual
         sum: ((B, P+n, M), ``AttentionStats`` with the scores and keys asked for, or None). ``position_bias``
-        (1 or B, H, P+n, P+n): the block's relative position bias over these tokens (``pooled_bias``)."""
+        (1 or B, H, P+n, P+n): the block's relative position bias over these tokens (``pooled_bias``); ``rope``
+        the rotary embedding of the n non-prefix tokens (``rotary_rows``)."""
         out, stats = attend(
             block.attn, self.adapter.attention_input(block, x), num_prefix=self.num_prefix,
             log_sizes=None if sizes is None else sizes.log(), qk_alpha=getattr(block, "qk_alpha", None),
             scores=scores, keys=keys, significance=self.significance, kernels=self.kernels,
-            position_bias=position_bias,
+            position_bias=position_bias, rope=rope,
         )
         return self.adapter.attention_branch(block, out), stats
 
@@ -173,7 +179,8 @@ class DownsamplingBlocks(nn.Sequential):
         return self.adapter.mlp_half(block, x)
 
     def _run_block(self, layer: int, block: nn.Module, x: Tensor, sizes: Tensor | None, positions: Tensor | None,
-                   shared_bias: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                   shared_bias: Tensor | None, rope: Tensor | None, origin: Tensor | None
+                   ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         p, k, record = self.num_prefix, self.config.keep[layer], self.recorder is not None
         downsample = k < x.shape[1] - p
         pool = downsample and k > 0
@@ -181,7 +188,8 @@ class DownsamplingBlocks(nn.Sequential):
         bias = self.adapter.position_bias(block, shared_bias)
         attended, stats = self.attention_half(block, x, sizes=sizes, keys=record or (pool and self.needs_keys),
                                               scores=record or soft or (pool and self.needs_scores),
-                                              position_bias=None if bias is None else pooled_bias(bias, positions))
+                                              position_bias=None if bias is None else pooled_bias(bias, positions),
+                                              rope=rope)
         before = x
         x = mixed = before + attended
         assign = None
@@ -192,6 +200,7 @@ class DownsamplingBlocks(nn.Sequential):
                 assign = torch.full(x[:, p:, 0].shape, -1, dtype=torch.long, device=x.device)
             x = x[:, :p]
             positions = None if bias is None else pooled_positions(positions, None, None, p, 0, before.shape[1])
+            origin = None if rope is None else torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
             sizes = None if sizes is None else sizes[:, :p]
         elif downsample:
             members = None if sizes is None else sizes[:, p:]
@@ -199,10 +208,12 @@ class DownsamplingBlocks(nn.Sequential):
             assign = result.assign if record else None
             if bias is not None:
                 positions = pooled_positions(positions, result.assign, members, p, k, before.shape[1])
+            if rope is not None:  # a pooled token rotates as the input token behind it (MethodSpec.keeps_positions)
+                origin = result.index if origin is None else origin.gather(1, result.index)
         if record:
             self.recorder(BlockRecord(layer, before[:, p:], attended[:, p:], mixed[:, p:], stats.scores,
                                       stats.keys, assign))
-        return self.mlp_half(block, x), sizes, positions
+        return self.mlp_half(block, x), sizes, positions, origin
 
 
 def pooled_positions(positions: Tensor | None, assign: Tensor | None, members: Tensor | None, p: int, k: int,
@@ -224,6 +235,19 @@ def pooled_positions(positions: Tensor | None, assign: Tensor | None, members: T
     share = one_hot(assign.clamp(min=0), k, torch.float32) * (weights * (assign >= 0))[:, None, :]  # (B, k, n)
     share = share / share.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.cat([positions[:, :p], share @ positions[:, p:]], dim=1)
+
+
+def rotary_rows(rope: Tensor, origin: Tensor | None) -> Tensor:
+    """A block's rotary embedding of the patch tokens, (N, 2D) or per head (H, N, 2D), for the tokens now in the
+    block: origin (B, n), the patch token behind each -> (B, 1 or H, n, 2D); the embedding itself while every
+    token is its own (origin None)."""
+    if origin is None:
+        return rope
+    if rope.dim() == 2:
+        return rope[origin].unsqueeze(1)
+    if rope.dim() == 3:
+        return rope[:, origin].transpose(0, 1)
+    raise InputError(f"a rotary embedding of shape {tuple(rope.shape)}: expected (N, 2D) or (H, N, 2D) for a block")
 
 
 def pooled_bias(bias: Tensor, positions: Tensor | None) -> Tensor:
@@ -353,6 +377,12 @@ def apply_downsampling(
     depth = len(model.blocks)
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
     _check_head_keeps_tokens(model, keep)
+    if adapter.rotary and getattr(model, "rope", None) is not None and not METHODS[method].keeps_positions:
+        name, family = model_label(model)
+        kept = ", ".join(sorted(m for m, spec in METHODS.items() if spec.keeps_positions and spec.downsamples))
+        raise InputError(f"method {method!r} outputs new tokens with no input token behind them, and {name} "
+                         f"({family}) rotates each token by its position (rotary embeddings); give a method whose "
+                         f"tokens keep a position: {kept}")
     if METHODS[method].significance(options) == "cls" and getattr(model, "cls_token", None) is None:
         raise InputError(f"method {method!r} with significance='cls' scores tokens by the class token's attention, "
                          "but this model has no class token; use significance='eq4' (the paper's scores)")

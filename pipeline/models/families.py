@@ -6,19 +6,19 @@ A model is pooled only where three things hold:
 
 1. it is a timm ``VisionTransformer`` (DeiT, DeiT-3, ViT, hybrids, ViTamin, FlexiViT, SigLIP, CLIP, register and
    global-pool models: the families whose ``forward_features`` calls ``self.blocks(x)``), or a
-   ``VisionTransformerRelPos`` or ``Beit`` (run as ``PooledRelPos`` / ``PooledBeit``, which call their blocks as
-   one), and every one of its blocks is of a kind with an adapter here (``ADAPTERS``): timm's pre-norm ``Block``
-   and post-norm ``ResPostBlock`` with timm's plain ``Attention``, their relative-position kinds, and BEiT's. The
-   adapter says how the block runs as its two residual halves and where its position bias comes from, so
-   ``DownsamplingBlocks`` places the step between them without reading a block's attribute names;
+   ``VisionTransformerRelPos``, ``Beit`` or ``Eva`` (run as ``PooledRelPos`` / ``PooledBeit`` / ``PooledEva``, which
+   call their blocks as one), and every one of its blocks is of a kind with an adapter here (``ADAPTERS``). The
+   adapter says how the block runs as its two residual halves and which position term its attention takes (a
+   relative bias, a rotation), so ``DownsamplingBlocks`` places the step between them without reading a block's
+   attribute names;
 2. its forward reaches ``model.blocks`` as one call (``check_runs_blocks``): a model that loops over its blocks
-   itself (EVA-02, XCiT, ConViT do, to hand each block a position term) would never run the step, so it is
-   refused, even as a subclass of ``VisionTransformer``;
+   itself (XCiT and ConViT do, to hand each block a position term) would never run the step, so it is refused,
+   even as a subclass of ``VisionTransformer``;
 3. once pooled, a block is never called by itself (``refuse_direct_calls``): timm's ``forward_intermediates``,
    ``forward_features(attn_mask=...)`` and gradient checkpointing call each block directly, which would skip the
    step and read a keep list against tokens it never made, so those calls raise instead.
 
-Families whose blocks take rotary embeddings, mix heads (CaiT's talking heads), run attention and MLP in
+Families whose blocks take the grid's shape, mix heads (CaiT's talking heads), run attention and MLP in
 parallel, or change the token grid (Swin, MViT, PiT, ...) are refused with
 the reason (``REFUSED_FAMILIES``, ``REFUSED_BLOCKS``); docs/models.md lists every family of the pinned timm and
 ``tests/test_model_families.py`` builds one model of each to hold the list to what the code decides.
@@ -30,11 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from timm.layers import Attention
+from timm.layers import Attention, AttentionRope
 from timm.models._registry import _model_to_module
 from timm.models.beit import Attention as BeitAttention
 from timm.models.beit import Beit
 from timm.models.beit import Block as BeitBlock
+from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
 from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
 from timm.models.vision_transformer_relpos import (
     RelPosAttention,
@@ -74,9 +75,10 @@ class BlockAdapter:
 
     name: str
     post_norm: bool
-    attention: type = Attention  # the exact attention class the block must hold
-    gamma: bool = False  # LayerScale as gamma_1/gamma_2 parameters (BEiT) rather than ls1/ls2 modules
+    attention: tuple[type, ...] = (Attention,)  # the exact attention classes the block may hold
+    gamma: bool = False  # LayerScale as gamma_1/gamma_2 parameters (BEiT, Eva) rather than ls1/ls2 modules
     bias: Callable[[nn.Module, Tensor | None], Tensor | None] | None = None
+    rotary: bool = False  # its attention rotates the queries and keys of the non-prefix tokens by their positions
 
     @property
     def relative_bias(self) -> bool:
@@ -115,13 +117,24 @@ class BlockAdapter:
 ADAPTERS: dict[type, BlockAdapter] = {
     Block: BlockAdapter("pre-norm", post_norm=False),
     ResPostBlock: BlockAdapter("post-norm", post_norm=True),
-    RelPosBlock: BlockAdapter("pre-norm, relative position bias", post_norm=False, attention=RelPosAttention,
+    RelPosBlock: BlockAdapter("pre-norm, relative position bias", post_norm=False, attention=(RelPosAttention,),
                               bias=_relpos_bias),
-    ResPostRelPosBlock: BlockAdapter("post-norm, relative position bias", post_norm=True, attention=RelPosAttention,
+    ResPostRelPosBlock: BlockAdapter("post-norm, relative position bias", post_norm=True, attention=(RelPosAttention,),
                                      bias=_relpos_bias),
     BeitBlock: BlockAdapter("BEiT: pre-norm, gamma LayerScale, relative position bias", post_norm=False,
-                            attention=BeitAttention, gamma=True, bias=_beit_bias),
+                            attention=(BeitAttention,), gamma=True, bias=_beit_bias),
+    EvaBlock: BlockAdapter("Eva: pre-norm, gamma LayerScale, rotary", post_norm=False,
+                           attention=(EvaAttention, AttentionRope), gamma=True, rotary=True),
+    EvaBlockPostNorm: BlockAdapter("Eva: post-norm, rotary", post_norm=True, attention=(EvaAttention, AttentionRope),
+                                   rotary=True),
 }
+
+
+def _refuse_masks(attn_mask: Tensor | None, is_causal: bool) -> None:
+    """A pooled model's forward takes the images alone: a mask over the tokens would not follow them as they pool."""
+    if attn_mask is not None or is_causal:
+        raise InputError("a pooled model's forward takes no attention mask and no causal flag: the mask would be "
+                         "over tokens that the downsampling steps pool away")
 
 
 class PooledRelPos(VisionTransformerRelPos):
@@ -132,9 +145,8 @@ class PooledRelPos(VisionTransformerRelPos):
     model (``apply_downsampling``) is given this class; the state dict and every module stay timm's.
     """
 
-    def forward_features(self, x: Tensor, **kwargs) -> Tensor:
-        if kwargs:
-            raise InputError(f"a pooled model's forward_features takes only the images, not {sorted(kwargs)}")
+    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        _refuse_masks(attn_mask, is_causal)
         x = self.patch_embed(x)
         if self.cls_token is not None:
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
@@ -145,9 +157,8 @@ class PooledRelPos(VisionTransformerRelPos):
 class PooledBeit(Beit):
     """timm's ``Beit`` with its blocks called as one, ``self.blocks(x, shared_rel_pos_bias)`` (see ``PooledRelPos``)."""
 
-    def forward_features(self, x: Tensor, **kwargs) -> Tensor:
-        if kwargs:
-            raise InputError(f"a pooled model's forward_features takes only the images, not {sorted(kwargs)}")
+    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        _refuse_masks(attn_mask, is_causal)
         x = self.patch_embed(x)
         x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         if self.pos_embed is not None:
@@ -157,18 +168,31 @@ class PooledBeit(Beit):
         return self.norm(self.blocks(x, shared))
 
 
+class PooledEva(Eva):
+    """timm's ``Eva`` with its blocks called as one, ``self.blocks(x, None, ropes)`` (see ``PooledRelPos``):
+    ``ropes`` holds each block's rotary embedding over the patch tokens, (N, 2D) or (H, N, 2D) (``rope_mixed``)."""
+
+    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        _refuse_masks(attn_mask, is_causal)
+        x, rope = self._pos_embed(self.patch_embed(x))
+        x = self.norm_pre(x)
+        if rope is None:
+            ropes = None
+        else:
+            ropes = tuple(rope.unbind(0)) if getattr(self, "rope_mixed", False) else (rope,) * len(self.blocks)
+        return self.norm(self.blocks(x, None, ropes))
+
+
 # Model classes the step runs in, each with the class it is given while pooled (itself where timm's forward calls
 # ``self.blocks(x)``).
 POOLED_CLASS: dict[type, type] = {VisionTransformer: VisionTransformer, VisionTransformerRelPos: PooledRelPos,
-                                  Beit: PooledBeit}
+                                  Beit: PooledBeit, Eva: PooledEva}
 
 # Why each of timm's other ViT-like families is refused (its models' module in timm's registry).
 _POSITION_TERMS = "its forward hands every block a position term ({}) in a loop of its own, which the step's pooled " \
                   "tokens would have to carry; not built"
 _GRID = "a hierarchical model whose stages change the token grid themselves ({}); no stage of it takes a keep list"
 REFUSED_FAMILIES: dict[str, str] = {
-    "eva": _POSITION_TERMS.format("rotary embeddings, blk(x, rope=...); EVA-02, DINOv3, PE and the vit_*_rope_* "
-                                  "models are of this class"),
     "vision_transformer_sam": _POSITION_TERMS.format("windowed attention with relative positions"),
     "xcit": _POSITION_TERMS.format("the patch grid's height and width, blk(x, Hp, Wp), for cross-covariance "
                                    "attention over channels"),
@@ -236,17 +260,29 @@ def block_adapter(model: nn.Module) -> BlockAdapter:
             raise InputError(f"{where} cannot be pooled: {why} (docs/models.md)")
     for block in model.blocks:
         attn, expected = block.attn, ADAPTERS[type(block)].attention
-        if type(attn) is not expected:
+        if type(attn) not in expected:
+            named = " or ".join(kind.__name__ for kind in expected)
             why = REFUSED_ATTENTION.get(type(attn).__name__, f"its attention is {type(attn).__name__}, not timm's "
-                                                             f"{expected.__name__}")
+                                                             f"{named}")
             raise InputError(f"{where} cannot be pooled: {why} (docs/models.md)")
+        if getattr(attn, "num_kv_groups", 1) != 1:
+            raise InputError(f"{where} cannot be pooled: its attention shares keys and values between heads "
+                             "(grouped-query attention), which the step's attention does not run (docs/models.md)")
         if getattr(attn, "gate", None) is not None:
             raise InputError(f"{where} cannot be pooled: its attention is gated (a sigmoid gate on the output), "
                              "which the step's attention does not run (docs/models.md)")
+    if getattr(getattr(model, "patch_drop", None), "prob", 0.0) > 0:  # timm's PatchDropout (an Identity when off)
+        raise InputError(f"{where} cannot be pooled: its patch dropout (patch_drop_rate) drops tokens before the "
+                         "blocks in training, so the keep list would not count the tokens that arrive; build it "
+                         "with patch_drop_rate=0")
     if len(kinds) > 1:
         raise InputError(f"{where} cannot be pooled: its blocks are of {len(kinds)} kinds "
                          f"({', '.join(sorted(k.__name__ for k in kinds))}); one adapter runs a model")
     return ADAPTERS[kinds.pop()]
+
+
+class BlockCalledAlone(InputError):
+    """A block of a pooled model called by itself, outside ``model.blocks`` (``refuse_direct_calls``)."""
 
 
 class _Reached(Exception):
@@ -258,7 +294,7 @@ def _stop_at_blocks(module: nn.Module, args: tuple) -> None:
 
 
 def _bypassed(module: nn.Module, args: tuple) -> None:
-    raise InputError("a block of a downsampling model was called by itself, outside model.blocks, where its "
+    raise BlockCalledAlone("a block of a downsampling model was called by itself, outside model.blocks, where its "
                      "downsampling step does not run (timm's forward_intermediates, forward_features(attn_mask=...), "
                      "gradient checkpointing, or a model that loops over its blocks); call the model or "
                      "forward_features(x)")
@@ -292,9 +328,11 @@ def check_runs_blocks(model: nn.Module) -> None:
             model(probe_input(model))
     except _Reached:
         return
-    except InputError:
+    except BlockCalledAlone:
         raise InputError(f"{name} ({family}) cannot be pooled: its forward calls its blocks one by one itself, so a "
                          "downsampling step in model.blocks would never run (docs/models.md)") from None
+    except InputError:
+        raise
     except Exception as err:  # a forward that fails on its own input size would fail in every stage
         raise InputError(f"{name} ({family}) cannot be pooled: its forward of one image of its input size failed "
                          f"before model.blocks ({type(err).__name__}: {err})") from err
