@@ -571,3 +571,10 @@ def test_k_medoids_pools_a_rotary_family_and_moves_its_logits():
         unpooled = model(x)
         pooled = apply_downsampling(copy.deepcopy(model), "wkmedoids", [12, 7, 3], carry=True)(x)
     assert torch.isfinite(pooled).all() and (pooled - unpooled).abs().max() > 0.01 * unpooled.abs().max()
+
+
+def test_run_plan_refuses_a_method_a_rotary_family_cannot_honour(capsys):
+    err = _one_line_refusal(capsys, "run", str(ROOT / "configs" / "experiments" / "demo.yaml"), "--plan",
+                            "--set", "model.name=vit_small_patch16_dinov3", "--set", "model.img_size=32",
+                            "--set", "model.patch_size=16", "--set", "experiment.methods=[powerbert, wkmeans]")
+    assert err.startswith("error: experiment.methods: method 'wkmeans' outputs new tokens with no input token behind")

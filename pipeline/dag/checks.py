@@ -54,14 +54,21 @@ def plan_checks(config: Config, address: str | None = None) -> list[Stage]:
 
 def check_model_families(config: Config) -> None:
     """Every arch's model is one the downsampling step runs in (``models.families``: its family, its blocks, and a
-    forward that calls ``model.blocks``), built on the meta device; refused in one line."""
+    forward that calls ``model.blocks``), built on the meta device, and every planned method one its position terms
+    can follow; refused in one line."""
     import torch
 
+    from pipeline.models.families import block_adapter, check_method
     from pipeline.train.build import build_model
 
     for arch in archs(config):
         with torch.device("meta"):  # the classes and a forward of shapes only; build_model says "model: ..."
-            build_model(base_stage(config, arch).config)
+            model = build_model(base_stage(config, arch).config)
+        for method in planned_methods(config):
+            try:
+                check_method(model, block_adapter(model), method)
+            except InputError as err:
+                raise ConfigError(f"experiment.methods: {err}") from None
 
 
 def check_paper_levels(config: Config) -> None:

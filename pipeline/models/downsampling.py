@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
 from pipeline.models.attention import attend
-from pipeline.models.families import BlockAdapter, check_model, model_label, pooled_class, refuse_direct_calls
+from pipeline.models.families import BlockAdapter, check_method, check_model, pooled_class, refuse_direct_calls
 from pipeline.models.keep import effective_keep
 from pipeline.pooling.common import PoolResult, one_hot, stable_ranks
 from pipeline.pooling.conv import grid_shape
@@ -377,12 +377,7 @@ def apply_downsampling(
     depth = len(model.blocks)
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
     _check_head_keeps_tokens(model, keep)
-    if adapter.rotary and getattr(model, "rope", None) is not None and not METHODS[method].keeps_positions:
-        name, family = model_label(model)
-        kept = ", ".join(sorted(m for m, spec in METHODS.items() if spec.keeps_positions and spec.downsamples))
-        raise InputError(f"method {method!r} outputs new tokens with no input token behind them, and {name} "
-                         f"({family}) rotates each token by its position (rotary embeddings); give a method whose "
-                         f"tokens keep a position: {kept}")
+    check_method(model, adapter, method)
     if METHODS[method].significance(options) == "cls" and getattr(model, "cls_token", None) is None:
         raise InputError(f"method {method!r} with significance='cls' scores tokens by the class token's attention, "
                          "but this model has no class token; use significance='eq4' (the paper's scores)")

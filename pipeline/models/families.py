@@ -362,6 +362,19 @@ def check_model(model: nn.Module) -> BlockAdapter:
     return adapter
 
 
+def check_method(model: nn.Module, adapter: BlockAdapter, method: str) -> None:
+    """Refuses, in one line, a method that ``model``'s position terms cannot follow: on a model with rotary
+    embeddings, a method whose outputs have no input token behind them (``MethodSpec.keeps_positions``)."""
+    from pipeline.methods import METHODS
+
+    if adapter.rotary and getattr(model, "rope", None) is not None and not METHODS[method].keeps_positions:
+        name, family = model_label(model)
+        kept = ", ".join(sorted(m for m, spec in METHODS.items() if spec.keeps_positions and spec.downsamples))
+        raise InputError(f"method {method!r} outputs new tokens with no input token behind them, and {name} "
+                         f"({family}) rotates each token by its position (rotary embeddings); give a method whose "
+                         f"tokens keep a position: {kept}")
+
+
 def refuse_direct_calls(blocks: nn.Module) -> None:
     """Makes every block in ``blocks`` raise InputError when called by itself (see the module's point 3); the
     downsampling blocks run the blocks' parts, never a block's own forward, so their path pays nothing."""
