@@ -40,7 +40,6 @@ from torch import nn
 from pipeline.cost import CostModel, Curve, PoolSurface
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, downsamples, method_spec
-from pipeline.models.families import block_adapter
 from pipeline.sparsity import level_keep
 
 with warnings.catch_warnings():
@@ -187,6 +186,8 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
         counted = ", ".join(sorted(name for name, other in METHODS.items() if other.flops is not None))
         raise InputError(f"no closed-form GFLOPs count of method {method!r}'s pooling step (its MethodSpec has no "
                          f"flops); give a latency target with a cost table, or one of {counted}")
+    from pipeline.models.families import block_adapter  # timm's model classes, loaded only with a model at hand
+
     options = spec.resolve(method, options or {})
     first = next(iter(model.blocks))
     if block_adapter(model).relative_bias:  # a relative position bias carried through the steps

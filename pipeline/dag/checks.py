@@ -9,10 +9,12 @@ refuse alone, it refuses at load. docs/usage.md lists what is refused and what i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import Config, ConfigError, PrepareItem
 from pipeline.config.recipe import TYPICAL_LR
@@ -56,19 +58,36 @@ def check_model_families(config: Config) -> None:
     """Every arch's model is one the downsampling step runs in (``models.families``: its family, its blocks, and a
     forward that calls ``model.blocks``), built on the meta device, and every planned method one its position terms
     can follow; refused in one line."""
-    import torch
-
-    from pipeline.models.families import block_adapter, check_method
-    from pipeline.train.build import build_model
+    from pipeline.models.factory import ARCH_OVERRIDES
+    from pipeline.models.families import check_method
 
     for arch in archs(config):
-        with torch.device("meta"):  # the classes and a forward of shapes only; build_model says "model: ..."
-            model = build_model(base_stage(config, arch).config)
+        model_config = base_stage(config, arch).config.model
+        overrides = tuple((key, getattr(model_config, key)) for key in ARCH_OVERRIDES)
+        try:
+            model, adapter = _decided_model(model_config.name, overrides)
+        except InputError as err:
+            raise ConfigError(f"model: {err}") from None
         for method in planned_methods(config):
             try:
-                check_method(model, block_adapter(model), method)
+                check_method(model, adapter, method)
             except InputError as err:
                 raise ConfigError(f"experiment.methods: {err}") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _decided_model(name: str, overrides: tuple[tuple[str, Any], ...]) -> tuple[Any, Any]:
+    """(the model ``name`` with these architecture overrides, on the meta device, and its block adapter), once a
+    process: what the family decision reads depends on nothing else of the config, and a plan is made again and
+    again by the tests and a sweep's driver (a DeiT-S on the meta device takes 0.3 s, timm's weight init)."""
+    import torch
+
+    from pipeline.models.factory import create_model
+    from pipeline.models.families import block_adapter
+
+    with torch.device("meta"):
+        model = create_model(name, **{key: value for key, value in overrides if value is not None})
+    return model, block_adapter(model)
 
 
 def check_paper_levels(config: Config) -> None:

@@ -46,6 +46,7 @@ from timm.models.vision_transformer_relpos import (
 from torch import Tensor, nn
 
 from pipeline.errors import InputError
+from pipeline.methods import METHODS
 
 
 def _relpos_bias(block: nn.Module, shared: Tensor | None) -> Tensor | None:
@@ -365,8 +366,6 @@ def check_model(model: nn.Module) -> BlockAdapter:
 def check_method(model: nn.Module, adapter: BlockAdapter, method: str) -> None:
     """Refuses, in one line, a method that ``model``'s position terms cannot follow: on a model with rotary
     embeddings, a method whose outputs have no input token behind them (``MethodSpec.keeps_positions``)."""
-    from pipeline.methods import METHODS
-
     if adapter.rotary and getattr(model, "rope", None) is not None and not METHODS[method].keeps_positions:
         name, family = model_label(model)
         kept = ", ".join(sorted(m for m, spec in METHODS.items() if spec.keeps_positions and spec.downsamples))
