@@ -365,6 +365,7 @@ def test_kmeans_refuses_tokens_whose_squares_overflow():
     token_pool(torch.randn(2, 8, 4) * 1e15, 3, method="kmeans", init="random")  # large but representable: fine
 
 
+@pytest.mark.slow  # a CLI subprocess or two: over 5 s (tests/tiers.py)
 def test_the_cli_turns_off_mlflows_telemetry_unless_the_user_set_it():
     import os
     import subprocess

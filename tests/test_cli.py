@@ -56,6 +56,7 @@ def test_help_lists_only_working_commands(capsys):
         assert "usage:" in parser_help(capsys, command)
 
 
+@pytest.mark.slow  # a CLI subprocess or two: over 5 s (tests/tiers.py)
 def test_methods_lists_the_registry():
     from pipeline.methods import METHODS
 

@@ -3,14 +3,25 @@ where it is kept (``dag.plan.target_table`` names it, ``dag.latency.prepare_tabl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pipeline.bench.blocks import BlocksSettings, ModelSpec, check_threads, table_key
 from pipeline.evaluate import resolve_setting
+from pipeline.runtime import KernelChoice
+
+
+@functools.lru_cache(maxsize=64)
+def meta_model(spec: ModelSpec, kernels: KernelChoice | None) -> nn.Module:
+    """The model of ``spec`` on the meta device (its shapes, for a table's key), built once a process: a plan reads
+    it for every table of every arch and method, and the tests and a sweep's driver plan again and again. Read only."""
+    with torch.device("meta"):
+        return spec.build() if kernels is None else spec.build(kernels=kernels)
 
 
 def auto_settings(config, arch, method: str):
@@ -24,8 +35,7 @@ def auto_settings(config, arch, method: str):
     spec = ModelSpec(name=model.name, img_size=model.img_size, patch_size=model.patch_size, embed_dim=model.embed_dim,
                      depth=model.depth, num_heads=model.num_heads, num_classes=config.data.num_classes,
                      patch_embed=model.patch_embed)
-    with torch.device("meta"):  # its shapes only
-        tokens = spec.build().patch_embed.num_patches
+    tokens = meta_model(spec, None).patch_embed.num_patches
     return BlocksSettings(model=spec, method=method, options=config.pooling.method_options(method), batch=ev.batch,
                           dtype=dtype, compile=mode, threads=ev.threads if device == "cpu" else None, device=device,
                           step=8 if tokens <= 64 else 32, anchor_tolerance=ev.speed_tolerance,
@@ -45,9 +55,7 @@ def auto_table(config, arch, method: str):
     try:
         if settings.threads is not None:  # the key records the threads torch runs, as measure_table sets them
             torch.set_num_threads(settings.threads)
-        with torch.device("meta"):
-            model = settings.model.build(kernels=settings.kernels)
-        key = table_key(settings, model, torch.device(settings.device))
+        key = table_key(settings, meta_model(settings.model, settings.kernels), torch.device(settings.device))
     finally:
         torch.set_num_threads(threads)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
