@@ -9,6 +9,7 @@ timm's own logits, or it is refused with one line. docs/models.md holds the tabl
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -578,3 +579,47 @@ def test_run_plan_refuses_a_method_a_rotary_family_cannot_honour(capsys):
                             "--set", "model.name=vit_small_patch16_dinov3", "--set", "model.img_size=32",
                             "--set", "model.patch_size=16", "--set", "experiment.methods=[powerbert, wkmeans]")
     assert err.startswith("error: experiment.methods: method 'wkmeans' outputs new tokens with no input token behind")
+
+
+# ---- the position-term families through the CLI: evaluate and flops ---------------------------------------------
+
+POSITION_FAMILIES = [("vit_relpos", "test_vit_relpos"), ("BEiT", "beit_base_patch16_224"),
+                     ("EVA-02", "eva02_tiny_patch14_224")]
+
+
+def shape_of(name: str) -> tuple[int, int]:
+    """(blocks, patch tokens) of timm's ``name``, read on the meta device."""
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    return len(model.blocks), model.patch_embed.num_patches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for _, name in POSITION_FAMILIES], ids=[f for f, _ in POSITION_FAMILIES])
+def test_flops_of_a_position_family_drops_with_its_keep_list(name, capsys):
+    from pipeline.cli import main
+
+    def total(*args: str) -> float:
+        assert main(["flops", "--model", name, "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)["gflops"]
+
+    depth, n = shape_of(name)
+    full = total()
+    pooled = total("--method", "powerbert", "--keep", ",".join(str(n // 4) for _ in range(depth)))
+    assert pooled < 0.8 * full  # a quarter of the tokens after the first block
+
+
+@pytest.mark.beton
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for _, name in POSITION_FAMILIES], ids=[f for f, _ in POSITION_FAMILIES])
+def test_evaluate_runs_a_position_family_with_random_weights(name, synthetic_data, tmp_path, capsys):
+    from pipeline.cli import main
+
+    depth, n = shape_of(name)
+    out = tmp_path / "out"
+    keep = ",".join(str(max(n - n // 8 * (layer + 1), 4)) for layer in range(depth))
+    assert main(["evaluate", "--model", name, "--out", str(out), "--data", str(synthetic_data(8, 8) / "val.beton"),
+                 "--method", "powerbert,wkmedoids", "--keep", keep, "--carry", "off", "--batch-size", "4"]) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| powerbert") or line.startswith("| wkmedoids")]
+    assert len(rows) == 2 and (out / "offshelf.csv").exists()
