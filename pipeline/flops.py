@@ -169,6 +169,33 @@ def grid(num_tokens: int, step: int) -> list[int]:
     return sorted({*range(0, num_tokens, step), num_tokens})
 
 
+def check_closed_form(model: nn.Module) -> None:
+    """Refuses, in one line, a model whose GFLOPs the closed form of ``gflops_cost_model`` does not count as fvcore
+    does: it is held equal to fvcore (tests/test_model_families.py) for timm's ``Block``/``ResPostBlock`` with the
+    plain ``Attention`` and ``Mlp``, and a final norm over every token, and for nothing else (a relative position
+    bias carried through the steps, Eva's blocks, a gated or SwiGLU MLP, a head that normalises the pooled token)."""
+    from timm.layers import Attention, Mlp, PatchEmbed  # timm's layers, loaded only with a model at hand
+    from timm.models.vision_transformer import Block, ResPostBlock
+
+    first = next(iter(model.blocks))
+    why = None
+    if type(first) not in (Block, ResPostBlock) or type(first.attn) is not Attention:
+        why = f"its blocks are {type(first).__name__} with {type(first.attn).__name__}"
+    elif type(first.mlp) is not Mlp or not isinstance(first.attn.norm, nn.Identity):
+        why = f"its MLP is {type(first.mlp).__name__}" + ("" if isinstance(first.attn.norm, nn.Identity) else
+                                                           " and its attention normalises its output")
+    elif isinstance(getattr(model, "norm", None), nn.Identity) and not isinstance(getattr(model, "fc_norm", None),
+                                                                                   nn.Identity | None):
+        why = "its head normalises the pooled token (fc_norm), not every token"
+    elif getattr(model, "attn_pool", None) is not None:
+        why = "its head pools the tokens by attention (global_pool='map')"
+    elif type(model.patch_embed) is not PatchEmbed:
+        why = f"its patch embedding is a {type(model.patch_embed).__name__} (a convolutional stem)"
+    if why is not None:
+        raise InputError(f"no closed-form GFLOPs count of {type(model).__name__}: {why}; count it with fvcore "
+                         "(pipeline flops), and give its K search a latency target or cost: gflops on a ViT/DeiT")
+
+
 def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
                       options: dict[str, Any] | None = None) -> CostModel:
     """The GFLOPs of ``model`` (a timm ViT, one image) downsampled by ``method`` with ``options`` (its defaults
@@ -186,18 +213,17 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
         counted = ", ".join(sorted(name for name, other in METHODS.items() if other.flops is not None))
         raise InputError(f"no closed-form GFLOPs count of method {method!r}'s pooling step (its MethodSpec has no "
                          f"flops); give a latency target with a cost table, or one of {counted}")
-    from pipeline.models.families import block_adapter  # timm's model classes, loaded only with a model at hand
-
     options = spec.resolve(method, options or {})
     first = next(iter(model.blocks))
-    if block_adapter(model).relative_bias:  # a relative position bias carried through the steps
-        raise InputError(f"no closed-form GFLOPs count of {type(model).__name__}'s blocks (a relative position bias "
-                         "that the pooled tokens carry); count it with fvcore: pipeline flops")
+    check_closed_form(model)
     dim, hidden = model.embed_dim, first.mlp.fc1.out_features
     n_tokens, prefix, depth = model.patch_embed.num_patches, model.num_prefix_tokens, len(list(model.blocks))
     patch = model.patch_embed.proj
     embed = n_tokens * patch.in_channels * patch.kernel_size[0] * patch.kernel_size[1] * dim
-    head = dim * model.head.out_features if isinstance(model.head, nn.Linear) else 0
+    # The heads: a distilled model's second head reads the distillation token (DeiT's VisionTransformerDistilled).
+    heads = [getattr(model, name, None) for name in ("head", "head_dist")]
+    head = sum(dim * h.out_features for h in heads if isinstance(h, nn.Linear))
+    pre_norm = 0 if isinstance(getattr(model, "norm_pre", None), nn.Identity | None) else 1  # CLIP's norm_pre
     points = grid(n_tokens, step or (1 if n_tokens <= 64 else 8))
 
     def attn(n: int) -> float:  # qkv, Q K^T and A V, projection
@@ -212,7 +238,7 @@ def gflops_cost_model(model: nn.Module, method: str, step: int | None = None,
     surface = PoolSurface(tuple(points), tuple(
         Curve(tuple(k for k in points if k <= n), tuple(pool(n, k, width, options) / 1e9 for k in points if k <= n))
         for n in points))
-    fixed = (embed + head + NORM_FLOPS * (n_tokens + prefix) * dim) / 1e9  # the first block's norm1
+    fixed = (embed + head + (1 + pre_norm) * NORM_FLOPS * (n_tokens + prefix) * dim) / 1e9  # the first norm1
     return CostModel("gflops", num_tokens=n_tokens, prefix=prefix, depth=depth, fixed=fixed,
                      attn=Curve(tuple(points), tuple(attn(n) for n in points)),
                      mlp=Curve(tuple(points), tuple(mlp(k) for k in points)), pool=surface,

@@ -208,6 +208,22 @@ def test_a_pooled_family_moves_its_logits_and_keeps_timms_at_k_equal_n(name, ove
     assert (pooled - expected).abs().max() > 0.01 * expected.abs().max()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, overrides", POOLED, ids=[name for name, _ in POOLED])
+def test_a_pooled_familys_closed_form_gflops_equal_fvcores_or_are_refused(name, overrides):
+    from pipeline.flops import count_flops, gflops_cost_model
+
+    model = timm.create_model(name, **overrides).eval()
+    n, depth = model.patch_embed.num_patches, len(model.blocks)
+    keep = [max(8, n // 2 // 8 * 8), max(8, n // 4 // 8 * 8)][:depth]  # on the closed form's grid of 8 tokens
+    try:
+        predicted = gflops_cost_model(model, "powerbert").predict(keep)
+    except InputError as err:
+        assert str(err).startswith("no closed-form GFLOPs count of ") and "\n" not in str(err)
+        return
+    assert predicted == pytest.approx(count_flops(apply_downsampling(model, "powerbert", keep)).total, rel=1e-12)
+
+
 def tiny_post_norm(**kwargs) -> VisionTransformer:
     torch.manual_seed(0)
     args = dict(class_token=False, global_pool="avg") | kwargs  # as timm's vit_*_rpn
@@ -322,12 +338,6 @@ def test_create_model_refuses_an_unsupported_family_even_unmodified():
         create_model("cait_xxs24_224")
 
 
-if __name__ == "__main__":  # writes docs/models.md's table
-    found = {name: decide(name, overrides) for _, name, overrides in ROWS}
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    DOC.write_text(f"{head}{BEGIN}\n{table(found)}\n{END}{rest.split(END, 1)[1]}")
-    sys.exit(0)
 
 
 def test_post_norm_gflops_drop_with_pooling_as_the_closed_form_counts():
@@ -482,6 +492,15 @@ def test_relpos_selection_against_a_token_by_token_reference(shared):
     torch.testing.assert_close(same, unpooled)
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_keeps_a_relative_bias_families_logits_at_k_equal_n(method):
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    for model in (tiny_relpos(), tiny_beit(use_rel_pos_bias=True, use_shared_rel_pos_bias=True)):
+        pooled = apply_downsampling(copy.deepcopy(model), method, [16] * 3, carry=True)
+        with torch.no_grad():
+            torch.testing.assert_close(pooled(x), model(x))
+
+
 def test_a_merged_tokens_bias_is_the_size_weighted_mean_over_both_members():
     from pipeline.models.downsampling import pooled_bias, pooled_positions
 
@@ -565,6 +584,14 @@ def test_a_method_of_new_tokens_is_refused_for_a_rotary_family_in_one_line(metho
     assert type(model) is Eva and not any(b._forward_pre_hooks for b in model.blocks)
 
 
+@pytest.mark.parametrize("method", sorted(m for m, spec in METHODS.items() if spec.keeps_positions))
+def test_every_method_it_runs_keeps_a_rotary_familys_logits_at_k_equal_n(method):
+    model = tiny_eva()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(apply_downsampling(copy.deepcopy(model), method, [16] * 3, carry=True)(x), model(x))
+
+
 def test_k_medoids_pools_a_rotary_family_and_moves_its_logits():
     model = tiny_eva()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
@@ -623,3 +650,11 @@ def test_evaluate_runs_a_position_family_with_random_weights(name, synthetic_dat
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| powerbert") or line.startswith("| wkmedoids")]
     assert len(rows) == 2 and (out / "offshelf.csv").exists()
+
+
+if __name__ == "__main__":  # writes docs/models.md's table
+    found = {name: decide(name, overrides) for _, name, overrides in ROWS}
+    text = DOC.read_text()
+    head, rest = text.split(BEGIN, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{table(found)}\n{END}{rest.split(END, 1)[1]}")
+    sys.exit(0)

@@ -229,9 +229,10 @@ class BlockParts:
             raise InputError(f"method {method!r} has parameters of its own in every block; a latency table times "
                              "the parameter-free methods (one step shared by the blocks)")
         adapter = block_adapter(model)
-        if adapter.relative_bias:
-            raise InputError("a latency table times blocks without a position term; this model's blocks add a "
-                             "relative position bias that the pooled tokens carry (give its K search cost: gflops)")
+        if adapter.relative_bias or adapter.rotary:
+            raise InputError("a latency table times blocks without a position term; this model's blocks take one "
+                             f"that the pooled tokens carry ({adapter.name}); measure its speed with `pipeline "
+                             "evaluate --speed`")
         self.p, n = model.num_prefix_tokens, model.patch_embed.num_patches
         config = DownsamplingConfig(method, [n] * len(model.blocks), options=METHODS[method].resolve(method, options))
         # The model's own blocks (the same modules, not copies) in the container whose forward the model runs.

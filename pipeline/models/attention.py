@@ -166,10 +166,11 @@ def _dense_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, position_bia
     The scores are eq. 4 (``"eq4"``: the probabilities summed over heads and queries) or the class token's row
     (``"cls"``); the logits and the softmax are float32 whatever the dtype.
     """
-    logits = (q.float() * scale) @ k.float().transpose(-2, -1) + position_bias.float()  # (B, H, T, T)
-    if log_sizes is not None:
-        logits = logits + log_sizes[:, None, None, :].float()
-    probs = logits.softmax(dim=-1)
+    with torch.autocast(q.device.type, enabled=False):  # float32 under autocast too
+        logits = (q.float() * scale) @ k.float().transpose(-2, -1) + position_bias.float()  # (B, H, T, T)
+        if log_sizes is not None:
+            logits = logits + log_sizes[:, None, None, :].float()
+        probs = logits.softmax(dim=-1)
     found = None
     if significance == "eq4":
         found = probs.sum(dim=(1, 2))

@@ -6,7 +6,7 @@ each block from its own parts, as the block's adapter (``models.families``: pre-
 or post-norm) says, with the downsampling step placed between the two halves. LayerScale, register
 and distillation tokens keep working because nothing of the block is re-implemented but its two
 residual lines, and the tests compare against the unpatched timm model. A model the step would not
-run in is refused before anything of it changes (``families.check_model``).
+run in is refused before anything of it changes (``families.decide_family``).
 
 Placement: the paper's GFLOPs are reproduced only when block l keeps K_l tokens after its attention
 and before its MLP (PoWER-BERT's placement): for DeiT-S at sparsity level 1 the analytic count is
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from pipeline.errors import InputError
 from pipeline.methods import METHODS, build_downsampler, downsamples, method_spec
 from pipeline.models.attention import attend
-from pipeline.models.families import BlockAdapter, check_method, check_model, pooled_class, refuse_direct_calls
+from pipeline.models.families import BlockAdapter, check_method, decide_family, pooled_class, refuse_direct_calls
 from pipeline.models.keep import effective_keep
 from pipeline.pooling.common import PoolResult, one_hot, stable_ranks
 from pipeline.pooling.conv import grid_shape
@@ -209,6 +209,9 @@ class DownsamplingBlocks(nn.Sequential):
             if bias is not None:
                 positions = pooled_positions(positions, result.assign, members, p, k, before.shape[1])
             if rope is not None:  # a pooled token rotates as the input token behind it (MethodSpec.keeps_positions)
+                if result.index is None:
+                    raise InputError(f"method {self.config.method!r} declares keeps_positions but its step returned "
+                                     "no index of the input token behind each output (PoolResult.index)")
                 origin = result.index if origin is None else origin.gather(1, result.index)
         if record:
             self.recorder(BlockRecord(layer, before[:, p:], attended[:, p:], mixed[:, p:], stats.scores,
@@ -365,7 +368,7 @@ def apply_downsampling(
     if getattr(model, "grad_checkpointing", False):
         raise InputError("gradient checkpointing runs timm's blocks one by one and would skip the downsampling; "
                          "call model.set_grad_checkpointing(False) first")
-    adapter = check_model(model)  # the family refused in one line before anything of the model changes
+    adapter = decide_family(model)  # the family refused in one line before anything of the model changes
     options = method_spec(method).resolve(method, options)
     if qk_norm not in (None, *QK_NORM):
         raise InputError(f"qk_norm must be None or one of {QK_NORM}, got {qk_norm!r}")
@@ -378,6 +381,10 @@ def apply_downsampling(
     keep = [num_tokens] * depth if keep is None else effective_keep(keep, depth=depth, num_tokens=num_tokens)
     _check_head_keeps_tokens(model, keep)
     check_method(model, adapter, method)
+    if adapter.relative_bias and kernels is not None and kernels.attention not in ("auto", "torch"):
+        raise InputError(f"kernels.attention is {kernels.attention!r}, but this model's attention adds a relative "
+                         "position bias per pair of tokens, which only the dense torch softmax takes; give auto or "
+                         "torch")
     if METHODS[method].significance(options) == "cls" and getattr(model, "cls_token", None) is None:
         raise InputError(f"method {method!r} with significance='cls' scores tokens by the class token's attention, "
                          "but this model has no class token; use significance='eq4' (the paper's scores)")

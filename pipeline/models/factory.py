@@ -17,7 +17,7 @@ from torch import nn
 from pipeline.errors import InputError
 from pipeline.methods import downsamples
 from pipeline.models.downsampling import apply_downsampling
-from pipeline.models.families import check_model
+from pipeline.models.families import decide_family
 from pipeline.models.patch_embed import use_patch_embed
 from pipeline.models.weights import load_weights
 from pipeline.runtime import KernelChoice
@@ -87,7 +87,7 @@ def create_model(
         apply_downsampling(model, method, keep, carry=carry, qk_norm=qk_norm, alpha=alpha,
                            soft_extract=soft_extract, kernels=kernels, **(options or {}))
     else:  # the unmodified timm model itself (base and baseline training, the benchmarks' reference), of a family
-        check_model(model)  # the step runs in: a base of any other would fail at its first finetune
+        decide_family(model)  # the step runs in: a base of any other would fail at its first finetune
     use_patch_embed(model, patch_embed)
     if weights is not None:  # same keys as timm's: a plain timm checkpoint loads as it is
         load_weights(model, weights)

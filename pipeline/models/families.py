@@ -131,11 +131,15 @@ ADAPTERS: dict[type, BlockAdapter] = {
 }
 
 
-def _refuse_masks(attn_mask: Tensor | None, is_causal: bool) -> None:
-    """A pooled model's forward takes the images alone: a mask over the tokens would not follow them as they pool."""
+def _refuse_masks(model: nn.Module, attn_mask: Tensor | None, is_causal: bool) -> None:
+    """A pooled model's forward takes the images alone: a mask over the tokens would not follow them as they pool,
+    and gradient checkpointing (timm's, block by block) would skip the steps."""
     if attn_mask is not None or is_causal:
         raise InputError("a pooled model's forward takes no attention mask and no causal flag: the mask would be "
                          "over tokens that the downsampling steps pool away")
+    if model.grad_checkpointing:
+        raise InputError("gradient checkpointing runs timm's blocks one by one and would skip the downsampling; "
+                         "call model.set_grad_checkpointing(False)")
 
 
 class PooledRelPos(VisionTransformerRelPos):
@@ -147,7 +151,7 @@ class PooledRelPos(VisionTransformerRelPos):
     """
 
     def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        _refuse_masks(attn_mask, is_causal)
+        _refuse_masks(self, attn_mask, is_causal)
         x = self.patch_embed(x)
         if self.cls_token is not None:
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
@@ -159,7 +163,7 @@ class PooledBeit(Beit):
     """timm's ``Beit`` with its blocks called as one, ``self.blocks(x, shared_rel_pos_bias)`` (see ``PooledRelPos``)."""
 
     def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        _refuse_masks(attn_mask, is_causal)
+        _refuse_masks(self, attn_mask, is_causal)
         x = self.patch_embed(x)
         x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         if self.pos_embed is not None:
@@ -174,7 +178,7 @@ class PooledEva(Eva):
     ``ropes`` holds each block's rotary embedding over the patch tokens, (N, 2D) or (H, N, 2D) (``rope_mixed``)."""
 
     def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        _refuse_masks(attn_mask, is_causal)
+        _refuse_masks(self, attn_mask, is_causal)
         x, rope = self._pos_embed(self.patch_embed(x))
         x = self.norm_pre(x)
         if rope is None:
@@ -295,10 +299,10 @@ def _stop_at_blocks(module: nn.Module, args: tuple) -> None:
 
 
 def _bypassed(module: nn.Module, args: tuple) -> None:
-    raise BlockCalledAlone("a block of a downsampling model was called by itself, outside model.blocks, where its "
-                     "downsampling step does not run (timm's forward_intermediates, forward_features(attn_mask=...), "
-                     "gradient checkpointing, or a model that loops over its blocks); call the model or "
-                     "forward_features(x)")
+    raise BlockCalledAlone(
+        f"a block of a downsampling model ({type(module).__name__}) was called by itself, outside model.blocks, where "
+        "its downsampling step does not run (timm's forward_intermediates, forward_features(attn_mask=...), gradient "
+        "checkpointing, or a model that loops over its blocks); call the model or forward_features(x)")
 
 
 def probe_input(model: nn.Module) -> Tensor:
@@ -335,8 +339,9 @@ def check_runs_blocks(model: nn.Module) -> None:
     except InputError:
         raise
     except Exception as err:  # a forward that fails on its own input size would fail in every stage
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise InputError(f"{name} ({family}) cannot be pooled: its forward of one image of its input size failed "
-                         f"before model.blocks ({type(err).__name__}: {err})") from err
+                         f"before model.blocks ({type(err).__name__}: {first})") from err
     finally:
         for handle in handles:
             handle.remove()
@@ -350,7 +355,7 @@ def pooled_class(model: nn.Module) -> type:
     return POOLED_CLASS.get(type(model), type(model))  # a subclass keeps its own forward, which the probe checks
 
 
-def check_model(model: nn.Module) -> BlockAdapter:
+def decide_family(model: nn.Module) -> BlockAdapter:
     """``block_adapter`` and ``check_runs_blocks`` (as the model will run pooled): the adapter of a model the step
     runs in, or InputError; the model is left as it was."""
     adapter = block_adapter(model)
