@@ -28,7 +28,7 @@ SCRIPT = ROOT / "jobs" / "gpu" / "checks.sh"
 def checks(out: Path, *parts: str, **env: str) -> subprocess.CompletedProcess:
     # python3 on the PATH is this interpreter, as it is the machine's own on the GPU machine
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    deadline = int(env["DEADLINE"]) - time.time() + 60 if "DEADLINE" in env else 0  # the script stops by then
+    deadline = int(env["DEADLINE"]) - time.time() + 60 if env.get("DEADLINE", "").isdigit() else 0  # it stops by then
     return subprocess.run(["bash", str(SCRIPT), *parts], cwd=ROOT, capture_output=True, text=True,
                           timeout=max(5 * HANG_S, deadline),
                           env={**os.environ, "PATH": path, "OUT": str(out), "DEVICE": "cpu", **env})
