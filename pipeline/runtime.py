@@ -170,6 +170,13 @@ def _note_traced(ctx) -> None:
     _DISPATCHED.add((value("kernel"), value("implementation"), value("tokens")))
 
 
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing this forward (``pipeline export``, on its way to ONNX). Every fused step
+    then traces as its torch reference, the self-check's, instead of its custom op: an exported graph is for a
+    runtime other than torch, which has no implementation of the project's ops (``pipeline.export``)."""
+    return torch.compiler.is_exporting()
+
+
 def forget_dispatches() -> None:
     """Starts the record of what ran afresh (a job, an evaluation: what ran before it is not its record). A graph
     compiled before it keeps running its traced paths unnoted: start the record before compiling."""

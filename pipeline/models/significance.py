@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import InputError
-from pipeline.runtime import note_dispatch
+from pipeline.runtime import exporting, note_dispatch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.models.significance_triton import (
@@ -92,12 +92,21 @@ def attention_and_significance_torch(q: Tensor, k: Tensor, v: Tensor, bias: Tens
     scores = q.new_empty(b, t, dtype=torch.float32)
     for i in range(0, b, step):
         part = slice(i, i + step)
-        e = _logits(q[part], k[part], None if bias is None else bias[part], scale)
-        e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (b, H, T, T)
-        inv = e.sum(-1, keepdim=True).reciprocal_()  # (b, H, T, 1)
-        scores[part] = torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)
-        out[part] = torch.matmul(e, v[part].float()).mul_(inv)
+        out[part], scores[part] = attention_and_significance_dense(
+            q[part], k[part], v[part], None if bias is None else bias[part], scale)
     return out, scores
+
+
+def attention_and_significance_dense(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
+                                     ) -> tuple[Tensor, Tensor]:
+    """``attention_and_significance_torch`` on the whole batch at once: (B, H, T, D) q, k, v -> ((B, H, T, D)
+    float32 output, (B, T) float32 scores). A chunk of the CPU op, and the op as an ONNX export runs it (a
+    batch that may be symbolic cannot be cut into chunks)."""
+    e = _logits(q, k, bias, scale)
+    e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalised, (B, H, T, T)
+    inv = e.sum(-1, keepdim=True).reciprocal_()  # (B, H, T, 1)
+    scores = torch.matmul(inv.transpose(-2, -1), e).sum(1).squeeze(1)
+    return torch.matmul(e, v.float()).mul_(inv), scores
 
 
 @torch.library.custom_op("tokenpool::attention_with_significance", mutates_args=())
@@ -282,6 +291,8 @@ def attention_significance(q: Tensor, k: Tensor, scale: float, bias: Tensor | No
                          "pass the row log-sum-exps of the attention over these queries and keys")
     if lse is not None and lse.requires_grad:  # the fused kernels' lse is not differentiable: no op
         lse = lse.detach()
+    if exporting():
+        return significance_and_lse_torch(q, k, bias, float(scale), lse)[0]
     return _significance_op(q, k, bias, float(scale), lse)[0]
 
 
@@ -297,6 +308,9 @@ def attention_and_significance(q: Tensor, k: Tensor, v: Tensor, scale: float, bi
     Returns:
         ((B, H, T, D) attention output in v's dtype, (B, T) float32 scores).
     """
+    if exporting():
+        out, scores = attention_and_significance_dense(q, k, v, bias, float(scale))
+        return out.to(v.dtype), scores
     return _joint_op(q, k, v, bias, float(scale), kernel)
 
 

@@ -45,7 +45,7 @@ from pipeline.pooling.common import (
     work_dtype,
 )
 from pipeline.pooling.merge import pool_segments
-from pipeline.runtime import KernelChoice, note_dispatch
+from pipeline.runtime import KernelChoice, exporting, note_dispatch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.pooling.kmeans_triton import kmeans_fused_triton
@@ -171,7 +171,7 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int, kernels
     ``jobs/gpu/checks.sh`` can time the two; they are also the device self-check's reference.
     """
     g = gram(x)
-    if kernels.kmeans == "torch":
+    if kernels.kmeans == "torch" or exporting():
         note_dispatch("kmeans", "torch", x.shape[1])
         return kmeans_gram_iterations(g, w, start, iters)
     return _kmeans_gram_op(g, w, start, iters, kernels.native != "torch")
@@ -247,6 +247,8 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernels:
     torch iterations (``kmedoids_dense`` on ``sq_dists``) where neither is at hand or ``kernels.kmedoids`` is
     ``torch``.
     """
+    if exporting():
+        return kmedoids_dense(dists_from_gram(gram(x)), w, medoids, iters)
     g = None if x.device.type == "cpu" else gram(x)  # see _kmedoids_op
     return _kmedoids_op(x, g, w, medoids, iters, kernels.kmedoids, kernels.native != "torch")
 
@@ -254,9 +256,8 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernels:
 def _reach(d: Tensor) -> Tensor:
     """d with -inf on the diagonal: in the assignment a medoid always joins its own cluster, even when a
     duplicate token ties with it."""
-    reach = d.clone()
-    reach.diagonal(dim1=1, dim2=2).fill_(-torch.inf)
-    return reach
+    own = torch.eye(d.shape[-1], dtype=torch.bool, device=d.device)
+    return d.masked_fill(own, -torch.inf)  # not an in-place fill of the diagonal, which torch.export cannot trace
 
 
 def kmedoids_dense(d: Tensor, w: Tensor | None, medoids: Tensor, iters: int) -> tuple[Tensor, Tensor]:

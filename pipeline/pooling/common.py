@@ -209,11 +209,8 @@ def compared_ranks(values: Tensor, *, descending: bool) -> Tensor:
     n = values.shape[-1]
     mine, other = values.unsqueeze(-1), values.unsqueeze(-2)  # [.., i, j]: entry i against entry j
     earlier = torch.ones(n, n, dtype=torch.bool, device=values.device).tril_(-1)  # j < i
-    if descending:
-        before = torch.where(earlier, other >= mine, other > mine)
-    else:
-        before = torch.where(earlier, other <= mine, other < mine)
-    return before.sum(-1)
+    ahead = other > mine if descending else other < mine
+    return (ahead | (earlier & (other == mine))).sum(-1)  # boolean ops: ONNX Runtime has no Where on booleans
 
 
 def sorted_indices(index: Tensor) -> Tensor:

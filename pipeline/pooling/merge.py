@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pipeline.pooling import native
 from pipeline.pooling.common import Partition, gather_rows, one_hot
-from pipeline.runtime import note_dispatch
+from pipeline.runtime import exporting, note_dispatch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch path
     from pipeline.pooling.means_triton import cluster_means_triton
@@ -45,7 +45,10 @@ def pool_segments(
     Returns:
         ((B, K, M) weighted means, a call that returns the (B, K) float32 summed sizes).
     """
-    means = cluster_means(tokens, weights, assign, k, start, kernel, use_native)
+    if exporting():
+        means = means_dense(tokens, weights, assign, k, start)
+    else:
+        means = cluster_means(tokens, weights, assign, k, start, kernel, use_native)
 
     def summed_sizes() -> Tensor:
         part = Partition(assign, k, dtype=tokens.dtype)
