@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import TextIO
 
-from pipeline.cli import analysis, bench, data, doctor, experiments, info, train
+from pipeline.cli import analysis, bench, data, deploy, doctor, experiments, info, train
 from pipeline.cli.common import Parser
 from pipeline.console import VERBOSE_ENV, quiet_driver
 from pipeline.errors import PipelineError, PipelineWarning, project_error
@@ -19,7 +19,7 @@ from pipeline.errors import PipelineError, PipelineWarning, project_error
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m pipeline", description="Token Pooling in Vision Transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (info, bench, data, train, experiments, analysis, doctor):
+    for group in (info, bench, data, train, experiments, analysis, deploy, doctor):
         group.add_commands(commands)
     return parser
 

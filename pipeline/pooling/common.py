@@ -126,13 +126,39 @@ def identity_result(tokens: Tensor, sizes: Tensor | None) -> PoolResult:
     return PoolResult(tokens=tokens, sizes=out_sizes, assign=assign, index=assign())
 
 
+_DERIVED = [False]  # inside ``derived_noise``
+
+
+@contextlib.contextmanager
+def derived_noise() -> Iterator[None]:
+    """Inside, ``uniform_noise`` is a fixed function of each entry's position (``hashed_noise``), not a draw: the
+    same numbers in torch and in any runtime a model exported inside runs in. ``pipeline.export`` checks a random
+    method's export so, since torch's generator and ONNX Runtime's draw different numbers."""
+    saved = _DERIVED[0]
+    _DERIVED[0] = True
+    try:
+        yield
+    finally:
+        _DERIVED[0] = saved
+
+
+def hashed_noise(like: Tensor) -> Tensor:
+    """(B, N) float32 numbers in [0, 1) from each entry's flat position by Knuth's multiplicative hash, in int64
+    arithmetic, which every runtime computes exactly (a float hash would differ in its last bits)."""
+    position = torch.arange(like.numel(), device=like.device).reshape(like.shape)
+    return ((position * 2654435761 + 12345) % 16777216).float() / 16777216.0  # 2^24: exact in float32
+
+
 def uniform_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Uniform [0, 1) float32 noise of the shape (B, N) and device of ``like``.
+    """Uniform [0, 1) float32 noise of the shape (B, N) and device of ``like`` (``hashed_noise`` inside
+    ``derived_noise``).
 
     Without a generator it is ``rand_like``, which ``torch.compile`` traces with a symbolic batch size
     (a model compiled again for a second batch size gets one); ``torch.rand(b, n)`` with symbolic
     sizes fails to trace. Both draw the same numbers from the same generator state.
     """
+    if _DERIVED[0]:
+        return hashed_noise(like)
     if generator is None:
         return torch.rand_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
     return torch.rand(like.shape, device=like.device, generator=generator)

@@ -1,0 +1,245 @@
+"""A model to an ONNX file, and the file checked in ONNX Runtime against torch.
+
+The export goes through ``torch.export`` and torch's ONNX translator (``torch.onnx.export(dynamo=True)``). Under
+``torch.export`` every fused step traces as its torch reference instead of its custom op (``runtime.exporting``):
+no ONNX function is registered for the project's ops, because each has a torch reference that the translator
+turns into standard ONNX ops, and a hand-written ONNX function would be a second implementation to keep equal
+to the first. The keep list is part of the graph (static token counts); the batch is static or dynamic, as asked.
+
+A random method's graph draws its noise in the runtime (``RandomUniformLike``), so its logits cannot equal torch's;
+``check_onnx`` exports it a second time with the noise a fixed function of position in both
+(``pooling.common.derived_noise``) and compares that graph, and checks that the file's own graph draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from pipeline.errors import InputError, PipelineError
+
+RUNTIME_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+OPSET = 18  # torch 2.14's translator's default; onnxruntime 1.32 runs it
+RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Multinomial"})
+# Logits of a float32 graph: the runtime sums in its own order (its matmuls, its softmax), so the two differ by a
+# few units in the last place of every sum; over a dozen blocks that reaches about 1e-5 of logits of size ~10, and
+# a difference of 1e-3 is two orders above it while far below what a wrong op gives (tenths, or NaN).
+LOGIT_ATOL = 1e-3
+
+
+class ExportError(PipelineError, RuntimeError):
+    """A model that cannot be exported, or an export that does not run or match."""
+
+
+def require_runtime() -> None:
+    """InputError in one line when the ONNX packages are not installed."""
+    missing = [name for name in RUNTIME_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InputError(f"the ONNX export needs {', '.join(missing)}, which is not installed here: run `make setup` "
+                         "(or pip install -c constraints.txt onnx onnxscript onnxruntime)")
+
+
+def export_onnx(model: nn.Module, path: str | Path, *, batch: int | None = None, label: str = "the model") -> Path:
+    """Writes ``model`` (in eval mode, on the CPU) to ``path`` as ONNX: input ``images`` (B, 3, H, W) float32,
+    output ``logits`` (B, classes). ``batch``: a static batch size, or None for a dynamic one. The file is written
+    under a temporary name beside ``path`` and renamed, so a failed export leaves no file and an old one intact.
+    ``label`` names the model in the errors. Returns ``path``."""
+    require_runtime()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = model.eval()
+    size = model.patch_embed.img_size
+    example = torch.randn(batch or 2, 3, *size)
+    dynamic = None if batch is not None else ({0: torch.export.Dim("batch", min=1, max=4096)},)
+    with _quiet_exporter():
+        try:
+            with torch.no_grad():
+                program = torch.onnx.export(model, (example,), dynamo=True, opset_version=OPSET,
+                                            input_names=["images"], output_names=["logits"], dynamic_shapes=dynamic)
+        except Exception as err:  # the exporter wraps every failure in its own class; the op is in the message
+            raise ExportError(f"{label} cannot be exported to ONNX: {_failure(err)}") from None
+    fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        program.save(partial)
+        os.chmod(partial, 0o666 & ~_umask())  # mkstemp's file is private; the ONNX file is not
+        session(partial)  # a graph the runtime cannot load (an op it has no kernel for) is refused before it lands
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _failure(err: BaseException) -> str:
+    """One line from the exporter's report: the op without an ONNX function, or the first line of the cause."""
+    text = str(err)
+    missing = re.search(r"No ONNX function found for (\S+)", text)
+    if missing:
+        return f"no ONNX function for the op {missing.group(1).rstrip('.')}"
+    cause = err.__cause__ or err
+    first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+    return re.sub(r"\x1b\[[0-9;]*m", "", first)[:300]
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter's progress lines and deprecation warnings off: the command prints its own."""
+    import logging
+
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+                yield
+    finally:
+        logger.setLevel(level)
+
+
+def session(path: str | Path, threads: int = 1):
+    """An ONNX Runtime CPU session of the file, on ``threads`` threads (intra-op; one inter-op). A graph the runtime
+    cannot load is an ExportError naming the node it refused."""
+    require_runtime()
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as err:  # onnxruntime raises its own pybind classes
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ExportError(f"ONNX Runtime cannot run {path}: {first}") from None
+
+
+def graph_ops(path: str | Path) -> frozenset[str]:
+    """The op types in the file's graph and its functions."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    ops = {node.op_type for node in proto.graph.node}
+    for function in proto.functions:
+        ops.update(node.op_type for node in function.node)
+    return frozenset(ops)
+
+
+def run_session(sess, images: Tensor, batch: int | None = None) -> Tensor:
+    """The session's logits for ``images`` (B, 3, H, W), in slices of ``batch`` images (a static graph's), or all
+    at once -> (B, classes) float32."""
+    step = batch or len(images)
+    parts = [sess.run(None, {"images": images[i:i + step].float().numpy()})[0] for i in range(0, len(images), step)]
+    return torch.from_numpy(np.concatenate(parts))
+
+
+@dataclass(frozen=True)
+class ExportCheck:
+    """ONNX Runtime against torch on the same images: the largest logit difference (NaN where the runtime gave a
+    non-finite logit), the share of images whose top-1 class agrees, and how many images. ``draws``: the file's graph
+    has a random op (a random method); the logits compared are then those of its graph exported again with the noise
+    a fixed function of position (``derived_noise``), in torch as in the runtime."""
+
+    max_abs_diff: float
+    top1_agreement: float
+    images: int
+    draws: bool
+
+    def line(self) -> str:
+        noise = " (the noise a fixed function of position in both; the file draws its own)" if self.draws else ""
+        return (f"onnxruntime vs torch on {self.images} images: max |logit difference| {self.max_abs_diff:.2e} "
+                f"(tolerance {LOGIT_ATOL:g}), top-1 agreement {self.top1_agreement:.2%}{noise}")
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= LOGIT_ATOL  # False for NaN
+
+
+def check_onnx(model: nn.Module, path: str | Path, images: Tensor, *, batch: int | None = None,
+               label: str = "the model") -> ExportCheck:
+    """Runs the file at ``path`` (``model``'s export) and ``model`` on ``images`` (B, 3, H, W) and compares their
+    logits. A graph that draws noise (random, importance, a random initialisation) is exported again, to a
+    temporary file, inside ``derived_noise``, and that graph and torch are compared inside it."""
+    from pipeline.pooling.common import derived_noise
+
+    model = model.eval()
+    draws = bool(RANDOM_OPS & graph_ops(path))
+    with derived_noise() if draws else contextlib.nullcontext(), tempfile.TemporaryDirectory() as tmp:
+        compared = export_onnx(model, Path(tmp) / "derived.onnx", batch=batch, label=label) if draws else path
+        got = run_session(session(compared), images, batch)
+        with torch.no_grad():
+            want = torch.cat([model(images[i:i + 64].float()) for i in range(0, len(images), 64)])
+    finite = bool(torch.isfinite(got).all())
+    diff = (got - want).abs().max().item() if finite else float("nan")
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    return ExportCheck(max_abs_diff=diff, top1_agreement=agree, images=len(images), draws=draws)
+
+
+def export_subject(*, checkpoint: str | None = None, model: str | None = None, weights: str | None = None,
+                   method: str | None = None, keep: str | None = None, level: int | None = None):
+    """The network to export: a checkpoint's (its own method and keep list unless given) or a timm model's, with
+    ``method`` at ``keep`` (a comma-separated list) or at the paper's sparsity ``level``.
+
+    Returns (the model in eval mode, a label for the messages, the ``analysis.Subject`` it came from)."""
+    from pipeline.analysis import load_subject, with_method
+    from pipeline.methods import GRID_CONV, downsamples, method_spec
+    from pipeline.models import parse_keep
+    from pipeline.sparsity import level_keep
+
+    if keep is not None and level is not None:
+        raise InputError("give --keep K_1,...,K_L or --level N, not both")
+    subject = load_subject(checkpoint=checkpoint, model=model, weights=weights)
+    method = method or subject.method or "none"
+    method_spec(method)  # InputError naming the registered methods
+    if level is not None:
+        try:
+            keep_list = level_keep(model or subject.label, level)
+        except ValueError as err:
+            raise InputError(f"--level: {err}; give --keep K_1,...,K_L") from None
+    elif keep is not None:
+        keep_list = parse_keep(keep)
+    else:
+        keep_list = subject.keep if method == subject.method else None
+    if downsamples(method) and method != GRID_CONV and keep_list is None:
+        raise InputError(f"method {method} needs a keep list: give --keep K_1,...,K_L or --level N")
+    if method == subject.method == "none" or (method == "none" and subject.method is None and not subject.variant):
+        net = subject.model  # the unmodified network itself
+    else:
+        net = with_method(subject, method, keep_list)
+    where = f" at {','.join(map(str, keep_list))}" if keep_list else ""
+    return net.eval(), f"{subject.label} with {method}{where}", subject
+
+
+def check_images(subject, beton: str | Path | None, count: int) -> tuple[Tensor, str]:
+    """(B, 3, R, R) normalised images that check an export, and what they are: the first ``count`` of ``beton``
+    (default: the subject's validation data), or ``count`` random ones where there is no data."""
+    from pipeline.analysis import beton_images
+    from pipeline.analysis.probe import normalise
+    from pipeline.data.loaders import check_dataset
+
+    beton = beton or subject.val
+    if beton is None:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randn(count, 3, subject.res, subject.res, generator=generator), "random images (no --check-data)"
+    count = min(count, int(check_dataset(beton)["num_images"]))
+    pixels = np.concatenate(list(beton_images(beton, subject, count=count, batch=min(count, 256))))
+    return normalise(subject, pixels), f"images of {beton}"
