@@ -1,4 +1,4 @@
-"""``bench ops | throughput | loop | loader | kernels | serve | blocks | latency-check``: the measurements
+"""``bench ops | throughput | loop | loader | kernels | serve | blocks | latency-check | onnx``: the measurements
 (pipeline/bench/)."""
 
 from __future__ import annotations
@@ -384,6 +384,57 @@ def _add_bench_latency(bench_commands) -> None:
     check.set_defaults(func=cmd_bench_latency_check)
 
 
+def cmd_bench_onnx(args: argparse.Namespace) -> int:
+    from importlib.metadata import version
+
+    import torch
+
+    from pipeline.bench.blocks import device_name
+    from pipeline.bench.onnx import onnx_speeds
+    from pipeline.bench.paired import SpeedSettings
+    from pipeline.export import export_subject, require_runtime
+    from pipeline.report import markdown_table
+
+    require_runtime()
+    batches = int_list(args.batches, "--batches") or []
+    if not batches or min(batches) < 1:
+        raise InputError(f"--batches {args.batches}: give batch sizes of at least 1, comma-separated")
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods:
+        raise InputError("--methods: name at least one method, for example powerbert,wkmedoids")
+    subject = dict(checkpoint=args.checkpoint, model=args.model, weights=args.weights)
+    reference, _, _ = export_subject(**subject, method="none")
+    models = {m: export_subject(**subject, method=m, keep=args.keep, level=args.level)[0] for m in methods}
+    settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
+    rows = [r.row() for r in onnx_speeds(models, reference, batches=batches, settings=settings, log=log)]
+    header = (f"machine: {device_name(torch.device('cpu'))}, 1 thread; onnxruntime {version('onnxruntime')}; "
+              f"torch {torch.__version__}; clock: the thread's CPU time")
+    table = markdown_table(rows, ["method", "batch", "runtime", "speed_ratio", "speed_ratio_low", "speed_ratio_high",
+                                  "speedup", "gflops_ratio", "realised", "realised_low", "realised_high", "blocks"])
+    print(f"{header}\n\n{table}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(f"{header}\ncommand: python -m pipeline {' '.join(sys.argv[1:])}\n\n{table}\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_bench_onnx(bench_commands) -> None:
+    onnx = bench_commands.add_parser("onnx", help="exported picks against the exported unmodified model in "
+                                     "onnxruntime, paired, with torch eager beside them, and the realised fraction")
+    onnx.add_argument("--checkpoint", default=None, help="a `pipeline train` checkpoint (directory or .pt)")
+    onnx.add_argument("--model", default=None, help="or a timm model name (random weights unless --weights)")
+    onnx.add_argument("--weights", default=None, help="a timm state-dict file for --model")
+    onnx.add_argument("--methods", default="powerbert,wkmedoids", help="comma-separated (default powerbert,wkmedoids)")
+    onnx.add_argument("--keep", default=None, metavar="K_1,...,K_L", help="the keep list (default: the checkpoint's)")
+    onnx.add_argument("--level", type=int, default=None, help="or one of the paper's sparsity levels for the model")
+    onnx.add_argument("--batches", default="1,32", help="batch sizes, comma-separated (default 1,32)")
+    onnx.add_argument("--tolerance", type=float, default=0.02, help="the relative half-width aimed at (default 0.02)")
+    onnx.add_argument("--cap-s", type=float, default=60.0, help="the most seconds each paired ratio may take")
+    onnx.add_argument("--out", type=Path, default=None, help="also write the table, machine and command to this file")
+    onnx.set_defaults(func=cmd_bench_onnx)
+
+
 def add_commands(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
@@ -414,3 +465,4 @@ def add_commands(commands) -> None:
     _add_bench_kernels(bench_commands)
     _add_bench_serve(bench_commands)
     _add_bench_latency(bench_commands)
+    _add_bench_onnx(bench_commands)
