@@ -16,8 +16,9 @@ modules = sorted(m.name for m in pkgutil.walk_packages(pipeline.__path__, "pipel
 for name in modules:
     importlib.import_module(name)
 # What the workers reach only through calls: FFCV's decoders (libturbojpeg, OpenCV), cv2, Ray Train/Tune.
+# The ONNX export's translator and runtime (`pipeline export`), which pipeline.export imports only when called.
 for name in ("ffcv.fields.rgb_image", "ffcv.fields.decoders", "ffcv.transforms", "cv2", "ray.train.torch",
-             "ray.tune", "mlflow", "timm"):
+             "ray.tune", "mlflow", "timm", "onnx", "onnxscript", "onnxruntime"):
     importlib.import_module(name)
 
 import torch  # noqa: E402
@@ -25,5 +26,5 @@ import torch  # noqa: E402
 from pipeline.pooling import native  # noqa: E402
 
 assert native.library() is not None, "the clustering CPU kernels are not in the image (PIPELINE_NATIVE_CACHE)"
-print(f"imported {len(modules)} pipeline modules, ffcv, cv2, ray.train, ray.tune, mlflow, timm; "
+print(f"imported {len(modules)} pipeline modules, ffcv, cv2, ray.train, ray.tune, mlflow, timm, onnx, onnxruntime; "
       f"native kernels {native.library_path()}; torch {torch.__version__} (CUDA {torch.version.cuda})")

@@ -1,0 +1,220 @@
+"""``pipeline export`` and ``bench onnx``: every built-in method to ONNX, run in ONNX Runtime against torch.
+
+The reference is the torch model itself, eager, on this CPU: its clustering steps run the native C kernels and the
+batched attention op, while the exported graph holds their torch references translated to standard ONNX ops, so
+the two sides share no implementation of the fused steps. Exports of a 3-block DeiT on 32 px images (16 tokens)
+take a few seconds each: the tests that export are marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from pipeline.errors import InputError
+from pipeline.export import (
+    RANDOM_OPS,
+    ExportError,
+    check_onnx,
+    export_onnx,
+    export_subject,
+    graph_ops,
+    require_runtime,
+    run_session,
+    session,
+)
+from pipeline.methods import GRID_CONV, KEEP_ALL, METHODS, is_builtin
+from pipeline.models.factory import create_model
+from pipeline.pooling.common import derived_noise, hashed_noise, uniform_noise
+from pipeline.runtime import exporting
+
+TINY = dict(img_size=32, patch_size=8, depth=2)  # a 4 x 4 grid: 16 tokens and the class token
+KEEP = [12, 5]
+BUILTIN = sorted(m for m in METHODS if is_builtin(m))
+
+
+def tiny(method: str = KEEP_ALL, keep: list[int] | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if keep is None and method not in (KEEP_ALL, GRID_CONV):
+        keep = KEEP
+    return create_model("deit_tiny_patch16_224", method=method, keep=keep, **TINY).eval()
+
+
+def images(count: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def torch_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", BUILTIN)
+def test_every_builtin_method_exports_to_standard_ops_and_matches_torch(tmp_path, method):
+    model = tiny(method)
+    path = export_onnx(model, tmp_path / f"{method}.onnx", label=method)
+    proto = onnx.load(str(path))
+    assert {node.domain for node in proto.graph.node} == {""}  # standard ONNX ops only: no custom op left
+    assert [i.name for i in proto.graph.input] == ["images"] and [o.name for o in proto.graph.output] == ["logits"]
+    x = images(12)
+    want = torch_logits(model, x)
+    if RANDOM_OPS & graph_ops(path):  # a random method: compared with the noise derived from position in both
+        with derived_noise():
+            want = torch_logits(model, x)
+    check = check_onnx(model, path, x, label=method)
+    assert check.passed and check.max_abs_diff < 1e-4, check.line()
+    assert check.top1_agreement == 1.0
+    if not check.draws:  # the file itself, at a batch size it was not traced at (dynamic batch)
+        got = run_session(session(path), x[:5])
+        assert torch.allclose(got, want[:5], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["kmedoids"])
+def test_keeping_every_token_exports_the_unmodified_models_logits(tmp_path, method):
+    """At K = N the pooled export computes what the unmodified model's export computes, to 1e-5."""
+    plain = tiny()
+    pooled = tiny(method, keep=[16, 16])
+    pooled.load_state_dict(plain.state_dict())
+    x = images(6)
+    got = run_session(session(export_onnx(pooled, tmp_path / "pooled.onnx")), x)
+    want = run_session(session(export_onnx(plain, tmp_path / "plain.onnx")), x)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.slow
+def test_a_random_methods_file_draws_in_the_runtime(tmp_path):
+    """The file keeps the draw (no noise frozen into a constant at export): two runs of the same images differ,
+    while the check compares a graph with derived noise exactly."""
+    model = tiny("random", keep=[4, 2])
+    path = export_onnx(model, tmp_path / "random.onnx")
+    assert RANDOM_OPS & graph_ops(path)
+    sess, x = session(path), images(8)
+    assert not torch.equal(run_session(sess, x), run_session(sess, x))
+    check = check_onnx(model, path, x)
+    assert check.draws and check.passed, check.line()
+
+
+@pytest.mark.slow
+def test_a_static_batch_is_the_graphs_and_the_check_runs_in_slices(tmp_path):
+    model = tiny("kmeans")
+    path = export_onnx(model, tmp_path / "static.onnx", batch=3)
+    dims = onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims] == [3, 3, 32, 32]
+    with pytest.raises(Exception, match="(?i)dimension|shape"):
+        session(path).run(None, {"images": images(2).numpy()})
+    check = check_onnx(model, path, images(6), batch=3)
+    assert check.images == 6 and check.passed, check.line()
+
+
+class _Opaque(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.exporttest.opaque(x)
+
+
+@torch.library.custom_op("exporttest::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_opaque.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@pytest.mark.slow
+def test_an_op_without_an_onnx_function_is_one_line_and_nothing_is_written(tmp_path):
+    """The refusal names the op; an older file at the path is left as it was, and no partial file stays."""
+    model = tiny()
+    model.head = torch.nn.Sequential(model.head, _Opaque())
+    out = tmp_path / "model.onnx"
+    out.write_bytes(b"the previous export")
+    with pytest.raises(ExportError) as err:
+        export_onnx(model, out, label="the test model")
+    message = str(err.value)
+    assert "\n" not in message and "exporttest.opaque" in message and message.startswith("the test model")
+    assert out.read_bytes() == b"the previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+@pytest.mark.slow
+def test_export_subject_takes_a_level_or_a_keep_list_and_refuses_neither():
+    model, label, _ = export_subject(model="deit_small_patch16_224", method="powerbert", level=3)
+    assert label == "deit_small_patch16_224 with powerbert at 196,194,187,163,118,85,58,47,20,12,2,0"  # Table 1's
+    assert model.blocks.config.keep == [196, 194, 187, 163, 118, 85, 58, 47, 20, 12, 2, 0]
+    with pytest.raises(InputError, match="needs a keep list"):
+        export_subject(model="deit_small_patch16_224", method="powerbert")
+    with pytest.raises(InputError, match="not both"):
+        export_subject(model="deit_small_patch16_224", method="powerbert", keep="1", level=3)
+
+
+def test_noise_derived_from_position_is_uniform_like_fixed_and_only_inside_its_block():
+    like = torch.zeros(64, 197)
+    noise = hashed_noise(like)
+    assert noise.dtype == torch.float32 and noise.shape == like.shape
+    assert 0.0 <= noise.min().item() and noise.max().item() < 1.0
+    assert abs(noise.mean().item() - 0.5) < 0.01 and len(noise.unique()) > 0.99 * noise.numel()
+    with derived_noise():
+        assert torch.equal(uniform_noise(like, None), noise)
+    assert not torch.equal(uniform_noise(like, None), noise)  # a draw again outside
+    assert not exporting()
+
+
+def test_a_missing_runtime_is_one_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    with pytest.raises(InputError, match=r"needs onnxruntime, which is not installed here: run `make setup`"):
+        require_runtime()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch 0: give a static batch size of at least 1"),
+    (["--check-images", "0"], "--check-images 0: give at least 1"),
+    (["--out", "model.txt"], "give a file name ending in .onnx"),
+])
+def test_export_refuses_bad_flags_before_loading(argv, message, capsys):
+    from pipeline.cli import main
+
+    base = ["export", "--model", "deit_tiny_patch16_224", "--out", "m.onnx"]
+    assert main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.beton
+def test_the_export_command_checks_on_beton_images_and_writes_the_file(tmp_path, synthetic_data, capsys):
+    from pipeline.cli import main
+
+    val = synthetic_data(8, 24) / "val.beton"
+    out = tmp_path / "m.onnx"
+    assert main(["export", "--model", "deit_tiny_patch16_224", "--method", "powerbert", "--keep",
+                 "196,98,49,49,30,20,10,5,5,5,5,5", "--check-data", str(val), "--check-images", "10",
+                 "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "onnxruntime vs torch on 10 images: max |logit difference|" in captured.out
+    assert f"images of {val}" in captured.err and out.is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.speed
+def test_bench_onnx_rows_give_the_realised_fraction_of_the_gflops_ratio():
+    from pipeline.bench.onnx import onnx_speeds
+    from pipeline.bench.paired import SpeedSettings
+    from pipeline.flops import count_flops
+
+    reference, model = tiny(), tiny("powerbert", keep=[8, 4])
+    rows = onnx_speeds({"powerbert": model}, reference, batches=[1, 2],
+                       settings=SpeedSettings(tolerance=0.5, cap_s=20, warmup=1), log=lambda _: None)
+    assert [(r.batch, r.runtime) for r in rows] == [(1, "onnxruntime"), (1, "torch"), (2, "onnxruntime"), (2, "torch")]
+    pick, plain = count_flops(model).total, count_flops(reference).total
+    for r in rows:
+        row = r.row()
+        assert row["gflops_ratio"] == pytest.approx(plain / pick, rel=1e-3)
+        assert row["realised"] == pytest.approx(pick / (r.ratio.ratio * plain), rel=1e-2)  # speed-up / GFLOPs ratio
+        assert row["realised_low"] <= row["realised"] <= row["realised_high"]
+        assert np.isfinite(r.ratio.ratio) and r.ratio.blocks >= 1
