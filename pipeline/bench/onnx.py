@@ -49,7 +49,8 @@ class OnnxSpeed:
     def row(self) -> dict[str, object]:
         r = self.ratio
         return {"method": self.method, "batch": self.batch, "runtime": self.runtime,
-                "speed_ratio": round(r.ratio, 4), "speed_ratio_low": round(r.low, 4), "speed_ratio_high": round(r.high, 4),
+                "speed_ratio": round(r.ratio, 4), "speed_ratio_low": round(r.low, 4),
+                "speed_ratio_high": round(r.high, 4),
                 "speedup": round(1 / r.ratio, 3), "gflops": round(self.gflops, 4),
                 "gflops_ratio": round(self.gflops_ratio, 3), "realised": round(self.realised(r.ratio), 3),
                 "realised_low": round(self.realised(r.high), 3), "realised_high": round(self.realised(r.low), 3),
