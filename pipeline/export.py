@@ -116,9 +116,10 @@ def _quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def session(path: str | Path, threads: int = 1):
+def session(path: str | Path, threads: int = 1, profile: str | Path | None = None):
     """An ONNX Runtime CPU session of the file, on ``threads`` threads (intra-op; one inter-op). A graph the runtime
-    cannot load is an ExportError naming the node it refused."""
+    cannot load is an ExportError naming the node it refused. ``profile``: a file name prefix for the runtime's
+    profile of every node run (``sess.end_profiling()`` writes it)."""
     require_runtime()
     import onnxruntime as ort
 
@@ -126,6 +127,9 @@ def session(path: str | Path, threads: int = 1):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if profile is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile)
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as err:  # onnxruntime raises its own pybind classes

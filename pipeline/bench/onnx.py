@@ -28,7 +28,8 @@ RUNTIMES = ("onnxruntime", "torch")
 @dataclass(frozen=True)
 class OnnxSpeed:
     """One method at one batch size in one runtime: its time over the unmodified model's (``ratio`` with its 95%
-    interval), the GFLOPs of both, and the realised fraction of the GFLOPs ratio with its interval."""
+    interval), the GFLOPs of both, and the realised fraction of the GFLOPs ratio with its interval. ``profile``: the
+    pick's ``op_profile`` in ONNX Runtime where one was asked for."""
 
     method: str
     batch: int
@@ -36,6 +37,7 @@ class OnnxSpeed:
     ratio: SpeedRatio
     gflops: float
     reference_gflops: float
+    profile: tuple[tuple[str, float], ...] = ()
 
     @property
     def gflops_ratio(self) -> float:
@@ -70,9 +72,10 @@ def _torch_call(model: nn.Module, images: torch.Tensor) -> Callable[[], object]:
 
 
 def onnx_speeds(models: dict[str, nn.Module], reference: nn.Module, *, batches: Sequence[int],
-                settings: SpeedSettings, log: Callable[[str], None] = print) -> list[OnnxSpeed]:
+                settings: SpeedSettings, profile: bool = False, log: Callable[[str], None] = print) -> list[OnnxSpeed]:
     """Every model in ``models`` (method -> network in eval mode) against ``reference`` (the unmodified network), at
-    every batch size, in ONNX Runtime and then torch eager, on one thread; exported to a temporary folder first."""
+    every batch size, in ONNX Runtime and then torch eager, on one thread; exported to a temporary folder first.
+    ``profile``: each pick's ONNX Runtime rows carry its ``op_profile`` at that batch size."""
     from pipeline.export import export_onnx, session
     from pipeline.flops import count_flops
 
@@ -85,7 +88,8 @@ def onnx_speeds(models: dict[str, nn.Module], reference: nn.Module, *, batches: 
         timer = sample_timer(torch.device("cpu"), clock="cpu")
         for method, model in models.items():
             log(f"exporting {method}")
-            pick = session(export_onnx(model, Path(tmp) / f"{method}.onnx", label=method))
+            path = export_onnx(model, Path(tmp) / f"{method}.onnx", label=method)
+            pick = session(path)
             gflops = count_flops(model).total
             for batch in batches:
                 images = torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(batch))
@@ -93,8 +97,36 @@ def onnx_speeds(models: dict[str, nn.Module], reference: nn.Module, *, batches: 
                          "torch": (_torch_call(model, images), _torch_call(reference, images))}
                 for runtime in RUNTIMES:
                     ratio = paired_ratio(*calls[runtime], timer=timer, settings=settings)
-                    rows.append(OnnxSpeed(method, batch, runtime, ratio, gflops, reference_gflops))
+                    ops = tuple(op_profile(path, images)) if profile and runtime == "onnxruntime" else ()
+                    rows.append(OnnxSpeed(method, batch, runtime, ratio, gflops, reference_gflops, ops))
                     done = rows[-1]
                     log(f"{method} batch {batch} {runtime}: {ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}] of "
                         f"the unmodified model, realised {done.realised(ratio.ratio):.2f} of {done.gflops_ratio:.2f}x")
     return rows
+
+
+def op_profile(path: str | Path, images: torch.Tensor, *, calls: int = 3, top: int = 8) -> list[tuple[str, float]]:
+    """Where the runtime's time goes in the file's graph on ``images``: the ``top`` op types by their share of the
+    node time of ``calls`` calls after one warm-up call (ONNX Runtime's own profile, one thread), the rest summed
+    as ``other``. -> [(op type, share)], largest first."""
+    import json
+
+    from pipeline.export import session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sess = session(path, profile=Path(tmp) / "profile")
+        feed = {"images": images.numpy()}
+        sess.run(None, feed)
+        for _ in range(calls):
+            sess.run(None, feed)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    totals: dict[str, float] = {}
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            op = event.get("args", {}).get("op_name", "?")
+            totals[op] = totals.get(op, 0.0) + float(event.get("dur", 0))
+    whole = sum(totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    shares = [(op, t / whole) for op, t in ranked[:top]]
+    rest = sum(t for _, t in ranked[top:]) / whole
+    return shares + ([("other", rest)] if rest > 0 else [])

@@ -406,15 +406,18 @@ def cmd_bench_onnx(args: argparse.Namespace) -> int:
     reference, _, _ = export_subject(**subject, method="none")
     models = {m: export_subject(**subject, method=m, keep=args.keep, level=args.level)[0] for m in methods}
     settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
-    rows = [r.row() for r in onnx_speeds(models, reference, batches=batches, settings=settings, log=log)]
+    speeds = onnx_speeds(models, reference, batches=batches, settings=settings, profile=args.profile, log=log)
+    rows = [r.row() for r in speeds]
     header = (f"machine: {device_name(torch.device('cpu'))}, 1 thread; onnxruntime {version('onnxruntime')}; "
               f"torch {torch.__version__}; clock: the thread's CPU time")
     table = markdown_table(rows, ["method", "batch", "runtime", "speed_ratio", "speed_ratio_low", "speed_ratio_high",
                                   "speedup", "gflops_ratio", "realised", "realised_low", "realised_high", "blocks"])
-    print(f"{header}\n\n{table}")
+    profiles = "".join(f"\n{s.method} batch {s.batch} in onnxruntime, share of node time: "
+                       + ", ".join(f"{op} {share:.0%}" for op, share in s.profile) for s in speeds if s.profile)
+    print(f"{header}\n\n{table}{profiles}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"{header}\ncommand: python -m pipeline {' '.join(sys.argv[1:])}\n\n{table}\n")
+        args.out.write_text(f"{header}\ncommand: python -m pipeline {' '.join(sys.argv[1:])}\n\n{table}{profiles}\n")
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
@@ -431,6 +434,8 @@ def _add_bench_onnx(bench_commands) -> None:
     onnx.add_argument("--batches", default="1,32", help="batch sizes, comma-separated (default 1,32)")
     onnx.add_argument("--tolerance", type=float, default=0.02, help="the relative half-width aimed at (default 0.02)")
     onnx.add_argument("--cap-s", type=float, default=60.0, help="the most seconds each paired ratio may take")
+    onnx.add_argument("--profile", action="store_true", help="also give each pick's share of node time by op type in "
+                      "onnxruntime (its own profiler), at each batch size")
     onnx.add_argument("--out", type=Path, default=None, help="also write the table, machine and command to this file")
     onnx.set_defaults(func=cmd_bench_onnx)
 
