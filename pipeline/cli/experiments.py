@@ -142,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = _serve_limits(args)
     model = args.model if args.model is not None else _pick(args).uri
     return serve(model, host=args.host, port=args.port, workers=args.workers, tracking_uri=args.tracking_uri,
-                 verbose=args.verbose, limits=limits, log=lambda line: print(line, flush=True))
+                 verbose=args.verbose, limits=limits, runtime=args.runtime, log=lambda line: print(line, flush=True))
 
 
 def _serve_limits(args: argparse.Namespace):
@@ -183,6 +183,9 @@ def _add_serve_command(commands) -> None:
     serve.add_argument("--port", type=int, default=5000)
     serve.add_argument("--workers", type=int, default=1, help="server processes")
     serve.add_argument("--verbose", action="store_true", help="the server's access log")
+    serve.add_argument("--runtime", choices=["torch", "onnxruntime"], default="torch",
+                       help="torch (the registered model) or onnxruntime (the ONNX classifier registered beside it, "
+                            "NAME-onnx: decoding in PIL and numpy, the network in onnxruntime)")
     limits = serve.add_argument_group("limits per request (over them: HTTP 400, or 413 for the body)")
     limits.add_argument("--max-pixels", type=int, default=None,
                         help=f"pixels per image, read from its header before decoding (default {MAX_PIXELS})")

@@ -221,6 +221,9 @@ class ExperimentConfig(Section):
     select: SelectConfig = Field(default_factory=SelectConfig)
     budgets: list[float] | None = Field(None, description="GFLOPs budgets of the best-trade-off table")
     register_models: bool = Field(True, description="register Pareto-optimal models in the MLflow Model Registry")
+    register_onnx: bool = Field(True, description="with register_models, also register each pick exported to ONNX "
+                                "(`pipeline export`, checked in onnxruntime) as NAME-onnx under the same aliases: "
+                                "`pipeline serve NAME@ALIAS --runtime onnxruntime` serves it")
     prepare: list[PrepareItem] = Field(default_factory=list)
     runs_dir: str = Field("runs/experiments", description="reports and plots go to RUNS_DIR/NAME/")
 

@@ -259,28 +259,32 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.serving.publish import SERVING, SERVING_TAG, log_model
+    from pipeline.serving.publish import ONNX_SUFFIX, SERVING, SERVING_TAG, log_model, log_onnx_model
 
     client, name = ctx.client, f"token-pooling-{ctx.config.experiment.name}"
     mlflow.set_tracking_uri(ctx.config.train.tracking_uri)  # the registry resolves models:/ sources through it
-    try:
-        client.get_registered_model(name)
-    except MlflowException:
-        client.create_registered_model(name, description="Pareto-optimal models of `pipeline run` (MLflow models: "
-                                       "mlflow.pyfunc.load_model('models:/NAME@best'))")
-    versions = {v.run_id: v.version for v in client.search_model_versions(f"name = '{name}'")}
+    flavours = [(name, log_model, "mlflow.pyfunc.load_model('models:/NAME@best')")]
+    if ctx.config.experiment.register_onnx:
+        flavours.append((name + ONNX_SUFFIX, log_onnx_model, "the same picks exported to ONNX, run in onnxruntime"))
     aliases = []
-    for alias, row in picks:
-        version = versions.get(row["run_id"])
-        if version is None:
-            metadata = {k: row[k] for k in ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s",
-                                             "speed_setting")}
-            uri = log_model(ctx.config.train.tracking_uri, row["run_id"], row["checkpoint"], metadata)
-            version = versions[row["run_id"]] = client.create_model_version(
-                name, uri, run_id=row["run_id"], tags={**version_tags(row), SERVING_TAG: SERVING},
-                model_id=uri.rsplit("/", 1)[-1]).version
-        client.set_registered_model_alias(name, alias, version)
-        aliases.append(f"{name}@{alias}")
+    for registered, log, description in flavours:
+        try:
+            client.get_registered_model(registered)
+        except MlflowException:
+            client.create_registered_model(registered, description=f"Pareto-optimal models of `pipeline run` "
+                                           f"(MLflow models: {description})")
+        versions = {v.run_id: v.version for v in client.search_model_versions(f"name = '{registered}'")}
+        for alias, row in picks:
+            version = versions.get(row["run_id"])
+            if version is None:
+                metadata = {k: row[k] for k in ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s",
+                                                 "speed_setting")}
+                uri = log(ctx.config.train.tracking_uri, row["run_id"], row["checkpoint"], metadata)
+                version = versions[row["run_id"]] = client.create_model_version(
+                    registered, uri, run_id=row["run_id"], tags={**version_tags(row), SERVING_TAG: SERVING},
+                    model_id=uri.rsplit("/", 1)[-1]).version
+            client.set_registered_model_alias(registered, alias, version)
+            aliases.append(f"{registered}@{alias}")
     return aliases
 
 

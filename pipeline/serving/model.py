@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 from typing import Any
 
 import mlflow
@@ -97,26 +98,40 @@ def _decoded_file(data: bytes, index: int, max_pixels: int):
 
 class ImageClassifier(mlflow.pyfunc.PythonModel):
     """The pyfunc: ``artifacts["model"]`` is the pickled ``nn.Module``; ``model_config`` holds ``classes`` and
-    timm's data config (``input_size``, ``interpolation``, ``mean``, ``std``, ``crop_pct``, ``crop_mode``)."""
+    timm's data config (``input_size``, ``interpolation``, ``mean``, ``std``, ``crop_pct``, ``crop_mode``).
+    ``OnnxImageClassifier`` is the same classifier on the exported network; the two differ in ``load_context``,
+    ``_pixels`` and ``_probabilities`` only."""
 
     def load_context(self, context) -> None:
         import torch
         from timm.data import create_transform
 
         self.model = torch.load(context.artifacts["model"], map_location="cpu", weights_only=False).eval()
-        config = dict(context.model_config)
-        self.classes: list[str] = list(config.pop("classes"))
-        self.size = tuple(config["input_size"])
+        self._configure(context.model_config)
+        config = {key: value for key, value in context.model_config.items() if key != "classes"}
         self.transform = create_transform(**config, is_training=False)
+
+    def _configure(self, model_config: dict[str, Any]) -> None:
+        self.classes: list[str] = list(model_config["classes"])
+        self.size = tuple(model_config["input_size"])
         self.limits = ServeConfig()
 
     def set_limits(self, limits: ServeConfig) -> None:
         """The caps on what one request may ask (``pipeline serve`` sets its flags' here)."""
         self.limits = limits
 
-    def _tensor(self, image: Any, index: int):
+    def _pixels(self, image) -> np.ndarray:
+        """A decoded RGB image -> the model's (3, H, W) float32 input (timm's evaluation transform)."""
+        return self.transform(image).numpy()
+
+    def _probabilities(self, batch: np.ndarray) -> np.ndarray:
+        """(B, 3, H, W) float32 inputs -> (B, classes) float32 class probabilities."""
         import torch
 
+        with torch.no_grad():
+            return self.model(torch.from_numpy(batch)).float().softmax(-1).numpy()
+
+    def _input(self, image: Any, index: int) -> np.ndarray:
         if isinstance(image, (list, np.ndarray)) and np.asarray(image).dtype.kind == "f":
             array = np.asarray(image, dtype=np.float32)
             if array.shape != self.size:
@@ -124,12 +139,10 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
                                f"{self.size}, else send uint8 pixels or an encoded image")
             if not np.isfinite(array).all():
                 raise BadInput(f"image {index}: the float tensor holds NaN or infinity")
-            return torch.from_numpy(array)
-        return self.transform(_decoded(image, index, self.limits.max_pixels))
+            return array
+        return self._pixels(_decoded(image, index, self.limits.max_pixels))
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        import torch
-
         top_k = int((params or {}).get("top_k", TOP_K))
         if not 1 <= top_k <= len(self.classes):
             raise BadInput(f"top_k {top_k}: give 1 to {len(self.classes)} (the classes)")
@@ -137,15 +150,72 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         if len(images) > self.limits.max_images:  # before any is decoded
             raise BadInput(f"{len(images)} images in one request, over the cap of {self.limits.max_images}; "
                            "split them over several requests (`pipeline serve --max-images` sets the cap)")
-        batch = torch.stack([self._tensor(image, i) for i, image in enumerate(images)])
-        with torch.no_grad():
-            probs = self.model(batch).float().softmax(-1)
-        values, indices = probs.topk(top_k, dim=-1)
+        probs = self._probabilities(np.stack([self._input(image, i) for i, image in enumerate(images)]))
+        indices = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # ties: the lower class first
         rows = []
-        for value, index in zip(values.tolist(), indices.tolist()):
-            ranked = [{"index": i, "label": self.classes[i], "probability": p} for i, p in zip(index, value)]
+        for row, index in zip(probs.tolist(), indices.tolist()):
+            ranked = [{"index": i, "label": self.classes[i], "probability": row[i]} for i in index]
             rows.append({**ranked[0], "top_k": ranked})
         return pd.DataFrame(rows, columns=["index", "label", "probability", "top_k"])
+
+
+# PIL's filters by timm's interpolation names (``timm.data.transforms.str_to_interp_mode``).
+_FILTERS = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "box": Image.BOX,
+            "hamming": Image.HAMMING, "lanczos": Image.LANCZOS}
+
+
+def check_eval_transform(model_config: dict[str, Any]) -> None:
+    """ValueError where ``eval_pixels`` does not do what timm's transform for this data config does: it covers the
+    centre crop of a square input after resizing the shorter side (timm's default), at a known interpolation."""
+    size = tuple(model_config["input_size"])
+    if model_config.get("crop_mode", "center") != "center" or size[1] != size[2] \
+            or model_config.get("interpolation", "bilinear") not in _FILTERS:
+        raise ValueError(f"the torch-free preprocessing takes square inputs, crop_mode center and one of "
+                         f"{', '.join(_FILTERS)}; this model has input_size {size}, crop_mode "
+                         f"{model_config.get('crop_mode')!r}, interpolation {model_config.get('interpolation')!r}")
+
+
+def eval_pixels(image, model_config: dict[str, Any]) -> np.ndarray:
+    """timm's evaluation transform in PIL and numpy, without torch: the shorter side resized to
+    ``floor(size / crop_pct)`` (the longer in proportion, truncated, as torchvision does), the centre ``size`` x
+    ``size`` crop (its corner rounded as torchvision rounds it), scaled to [0, 1] and normalised. RGB PIL image ->
+    (3, size, size) float32. ``check_eval_transform`` says which data configs it covers."""
+    size = int(model_config["input_size"][-1])
+    scale = math.floor(size / float(model_config.get("crop_pct", 0.875)))
+    width, height = image.size
+    if width <= height:
+        target = (scale, int(scale * height / width))
+    else:
+        target = (int(scale * width / height), scale)
+    if target != image.size:
+        image = image.resize(target, _FILTERS[model_config.get("interpolation", "bilinear")])
+    if min(target) < size:
+        raise BadInput(f"crop_pct {model_config.get('crop_pct')} resizes to {target}, smaller than the {size} px crop")
+    top, left = int(round((target[1] - size) / 2.0)), int(round((target[0] - size) / 2.0))
+    pixels = np.asarray(image, dtype=np.float32)[top:top + size, left:left + size] / 255.0
+    mean = np.asarray(model_config["mean"], dtype=np.float32)
+    std = np.asarray(model_config["std"], dtype=np.float32)
+    return ((pixels - mean) / std).transpose(2, 0, 1).copy()
+
+
+class OnnxImageClassifier(ImageClassifier):
+    """The classifier on the exported network (``pipeline.export``): ``artifacts["onnx"]`` is the ONNX file, run in
+    ONNX Runtime; decoding and preprocessing in PIL and numpy (``eval_pixels``). Nothing here imports torch."""
+
+    def load_context(self, context) -> None:
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(context.artifacts["onnx"], providers=["CPUExecutionProvider"])
+        self._configure(context.model_config)
+        self.model_config = dict(context.model_config)
+
+    def _pixels(self, image) -> np.ndarray:
+        return eval_pixels(image, self.model_config)
+
+    def _probabilities(self, batch: np.ndarray) -> np.ndarray:
+        logits = self.session.run(None, {"images": batch.astype(np.float32, copy=False)})[0].astype(np.float64)
+        exp = np.exp(logits - logits.max(-1, keepdims=True))
+        return (exp / exp.sum(-1, keepdims=True)).astype(np.float32)
 
 
 def _encoded_list(cell: Any) -> bool:

@@ -20,18 +20,22 @@ from mlflow.tracking import MlflowClient
 from pipeline.tracking import log_batch
 
 MODEL_ARTIFACT = "model"
-# On the finetune run: its logged image classifier, for idempotent reruns.
+ONNX_ARTIFACT = "onnx-model"
+# On the finetune run: its logged image classifiers (torch, ONNX), for idempotent reruns.
 MODEL_URI_TAG = "pipeline.classifier_uri"
+ONNX_URI_TAG = "pipeline.onnx_classifier_uri"
+ONNX_SUFFIX = "-onnx"  # the registered model of the ONNX classifiers: NAME-onnx, with NAME's aliases
 SERVING_TAG, SERVING = "pipeline.serving", "image-classifier"  # on a registered version: what `pipeline serve` serves
 PACKAGE = Path(__file__).resolve().parents[1]
 ENTRY = Path(__file__).resolve().with_name("entry.py")  # the pyfunc, as models-from-code
+ENTRY_ONNX = Path(__file__).resolve().with_name("entry_onnx.py")  # the ONNX classifier's
 
 
-def pip_requirements() -> list[str]:
-    """The packages the served model needs, at the versions installed here."""
+def pip_requirements(onnx: bool = False) -> list[str]:
+    """The packages the served model needs, at the versions installed here: the ONNX classifier's need no torch."""
 
-    names = ("torch", "torchvision", "timm", "mlflow", "numpy", "pandas", "pillow")
-    return [f"{name}=={version(name).split('+')[0]}" for name in names]
+    names = ("onnxruntime", "pydantic") if onnx else ("torch", "torchvision", "timm")
+    return [f"{name}=={version(name).split('+')[0]}" for name in (*names, "mlflow", "numpy", "pandas", "pillow")]
 
 
 def model_config(model, classes: list[str]) -> dict[str, Any]:
@@ -82,3 +86,58 @@ def log_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: dict[st
             input_example=input_example, pip_requirements=pip_requirements(), metadata=metadata)
     log_batch(client, run_id, tags={MODEL_URI_TAG: info.model_uri})
     return info.model_uri
+
+
+def log_onnx_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: dict[str, Any], *,
+                   check_images: int = 64) -> str:
+    """Logs the checkpoint's model exported to ONNX (``pipeline.export``, dynamic batch) as an image classifier
+    that runs in ONNX Runtime (``serving.model.OnnxImageClassifier``) on ``run_id``, once. The export is checked
+    against torch on the first ``check_images`` validation images first (an ExportError if it differs).
+
+    Returns its model URI (``models:/m-...``)."""
+    from pipeline.export import ExportError, check_onnx, export_onnx
+    from pipeline.serving.model import check_eval_transform, eval_pixels, signature_and_example
+    from pipeline.train.checkpoint import model_from_checkpoint
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    logged = client.get_run(run_id).data.tags.get(ONNX_URI_TAG)
+    if logged is not None:
+        return logged
+    model, config, _ = model_from_checkpoint(checkpoint)
+    classes, example = _dataset(config, model)
+    served = model_config(model, classes)
+    try:
+        check_eval_transform(served)
+    except ValueError as err:
+        raise ExportError(f"{checkpoint}: {err}") from None
+    signature, input_example = signature_and_example(example, len(classes))
+    images = _check_images(config, served, check_images, eval_pixels)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_onnx(model, Path(tmp) / "model.onnx", label=checkpoint)
+        check = check_onnx(model, path, images, label=checkpoint)
+        if not check.passed:
+            raise ExportError(f"{checkpoint}: the export's logits differ from torch's ({check.line()})")
+        mlflow.set_tracking_uri(tracking_uri)
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(
+                name=ONNX_ARTIFACT, python_model=str(ENTRY_ONNX), artifacts={"onnx": str(path)}, model_config=served,
+                code_paths=[str(PACKAGE)], signature=signature, input_example=input_example,
+                pip_requirements=pip_requirements(onnx=True),
+                metadata={**metadata, "onnx_check": check.line(), "runtime": "onnxruntime"})
+    log_batch(client, run_id, tags={ONNX_URI_TAG: info.model_uri})
+    return info.model_uri
+
+
+def _check_images(config, served: dict[str, Any], count: int, preprocess):
+    """The first ``count`` validation images of a checkpoint's data, as the ONNX classifier preprocesses them
+    (decoded pixels through ``preprocess``) -> (B, 3, R, R) float32 tensor."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from pipeline.data.loaders import check_dataset, read_pixels
+
+    count = min(count, int(check_dataset(config.data.val)["num_images"]))
+    side = max(served["input_size"][-1], 1)
+    pixels = np.concatenate(list(read_pixels(config.data.val, side, 1.0, count=count, batch=count)))
+    return torch.from_numpy(np.stack([preprocess(Image.fromarray(p), served) for p in pixels]))

@@ -40,6 +40,39 @@ def model_uri(model: str) -> str:
                      "a models:/ or runs:/ URI, or a model folder")
 
 
+RUNTIMES = ("torch", "onnxruntime")
+
+
+def onnx_model(model: str, tracking_uri: str) -> str:
+    """The ONNX classifier registered beside ``model`` (``experiment.register_onnx``): ``NAME@ALIAS`` ->
+    ``NAME-onnx@ALIAS``; a version ``NAME/V`` (or ``models:/NAME/V``) -> the version of ``NAME-onnx`` logged on the same
+    finetune run. InputError for anything else (a folder, a runs:/ URI), which has no ONNX twin to find."""
+    from pipeline.serving.publish import ONNX_SUFFIX
+
+    name = model.removeprefix("models:/")
+    if "://" in name or name.startswith("runs:/") or Path(model).is_dir():
+        raise InputError(f"{model}: --runtime onnxruntime serves a registered model (NAME@ALIAS or NAME/VERSION); "
+                         "export a checkpoint with `python -m pipeline export` instead")
+    registered, sep, rest = name.partition("@") if "@" in name else name.partition("/")
+    if registered.endswith(ONNX_SUFFIX):
+        return f"models:/{name}"
+    if sep == "@":
+        return f"models:/{registered}{ONNX_SUFFIX}@{rest}"
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        run = client.get_model_version(registered, rest).run_id
+        twins = client.search_model_versions(f"name = '{registered}{ONNX_SUFFIX}' and run_id = '{run}'")
+    except MlflowException as err:
+        raise MissingFileError(f"{model}: no such model version ({str(err).splitlines()[0]})") from None
+    if not twins:
+        raise MissingFileError(f"{model} has no ONNX classifier registered beside it ({registered}{ONNX_SUFFIX}); "
+                               "run the DAG with experiment.register_onnx: true")
+    return f"models:/{registered}{ONNX_SUFFIX}/{twins[0].version}"
+
+
 def fetch(uri: str, tracking_uri: str) -> Path:
     """The model's files in a local folder under ``SERVE_DIR`` (downloaded once per model version)."""
     import mlflow
@@ -103,13 +136,16 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
 
 
 def start_server(model: str, *, host: str, port: int, workers: int, tracking_uri: str, verbose: bool,
-                 limits: ServeConfig | None = None, log: Callable[[str], None] = print
+                 limits: ServeConfig | None = None, runtime: str = "torch", log: Callable[[str], None] = print
                  ) -> tuple[subprocess.Popen, str, Path]:
     """Starts the scoring server of ``model`` within ``limits`` (default: ``ServeConfig()``; ``wait_ready``
-    waits for it); returns the process, its URL and the model's local folder."""
+    waits for it); returns the process, its URL and the model's local folder. ``runtime``: ``torch`` (the model
+    itself) or ``onnxruntime`` (its ONNX classifier, ``onnx_model``)."""
     if workers < 1 or not 0 < port < 65536:
         raise InputError(f"--workers {workers} --port {port}: give at least one worker and a port in 1..65535")
-    uri = model_uri(model)
+    if runtime not in RUNTIMES:
+        raise InputError(f"--runtime {runtime}: give one of {', '.join(RUNTIMES)}")
+    uri = onnx_model(model, tracking_uri) if runtime == "onnxruntime" else model_uri(model)
     folder = fetch(uri, tracking_uri)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     command = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", str(workers),
@@ -125,11 +161,11 @@ def start_server(model: str, *, host: str, port: int, workers: int, tracking_uri
 
 
 def serve(model: str, *, host: str, port: int, workers: int, tracking_uri: str, verbose: bool,
-          limits: ServeConfig | None = None, log: Callable[[str], None] = print) -> int:
-    """Serves ``model`` within ``limits`` (default: ``ServeConfig()``) until interrupted; returns the server's
-    exit status (0 after Ctrl-C)."""
+          limits: ServeConfig | None = None, runtime: str = "torch", log: Callable[[str], None] = print) -> int:
+    """Serves ``model`` within ``limits`` (default: ``ServeConfig()``) in ``runtime`` until interrupted; returns the
+    server's exit status (0 after Ctrl-C)."""
     process, url, folder = start_server(model, host=host, port=port, workers=workers, tracking_uri=tracking_uri,
-                                        verbose=verbose, limits=limits, log=log)
+                                        verbose=verbose, limits=limits, runtime=runtime, log=log)
     try:
         wait_ready(url, process, timeout=300)
         log(f"ready: {url}  (POST {url}/invocations; GET {url}/ping; Ctrl-C stops it)")
