@@ -1,7 +1,11 @@
 """``pipeline serve`` on a real process: a tiny trained model registered as an image classifier, served from a
 shell without the virtual environment on its PATH, answering images with class names as the model in this
 process does, refusing bad input with HTTP 400 (decompression bombs, images over the pixel cap and requests
-with too many images included) and bodies over the cap with 413, staying up, and holding a bounded load."""
+with too many images included) and bodies over the cap with 413, staying up, and holding a bounded load.
+
+Every test of a server runs twice: on the registered torch classifier, and with ``--runtime onnxruntime`` on its
+ONNX twin (``tiny-serve-onnx``, the same network exported), whose process decodes and preprocesses in PIL and numpy
+and runs the network in onnxruntime. Both are held to the torch model in this process, with timm's transform."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,8 +41,9 @@ MAX_IMAGES, MAX_PIXELS, MAX_BODY_MB = 6, 2_000_000, 1
 
 @pytest.fixture(scope="module")
 def trained(synthetic_data, tmp_path_factory) -> dict:
-    """A tiny model trained one epoch, logged and registered as ``tiny-serve@best`` as the select stage does."""
-    from pipeline.serving.publish import SERVING, SERVING_TAG, log_model
+    """A tiny model trained one epoch, logged and registered as ``tiny-serve@best`` and, exported to ONNX, as
+    ``tiny-serve-onnx@best``, as the select stage does."""
+    from pipeline.serving.publish import ONNX_SUFFIX, SERVING, SERVING_TAG, log_model, log_onnx_model
     from pipeline.train import run_training
     from pipeline.train.checkpoint import model_from_checkpoint
 
@@ -47,12 +53,13 @@ def trained(synthetic_data, tmp_path_factory) -> dict:
                                 "train.workers=0", f"train.storage_path={root / 'ray'}", f"train.tracking_uri={store}",
                                 f"train.artifact_root={root / 'artifacts'}", "recipe.epochs=1", "train.name=serve"])
     result = run_training(config)
-    uri = log_model(store, result.run_id, result.checkpoint, {"method": "none"})
     client = MlflowClient(tracking_uri=store)
-    client.create_registered_model(NAME)
-    version = client.create_model_version(NAME, uri, run_id=result.run_id, tags={SERVING_TAG: SERVING},
-                                          model_id=uri.rsplit("/", 1)[-1]).version
-    client.set_registered_model_alias(NAME, "best", version)
+    for name, log in ((NAME, log_model), (NAME + ONNX_SUFFIX, log_onnx_model)):
+        uri = log(store, result.run_id, result.checkpoint, {"method": "none"})
+        client.create_registered_model(name)
+        version = client.create_model_version(name, uri, run_id=result.run_id, tags={SERVING_TAG: SERVING},
+                                              model_id=uri.rsplit("/", 1)[-1]).version
+        client.set_registered_model_alias(name, "best", version)
     write_folder(open_source("synthetic:classes=4,count=8,size=16,seed=1"), root / "jpegs", size=None,
                  log=lambda _: None)
     model, _, _ = model_from_checkpoint(result.checkpoint)
@@ -68,14 +75,15 @@ def expected(model, images: list[Image.Image]) -> torch.Tensor:
         return model(torch.stack([transform(image.convert("RGB")) for image in images])).softmax(-1)
 
 
-@pytest.fixture(scope="module")
-def server(trained):
-    """``python -m pipeline serve tiny-serve@best`` with a PATH that lacks the virtual environment."""
-    port, log = free_port(), trained["root"] / "serve.log"
+@pytest.fixture(scope="module", params=["torch", "onnxruntime"])
+def server(trained, request):
+    """``python -m pipeline serve tiny-serve@best --runtime RUNTIME`` with a PATH that lacks the virtual
+    environment."""
+    port, log = free_port(), trained["root"] / f"serve-{request.param}.log"
     env = {**os.environ, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "pipeline", "serve", f"{NAME}@best", "--port", str(port),
                "--tracking-uri", trained["store"], "--max-images", str(MAX_IMAGES), "--max-pixels", str(MAX_PIXELS),
-               "--max-body-mb", str(MAX_BODY_MB)]
+               "--max-body-mb", str(MAX_BODY_MB), "--runtime", request.param]
     proc = subprocess.Popen(command, cwd=trained["root"], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 240
@@ -83,8 +91,26 @@ def server(trained):
         time.sleep(0.5)
     text = log.read_text()
     assert "send an image:" in text, text[-3000:]
-    yield {"url": f"http://127.0.0.1:{port}", "log": log, "proc": proc, "text": text}
+    yield {"url": f"http://127.0.0.1:{port}", "log": log, "proc": proc, "text": text, "runtime": request.param}
     stop(proc, grace=20)
+
+
+def scoring_process(proc: subprocess.Popen) -> int:
+    """The pid of the uvicorn process `pipeline serve` started (its one child: the scoring app runs in it)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
+def test_the_onnx_server_runs_without_torch_and_the_torch_server_with_it(server):
+    """What the ONNX classifier is for: its scoring process never loads torch's library (read from the process's
+    memory maps after it answered), where the torch classifier's does."""
+    status, _ = post(server["url"], {"inputs": {"image": [np.zeros((8, 8, 3), dtype=np.uint8).tolist()]}})
+    assert status == 200
+    maps = Path(f"/proc/{scoring_process(server['proc'])}/maps").read_text()
+    assert ("libtorch_cpu" in maps) == (server["runtime"] == "torch")
+    assert ("onnxruntime" in maps) == (server["runtime"] == "onnxruntime")
 
 
 def post(url: str, payload: dict) -> tuple[int, dict]:
@@ -319,9 +345,45 @@ def test_a_bounded_load_is_answered_without_errors_and_always_alike(trained, ser
 def test_serve_refuses_what_it_cannot_serve(trained):
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     for args, says in ((["nope@best"], "models:/nope@best: no such model"),
+                       (["nope@best", "--runtime", "onnxruntime"], "models:/nope-onnx@best: no such model"),
+                       ([str(trained["root"]), "--runtime", "onnxruntime"], "--runtime onnxruntime serves a registered"),
                        (["a b c"], "give a registered model as NAME@ALIAS"),
                        (["--experiment", "demo"], "--experiment needs a budget")):
         proc = subprocess.run([sys.executable, "-m", "pipeline", "serve", *args, "--tracking-uri", trained["store"],
                                "--port", str(free_port())], cwd=trained["root"], env=env, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("config", [
+    {"input_size": (3, 224, 224), "interpolation": "bicubic", "crop_pct": 0.875, "mean": (0.485, 0.456, 0.406),
+     "std": (0.229, 0.224, 0.225), "crop_mode": "center"},  # DeiT's
+    {"input_size": (3, 28, 28), "interpolation": "bilinear", "crop_pct": 1.0, "mean": (0.5, 0.5, 0.5),
+     "std": (0.5, 0.5, 0.5), "crop_mode": "center"},
+    {"input_size": (3, 32, 32), "interpolation": "lanczos", "crop_pct": 0.9, "mean": (0.2, 0.3, 0.4),
+     "std": (0.3, 0.2, 0.1)},
+])
+def test_the_torch_free_preprocessing_is_timms_evaluation_transform(config):
+    """``eval_pixels`` (PIL and numpy) against timm's own transform (torchvision), on wide, tall, square, small and
+    odd-sized images: the same float32 values."""
+    from timm.data import create_transform
+
+    from pipeline.serving.model import check_eval_transform, eval_pixels
+
+    check_eval_transform(config)
+    transform = create_transform(**config, is_training=False)
+    rng = np.random.default_rng(0)
+    for height, width in ((300, 451), (451, 300), (256, 256), (28, 28), (33, 97), (224, 224)):
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        np.testing.assert_allclose(eval_pixels(image, config), transform(image).numpy(), rtol=0, atol=1e-6)
+
+
+def test_the_torch_free_preprocessing_refuses_what_it_does_not_do():
+    from pipeline.serving.model import check_eval_transform
+
+    base = {"input_size": (3, 32, 32), "interpolation": "bicubic", "crop_pct": 0.9, "mean": (0.5,) * 3,
+            "std": (0.5,) * 3}
+    for change, says in (({"crop_mode": "squash"}, "crop_mode 'squash'"), ({"input_size": (3, 32, 48)}, "(3, 32, 48)"),
+                         ({"interpolation": "random"}, "interpolation 'random'")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            check_eval_transform({**base, **change})
