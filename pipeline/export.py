@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import re
 import tempfile
@@ -102,8 +103,6 @@ def _failure(err: BaseException) -> str:
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """The exporter's progress lines and deprecation warnings off: the command prints its own."""
-    import logging
-
     logger = logging.getLogger("torch.onnx")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -197,53 +196,3 @@ def check_onnx(model: nn.Module, path: str | Path, images: Tensor, *, batch: int
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     return ExportCheck(max_abs_diff=diff, top1_agreement=agree, images=len(images), draws=draws)
 
-
-def export_subject(*, checkpoint: str | None = None, model: str | None = None, weights: str | None = None,
-                   method: str | None = None, keep: str | None = None, level: int | None = None):
-    """The network to export: a checkpoint's (its own method and keep list unless given) or a timm model's, with
-    ``method`` at ``keep`` (a comma-separated list) or at the paper's sparsity ``level``.
-
-    Returns (the model in eval mode, a label for the messages, the ``analysis.Subject`` it came from)."""
-    from pipeline.analysis import load_subject, with_method
-    from pipeline.methods import GRID_CONV, downsamples, method_spec
-    from pipeline.models import parse_keep
-    from pipeline.sparsity import level_keep
-
-    if keep is not None and level is not None:
-        raise InputError("give --keep K_1,...,K_L or --level N, not both")
-    subject = load_subject(checkpoint=checkpoint, model=model, weights=weights)
-    method = method or subject.method or "none"
-    method_spec(method)  # InputError naming the registered methods
-    if level is not None:
-        try:
-            keep_list = level_keep(model or subject.label, level)
-        except ValueError as err:
-            raise InputError(f"--level: {err}; give --keep K_1,...,K_L") from None
-    elif keep is not None:
-        keep_list = parse_keep(keep)
-    else:
-        keep_list = subject.keep if method == subject.method else None
-    if downsamples(method) and method != GRID_CONV and keep_list is None:
-        raise InputError(f"method {method} needs a keep list: give --keep K_1,...,K_L or --level N")
-    if method == subject.method == "none" or (method == "none" and subject.method is None and not subject.variant):
-        net = subject.model  # the unmodified network itself
-    else:
-        net = with_method(subject, method, keep_list)
-    where = f" at {','.join(map(str, keep_list))}" if keep_list else ""
-    return net.eval(), f"{subject.label} with {method}{where}", subject
-
-
-def check_images(subject, beton: str | Path | None, count: int) -> tuple[Tensor, str]:
-    """(B, 3, R, R) normalised images that check an export, and what they are: the first ``count`` of ``beton``
-    (default: the subject's validation data), or ``count`` random ones where there is no data."""
-    from pipeline.analysis import beton_images
-    from pipeline.analysis.probe import normalise
-    from pipeline.data.loaders import check_dataset
-
-    beton = beton or subject.val
-    if beton is None:
-        generator = torch.Generator().manual_seed(0)
-        return torch.randn(count, 3, subject.res, subject.res, generator=generator), "random images (no --check-data)"
-    count = min(count, int(check_dataset(beton)["num_images"]))
-    pixels = np.concatenate(list(beton_images(beton, subject, count=count, batch=min(count, 256))))
-    return normalise(subject, pixels), f"images of {beton}"

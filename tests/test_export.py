@@ -21,7 +21,6 @@ from pipeline.export import (
     ExportError,
     check_onnx,
     export_onnx,
-    export_subject,
     graph_ops,
     require_runtime,
     run_session,
@@ -143,14 +142,16 @@ def test_an_op_without_an_onnx_function_is_one_line_and_nothing_is_written(tmp_p
 
 
 @pytest.mark.slow
-def test_export_subject_takes_a_level_or_a_keep_list_and_refuses_neither():
-    model, label, _ = export_subject(model="deit_small_patch16_224", method="powerbert", level=3)
+def test_method_model_takes_a_level_or_a_keep_list_and_refuses_neither():
+    from pipeline.analysis.probe import method_model
+
+    model, label, _ = method_model(model="deit_small_patch16_224", method="powerbert", level=3)
     assert label == "deit_small_patch16_224 with powerbert at 196,194,187,163,118,85,58,47,20,12,2,0"  # Table 1's
     assert model.blocks.config.keep == [196, 194, 187, 163, 118, 85, 58, 47, 20, 12, 2, 0]
     with pytest.raises(InputError, match="needs a keep list"):
-        export_subject(model="deit_small_patch16_224", method="powerbert")
+        method_model(model="deit_small_patch16_224", method="powerbert")
     with pytest.raises(InputError, match="not both"):
-        export_subject(model="deit_small_patch16_224", method="powerbert", keep="1", level=3)
+        method_model(model="deit_small_patch16_224", method="powerbert", keep="1", level=3)
 
 
 def test_noise_derived_from_position_is_uniform_like_fixed_and_only_inside_its_block():

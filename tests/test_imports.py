@@ -17,7 +17,7 @@ PACKAGE = ROOT / "pipeline"
 # What a module may defer: the heavy or optional packages (torch's CUDA-side compiler too), and PIL, which the
 # config section of the server reads only when it checks a limit (the config loads without it).
 DEFERRED = {"torch", "timm", "ray", "mlflow", "ffcv", "fvcore", "triton", "numba", "matplotlib", "cv2",
-            "torchvision", "optuna", "PIL", "torch._dynamo"}
+            "torchvision", "optuna", "PIL", "torch._dynamo", "onnx", "onnxscript", "onnxruntime"}
 
 
 def module_name(path: Path) -> str:

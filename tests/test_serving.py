@@ -346,7 +346,8 @@ def test_serve_refuses_what_it_cannot_serve(trained):
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     for args, says in ((["nope@best"], "models:/nope@best: no such model"),
                        (["nope@best", "--runtime", "onnxruntime"], "models:/nope-onnx@best: no such model"),
-                       ([str(trained["root"]), "--runtime", "onnxruntime"], "--runtime onnxruntime serves a registered"),
+                       ([str(trained["root"]), "--runtime", "onnxruntime"],
+                        "--runtime onnxruntime serves a registered"),
                        (["a b c"], "give a registered model as NAME@ALIAS"),
                        (["--experiment", "demo"], "--experiment needs a budget")):
         proc = subprocess.run([sys.executable, "-m", "pipeline", "serve", *args, "--tracking-uri", trained["store"],

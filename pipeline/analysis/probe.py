@@ -4,7 +4,8 @@ A ``Subject`` is the plain network (no downsampling) of a ``pipeline train`` che
 model name, plus the variant it was trained with (carry, normalised queries and keys), so that any
 method can be applied to it off the shelf with ``with_method``. Inputs come from image files or
 from the first images of a ``.beton``; ``block_records`` runs the network once and returns the
-``BlockRecord`` of every block (``DownsamplingBlocks.recorder``).
+``BlockRecord`` of every block (``DownsamplingBlocks.recorder``). ``method_model`` is the network with a method at
+a keep list or level (what ``pipeline export`` and ``bench onnx`` take), ``subject_images`` images to check it on.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
-from pipeline.errors import PipelineError
-from pipeline.models import DownsamplingBlocks, apply_downsampling, create_model
+from pipeline.errors import InputError, PipelineError
+from pipeline.methods import GRID_CONV, downsamples, method_spec
+from pipeline.models import DownsamplingBlocks, apply_downsampling, create_model, parse_keep
 from pipeline.models.downsampling import BlockRecord
 from pipeline.models.weights import load_state
+from pipeline.sparsity import level_keep
 from pipeline.train.checkpoint import CheckpointError, model_from_checkpoint
 
 
@@ -210,3 +213,47 @@ def first_batches(beton: str | Path, subject: Subject, *, batches: int, batch: i
 
     count = min(batches * batch, int(read_metadata(beton)["num_images"]))
     return list(beton_images(beton, subject, count=count, batch=batch))
+
+
+def method_model(*, checkpoint: str | None = None, model: str | None = None, weights: str | None = None,
+                   method: str | None = None, keep: str | None = None, level: int | None = None):
+    """A network to export or time: a checkpoint's (its own method and keep list unless given) or a timm model's, with
+    ``method`` at ``keep`` (a comma-separated list) or at the paper's sparsity ``level``.
+
+    Returns (the model in eval mode, a label for the messages, the ``analysis.Subject`` it came from)."""
+    if keep is not None and level is not None:
+        raise InputError("give --keep K_1,...,K_L or --level N, not both")
+    subject = load_subject(checkpoint=checkpoint, model=model, weights=weights)
+    method = method or subject.method or "none"
+    method_spec(method)  # InputError naming the registered methods
+    if level is not None:
+        try:
+            keep_list = level_keep(model or subject.label, level)
+        except ValueError as err:
+            raise InputError(f"--level: {err}; give --keep K_1,...,K_L") from None
+    elif keep is not None:
+        keep_list = parse_keep(keep)
+    else:
+        keep_list = subject.keep if method == subject.method else None
+    if downsamples(method) and method != GRID_CONV and keep_list is None:
+        raise InputError(f"method {method} needs a keep list: give --keep K_1,...,K_L or --level N")
+    if method == subject.method == "none" or (method == "none" and subject.method is None and not subject.variant):
+        net = subject.model  # the unmodified network itself
+    else:
+        net = with_method(subject, method, keep_list)
+    where = f" at {','.join(map(str, keep_list))}" if keep_list else ""
+    return net.eval(), f"{subject.label} with {method}{where}", subject
+
+
+def subject_images(subject, beton: str | Path | None, count: int) -> tuple[Tensor, str]:
+    """(B, 3, R, R) normalised images to check a model on (an export), and what they are: the first ``count`` of
+    ``beton`` (default: the subject's validation data), or ``count`` random ones where there is no data."""
+    from pipeline.data.loaders import check_dataset
+
+    beton = beton or subject.val
+    if beton is None:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randn(count, 3, subject.res, subject.res, generator=generator), "random images (no --check-data)"
+    count = min(count, int(check_dataset(beton)["num_images"]))
+    pixels = np.concatenate(list(beton_images(beton, subject, count=count, batch=min(count, 256))))
+    return normalise(subject, pixels), f"images of {beton}"

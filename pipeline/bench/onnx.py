@@ -10,6 +10,7 @@ the time falls as the multiply-adds do.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from pipeline.bench.paired import SpeedRatio, SpeedSettings, paired_ratio, sample_timer
-from pipeline.evaluate import cpu_threads
+from pipeline.export import export_onnx, session
 
 RUNTIMES = ("onnxruntime", "torch")
 
@@ -76,32 +77,39 @@ def onnx_speeds(models: dict[str, nn.Module], reference: nn.Module, *, batches: 
     """Every model in ``models`` (method -> network in eval mode) against ``reference`` (the unmodified network), at
     every batch size, in ONNX Runtime and then torch eager, on one thread; exported to a temporary folder first.
     ``profile``: each pick's ONNX Runtime rows carry its ``op_profile`` at that batch size."""
-    from pipeline.export import export_onnx, session
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch eager on the one thread the runtime's session has
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _measure(models, reference, Path(tmp), batches, settings, profile, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(models: dict[str, nn.Module], reference: nn.Module, folder: Path, batches: Sequence[int],
+             settings: SpeedSettings, profile: bool, log: Callable[[str], None]) -> list[OnnxSpeed]:
     from pipeline.flops import count_flops
 
-    size = reference.patch_embed.img_size
-    reference_gflops = count_flops(reference).total
+    size, reference_gflops = reference.patch_embed.img_size, count_flops(reference).total
+    log("exporting the unmodified model")
+    base = session(export_onnx(reference, folder / "none.onnx", label="the unmodified model"))
+    timer = sample_timer(torch.device("cpu"), clock="cpu")
     rows: list[OnnxSpeed] = []
-    with tempfile.TemporaryDirectory() as tmp, cpu_threads(torch.device("cpu"), 1):
-        log("exporting the unmodified model")
-        base = session(export_onnx(reference, Path(tmp) / "none.onnx", label="the unmodified model"))
-        timer = sample_timer(torch.device("cpu"), clock="cpu")
-        for method, model in models.items():
-            log(f"exporting {method}")
-            path = export_onnx(model, Path(tmp) / f"{method}.onnx", label=method)
-            pick = session(path)
-            gflops = count_flops(model).total
-            for batch in batches:
-                images = torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(batch))
-                calls = {"onnxruntime": (_ort_call(pick, images.numpy()), _ort_call(base, images.numpy())),
-                         "torch": (_torch_call(model, images), _torch_call(reference, images))}
-                for runtime in RUNTIMES:
-                    ratio = paired_ratio(*calls[runtime], timer=timer, settings=settings)
-                    ops = tuple(op_profile(path, images)) if profile and runtime == "onnxruntime" else ()
-                    rows.append(OnnxSpeed(method, batch, runtime, ratio, gflops, reference_gflops, ops))
-                    done = rows[-1]
-                    log(f"{method} batch {batch} {runtime}: {ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}] of "
-                        f"the unmodified model, realised {done.realised(ratio.ratio):.2f} of {done.gflops_ratio:.2f}x")
+    for method, model in models.items():
+        log(f"exporting {method}")
+        path = export_onnx(model, folder / f"{method}.onnx", label=method)
+        pick, gflops = session(path), count_flops(model).total
+        for batch in batches:
+            images = torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(batch))
+            calls = {"onnxruntime": (_ort_call(pick, images.numpy()), _ort_call(base, images.numpy())),
+                     "torch": (_torch_call(model, images), _torch_call(reference, images))}
+            for runtime in RUNTIMES:
+                ratio = paired_ratio(*calls[runtime], timer=timer, settings=settings)
+                ops = tuple(op_profile(path, images)) if profile and runtime == "onnxruntime" else ()
+                done = OnnxSpeed(method, batch, runtime, ratio, gflops, reference_gflops, ops)
+                rows.append(done)
+                log(f"{method} batch {batch} {runtime}: {ratio.ratio:.3f} [{ratio.low:.3f}, {ratio.high:.3f}] of "
+                    f"the unmodified model, realised {done.realised(ratio.ratio):.2f} of {done.gflops_ratio:.2f}x")
     return rows
 
 
@@ -109,10 +117,6 @@ def op_profile(path: str | Path, images: torch.Tensor, *, calls: int = 3, top: i
     """Where the runtime's time goes in the file's graph on ``images``: the ``top`` op types by their share of the
     node time of ``calls`` calls after one warm-up call (ONNX Runtime's own profile, one thread), the rest summed
     as ``other``. -> [(op type, share)], largest first."""
-    import json
-
-    from pipeline.export import session
-
     with tempfile.TemporaryDirectory() as tmp:
         sess = session(path, profile=Path(tmp) / "profile")
         feed = {"images": images.numpy()}

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from importlib.metadata import version
 from pathlib import Path
 from typing import get_args
 
@@ -17,6 +18,7 @@ from pipeline.cli.common import add_config_args, int_list, log
 from pipeline.config import PatchEmbed, git_sha, load_config
 from pipeline.errors import InputError, MissingFileError
 from pipeline.methods import METHODS
+from pipeline.report import markdown_table
 
 
 def cmd_bench_ops(args: argparse.Namespace) -> int:
@@ -385,15 +387,13 @@ def _add_bench_latency(bench_commands) -> None:
 
 
 def cmd_bench_onnx(args: argparse.Namespace) -> int:
-    from importlib.metadata import version
-
     import torch
 
+    from pipeline.analysis.probe import method_model
     from pipeline.bench.blocks import device_name
     from pipeline.bench.onnx import onnx_speeds
     from pipeline.bench.paired import SpeedSettings
-    from pipeline.export import export_subject, require_runtime
-    from pipeline.report import markdown_table
+    from pipeline.export import require_runtime
 
     require_runtime()
     batches = int_list(args.batches, "--batches") or []
@@ -403,8 +403,8 @@ def cmd_bench_onnx(args: argparse.Namespace) -> int:
     if not methods:
         raise InputError("--methods: name at least one method, for example powerbert,wkmedoids")
     subject = dict(checkpoint=args.checkpoint, model=args.model, weights=args.weights)
-    reference, _, _ = export_subject(**subject, method="none")
-    models = {m: export_subject(**subject, method=m, keep=args.keep, level=args.level)[0] for m in methods}
+    reference, _, _ = method_model(**subject, method="none")
+    models = {m: method_model(**subject, method=m, keep=args.keep, level=args.level)[0] for m in methods}
     settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
     speeds = onnx_speeds(models, reference, batches=batches, settings=settings, profile=args.profile, log=log)
     rows = [r.row() for r in speeds]

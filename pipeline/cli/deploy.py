@@ -11,7 +11,8 @@ from pipeline.errors import InputError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipeline.export import ExportError, check_images, check_onnx, export_onnx, export_subject, require_runtime
+    from pipeline.analysis.probe import method_model, subject_images
+    from pipeline.export import ExportError, check_onnx, export_onnx, require_runtime
 
     require_runtime()  # before minutes of loading: a missing runtime is one line
     if args.batch is not None and args.batch < 1:
@@ -21,11 +22,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise InputError(f"--check-images {args.check_images}: give at least 1")
     if args.out.suffix != ".onnx" or args.out.is_dir():
         raise InputError(f"--out {args.out}: give a file name ending in .onnx")
-    model, label, subject = export_subject(checkpoint=args.checkpoint, model=args.model, weights=args.weights,
+    model, label, subject = method_model(checkpoint=args.checkpoint, model=args.model, weights=args.weights,
                                            method=args.method, keep=args.keep, level=args.level)
     log(f"exporting {label} ({'batch ' + str(args.batch) if args.batch else 'dynamic batch'})")
     path = export_onnx(model, args.out, batch=args.batch, label=label)
-    images, source = check_images(subject, args.check_data, args.check_images)
+    images, source = subject_images(subject, args.check_data, args.check_images)
     log(f"checking {path} in onnxruntime on {len(images)} {source}")
     check = check_onnx(model, path, images, batch=args.batch, label=label)
     print(check.line())

@@ -15,6 +15,7 @@ from typing import Any
 
 import cloudpickle
 import mlflow
+import numpy as np
 from mlflow.tracking import MlflowClient
 
 from pipeline.tracking import log_batch
@@ -131,7 +132,6 @@ def log_onnx_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: di
 def _check_images(config, served: dict[str, Any], count: int, preprocess):
     """The first ``count`` validation images of a checkpoint's data, as the ONNX classifier preprocesses them
     (decoded pixels through ``preprocess``) -> (B, 3, R, R) float32 tensor."""
-    import numpy as np
     import torch
     from PIL import Image
 
