@@ -178,9 +178,10 @@ class ExportCheck:
 
 
 def check_onnx(model: nn.Module, path: str | Path, images: Tensor, *, batch: int | None = None,
-               label: str = "the model") -> ExportCheck:
+               torch_batch: int = 64, label: str = "the model") -> ExportCheck:
     """Runs the file at ``path`` (``model``'s export) and ``model`` on ``images`` (B, 3, H, W) and compares their
-    logits. A graph that draws noise (random, importance, a random initialisation) is exported again, to a
+    logits: the runtime in slices of ``batch`` images (all at once for a dynamic batch), torch in slices of
+    ``torch_batch``. A graph that draws noise (random, importance, a random initialisation) is exported again, to a
     temporary file, inside ``derived_noise``, and that graph and torch are compared inside it."""
     from pipeline.pooling.common import derived_noise
 
@@ -190,7 +191,8 @@ def check_onnx(model: nn.Module, path: str | Path, images: Tensor, *, batch: int
         compared = export_onnx(model, Path(tmp) / "derived.onnx", batch=batch, label=label) if draws else path
         got = run_session(session(compared), images, batch)
         with torch.no_grad():
-            want = torch.cat([model(images[i:i + 64].float()) for i in range(0, len(images), 64)])
+            want = torch.cat([model(images[i:i + torch_batch].float())
+                              for i in range(0, len(images), torch_batch)])
     finite = bool(torch.isfinite(got).all())
     diff = (got - want).abs().max().item() if finite else float("nan")
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()

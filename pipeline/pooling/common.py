@@ -131,7 +131,7 @@ _DERIVED = [False]  # inside ``derived_noise``
 
 @contextlib.contextmanager
 def derived_noise() -> Iterator[None]:
-    """Inside, ``uniform_noise`` is a fixed function of each entry's position (``hashed_noise``), not a draw: the
+    """Inside, ``uniform_noise`` is a fixed function of each token's index (``hashed_noise``), not a draw: the
     same numbers in torch and in any runtime a model exported inside runs in. ``pipeline.export`` checks a random
     method's export so, since torch's generator and ONNX Runtime's draw different numbers."""
     saved = _DERIVED[0]
@@ -143,9 +143,10 @@ def derived_noise() -> Iterator[None]:
 
 
 def hashed_noise(like: Tensor) -> Tensor:
-    """(B, N) float32 numbers in [0, 1) from each entry's flat position by Knuth's multiplicative hash, in int64
-    arithmetic, which every runtime computes exactly (a float hash would differ in its last bits)."""
-    position = torch.arange(like.numel(), device=like.device).reshape(like.shape)
+    """(B, N) float32 numbers in [0, 1) from each entry's token index by Knuth's multiplicative hash, in int64
+    arithmetic, which every runtime computes exactly (a float hash would differ in its last bits). The same for
+    every image: an image's numbers do not depend on the batch it came in, which a runtime may cut differently."""
+    position = torch.arange(like.shape[-1], device=like.device).expand_as(like)
     return ((position * 2654435761 + 12345) % 16777216).float() / 16777216.0  # 2^24: exact in float32
 
 
