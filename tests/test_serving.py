@@ -388,3 +388,26 @@ def test_the_torch_free_preprocessing_refuses_what_it_does_not_do():
                          ({"interpolation": "random"}, "interpolation 'random'")):
         with pytest.raises(ValueError, match=re.escape(says)):
             check_eval_transform({**base, **change})
+
+
+def test_the_onnx_runtime_serves_the_twin_of_an_alias_and_refuses_what_has_none(tmp_path):
+    from pipeline.errors import InputError
+    from pipeline.serving.server import onnx_model
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert onnx_model("token-pooling-demo@best", store) == "models:/token-pooling-demo-onnx@best"
+    assert onnx_model("models:/token-pooling-demo@pareto-2", store) == "models:/token-pooling-demo-onnx@pareto-2"
+    assert onnx_model("token-pooling-demo-onnx@best", store) == "models:/token-pooling-demo-onnx@best"
+    for given in ("runs:/abc/checkpoint", str(tmp_path), "file:///x"):
+        with pytest.raises(InputError, match="--runtime onnxruntime serves a registered model"):
+            onnx_model(given, store)
+
+
+@pytest.mark.beton  # the module fixture `trained` trains on a beton
+def test_a_registered_version_finds_its_onnx_twin_by_its_run(trained):
+    from pipeline.errors import MissingFileError
+    from pipeline.serving.server import onnx_model
+
+    assert onnx_model(f"{NAME}/1", trained["store"]) == f"models:/{NAME}-onnx/1"
+    with pytest.raises(MissingFileError, match="no such model version"):
+        onnx_model(f"{NAME}/7", trained["store"])
