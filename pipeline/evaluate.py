@@ -4,14 +4,18 @@ Speed is a paired ratio (``bench.paired``): the model's time over the same archi
 (the checkpoint's weights without its downsampling), both warm in this process, with a 95% interval, where the
 model would be deployed: ``experiment.eval.device``, ``dtype`` and ``compile`` (``auto``: the GPU with bf16 and
 ``torch.compile`` where there is one, else the CPU in fp32 eager; on the CPU ``eval.threads``, one by default,
-timed on the process's CPU clock). The result records the setting it was measured in; its images/s are the
-reference's own rate over the ratio (the select stage puts every model on one scale).
+timed on the process's CPU clock). ``experiment.eval.runtime: onnxruntime`` times both networks exported to ONNX
+(``pipeline.export``, checked against torch first) in ONNX Runtime on the CPU in float32, and its clock is named
+``onnxruntime:cpu`` (or ``:wall``), so that the select stage never chains its ratios with torch's. The result records
+the setting it was measured in; its images/s are the reference's own rate over the ratio (the select stage puts every
+model on one scale).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -24,6 +28,7 @@ from pipeline.bench.paired import SpeedRatio, SpeedSettings, chain, paired_ratio
 from pipeline.bench.timing import default_calls
 from pipeline.config import Config, EvalConfig
 from pipeline.errors import InputError
+from pipeline.export import ExportError, check_onnx, export_onnx, session
 from pipeline.runtime import (
     DTYPES,
     KernelChoice,
@@ -119,10 +124,39 @@ def speed(run: Callable[[Tensor], Tensor], reference: Callable[[Tensor], Tensor]
         return paired_ratio(model, unmodified, timer=timer, settings=settings or SpeedSettings())
 
 
-def speed_clock(device: torch.device, threads: int) -> str:
+def speed_clock(device: torch.device, threads: int, runtime: str = "torch") -> str:
     """The clock ``speed`` times on: ``cuda`` (CUDA events), ``cpu`` (the thread's CPU time, at one torch thread) or
-    ``wall`` (the wall clock, at more threads, whose work the thread's clock would not count)."""
-    return "cuda" if device.type == "cuda" else "cpu" if threads == 1 else "wall"
+    ``wall`` (the wall clock, at more threads, whose work the thread's clock would not count); prefixed by the runtime
+    where it is not torch (``onnxruntime:cpu``: ONNX Runtime at one intra-op thread runs on the calling thread)."""
+    clock = "cuda" if device.type == "cuda" else "cpu" if threads == 1 else "wall"
+    return clock if runtime == "torch" else f"{runtime}:{clock}"
+
+
+def eval_setting(cfg: EvalConfig, cuda: bool) -> tuple[str, str, str]:
+    """(device, dtype, compile) of ``cfg``'s timing: ``runtime.resolve_setting``'s, or the CPU in float32 without
+    torch.compile for ``runtime: onnxruntime``."""
+    if cfg.runtime == "onnxruntime":
+        return resolve_setting("cpu", "fp32", "none", False)
+    return resolve_setting(cfg.device, cfg.dtype, cfg.compile, cuda)
+
+
+def timed_form(model: nn.Module, cfg: EvalConfig, mode: str, device: torch.device, images: Tensor, *,
+               label: str) -> Callable[[Tensor], object]:
+    """What ``speed`` calls: ``model`` compiled in ``mode`` (torch), or its ONNX export (dynamic batch) in an ONNX
+    Runtime session on ``cfg.threads`` threads, after the export's logits were checked against the model's on
+    ``images`` (an ExportError names the difference)."""
+    if cfg.runtime == "torch":
+        return compile_model(model, mode, device)
+    with tempfile.TemporaryDirectory() as tmp:  # the session holds the graph: the file may go
+        path = export_onnx(model, os.path.join(tmp, "model.onnx"), label=label)
+        check = check_onnx(model, path, images[:8].cpu(), label=label)
+        if not check.passed:
+            raise ExportError(f"{label}: the ONNX export the evaluation would time differs from torch ({check.line()})")
+        sess = session(path, threads=cfg.threads)
+
+    def run(x: Tensor) -> object:
+        return sess.run(None, {"images": x.numpy()})
+    return run
 
 
 def speed_settings(cfg: EvalConfig) -> SpeedSettings:
@@ -144,8 +178,7 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
     model, config, _ = model_from_checkpoint(path, built=model_config)
     reference, _, _ = model_from_checkpoint(path, plain=True)  # the same weights, no downsampling
     flops = count_flops(model).total
-    device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,
-                                          torch.cuda.is_available() if cuda is None else cuda)
+    device, dtype, mode = eval_setting(cfg, torch.cuda.is_available() if cuda is None else cuda)
     target = torch.device(device)
     kernels = kernels or KernelChoice()
     model = set_kernels(model.to(target), kernels)
@@ -155,10 +188,11 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
     images = torch.randn(cfg.batch, 3, *model.patch_embed.img_size, device=target)
     with cuda_settings(target):
         accuracy, count = top1(model, config, target, dtype)
-        run, run_reference = compile_model(model, mode, target), compile_model(reference, mode, target)
+        run = timed_form(model, cfg, mode, target, images, label=path)
+        run_reference = timed_form(reference, cfg, mode, target, images, label=f"{path} (unmodified)")
         with inference(target, dtype):
             run(images)  # the timed form's first call: its dispatches join the record, the reference's do not
-        ran = kernels_ran(dispatched())
+        ran = kernels_ran(dispatched())  # top-1's and the timed form's (ONNX Runtime's note none: top-1's alone)
         load_before = os.getloadavg()[0]
         ratio = speed(run, run_reference, images, device=target, dtype=dtype, compile=mode, threads=cfg.threads,
                       settings=speed_settings(cfg))
@@ -169,7 +203,7 @@ def evaluate_checkpoint(path: str, cfg: EvalConfig, *, cuda: bool | None = None,
                       dtype=dtype, compile=mode, kernels=ran, speed_ratio=ratio.ratio, speed_ratio_low=ratio.low,
                       speed_ratio_high=ratio.high, speed_blocks=ratio.blocks, speed_stop=ratio.stop,
                       speed_seconds=ratio.seconds, load_before=load_before, load_after=load_after,
-                      device_name=device_name(target), clock=speed_clock(target, cfg.threads))
+                      device_name=device_name(target), clock=speed_clock(target, cfg.threads, cfg.runtime))
 
 
 @dataclass(frozen=True)
@@ -199,14 +233,13 @@ def reference_scale(checkpoints: dict[str, str], cfg: EvalConfig, *, cuda: bool 
     unmodified model takes), timed in ``cfg``'s setting as the evaluate stage times (``speed``)."""
     from pipeline.models import set_kernels
 
-    device, dtype, mode = resolve_setting(cfg.device, cfg.dtype, cfg.compile,
-                                          torch.cuda.is_available() if cuda is None else cuda)
+    device, dtype, mode = eval_setting(cfg, torch.cuda.is_available() if cuda is None else cuda)
     target, kernels = torch.device(device), kernels or KernelChoice()
 
     def unmodified(path: str) -> tuple[Callable[[Tensor], Tensor], Tensor]:
         model = set_kernels(model_from_checkpoint(path, plain=True)[0].to(target), kernels)
         images = torch.randn(cfg.batch, 3, *model.patch_embed.img_size, device=target)
-        return compile_model(model, mode, target), images
+        return timed_form(model, cfg, mode, target, images, label=f"{path} (unmodified)"), images
 
     labels = list(checkpoints)
     anchor, images = unmodified(checkpoints[labels[0]])
@@ -226,4 +259,4 @@ def reference_scale(checkpoints: dict[str, str], cfg: EvalConfig, *, cuda: bool 
     from pipeline.bench.blocks import device_name
 
     return Scale(labels[0], cfg.batch / self_check.reference_s, references, self_check,
-                 speed_clock(target, cfg.threads), device_name(target))
+                 speed_clock(target, cfg.threads, cfg.runtime), device_name(target))

@@ -221,3 +221,74 @@ def test_bench_onnx_rows_give_the_realised_fraction_of_the_gflops_ratio():
         assert row["realised"] == pytest.approx(pick / (r.ratio.ratio * plain), rel=1e-2)  # speed-up / GFLOPs ratio
         assert row["realised_low"] <= row["realised"] <= row["realised_high"]
         assert np.isfinite(r.ratio.ratio) and r.ratio.blocks >= 1
+
+
+# ---- the evaluate stage in onnxruntime (experiment.eval.runtime) ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    """A `pipeline train`-format checkpoint of the tiny test model finetuned with PoWER-BERT, and its data."""
+    from pipeline.config import load_config
+    from pipeline.train.build import arch_signature, build_model
+    from pipeline.train.checkpoint import save_checkpoint
+    from tests.conftest import write_synthetic_pair
+    from tests.processes import ROOT
+
+    root = write_synthetic_pair(tmp_path_factory.mktemp("export"), train=8, val=24)
+    config = load_config(ROOT / "configs" / "train" / "tiny_synthetic.yaml", [
+        f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}", "train.mode=finetune",
+        "pooling.method=powerbert", "pooling.keep=[12,6,3]"])
+    torch.manual_seed(0)
+    model = build_model(config)
+    directory = root / "ckpt"
+    directory.mkdir()
+    save_checkpoint(directory, {"model": model.state_dict(), "config": config.model_dump(mode="json"),
+                                "arch": arch_signature(model), "keep": [12, 6, 3]}, {})
+    return str(directory)
+
+
+def eval_config(runtime: str):
+    from pipeline.config import EvalConfig
+    from tests.conftest import HANG_S, LOOSE_TOLERANCE
+
+    return EvalConfig(runtime=runtime, batch=4, speed_tolerance=LOOSE_TOLERANCE, speed_cap_s=HANG_S, warmup=1)
+
+
+@pytest.mark.slow
+@pytest.mark.beton
+def test_the_evaluate_stage_times_the_exports_in_onnxruntime_on_a_clock_named_for_it(finetuned):
+    from pipeline.evaluate import evaluate_checkpoint, reference_scale
+
+    torch_eval = evaluate_checkpoint(finetuned, eval_config("torch"), cuda=False)
+    onnx_eval = evaluate_checkpoint(finetuned, eval_config("onnxruntime"), cuda=True)  # a GPU: still the CPU
+    assert (torch_eval.clock, onnx_eval.clock) == ("cpu", "onnxruntime:cpu")
+    assert (onnx_eval.device, onnx_eval.dtype, onnx_eval.compile) == ("cpu", "fp32", "none")
+    assert onnx_eval.top1 == torch_eval.top1 and onnx_eval.gflops == torch_eval.gflops
+    assert onnx_eval.speed_ratio_low <= onnx_eval.speed_ratio <= onnx_eval.speed_ratio_high and onnx_eval.speed_blocks
+    assert reference_scale({"tiny": finetuned}, eval_config("onnxruntime"), cuda=False).clock == "onnxruntime:cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.beton
+def test_the_evaluate_stage_refuses_an_export_that_differs_from_torch(finetuned, monkeypatch):
+    import pipeline.evaluate as evaluate
+    from pipeline.export import ExportCheck
+
+    monkeypatch.setattr(evaluate, "check_onnx", lambda *a, **k: ExportCheck(0.5, 0.9, 8, False))
+    with pytest.raises(ExportError, match=r"the ONNX export the evaluation would time differs from torch"):
+        evaluate.evaluate_checkpoint(finetuned, eval_config("onnxruntime"), cuda=False)
+
+
+def test_onnxruntime_evaluations_are_on_a_clock_of_their_own_and_on_the_cpu_in_float32():
+    from pipeline.config import EvalConfig
+    from pipeline.dag.select import check_one_clock
+    from pipeline.dag.types import EvalResult
+
+    with pytest.raises(ValueError, match=r"not with experiment.eval.dtype: bf16, experiment.eval.compile: default"):
+        EvalConfig(runtime="onnxruntime", dtype="bf16", compile="default")
+    EvalConfig(runtime="onnxruntime", device="cpu", dtype="fp32", compile="none")
+    evaluations = {name: EvalResult(run_id=name, checkpoint="c", top1=1.0, gflops=1.0, images_per_s=1.0,
+                                    images_per_s_spread=0.0, num_images=1, clock=clock)
+                   for name, clock in (("a", "cpu"), ("b", "onnxruntime:cpu"))}
+    with pytest.raises(InputError, match=r"cpu: 1 model\(s\), onnxruntime:cpu: 1 model\(s\)"):
+        check_one_clock(evaluations)

@@ -136,10 +136,25 @@ class EvalConfig(Section):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="autocast dtype of the timing")
     compile: Literal["auto", "none", "default", "reduce-overhead", "max-autotune"] = Field(
         "auto", description="torch.compile mode of the timing")
+    runtime: Literal["torch", "onnxruntime"] = Field(
+        "torch", description="what runs the timed models: torch, or onnxruntime (each model and its reference exported "
+        "to ONNX, `pipeline export`, and timed in ONNX Runtime on the CPU in float32; top-1 stays torch's, which the "
+        "export's check holds to the runtime's logits)")
     cpus: float = Field(2.0, gt=0, description="CPUs per evaluation task (all of them: clean timings)")
     analysis_images: int = Field(2, ge=0, description="validation images drawn as cluster maps per model (0: none)")
     analysis_batch: int = Field(16, ge=0, description="validation images for the redundancy and reconstruction "
                                 "analyses per model (0: none)")
+
+    @model_validator(mode="after")
+    def _onnxruntime_on_the_cpu(self) -> EvalConfig:
+        given = {key: value for key, value in (("device", self.device), ("dtype", self.dtype),
+                                               ("compile", self.compile))
+                 if value not in ("auto", {"device": "cpu", "dtype": "fp32", "compile": "none"}[key])}
+        if self.runtime == "onnxruntime" and given:
+            settings = ", ".join(f"experiment.eval.{key}: {value}" for key, value in given.items())
+            raise ValueError(f"experiment.eval.runtime: onnxruntime times the exported models on the CPU in float32, "
+                             f"not with {settings}: leave those at auto (or cpu, fp32, none)")
+        return self
 
 
 class SelectConfig(Section):

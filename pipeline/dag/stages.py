@@ -116,7 +116,8 @@ def run_evaluation_spec(spec: StageSpec, checkpoint: str, tracking: Tracking, cu
     measured = evaluate_checkpoint(checkpoint, cfg, cuda=cuda, kernels=choice,
                                    model_config=None if spec.meta.finetuned else spec.config)
     setting = {"device": measured.device, "device_name": measured.device_name, "dtype": measured.dtype,
-               "compile": measured.compile, "batch": cfg.batch, "threads": cfg.threads, "clock": measured.clock}
+               "compile": measured.compile, "batch": cfg.batch, "threads": cfg.threads, "clock": measured.clock,
+               "runtime": cfg.runtime}
     kernels = {f"kernels.{key}": value for key, value in choice.as_dict().items()}
     kernels |= {f"kernels_run.{key}": value for key, value in measured.kernels.items()}
     speed = {key: getattr(measured, key) for key in ("speed_ratio", "speed_ratio_low", "speed_ratio_high",
@@ -144,7 +145,8 @@ def eval_task(config: Config, fn: Callable):
 
     resources = ray.cluster_resources()
     device = config.experiment.eval.device
-    cuda = device == "cuda" or (device == "auto" and resources.get("GPU", 0) > 0)
+    cuda = config.experiment.eval.runtime == "torch" and (
+        device == "cuda" or (device == "auto" and resources.get("GPU", 0) > 0))  # onnxruntime times on the CPU
     task = ray.remote(num_cpus=min(config.experiment.eval.cpus, resources.get("CPU", 1)), num_gpus=1 if cuda else 0,
                       resources={TIMING: 1})(fn)
     return task, cuda
