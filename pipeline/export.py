@@ -37,6 +37,11 @@ RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "R
 # few units in the last place of every sum; over a dozen blocks that reaches about 1e-5 of logits of size ~10, and
 # a difference of 1e-3 is two orders above it while far below what a wrong op gives (tenths, or NaN).
 LOGIT_ATOL = 1e-3
+# A discrete step (a top-K, an argmin, ToMe's matching) meets near ties: inputs where the two sides' last bits pick
+# different tokens and the logits part by tenths. Of the demo's trained M32 models on 2,000 test images one image
+# did so (ToMe; float64 torch agreed with the runtime, and 1e-5 of input noise moved float32 torch as far). A check
+# passes with at most this share of its images over LOGIT_ATOL, and at least 1 - it of top-1 classes agreeing.
+TIE_SHARE = 0.005
 
 
 class ExportError(PipelineError, RuntimeError):
@@ -158,23 +163,28 @@ def run_session(sess, images: Tensor, batch: int | None = None) -> Tensor:
 @dataclass(frozen=True)
 class ExportCheck:
     """ONNX Runtime against torch on the same images: the largest logit difference (NaN where the runtime gave a
-    non-finite logit), the share of images whose top-1 class agrees, and how many images. ``draws``: the file's graph
-    has a random op (a random method); the logits compared are then those of its graph exported again with the noise
-    a fixed function of position (``derived_noise``), in torch as in the runtime."""
+    non-finite logit), how many images differ by more than ``LOGIT_ATOL``, the share whose top-1 class agrees, and
+    how many images. ``draws``: the file's graph has a random op (a random method); the logits compared are then
+    those of its graph exported again with the noise a fixed function of position (``derived_noise``), in torch as in
+    the runtime."""
 
     max_abs_diff: float
+    over_tolerance: int
     top1_agreement: float
     images: int
     draws: bool
 
     def line(self) -> str:
         noise = " (the noise a fixed function of position in both; the file draws its own)" if self.draws else ""
-        return (f"onnxruntime vs torch on {self.images} images: max |logit difference| {self.max_abs_diff:.2e} "
-                f"(tolerance {LOGIT_ATOL:g}), top-1 agreement {self.top1_agreement:.2%}{noise}")
+        return (f"onnxruntime vs torch on {self.images} images: max |logit difference| {self.max_abs_diff:.2e}, "
+                f"{self.over_tolerance} image(s) over {LOGIT_ATOL:g}, top-1 agreement {self.top1_agreement:.2%}{noise}")
 
     @property
     def passed(self) -> bool:
-        return self.max_abs_diff <= LOGIT_ATOL  # False for NaN
+        """Every logit finite, at most ``TIE_SHARE`` of the images over the tolerance (near ties of a discrete step),
+        at least ``1 - TIE_SHARE`` of the top-1 classes agreeing."""
+        return (self.max_abs_diff == self.max_abs_diff and self.over_tolerance <= TIE_SHARE * self.images
+                and self.top1_agreement >= 1 - TIE_SHARE)
 
 
 def check_onnx(model: nn.Module, path: str | Path, images: Tensor, *, batch: int | None = None,
@@ -194,7 +204,9 @@ def check_onnx(model: nn.Module, path: str | Path, images: Tensor, *, batch: int
             want = torch.cat([model(images[i:i + torch_batch].float())
                               for i in range(0, len(images), torch_batch)])
     finite = bool(torch.isfinite(got).all())
-    diff = (got - want).abs().max().item() if finite else float("nan")
+    per_image = (got - want).abs().amax(-1)  # (B,)
+    diff = per_image.max().item() if finite else float("nan")
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    return ExportCheck(max_abs_diff=diff, top1_agreement=agree, images=len(images), draws=draws)
+    return ExportCheck(max_abs_diff=diff, over_tolerance=int((per_image > LOGIT_ATOL).sum()), top1_agreement=agree,
+                       images=len(images), draws=draws)
 

@@ -274,7 +274,7 @@ def test_the_evaluate_stage_refuses_an_export_that_differs_from_torch(finetuned,
     import pipeline.evaluate as evaluate
     from pipeline.export import ExportCheck
 
-    monkeypatch.setattr(evaluate, "check_onnx", lambda *a, **k: ExportCheck(0.5, 0.9, 8, False))
+    monkeypatch.setattr(evaluate, "check_onnx", lambda *a, **k: ExportCheck(0.5, 1, 0.875, 8, False))
     with pytest.raises(ExportError, match=r"the ONNX export the evaluation would time differs from torch"):
         evaluate.evaluate_checkpoint(finetuned, eval_config("onnxruntime"), cuda=False)
 
@@ -292,3 +292,17 @@ def test_onnxruntime_evaluations_are_on_a_clock_of_their_own_and_on_the_cpu_in_f
                    for name, clock in (("a", "cpu"), ("b", "onnxruntime:cpu"))}
     with pytest.raises(InputError, match=r"cpu: 1 model\(s\), onnxruntime:cpu: 1 model\(s\)"):
         check_one_clock(evaluations)
+
+
+@pytest.mark.parametrize("check, passed", [
+    ((2e-6, 0, 1.0, 2000, False), True),
+    ((0.196, 1, 1.0, 2000, False), True),  # one near tie in 2,000 (the demo's ToMe model)
+    ((0.196, 11, 1.0, 2000, False), False),  # over 0.5% of the images
+    ((0.3, 1, 0.99, 2000, False), False),  # top-1 under 99.5%
+    ((0.196, 1, 1.0, 100, False), False),  # one image in 100 is 1%
+    ((float("nan"), 0, 1.0, 2000, False), False),  # a non-finite logit
+])
+def test_a_check_passes_near_ties_of_a_discrete_step_and_nothing_more(check, passed):
+    from pipeline.export import ExportCheck
+
+    assert ExportCheck(*check).passed is passed
