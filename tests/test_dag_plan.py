@@ -609,3 +609,16 @@ def test_a_finetune_seed_reruns_the_finetunes_alone():
         with pytest.raises(ConfigError, match=r"experiment.base.seed / experiment.ksearch.seed: set the config's "
                                               "`seed` for the bases and K searches"):
             load_config(TINY, [f"experiment.{stage}.seed=1"])
+
+
+def test_the_evaluations_runtime_is_part_of_their_identity_and_the_onnx_registration_is_not():
+    """Timed in onnxruntime, an evaluation is another result than torch's (another id: a torch timing is never
+    reused for it); ``runtime: torch`` and ``register_onnx``, what the register step logs beside each pick, leave
+    every id as pinned above."""
+    from pipeline.dag.plan import dag_id
+
+    ids = tiny_ids(load_config(TINY))
+    assert tiny_ids(load_config(TINY, ["experiment.eval.runtime=torch", "experiment.register_onnx=false"])) == ids
+    onnx = tiny_ids(load_config(TINY, ["experiment.eval.runtime=onnxruntime"]))
+    assert onnx[:5] == ids[:5] and onnx[5] != ids[5] and onnx[6] != ids[6]  # the trainings' ids stay
+    assert dag_id(load_config(TINY, ["experiment.register_onnx=false"])) == ids[6]

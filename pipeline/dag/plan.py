@@ -66,11 +66,15 @@ def dag_id(config: Config) -> str:
     ``pooling.options.wkmedoids.iters`` are two experiments, and ``--force`` on one must not retire the other's
     runs. ``experiment.select.tie_margin`` is left out: it is how the select stage (never cached) reads the same
     measurements, so another margin selects again under the same parent run; so is ``experiment.select.check_cap_s``,
-    how long a keep list's check may take (a checked list is recorded and read back). A setting that is off
-    (``experiment.conv`` unset) leaves the id as it was before the setting existed."""
+    how long a keep list's check may take (a checked list is recorded and read back), and so is
+    ``experiment.register_onnx``, what the register step logs beside each pick. A setting that is off
+    (``experiment.conv`` unset, ``experiment.eval.runtime: torch``) leaves the id as it was before the setting
+    existed."""
     exp = config.experiment
     exclude: dict[str, Any] = {"select": {"tie_margin", "check_cap_s"}, "base": {"seed"},
-                               "ksearch": {"seed"}}  # the seeds: refused if set
+                               "ksearch": {"seed"}, "register_onnx": True}  # the seeds: refused if set
+    if exp.eval.runtime == "torch":
+        exclude["eval"] = {"runtime"}
     for name in UNSET_IS_ABSENT:
         section, _, key = name.partition(".")
         if key and getattr(getattr(exp, section), key) is None:

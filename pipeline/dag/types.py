@@ -47,8 +47,8 @@ class StageMeta:
                            ("target", self.target), ("rounding", self.rounding), ("given", self.given)):
             if value is not None:
                 out[key] = value
-        if self.eval is not None:
-            out["eval"] = self.eval.model_dump()
+        if self.eval is not None:  # the default runtime leaves the id as it was before the setting existed
+            out["eval"] = self.eval.model_dump(exclude={"runtime"} if self.eval.runtime == "torch" else None)
         if self.sweep is not None:
             out["sweep"] = self.sweep
         if self.kernels is not None:
