@@ -277,6 +277,8 @@ def register_models(ctx, picks: list[tuple[str, dict[str, Any]]]) -> list[str]:
         for alias, row in picks:
             version = versions.get(row["run_id"])
             if version is None:
+                if log is log_onnx_model:  # an export and its check: seconds a pick, minutes for a front of DeiTs
+                    ctx.log(f"[register] {registered}@{alias}: exporting {row['method']} {row['level']} to ONNX")
                 metadata = {k: row[k] for k in ("arch", "level", "method", "keep", "gflops", "top1", "images_per_s",
                                                  "speed_setting")}
                 uri = log(ctx.config.train.tracking_uri, row["run_id"], row["checkpoint"], metadata)
@@ -348,9 +350,10 @@ def run_select(ctx, ft_stages: list[Stage], ft_results: dict[str, TrainedResult]
     ctx.log(f"mlflow:  {ctx.config.train.tracking_uri} (experiment {ctx.config.train.experiment!r}, "
             f"parent run {ctx.parent}); `mlflow ui --backend-store-uri {ctx.config.train.tracking_uri}`")
     if aliases:
+        onnx = " (or in onnxruntime, its -onnx twin: add `--runtime onnxruntime`)" if exp.register_onnx else ""
         ctx.log(f"registry: {', '.join(aliases)} (image classifiers; serve one with `python -m pipeline serve "
-                f"{aliases[0]}{_store_flag(ctx.config.train.tracking_uri)}`; pickled modules: load them only from a "
-                "store you trust)")
+                f"{aliases[0]}{_store_flag(ctx.config.train.tracking_uri)}`{onnx}; pickled modules: load them only "
+                "from a store you trust)")
     if untrained:
         ctx.log("\nWithout finetuning (Appendix E; in no front):\n"
                 + markdown_table(untrained, ["arch", "level", "method", "carry", "gflops", "top1"]))
