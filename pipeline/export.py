@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +57,14 @@ def require_runtime() -> None:
                          "(or pip install -c constraints.txt onnx onnxscript onnxruntime)")
 
 
-def export_onnx(model: nn.Module, path: str | Path, *, batch: int | None = None, label: str = "the model") -> Path:
+def export_onnx(model: nn.Module, path: str | Path, *, batch: int | None = None, label: str = "the model",
+                check: Callable[[Path], None] | None = None) -> Path:
     """Writes ``model`` (in eval mode, on the CPU) to ``path`` as ONNX: input ``images`` (B, 3, H, W) float32,
     output ``logits`` (B, classes). ``batch``: a static batch size, or None for a dynamic one. The file is written
-    under a temporary name beside ``path`` and renamed, so a failed export leaves no file and an old one intact.
-    ``label`` names the model in the errors. Returns ``path``."""
+    under a temporary name beside ``path``, loaded in ONNX Runtime, given to ``check`` (which raises to refuse it)
+    and only then renamed, so a failed export or check leaves no file and an old one intact. ``label`` names the
+    model in the errors. The graph is one file: a model over ONNX's 2 GB protobuf limit is refused. Returns
+    ``path``."""
     require_runtime()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,23 +79,32 @@ def export_onnx(model: nn.Module, path: str | Path, *, batch: int | None = None,
                                             input_names=["images"], output_names=["logits"], dynamic_shapes=dynamic)
         except Exception as err:  # the exporter wraps every failure in its own class; the op is in the message
             raise ExportError(f"{label} cannot be exported to ONNX: {_failure(err)}") from None
-    fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     os.close(fd)
+    partial = Path(name)
     try:
-        program.save(partial)
+        try:
+            program.save(partial, external_data=False)
+        except ValueError as err:  # protobuf's 2 GB limit on one message
+            raise ExportError(f"{label}: its ONNX graph does not fit in one file ({err}); pipeline export writes "
+                              "no external data") from None
         os.chmod(partial, 0o666 & ~_umask())  # mkstemp's file is private; the ONNX file is not
         session(partial)  # a graph the runtime cannot load (an op it has no kernel for) is refused before it lands
+        if check is not None:
+            check(partial)
         os.replace(partial, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
+            partial.unlink()
     return path
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """This process's umask, read without setting it (``os.umask`` would change it for every thread meanwhile)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    return 0o022
 
 
 def _failure(err: BaseException) -> str:
@@ -152,11 +165,23 @@ def graph_ops(path: str | Path) -> frozenset[str]:
     return frozenset(ops)
 
 
-def run_session(sess, images: Tensor, batch: int | None = None) -> Tensor:
-    """The session's logits for ``images`` (B, 3, H, W), in slices of ``batch`` images (a static graph's), or all
-    at once -> (B, classes) float32."""
-    step = batch or len(images)
-    parts = [sess.run(None, {"images": images[i:i + step].float().numpy()})[0] for i in range(0, len(images), step)]
+def run_session(sess, images: Tensor, batch: int | None = None, slice_size: int = 64) -> Tensor:
+    """The session's logits for ``images`` (B, 3, H, W) -> (B, classes) float32: in slices of ``batch`` images for a
+    static graph (the last one padded with copies of its last image, whose logits are dropped), of ``slice_size``
+    for a dynamic one. An error of the runtime is an ExportError in one line."""
+    if len(images) == 0:
+        raise InputError("no images to run the ONNX graph on; give at least one")
+    step, parts = batch or slice_size, []
+    for start in range(0, len(images), step):
+        part = images[start:start + step].float()
+        count = len(part)
+        if batch is not None and count < batch:
+            part = torch.cat([part, part[-1:].expand(batch - count, *part.shape[1:])])
+        try:
+            parts.append(sess.run(None, {"images": part.contiguous().numpy()})[0][:count])
+        except Exception as err:  # onnxruntime raises its own pybind classes
+            raise ExportError(f"ONNX Runtime failed on images {start}-{start + count - 1}: "
+                              f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     return torch.from_numpy(np.concatenate(parts))
 
 
@@ -181,9 +206,9 @@ class ExportCheck:
 
     @property
     def passed(self) -> bool:
-        """Every logit finite, at most ``TIE_SHARE`` of the images over the tolerance (near ties of a discrete step),
-        at least ``1 - TIE_SHARE`` of the top-1 classes agreeing."""
-        return (self.max_abs_diff == self.max_abs_diff and self.over_tolerance <= TIE_SHARE * self.images
+        """Every logit of both finite (else ``max_abs_diff`` is NaN), at most ``TIE_SHARE`` of the images over the
+        tolerance (near ties of a discrete step), at least ``1 - TIE_SHARE`` of the top-1 classes agreeing."""
+        return (not math.isnan(self.max_abs_diff) and self.over_tolerance <= TIE_SHARE * self.images
                 and self.top1_agreement >= 1 - TIE_SHARE)
 
 
@@ -203,7 +228,7 @@ def check_onnx(model: nn.Module, path: str | Path, images: Tensor, *, batch: int
         with torch.no_grad():
             want = torch.cat([model(images[i:i + torch_batch].float())
                               for i in range(0, len(images), torch_batch)])
-    finite = bool(torch.isfinite(got).all())
+    finite = bool(torch.isfinite(got).all() and torch.isfinite(want).all())
     per_image = (got - want).abs().amax(-1)  # (B,)
     diff = per_image.max().item() if finite else float("nan")
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()

@@ -345,7 +345,7 @@ def test_a_bounded_load_is_answered_without_errors_and_always_alike(trained, ser
 def test_serve_refuses_what_it_cannot_serve(trained):
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     for args, says in ((["nope@best"], "models:/nope@best: no such model"),
-                       (["nope@best", "--runtime", "onnxruntime"], "models:/nope-onnx@best: no such model"),
+                       (["nope@best", "--runtime", "onnxruntime"], "experiment.register_onnx: true"),
                        ([str(trained["root"]), "--runtime", "onnxruntime"],
                         "--runtime onnxruntime serves a registered"),
                        (["a b c"], "give a registered model as NAME@ALIAS"),
@@ -385,7 +385,7 @@ def test_the_torch_free_preprocessing_refuses_what_it_does_not_do():
     base = {"input_size": (3, 32, 32), "interpolation": "bicubic", "crop_pct": 0.9, "mean": (0.5,) * 3,
             "std": (0.5,) * 3}
     for change, says in (({"crop_mode": "squash"}, "crop_mode 'squash'"), ({"input_size": (3, 32, 48)}, "(3, 32, 48)"),
-                         ({"interpolation": "random"}, "interpolation 'random'")):
+                         ({"interpolation": "random"}, "interpolation 'random'"), ({"crop_pct": 1.1}, "crop_pct 1.1")):
         with pytest.raises(ValueError, match=re.escape(says)):
             check_eval_transform({**base, **change})
 
@@ -400,6 +400,9 @@ def test_the_onnx_runtime_serves_the_twin_of_an_alias_and_refuses_what_has_none(
     assert onnx_model("token-pooling-demo-onnx@best", store) == "models:/token-pooling-demo-onnx@best"
     for given in ("runs:/abc/checkpoint", str(tmp_path), "file:///x"):
         with pytest.raises(InputError, match="--runtime onnxruntime serves a registered model"):
+            onnx_model(given, store)
+    for given in ("token-pooling-demo", "token-pooling-demo@", "token-pooling-demo/"):
+        with pytest.raises(InputError, match="give a registered model as NAME@ALIAS or NAME/VERSION"):
             onnx_model(given, store)
 
 

@@ -50,6 +50,7 @@ class Subject:
         grid: the patch grid (rows, columns); patch: the patch side in pixels.
         label: where it came from, for titles.
         val: the validation ``.beton`` of its training config, if it has one.
+        name: the timm model name it was built as.
     """
 
     model: nn.Module
@@ -66,6 +67,7 @@ class Subject:
     variant: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     val: str | None = None
+    name: str = ""  # the timm model name it was built as (what the paper's sparsity levels are keyed by)
 
     @property
     def depth(self) -> int:
@@ -95,7 +97,8 @@ def load_subject(checkpoint: str | Path | None = None, model: str | None = None,
         raise AnalysisError("give exactly one of --checkpoint (a `pipeline train` checkpoint) or --model (a timm name)")
     if model is not None:
         net = create_model(model, weights=weights)
-        return _subject(net, net.state_dict(), model if weights is None else f"{model} ({Path(weights).name})")
+        return _subject(net, net.state_dict(), model if weights is None else f"{model} ({Path(weights).name})",
+                        name=model)
     return _checkpoint_subject(Path(checkpoint))
 
 
@@ -113,7 +116,8 @@ def _checkpoint_subject(path: Path) -> Subject:
         extra = {"method": pool.method, "keep": state.get("keep"),
                  "variant": {"carry": pool.carry, "qk_norm": model.qk_norm, "alpha": model.alpha},
                  "options": pool.method_options()}
-    return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", val=config.data.val, **extra)
+    return _subject(net, state["model"], f"{config.train.name or path.name} ({mode})", val=config.data.val,
+                    name=model.name, **extra)
 
 
 def with_method(subject: Subject, method: str, keep: Sequence[int] | None, *,
@@ -215,20 +219,19 @@ def first_batches(beton: str | Path, subject: Subject, *, batches: int, batch: i
     return list(beton_images(beton, subject, count=count, batch=batch))
 
 
-def method_model(*, checkpoint: str | None = None, model: str | None = None, weights: str | None = None,
-                   method: str | None = None, keep: str | None = None, level: int | None = None):
-    """A network to export or time: a checkpoint's (its own method and keep list unless given) or a timm model's, with
-    ``method`` at ``keep`` (a comma-separated list) or at the paper's sparsity ``level``.
+def method_model(subject: Subject, *, method: str | None = None, keep: str | None = None, level: int | None = None):
+    """A network to export or time: ``subject``'s (``load_subject``: a checkpoint's, with its own method and keep list
+    unless given, or a timm model's) with ``method`` at ``keep`` (a comma-separated list) or at the paper's sparsity
+    ``level``. Every call copies the one subject: models of several methods share its weights.
 
-    Returns (the model in eval mode, a label for the messages, the ``analysis.Subject`` it came from)."""
+    Returns (the model in eval mode, a label for the messages, ``subject``)."""
     if keep is not None and level is not None:
         raise InputError("give --keep K_1,...,K_L or --level N, not both")
-    subject = load_subject(checkpoint=checkpoint, model=model, weights=weights)
     method = method or subject.method or "none"
     method_spec(method)  # InputError naming the registered methods
     if level is not None:
         try:
-            keep_list = level_keep(model or subject.label, level)
+            keep_list = level_keep(subject.name, level)
         except ValueError as err:
             raise InputError(f"--level: {err}; give --keep K_1,...,K_L") from None
     elif keep is not None:
@@ -255,5 +258,7 @@ def subject_images(subject, beton: str | Path | None, count: int) -> tuple[Tenso
         generator = torch.Generator().manual_seed(0)
         return torch.randn(count, 3, subject.res, subject.res, generator=generator), "random images (no --check-data)"
     count = min(count, int(check_dataset(beton)["num_images"]))
+    if count < 1:
+        raise InputError(f"{beton} holds no images to check the model on; give --check-data a .beton with some")
     pixels = np.concatenate(list(beton_images(beton, subject, count=count, batch=min(count, 256))))
     return normalise(subject, pixels), f"images of {beton}"

@@ -389,7 +389,7 @@ def _add_bench_latency(bench_commands) -> None:
 def cmd_bench_onnx(args: argparse.Namespace) -> int:
     import torch
 
-    from pipeline.analysis.probe import method_model
+    from pipeline.analysis.probe import load_subject, method_model
     from pipeline.bench.blocks import device_name
     from pipeline.bench.onnx import onnx_speeds
     from pipeline.bench.paired import SpeedSettings
@@ -402,9 +402,9 @@ def cmd_bench_onnx(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
         raise InputError("--methods: name at least one method, for example powerbert,wkmedoids")
-    subject = dict(checkpoint=args.checkpoint, model=args.model, weights=args.weights)
-    reference, _, _ = method_model(**subject, method="none")
-    models = {m: method_model(**subject, method=m, keep=args.keep, level=args.level)[0] for m in methods}
+    subject = load_subject(checkpoint=args.checkpoint, model=args.model, weights=args.weights)  # one set of weights
+    reference, _, _ = method_model(subject, method="none")
+    models = {m: method_model(subject, method=m, keep=args.keep, level=args.level)[0] for m in methods}
     settings = SpeedSettings(tolerance=args.tolerance, cap_s=args.cap_s, cap_key="--cap-s")
     speeds = onnx_speeds(models, reference, batches=batches, settings=settings, profile=args.profile, log=log)
     rows = [r.row() for r in speeds]
@@ -429,7 +429,8 @@ def _add_bench_onnx(bench_commands) -> None:
     onnx.add_argument("--model", default=None, help="or a timm model name (random weights unless --weights)")
     onnx.add_argument("--weights", default=None, help="a timm state-dict file for --model")
     onnx.add_argument("--methods", default="powerbert,wkmedoids", help="comma-separated (default powerbert,wkmedoids)")
-    onnx.add_argument("--keep", default=None, metavar="K_1,...,K_L", help="the keep list (default: the checkpoint's)")
+    onnx.add_argument("--keep", default=None, metavar="K_1,...,K_L",
+                      help="the keep list (default: the checkpoint's, for its own method)")
     onnx.add_argument("--level", type=int, default=None, help="or one of the paper's sparsity levels for the model")
     onnx.add_argument("--batches", default="1,32", help="batch sizes, comma-separated (default 1,32)")
     onnx.add_argument("--tolerance", type=float, default=0.02, help="the relative half-width aimed at (default 0.02)")

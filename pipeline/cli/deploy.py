@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 from pathlib import Path
 
 from pipeline.cli.common import log
@@ -11,7 +10,7 @@ from pipeline.errors import InputError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipeline.analysis.probe import method_model, subject_images
+    from pipeline.analysis.probe import load_subject, method_model, subject_images
     from pipeline.export import ExportError, check_onnx, export_onnx, require_runtime
 
     require_runtime()  # before minutes of loading: a missing runtime is one line
@@ -22,19 +21,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise InputError(f"--check-images {args.check_images}: give at least 1")
     if args.out.suffix != ".onnx" or args.out.is_dir():
         raise InputError(f"--out {args.out}: give a file name ending in .onnx")
-    model, label, subject = method_model(checkpoint=args.checkpoint, model=args.model, weights=args.weights,
-                                           method=args.method, keep=args.keep, level=args.level)
+    model, label, subject = method_model(load_subject(checkpoint=args.checkpoint, model=args.model,
+                                                      weights=args.weights),
+                                         method=args.method, keep=args.keep, level=args.level)
+    images, source = subject_images(subject, args.check_data, args.check_images)  # before minutes of exporting
+
+    def check(partial: Path) -> None:
+        log(f"checking the export in onnxruntime on {len(images)} {source}")
+        result = check_onnx(model, partial, images, batch=args.batch, label=label)
+        print(result.line())
+        if not result.passed:
+            raise ExportError(f"{label}: the export's logits differ from torch's; {args.out} was not written")
+
     log(f"exporting {label} ({'batch ' + str(args.batch) if args.batch else 'dynamic batch'})")
-    path = export_onnx(model, args.out, batch=args.batch, label=label)
-    images, source = subject_images(subject, args.check_data, args.check_images)
-    log(f"checking {path} in onnxruntime on {len(images)} {source}")
-    check = check_onnx(model, path, images, batch=args.batch, label=label)
-    print(check.line())
-    if not check.passed:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        raise ExportError(f"{label}: the export's logits differ from torch's ({check.line()}); {path} was removed")
-    print(f"wrote {path}")
+    print(f"wrote {export_onnx(model, args.out, batch=args.batch, label=label, check=check)}")
     return 0
 
 
@@ -45,7 +45,8 @@ def add_commands(commands) -> None:
     export.add_argument("--weights", default=None, help="a timm state-dict file for --model")
     export.add_argument("--method", default=None, help="the downsampling method (default: the checkpoint's own; none "
                         "for a base or a timm model)")
-    export.add_argument("--keep", default=None, metavar="K_1,...,K_L", help="the keep list (default: the checkpoint's)")
+    export.add_argument("--keep", default=None, metavar="K_1,...,K_L",
+                        help="the keep list (default: the checkpoint's, where --method is its own)")
     export.add_argument("--level", type=int, default=None, help="or one of the paper's sparsity levels for the model")
     export.add_argument("--batch", type=int, default=None, help="a static batch size (default: a dynamic batch)")
     export.add_argument("--check-data", type=Path, default=None,

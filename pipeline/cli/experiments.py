@@ -17,7 +17,7 @@ from pipeline.dag.plan import archs, conv_levels, count_plan
 from pipeline.dag.rehearse import RehearsalSettings, run_rehearsal
 from pipeline.errors import InputError, MissingFileError
 from pipeline.report import rebuild_report
-from pipeline.serving.server import DEFAULT_STORE, serve
+from pipeline.serving.server import DEFAULT_STORE, RUNTIMES, serve
 from pipeline.spread import machine_record
 
 
@@ -183,7 +183,7 @@ def _add_serve_command(commands) -> None:
     serve.add_argument("--port", type=int, default=5000)
     serve.add_argument("--workers", type=int, default=1, help="server processes")
     serve.add_argument("--verbose", action="store_true", help="the server's access log")
-    serve.add_argument("--runtime", choices=["torch", "onnxruntime"], default="torch",
+    serve.add_argument("--runtime", choices=RUNTIMES, default="torch",
                        help="torch (the registered model) or onnxruntime (the ONNX classifier registered beside it, "
                             "NAME-onnx: decoding in PIL and numpy, the network in onnxruntime)")
     limits = serve.add_argument_group("limits per request (over them: HTTP 400, or 413 for the body)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import MethodName, Section, Seed
 from pipeline.config.train import CostTarget
@@ -241,6 +241,14 @@ class ExperimentConfig(Section):
                                 "`pipeline serve NAME@ALIAS --runtime onnxruntime` serves it")
     prepare: list[PrepareItem] = Field(default_factory=list)
     runs_dir: str = Field("runs/experiments", description="reports and plots go to RUNS_DIR/NAME/")
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_twins_name(cls, name: str) -> str:
+        if name.endswith("-onnx"):  # token-pooling-NAME-onnx holds the ONNX twins of token-pooling-NAME
+            raise ValueError(f"{name!r} ends in -onnx, which names the registry's ONNX twins (experiment."
+                             f"register_onnx); call the experiment {name.removesuffix('-onnx')}_onnx, say")
+        return name
 
     @model_validator(mode="after")
     def _sweep_is_not_empty(self) -> ExperimentConfig:

@@ -171,7 +171,9 @@ def _kmeans_gram(x: Tensor, w: Tensor | None, start: Tensor, iters: int, kernels
     ``jobs/gpu/checks.sh`` can time the two; they are also the device self-check's reference.
     """
     g = gram(x)
-    if kernels.kmeans == "torch" or exporting():
+    if exporting():  # traced for another runtime: no torch kernel runs, none is noted
+        return kmeans_gram_iterations(g, w, start, iters)
+    if kernels.kmeans == "torch":
         note_dispatch("kmeans", "torch", x.shape[1])
         return kmeans_gram_iterations(g, w, start, iters)
     return _kmeans_gram_op(g, w, start, iters, kernels.native != "torch")
@@ -248,7 +250,7 @@ def _kmedoids(x: Tensor, w: Tensor | None, medoids: Tensor, iters: int, kernels:
     ``torch``.
     """
     if exporting():
-        return kmedoids_dense(dists_from_gram(gram(x)), w, medoids, iters)
+        return kmedoids_dense(sq_dists(x), w, medoids, iters)
     g = None if x.device.type == "cpu" else gram(x)  # see _kmedoids_op
     return _kmedoids_op(x, g, w, medoids, iters, kernels.kmedoids, kernels.native != "torch")
 

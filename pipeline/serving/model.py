@@ -169,10 +169,12 @@ def check_eval_transform(model_config: dict[str, Any]) -> None:
     centre crop of a square input after resizing the shorter side (timm's default), at a known interpolation."""
     size = tuple(model_config["input_size"])
     if model_config.get("crop_mode", "center") != "center" or size[1] != size[2] \
-            or model_config.get("interpolation", "bilinear") not in _FILTERS:
-        raise ValueError(f"the torch-free preprocessing takes square inputs, crop_mode center and one of "
-                         f"{', '.join(_FILTERS)}; this model has input_size {size}, crop_mode "
-                         f"{model_config.get('crop_mode')!r}, interpolation {model_config.get('interpolation')!r}")
+            or model_config.get("interpolation", "bilinear") not in _FILTERS \
+            or float(model_config.get("crop_pct", 0.875)) > 1:
+        raise ValueError(f"the torch-free preprocessing takes square inputs, crop_mode center, crop_pct at most 1 "
+                         f"(no padding) and one of {', '.join(_FILTERS)}; this model has input_size {size}, crop_mode "
+                         f"{model_config.get('crop_mode')!r}, crop_pct {model_config.get('crop_pct')}, interpolation "
+                         f"{model_config.get('interpolation')!r}")
 
 
 def eval_pixels(image, model_config: dict[str, Any]) -> np.ndarray:
@@ -189,8 +191,6 @@ def eval_pixels(image, model_config: dict[str, Any]) -> np.ndarray:
         target = (int(scale * width / height), scale)
     if target != image.size:
         image = image.resize(target, _FILTERS[model_config.get("interpolation", "bilinear")])
-    if min(target) < size:
-        raise BadInput(f"crop_pct {model_config.get('crop_pct')} resizes to {target}, smaller than the {size} px crop")
     top, left = int(round((target[1] - size) / 2.0)), int(round((target[0] - size) / 2.0))
     pixels = np.asarray(image, dtype=np.float32)[top:top + size, left:left + size] / 255.0
     mean = np.asarray(model_config["mean"], dtype=np.float32)

@@ -18,6 +18,7 @@ import mlflow
 import numpy as np
 from mlflow.tracking import MlflowClient
 
+from pipeline.errors import InputError
 from pipeline.tracking import log_batch
 
 MODEL_ARTIFACT = "model"
@@ -138,6 +139,8 @@ def _check_images(config, served: dict[str, Any], count: int, preprocess):
     from pipeline.data.loaders import check_dataset, read_pixels
 
     count = min(count, int(check_dataset(config.data.val)["num_images"]))
-    side = max(served["input_size"][-1], 1)
+    if count < 1:
+        raise InputError(f"{config.data.val} holds no images to check the ONNX export on")
+    side = served["input_size"][-1]
     pixels = np.concatenate(list(read_pixels(config.data.val, side, 1.0, count=count, batch=count)))
     return torch.from_numpy(np.stack([preprocess(Image.fromarray(p), served) for p in pixels]))

@@ -54,6 +54,8 @@ def onnx_model(model: str, tracking_uri: str) -> str:
         raise InputError(f"{model}: --runtime onnxruntime serves a registered model (NAME@ALIAS or NAME/VERSION); "
                          "export a checkpoint with `python -m pipeline export` instead")
     registered, sep, rest = name.partition("@") if "@" in name else name.partition("/")
+    if not sep or not rest:
+        raise InputError(f"{model}: give a registered model as NAME@ALIAS or NAME/VERSION")
     if registered.endswith(ONNX_SUFFIX):
         return f"models:/{name}"
     if sep == "@":
@@ -146,7 +148,13 @@ def start_server(model: str, *, host: str, port: int, workers: int, tracking_uri
     if runtime not in RUNTIMES:
         raise InputError(f"--runtime {runtime}: give one of {', '.join(RUNTIMES)}")
     uri = onnx_model(model, tracking_uri) if runtime == "onnxruntime" else model_uri(model)
-    folder = fetch(uri, tracking_uri)
+    try:
+        folder = fetch(uri, tracking_uri)
+    except MissingFileError as err:
+        if runtime != "onnxruntime":
+            raise
+        raise MissingFileError(f"{err}; an ONNX twin is registered by `pipeline run` with experiment.register_onnx: "
+                               "true, or export one with `python -m pipeline export`") from None
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     command = [sys.executable, "-m", "uvicorn", "--host", host, "--port", str(port), "--workers", str(workers),
                "--log-level", "info" if verbose else "warning", "pipeline.serving.app:app"]
