@@ -44,8 +44,9 @@ def test_help_lists_only_working_commands(capsys):
     out = run("--help").stdout  # once as a user runs it
     listed = set(re.findall(r"^    (\w+)\s", out, flags=re.M))
     assert listed == {"config", "methods", "flops", "bench", "data", "train", "run", "report", "select", "serve",
-                      "viz", "analyze", "evaluate", "doctor"}
-    subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels", "serve", "blocks", "latency-check"},
+                      "viz", "analyze", "evaluate", "export", "doctor"}
+    subcommands = {"bench": {"ops", "throughput", "loop", "loader", "kernels", "serve", "blocks", "latency-check",
+                             "onnx"},
                    "analyze": {"redundancy", "reconstruction", "convergence"}, "viz": {"clusters"},
                    "data": {"write", "folder", "check"}, "config": {"show"}}
     for command, expected in subcommands.items():
