@@ -32,6 +32,28 @@ LOOSE_TOLERANCE = 0.5
 pytest_plugins = ["tests.tiers"]
 
 
+def write_tiny_checkpoint(root: Path, method: str, keep: list[int], *, train: int = 8, val: int = 40) -> Path:
+    """``root/ckpt``: a `pipeline train`-format checkpoint of configs/train/tiny_synthetic.yaml finetuned with
+    ``method`` at ``keep`` (seeded, untrained weights), over a synthetic pair written into ``root``."""
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.train.build import arch_signature, build_model
+    from pipeline.train.checkpoint import save_checkpoint
+
+    write_synthetic_pair(root, train=train, val=val)
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_synthetic.yaml", [
+        f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}", "train.mode=finetune",
+        f"pooling.method={method}", f"pooling.keep={keep}"])
+    torch.manual_seed(0)
+    model = build_model(config)
+    directory = root / "ckpt"
+    directory.mkdir()
+    save_checkpoint(directory, {"model": model.state_dict(), "config": config.model_dump(mode="json"),
+                                "arch": arch_signature(model), "keep": keep}, {})
+    return directory
+
+
 def write_synthetic_pair(root, train: int, val: int):
     """``root/train.beton`` and ``root/val.beton``: 4-class 16 px synthetic data (raw pixels)."""
     from pipeline.data import WriteSettings, open_source, write_beton

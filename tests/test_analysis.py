@@ -27,11 +27,7 @@ from pipeline.analysis.probe import _subject, normalise
 from pipeline.analysis.reconstruction import default_methods
 from pipeline.methods import build_downsampler
 from tests import reference as ref
-from tests.conftest import write_synthetic_pair
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "train" / "tiny_synthetic.yaml"
-
+from tests.conftest import write_tiny_checkpoint
 
 # ---- references ----------------------------------------------------------------------------------------------------
 
@@ -134,20 +130,8 @@ def test_kmedoids_k2_puts_each_flat_region_in_one_cluster():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A `pipeline train`-format checkpoint of the tiny test model (finetuned-with-wkmedoids config) and data."""
-    from pipeline.config import load_config
-    from pipeline.train.build import arch_signature, build_model
-    from pipeline.train.checkpoint import save_checkpoint
-
-    root = write_synthetic_pair(tmp_path_factory.mktemp("analysis"), train=8, val=40)
-    config = load_config(TINY, [f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}",
-                                "train.mode=finetune", "pooling.method=wkmedoids", "pooling.keep=[12,6,3]"])
-    torch.manual_seed(0)
-    model = build_model(config)
-    directory = root / "ckpt"
-    directory.mkdir()
-    save_checkpoint(directory, {"model": model.state_dict(), "config": config.model_dump(mode="json"),
-                                "arch": arch_signature(model), "keep": [12, 6, 3]}, {})
-    return directory, root
+    root = tmp_path_factory.mktemp("analysis")
+    return write_tiny_checkpoint(root, "wkmedoids", [12, 6, 3], val=40), root
 
 
 def run_cli(capsys, *args: str) -> subprocess.CompletedProcess:

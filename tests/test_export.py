@@ -230,23 +230,9 @@ def test_bench_onnx_rows_give_the_realised_fraction_of_the_gflops_ratio():
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     """A `pipeline train`-format checkpoint of the tiny test model finetuned with PoWER-BERT, and its data."""
-    from pipeline.config import load_config
-    from pipeline.train.build import arch_signature, build_model
-    from pipeline.train.checkpoint import save_checkpoint
-    from tests.conftest import write_synthetic_pair
-    from tests.processes import ROOT
+    from tests.conftest import write_tiny_checkpoint
 
-    root = write_synthetic_pair(tmp_path_factory.mktemp("export"), train=8, val=24)
-    config = load_config(ROOT / "configs" / "train" / "tiny_synthetic.yaml", [
-        f"data.train={root / 'train.beton'}", f"data.val={root / 'val.beton'}", "train.mode=finetune",
-        "pooling.method=powerbert", "pooling.keep=[12,6,3]"])
-    torch.manual_seed(0)
-    model = build_model(config)
-    directory = root / "ckpt"
-    directory.mkdir()
-    save_checkpoint(directory, {"model": model.state_dict(), "config": config.model_dump(mode="json"),
-                                "arch": arch_signature(model), "keep": [12, 6, 3]}, {})
-    return str(directory)
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("export"), "powerbert", [12, 6, 3], val=24))
 
 
 def eval_config(runtime: str):

@@ -61,6 +61,18 @@ def _dataset(config, model) -> tuple[list[str], bytes]:
     return classes, encode_jpeg(first)
 
 
+def _classifier_parts(checkpoint: str):
+    """What both classifiers of a checkpoint are logged with: (its model, its config, the class names, the signature,
+    the input example)."""
+    from pipeline.serving.model import signature_and_example
+    from pipeline.train.checkpoint import model_from_checkpoint
+
+    model, config, _ = model_from_checkpoint(checkpoint)
+    classes, example = _dataset(config, model)
+    signature, input_example = signature_and_example(example, len(classes))
+    return model, config, classes, signature, input_example
+
+
 def log_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: dict[str, Any]) -> str:
     """Logs the checkpoint's model as an image classifier on ``run_id`` (once; a rerun reuses it).
 
@@ -68,16 +80,11 @@ def log_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: dict[st
     """
     import torch
 
-    from pipeline.serving.model import signature_and_example
-    from pipeline.train.checkpoint import model_from_checkpoint
-
     client = MlflowClient(tracking_uri=tracking_uri)
     logged = client.get_run(run_id).data.tags.get(MODEL_URI_TAG)
     if logged is not None:
         return logged
-    model, config, _ = model_from_checkpoint(checkpoint)
-    classes, example = _dataset(config, model)
-    signature, input_example = signature_and_example(example, len(classes))
+    model, _, classes, signature, input_example = _classifier_parts(checkpoint)
     mlflow.set_tracking_uri(tracking_uri)
     with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=run_id):
         # cloudpickle, as mlflow.pytorch pickles: the pooled blocks hold closures (their built operators).
@@ -98,21 +105,18 @@ def log_onnx_model(tracking_uri: str, run_id: str, checkpoint: str, metadata: di
 
     Returns its model URI (``models:/m-...``)."""
     from pipeline.export import ExportError, check_onnx, export_onnx
-    from pipeline.serving.model import check_eval_transform, eval_pixels, signature_and_example
-    from pipeline.train.checkpoint import model_from_checkpoint
+    from pipeline.serving.model import check_eval_transform, eval_pixels
 
     client = MlflowClient(tracking_uri=tracking_uri)
     logged = client.get_run(run_id).data.tags.get(ONNX_URI_TAG)
     if logged is not None:
         return logged
-    model, config, _ = model_from_checkpoint(checkpoint)
-    classes, example = _dataset(config, model)
+    model, config, classes, signature, input_example = _classifier_parts(checkpoint)
     served = model_config(model, classes)
     try:
         check_eval_transform(served)
     except ValueError as err:
         raise ExportError(f"{checkpoint}: {err}") from None
-    signature, input_example = signature_and_example(example, len(classes))
     images = _check_images(config, served, check_images, eval_pixels)
     with tempfile.TemporaryDirectory() as tmp:
         path = export_onnx(model, Path(tmp) / "model.onnx", label=checkpoint)
